@@ -1,0 +1,41 @@
+# Holdpoint: `make run` starts the product on SQLite; `make test` runs the whole suite
+# (on SQLite, or on the database in DATABASE_URL).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: run test lint fmt bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	scripts/run.sh
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: $(VENV)/.test-installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(VENV)/.test-installed
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) bench/run.py
+
+clean:
+	rm -rf var/*.sqlite3* var/cache var/staticfiles

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class ApprovalsConfig(AppConfig):
+    name = "approvals"
+    verbose_name = "Approvals"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,1 @@
+"""Approval policies and requests arrive with the hold-points issue."""

@@ -1,0 +1,84 @@
+"""Canonical JSON bytes (RFC 8785 style) for hashing.
+
+Hashes must cover exactly the bytes that are stored, and the same value must always give the
+same bytes: keys sorted, no insignificant white space, UTF-8, and no NaN/Infinity (which JSON
+does not define and parsers disagree on). Numbers are limited to what survives a round trip
+through every JSON parser the product meets: integers within ±2**53, finite floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+MAX_SAFE_INT = 2**53 - 1
+
+
+class CanonicalError(ValueError):
+    """The value cannot be canonicalised without ambiguity."""
+
+
+def _check(value: Any, path: str) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INT:
+            raise CanonicalError(f"{path or '$'}: integer outside ±2**53")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CanonicalError(f"{path or '$'}: NaN and Infinity are not JSON")
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise CanonicalError(f"{path or '$'}: NUL characters are not allowed")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CanonicalError(f"{path or '$'}: lone surrogate in string") from None
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CanonicalError(f"{path or '$'}: object keys must be strings")
+            _check(key, path)
+            _check(item, f"{path}.{key}")
+        return
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]")
+        return
+    raise CanonicalError(f"{path or '$'}: {type(value).__name__} is not a JSON value")
+
+
+def _normalise(value: Any) -> Any:
+    """ECMAScript number form: 1.0 and -0.0 are written as 1 and 0, as RFC 8785 does."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_SAFE_INT:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _normalise(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise(item) for item in value]
+    return value
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """The one byte form of a JSON value that hashes and storage agree on."""
+    _check(value, "")
+    return json.dumps(
+        _normalise(value),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest(value: Any) -> str:
+    return sha256_hex(canonical_bytes(value))

@@ -1,0 +1,173 @@
+"""Appending to and verifying the journal.
+
+`append()` is the only writer. It must run inside the transaction of the change it records,
+so the change and its record commit together or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from audit.canonical import canonical_bytes, sha256_hex
+from audit.models import GENESIS, JournalEntry, StreamHead
+
+
+class StreamMoved(Exception):
+    """The stream head the caller expected is no longer the head: retry with a fresh one."""
+
+
+@dataclass(frozen=True)
+class Head:
+    seq: int
+    hash: str
+
+
+def run_stream(run_id: object) -> str:
+    return f"run:{run_id}"
+
+
+def tenant_stream(tenant_id: int) -> str:
+    return f"tenant:{tenant_id}"
+
+
+def entry_hash(
+    prev_hash: str,
+    *,
+    stream: str,
+    seq: int,
+    type: str,
+    actor: str,
+    object_ref: str,
+    payload: Any,
+    created_at: datetime,
+) -> str:
+    """sha256(prev_hash || canonical entry). Every stored field but `id` is covered."""
+    body = canonical_bytes(
+        {
+            "stream": stream,
+            "seq": seq,
+            "type": type,
+            "actor": actor,
+            "object_ref": object_ref,
+            "payload": payload,
+            "created_at": created_at.isoformat(),
+        }
+    )
+    return sha256_hex(prev_hash.encode("ascii") + body)
+
+
+def open_stream(stream: str, tenant_id: int) -> Head:
+    """Create a stream's head if missing (idempotent; safe against a concurrent creator)."""
+    try:
+        with transaction.atomic():
+            head, _ = StreamHead.objects.get_or_create(
+                stream=stream, defaults={"tenant_id": tenant_id}
+            )
+    except IntegrityError:
+        head = StreamHead.objects.get(stream=stream)
+    return Head(head.seq, head.hash)
+
+
+def append(
+    stream: str,
+    type: str,
+    *,
+    tenant_id: int,
+    actor: str,
+    payload: dict[str, Any] | None = None,
+    object_ref: str = "",
+    expected_head: Head | None = None,
+) -> JournalEntry:
+    """Append one entry; returns it. Must be called inside the recorded change's transaction.
+
+    With `expected_head` (a writer that already holds the stream, such as the executor
+    holding a run's lease) the head row is not read first: the conditional update below
+    proves nobody appended meanwhile, else StreamMoved. Without it the head row is locked.
+    """
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("journal.append() must run inside the change's transaction")
+    payload = payload or {}
+    if expected_head is None:
+        open_stream(stream, tenant_id)
+        row = StreamHead.objects.select_for_update().get(stream=stream)
+        expected_head = Head(row.seq, row.hash)
+    seq = expected_head.seq + 1
+    now = timezone.now()
+    new_hash = entry_hash(
+        expected_head.hash,
+        stream=stream,
+        seq=seq,
+        type=type,
+        actor=actor,
+        object_ref=object_ref,
+        payload=payload,
+        created_at=now,
+    )
+    moved = StreamHead.objects.filter(stream=stream, seq=expected_head.seq).update(
+        seq=seq, hash=new_hash
+    )
+    if moved != 1:
+        raise StreamMoved(stream)
+    return JournalEntry.objects.create(
+        stream=stream,
+        seq=seq,
+        tenant_id=tenant_id,
+        type=type,
+        actor=actor,
+        object_ref=object_ref,
+        payload=payload,
+        created_at=now,
+        prev_hash=expected_head.hash,
+        hash=new_hash,
+    )
+
+
+@dataclass(frozen=True)
+class Break:
+    stream: str
+    seq: int
+    problem: str
+
+
+def verify_entries(stream: str, entries: Iterable[JournalEntry]) -> Break | None:
+    """The first broken link of a stream's entries (in seq order), or None if intact."""
+    prev, expected_seq = GENESIS, 1
+    for entry in entries:
+        if entry.seq != expected_seq:
+            return Break(
+                stream, expected_seq, f"missing or reordered entry (found seq {entry.seq})"
+            )
+        if entry.prev_hash != prev:
+            return Break(stream, entry.seq, "prev_hash does not match the previous entry")
+        recomputed = entry_hash(
+            prev,
+            stream=entry.stream,
+            seq=entry.seq,
+            type=entry.type,
+            actor=entry.actor,
+            object_ref=entry.object_ref,
+            payload=entry.payload,
+            created_at=entry.created_at,
+        )
+        if recomputed != entry.hash:
+            return Break(stream, entry.seq, "entry content does not match its hash")
+        prev, expected_seq = entry.hash, expected_seq + 1
+    return None
+
+
+def verify_stream(stream: str) -> Break | None:
+    entries = JournalEntry.objects.filter(stream=stream).order_by("seq").iterator()
+    found = verify_entries(stream, entries)
+    if found is not None:
+        return found
+    head = StreamHead.objects.filter(stream=stream).first()
+    last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
+    if head is not None and (last is None or head.seq != last.seq or head.hash != last.hash):
+        return Break(stream, (last.seq if last else 0) + 1, "entries missing after the last one")
+    return None

@@ -1,0 +1,240 @@
+"""Holdpoint settings, read from the environment (see README, "Configuration")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from config.env import EnvError, env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("HOLDPOINT_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", False)
+TESTING = env_bool("HOLDPOINT_TESTING", False)
+
+_secret = env_str("SECRET_KEY", "")
+if not _secret:
+    if not (DEBUG or TESTING):
+        raise EnvError("SECRET_KEY is required when DEBUG is off")
+    _secret = "insecure-development-key-" + "x" * 40
+SECRET_KEY = _secret
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_filters",
+    "drf_spectacular",
+    "django_htmx",
+    "guardian",
+    "django_q",
+    "audit",
+    "runtime",
+    "approvals",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "runtime.tenancy.CurrentTenantMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "runtime.tenancy.tenant_context",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------
+# SQLite is the embedded default. WAL + synchronous=FULL: with NORMAL a power loss can undo
+# the last commits, and a lost `sent` mark would break "prepared means certainly not sent".
+# IMMEDIATE transactions take the write lock at BEGIN so concurrent writers queue (up to
+# the busy timeout) instead of failing with "database is locked" on lock upgrade.
+_SQLITE_INIT = (
+    "PRAGMA journal_mode=WAL;"
+    "PRAGMA synchronous=FULL;"
+    "PRAGMA foreign_keys=ON;"
+    "PRAGMA busy_timeout=30000;"
+)
+_default_db = f"sqlite:///{VAR_DIR / 'holdpoint.sqlite3'}"
+DATABASE_URL = env_str("DATABASE_URL", _default_db)
+try:
+    _db = dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DB_CONN_MAX_AGE", 600))
+except Exception as exc:  # dj_database_url raises several types for a bad URL
+    raise EnvError(f"DATABASE_URL is not a valid database URL: {exc}") from None
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    _db["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "init_command": _SQLITE_INIT, "timeout": 30}
+    _db["CONN_MAX_AGE"] = 0 if TESTING else _db["CONN_MAX_AGE"]
+    _db["TEST"] = {"NAME": str(VAR_DIR / "test-holdpoint.sqlite3")}
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _db["CONN_HEALTH_CHECKS"] = True
+DATABASES = {"default": _db}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Auth -------------------------------------------------------------------------------
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "guardian.backends.ObjectPermissionBackend",
+]
+ANONYMOUS_USER_NAME = None  # guardian: no anonymous user row, nobody inherits its perms
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "inbox"
+LOGOUT_REDIRECT_URL = "login"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 8 * 3600, minimum=60)
+SESSION_SAVE_EVERY_REQUEST = True  # inactivity timeout rather than a fixed lifetime
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+
+# --- Security headers (production values unless DEBUG) -----------------------------------
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+if not DEBUG:
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # /healthz and /readyz are probed over plain HTTP by load balancers and supervisors.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+
+# --- I18N / static ----------------------------------------------------------------------
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise scans it at start-up
+WHITENOISE_USE_FINDERS = DEBUG or TESTING  # serve from app dirs without collectstatic
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": (
+            "django.contrib.staticfiles.storage.StaticFilesStorage"
+            if DEBUG or TESTING
+            else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        )
+    },
+}
+
+# --- REST framework ---------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Holdpoint API",
+    "VERSION": "1",
+    "OAS_VERSION": "3.0.3",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Worker: django-q2 ------------------------------------------------------------------
+REDIS_URL = env_str("REDIS_URL", "")
+# The queue is a doorbell, never the truth: a lost or duplicated task is harmless because the
+# run row's lease and fence decide who executes. retry > timeout so the ORM broker does not
+# redeliver a task that is still running.
+Q_CLUSTER: dict[str, object] = {
+    "name": "holdpoint",
+    "workers": env_int("HOLDPOINT_WORKERS", 2, minimum=1),
+    "timeout": env_int("HOLDPOINT_TASK_TIMEOUT", 300, minimum=5),
+    "retry": env_int("HOLDPOINT_TASK_TIMEOUT", 300, minimum=5) + 60,
+    "max_attempts": 1,
+    "ack_failures": True,
+    "catch_up": False,
+    "save_limit": 250,
+    "label": "Holdpoint queue",
+    "poll": 0.2,
+}
+# django-q2 publishes each cluster's heartbeat (its Stat, refreshed every guard cycle with a
+# 3 s expiry) to the "q" cache; /readyz reads it there. A per-process memory cache would hide
+# the worker from the web process, so without Redis it is a file cache under var/.
+if REDIS_URL:
+    Q_CLUSTER["redis"] = REDIS_URL
+    _q_cache = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+else:
+    Q_CLUSTER["orm"] = "default"
+    _q_cache = {
+        "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+        "LOCATION": str(VAR_DIR / "cache" / "q"),
+    }
+Q_CLUSTER["cache"] = "q"
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "q": _q_cache,
+}
+
+# --- Holdpoint --------------------------------------------------------------------------
+HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
+HOLDPOINT_DEMO_PASSWORD = env_str("HOLDPOINT_DEMO_PASSWORD", "")
+# A worker cluster is "recently seen" by /readyz if its heartbeat is younger than this.
+HOLDPOINT_READY_CLUSTER_MAX_AGE = env_int("HOLDPOINT_READY_CLUSTER_MAX_AGE", 60, minimum=1)
+HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
+HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
+HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
+HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
+HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
+
+if TESTING:
+    PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "INFO"}},
+}

@@ -1,0 +1,15 @@
+"""Settings for the test suite: the product's settings with testing switches on."""
+
+import os
+
+os.environ.setdefault("HOLDPOINT_TESTING", "1")
+os.environ.setdefault("HOLDPOINT_LEASE_TTL", "5")
+os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
+os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
+os.environ.setdefault(
+    "HOLDPOINT_VAR_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "var", "test"),
+)
+
+from config.settings import *  # noqa: E402,F403

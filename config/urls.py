@@ -1,0 +1,20 @@
+"""URL map: reviewer pages, Django admin, probes, and the agent API under /api/v1/."""
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+from django.views.generic import RedirectView
+
+from approvals import views as approval_views
+from runtime import health, web
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("inbox/", approval_views.inbox, name="inbox"),
+    path("tenant/switch/", web.switch_tenant_view, name="switch-tenant"),
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
+    path("admin/", admin.site.urls),
+]

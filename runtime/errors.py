@@ -1,0 +1,109 @@
+"""One error hierarchy for the domain.
+
+Every refusal has a stable machine `code` (API.md fixes them) and the HTTP status the API
+answers with; the API layer renders them once as problem+json. `transient` tells a worker
+whether trying again later may succeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HoldpointError(Exception):
+    code = "error"
+    status = 400
+    title = "Request refused"
+    transient = False
+
+    def __init__(self, detail: str = "", **extra: Any) -> None:
+        super().__init__(detail or self.title)
+        self.detail = detail or self.title
+        self.extra = extra
+
+
+class NotFound(HoldpointError):
+    code = "not_found"
+    status = 404
+    title = "Not found"
+
+
+class NotPermitted(HoldpointError):
+    code = "not_permitted"
+    status = 403
+    title = "Not permitted"
+
+
+class Conflict(HoldpointError):
+    status = 409
+    title = "Conflict"
+
+
+class StaleFence(Conflict):
+    """The caller's lease was taken over: it must stop executing at once."""
+
+    code = "stale_fence"
+    title = "Stale fencing token"
+
+
+class LeaseHeld(Conflict):
+    code = "lease_held"
+    title = "Lease held by another executor"
+
+
+class VersionConflict(Conflict):
+    code = "version_conflict"
+    title = "The object moved since the caller last saw it"
+
+
+class RunFinished(Conflict):
+    code = "run_finished"
+    title = "The run has finished"
+
+
+class AlreadyCompleted(Conflict):
+    code = "already_completed"
+    title = "The run is already completed"
+
+
+class NotWaitingInput(Conflict):
+    code = "not_waiting_input"
+    title = "The run is not waiting for input"
+
+
+class InvalidTransition(Conflict):
+    code = "invalid_transition"
+    title = "Transition not allowed from the current status"
+
+
+class StaleGoalRev(Conflict):
+    code = "stale_goal_rev"
+    title = "Prepared under an older goal revision"
+
+
+class UnknownGraph(HoldpointError):
+    code = "unknown_graph"
+    status = 422
+    title = "Unknown graph"
+
+
+class InvalidParams(HoldpointError):
+    code = "invalid_params"
+    status = 422
+    title = "Invalid parameters"
+
+
+class IncompatibleVersion(HoldpointError):
+    """A run's pinned graph version is gone and no migration leads to a registered one."""
+
+    code = "incompatible_version"
+    status = 409
+    title = "Incompatible graph version"
+
+
+class StepFailed(HoldpointError):
+    """A step raised; the run retries with backoff until its failure threshold."""
+
+    code = "step_failed"
+    status = 500
+    transient = True

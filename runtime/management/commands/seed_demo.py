@@ -1,0 +1,115 @@
+"""Create the demo tenants and accounts (idempotent).
+
+Running it twice changes nothing and prints no passwords the second time unless
+HOLDPOINT_DEMO_PASSWORD is set: generated passwords are shown once, when the user is created.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group, Permission
+from django.core.management.base import BaseCommand
+from django.db import transaction
+
+from runtime.models import Membership, Role, Tenant
+
+User = get_user_model()
+
+TENANTS = [("demo", "Demo Co"), ("other", "Other Inc")]
+# username, tenant, role
+ACCOUNTS = [
+    ("demo-admin", "demo", Role.ADMIN),
+    ("demo-reviewer", "demo", Role.REVIEWER),
+    ("demo-viewer", "demo", Role.VIEWER),
+    ("demo-agent", "demo", Role.AGENT),
+    ("other-reviewer", "other", Role.REVIEWER),
+    ("other-agent", "other", Role.AGENT),
+]
+TENANT_ADMIN_GROUP = "tenant-admins"
+# What a tenant admin needs in Django admin; the admin classes narrow each to own tenants.
+TENANT_ADMIN_PERMS = [
+    ("runtime", "view_tenant"),
+    ("runtime", "change_tenant"),
+    ("runtime", "view_membership"),
+    ("runtime", "add_membership"),
+    ("runtime", "change_membership"),
+    ("runtime", "delete_membership"),
+    ("runtime", "view_agentaccount"),
+    ("runtime", "add_agentaccount"),
+    ("runtime", "change_agentaccount"),
+    ("authtoken", "view_tokenproxy"),
+    ("authtoken", "add_tokenproxy"),
+    ("authtoken", "delete_tokenproxy"),
+]
+
+
+def reviewer_group_name(tenant: Tenant) -> str:
+    return f"{tenant.slug}-reviewers"
+
+
+class Command(BaseCommand):
+    help = "Create the demo tenants, users and agent accounts (safe to run again)."
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        created = self.seed()
+        fixed = settings.HOLDPOINT_DEMO_PASSWORD
+        if created:
+            lines = [
+                f"  {username:16} {role:9} password: "
+                + (password if not fixed or role == Role.AGENT else "(HOLDPOINT_DEMO_PASSWORD)")
+                for username, role, password in created
+            ]
+            self.stdout.write("Demo accounts created:\n" + "\n".join(lines))
+            if not fixed:
+                # Shown once on screen; also kept owner-readable under var/ so a missed
+                # terminal line does not lock the newcomer out of their own demo.
+                path = Path(settings.VAR_DIR) / "demo-passwords.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("\n".join(lines) + "\n")
+                path.chmod(0o600)
+                self.stdout.write(f"(also written to {path})")
+        else:
+            self.stdout.write("Demo data already present; nothing changed.")
+
+    @transaction.atomic
+    def seed(self) -> list[tuple[str, str, str]]:
+        tenants = {
+            slug: Tenant.objects.get_or_create(slug=slug, defaults={"name": name})[0]
+            for slug, name in TENANTS
+        }
+        admins = self._tenant_admin_group()
+        created: list[tuple[str, str, str]] = []
+        for username, slug, role in ACCOUNTS:
+            tenant = tenants[slug]
+            user, is_new = User.objects.get_or_create(username=username)
+            if is_new:
+                password = settings.HOLDPOINT_DEMO_PASSWORD or secrets.token_urlsafe(12)
+                if role == Role.AGENT:
+                    user.set_unusable_password()
+                    password = "(token only: manage.py drf_create_token " + username + ")"
+                else:
+                    user.set_password(password)
+                user.is_staff = role == Role.ADMIN
+                user.save()
+                created.append((username, role, password))
+            Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": role})
+            if role == Role.ADMIN:
+                user.groups.add(admins)
+            if role == Role.REVIEWER:
+                group, _ = Group.objects.get_or_create(name=reviewer_group_name(tenant))
+                user.groups.add(group)
+        return created
+
+    def _tenant_admin_group(self) -> Group:
+        group, _ = Group.objects.get_or_create(name=TENANT_ADMIN_GROUP)
+        perms = [
+            Permission.objects.get(content_type__app_label=app, codename=codename)
+            for app, codename in TENANT_ADMIN_PERMS
+        ]
+        group.permissions.add(*perms)
+        return group

@@ -1,0 +1,113 @@
+"""Who is asking, in which tenant, and the one place tenant scoping happens.
+
+Every query of tenant data goes through a `*_for(principal)` helper here (or in the module of
+the concept, built on `scope()`), so isolation is enforced in one place: another tenant's
+object is simply not in the queryset, hence 404 — never 403, which would confirm it exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.core.exceptions import ValidationError
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse
+
+from runtime.errors import NotFound
+from runtime.models import Membership, Role, Tenant
+
+M = TypeVar("M", bound=Model)
+SESSION_KEY = "holdpoint_tenant_id"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A user or agent account acting in one tenant with one role."""
+
+    user: AbstractBaseUser
+    tenant: Tenant
+    role: str
+
+    @property
+    def is_agent(self) -> bool:
+        return self.role == Role.AGENT
+
+    @property
+    def label(self) -> str:
+        kind = "agent" if self.is_agent else "user"
+        return f"{kind}:{self.user.get_username()}"
+
+
+def memberships_of(user: AbstractBaseUser | AnonymousUser) -> QuerySet[Membership]:
+    """Active-tenant memberships of a user; inactive tenants are invisible to everyone."""
+    if not user.is_authenticated or not user.is_active:
+        return Membership.objects.none()
+    return Membership.objects.filter(user=user, tenant__active=True).select_related("tenant")
+
+
+def tenants_for(user: AbstractBaseUser | AnonymousUser) -> QuerySet[Tenant]:
+    return Tenant.objects.filter(active=True, memberships__user=user).distinct()
+
+
+def principal_for(
+    user: AbstractBaseUser | AnonymousUser, tenant_id: int | None = None
+) -> Principal | None:
+    """The principal a user acts as: the chosen tenant if a member, else the first one."""
+    memberships = list(memberships_of(user))
+    if not memberships:
+        return None
+    chosen = next((m for m in memberships if m.tenant_id == tenant_id), memberships[0])
+    return Principal(user=chosen.user, tenant=chosen.tenant, role=chosen.role)
+
+
+def scope(queryset: QuerySet[M], principal: Principal) -> QuerySet[M]:
+    """Restrict a queryset of a tenant-owned model to the principal's tenant."""
+    return queryset.filter(tenant=principal.tenant)
+
+
+def get_scoped(queryset: QuerySet[M], principal: Principal, **lookup: Any) -> M:
+    """One object of the principal's tenant, or NotFound (also for other tenants' objects)."""
+    try:
+        return scope(queryset, principal).get(**lookup)
+    except (queryset.model.DoesNotExist, ValueError, TypeError, ValidationError):
+        # A malformed id is answered like a missing one: no oracle for what ids look like.
+        raise NotFound() from None
+
+
+def memberships_for(principal: Principal) -> QuerySet[Membership]:
+    return scope(Membership.objects.select_related("user", "tenant"), principal)
+
+
+def switch_tenant(request: HttpRequest, tenant_id: int) -> Principal:
+    """Make another of the user's tenants the current one; NotFound if not a member."""
+    principal = principal_for(request.user, tenant_id)
+    if principal is None or principal.tenant.pk != tenant_id:
+        raise NotFound()
+    request.session[SESSION_KEY] = tenant_id
+    return principal
+
+
+class CurrentTenantMiddleware:
+    """Attaches `request.principal` for session users (API auth resolves its own)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        request.principal = principal_for(  # type: ignore[attr-defined]
+            request.user, request.session.get(SESSION_KEY)
+        )
+        return self.get_response(request)
+
+
+def tenant_context(request: HttpRequest) -> dict[str, Any]:
+    principal = getattr(request, "principal", None)
+    if principal is None:
+        return {"principal": None, "tenant_choices": []}
+    return {
+        "principal": principal,
+        "tenant_choices": [m.tenant for m in memberships_of(request.user)],
+    }

@@ -1,0 +1,61 @@
+"""/readyz answers "can do useful work": database, migrations, a live worker cluster."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from django.test import Client
+
+from tests import procs
+
+
+@pytest.mark.django_db
+def test_readyz_unavailable_without_a_worker(client: Client) -> None:
+    response = client.get("/readyz")
+    body = response.json()
+    assert response.status_code == 503
+    assert body["checks"]["database"]["ok"] is True
+    assert body["checks"]["migrations"] == {"ok": True, "pending": []}
+    assert body["checks"]["worker"]["ok"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> None:
+    worker = procs.start(["qcluster"], procs.child_env())
+    try:
+        ready = procs.wait_for(
+            lambda: (r := client.get("/readyz")).status_code == 200 and r.json(), timeout=60
+        )
+        assert ready["checks"]["worker"]["clusters"]
+    finally:
+        procs.kill(worker)
+    procs.wait_for(lambda: client.get("/readyz").status_code == 503, timeout=30)
+
+
+@pytest.mark.slow
+def test_readyz_fails_when_the_database_is_unreachable() -> None:
+    port = procs.free_port()
+    closed = procs.free_port()  # nothing listens there
+    env = procs.child_env(DATABASE_URL=f"postgres://nobody@127.0.0.1:{closed}/nowhere")
+    # gunicorn, as in production: runserver itself refuses to start without a database.
+    server = procs.start(["config.wsgi", "-b", f"127.0.0.1:{port}"], env, program="gunicorn")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        procs.wait_for(lambda: _get(base + "/healthz"), timeout=60)
+        alive = httpx.get(base + "/healthz")
+        assert alive.status_code == 200
+        ready = httpx.get(base + "/readyz", timeout=30)
+        assert ready.status_code == 503
+        checks = ready.json()["checks"]
+        assert checks["database"]["ok"] is False
+        assert "OperationalError" in checks["database"]["detail"]
+    finally:
+        procs.kill(server)
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None

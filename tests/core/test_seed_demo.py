@@ -1,0 +1,76 @@
+"""`seed_demo` creates the demo world once and is safe to run again."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from rest_framework.authtoken.models import Token
+
+from runtime.models import Membership, Role, Tenant
+
+User = get_user_model()
+
+
+def _seed() -> str:
+    out = StringIO()
+    call_command("seed_demo", stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.django_db
+def test_seed_demo_is_idempotent(settings: object) -> None:
+    first = _seed()
+    assert "demo-reviewer" in first
+    counts = (User.objects.count(), Membership.objects.count(), Tenant.objects.count())
+    hash_before = User.objects.get(username="demo-reviewer").password
+
+    second = _seed()
+    assert "nothing changed" in second
+    assert (User.objects.count(), Membership.objects.count(), Tenant.objects.count()) == counts
+    assert User.objects.get(username="demo-reviewer").password == hash_before
+
+
+@pytest.mark.django_db
+def test_seed_demo_roles_and_logins(settings: object, client: object) -> None:
+    settings.HOLDPOINT_DEMO_PASSWORD = "demo-pass-123"  # type: ignore[attr-defined]
+    _seed()
+    roles = {m.user.username: (m.tenant.slug, m.role) for m in Membership.objects.all()}
+    assert roles == {
+        "demo-admin": ("demo", Role.ADMIN),
+        "demo-reviewer": ("demo", Role.REVIEWER),
+        "demo-viewer": ("demo", Role.VIEWER),
+        "demo-agent": ("demo", Role.AGENT),
+        "other-reviewer": ("other", Role.REVIEWER),
+        "other-agent": ("other", Role.AGENT),
+    }
+    assert client.login(username="demo-reviewer", password="demo-pass-123")  # type: ignore[attr-defined]
+    assert User.objects.get(username="demo-admin").is_staff
+    assert not User.objects.get(username="demo-admin").is_superuser
+    assert not User.objects.get(username="demo-agent").has_usable_password()
+    reviewer = User.objects.get(username="demo-reviewer")
+    assert reviewer.groups.filter(name="demo-reviewers").exists()
+    assert (
+        not User.objects.get(username="demo-viewer").groups.filter(name="demo-reviewers").exists()
+    )
+
+
+@pytest.mark.django_db
+def test_drf_create_token_works_for_demo_agents() -> None:
+    _seed()
+    out = StringIO()
+    call_command("drf_create_token", "demo-agent", stdout=out)
+    key = Token.objects.get(user__username="demo-agent").key
+    assert key in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_demo_admin_is_limited_to_demo(client: object) -> None:
+    _seed()
+    admin = User.objects.get(username="demo-admin")
+    client.force_login(admin)  # type: ignore[attr-defined]
+    page = client.get("/admin/runtime/membership/")  # type: ignore[attr-defined]
+    assert page.status_code == 200
+    assert b"demo-reviewer" in page.content and b"other-reviewer" not in page.content

@@ -1,0 +1,91 @@
+"""Real processes for the slow layer: start in their own session, poll with a bound, kill.
+
+Each child gets its own process group (start_new_session) so killing it — SIGKILL to the
+whole group, as a machine crash would — cannot take pytest down with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_database_url() -> str:
+    """A DATABASE_URL naming the database pytest-django created, for child processes."""
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOLDPOINT_FAULTS")}
+    env.update(
+        DJANGO_SETTINGS_MODULE="config.settings_test",
+        DATABASE_URL=test_database_url(),
+        HOLDPOINT_VAR_DIR=str(settings.VAR_DIR),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def start(
+    args: list[str], env: dict[str, str], log: Path | None = None, *, program: str = "manage.py"
+) -> subprocess.Popen[bytes]:
+    """Start `python manage.py ARGS` (or `python -m PROGRAM ARGS`) in its own session."""
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed by the child)
+    command = [program] if program == "manage.py" else ["-m", program]
+    return subprocess.Popen(
+        [sys.executable, *command, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Signal the whole process group (a qcluster's children too) and reap the leader."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def wait_for(check: Callable[[], T | None], timeout: float = 30.0, every: float = 0.1) -> T:
+    """Poll `check` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(every)
