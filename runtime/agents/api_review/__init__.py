@@ -1,0 +1,1 @@
+"""The api-review agent: compares two OpenAPI documents for client-breaking changes."""
