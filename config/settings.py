@@ -188,7 +188,9 @@ REDIS_URL = env_str("REDIS_URL", "")
 # redeliver a task that is still running.
 Q_CLUSTER: dict[str, object] = {
     "name": "holdpoint",
-    "workers": env_int("HOLDPOINT_WORKERS", 2, minimum=1),
+    # One worker of each cluster spends most of each minute in the sweeper when it holds
+    # the schedule; the others advance runs.
+    "workers": env_int("HOLDPOINT_WORKERS", 3, minimum=2),
     "timeout": env_int("HOLDPOINT_TASK_TIMEOUT", 300, minimum=5),
     "retry": env_int("HOLDPOINT_TASK_TIMEOUT", 300, minimum=5) + 60,
     "max_attempts": 1,
@@ -225,6 +227,9 @@ HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
+# The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.
+HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
+HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 55, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
 
 if TESTING:

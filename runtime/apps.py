@@ -7,4 +7,9 @@ class RuntimeConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.conf import settings
+
         from runtime import checks  # noqa: F401  (registers system checks)
+        from runtime.graphs import load_graph_modules
+
+        load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)

@@ -107,3 +107,8 @@ class StepFailed(HoldpointError):
     code = "step_failed"
     status = 500
     transient = True
+
+
+class ActionCancelled(Conflict):
+    code = "action_cancelled"
+    title = "The action was cancelled"

@@ -111,3 +111,29 @@ def tenant_context(request: HttpRequest) -> dict[str, Any]:
         "principal": principal,
         "tenant_choices": [m.tenant for m in memberships_of(request.user)],
     }
+
+
+def runs_for(principal: Principal) -> QuerySet[Any]:
+    """The principal's tenant's runs — every run query of a page or API goes through here."""
+    from runtime.models import Run
+
+    return scope(Run.objects.all(), principal)
+
+
+def checkpoints_for(principal: Principal) -> QuerySet[Any]:
+    from runtime.models import Checkpoint
+
+    return scope(Checkpoint.objects.all(), principal)
+
+
+def actions_for(principal: Principal) -> QuerySet[Any]:
+    from runtime.models import Action
+
+    return scope(Action.objects.all(), principal)
+
+
+def journal_for(principal: Principal) -> QuerySet[Any]:
+    """Journal entries of the principal's tenant (the audit app knows tenants by id only)."""
+    from audit.models import JournalEntry
+
+    return JournalEntry.objects.filter(tenant_id=principal.tenant.pk)

@@ -1,5 +1,30 @@
 """Runtime models, one module per concept."""
 
+from runtime.models.actions import UNSENT, Action, ActionStatus
+from runtime.models.runs import (
+    RUNNABLE,
+    TERMINAL,
+    Artifact,
+    Checkpoint,
+    RecordedCall,
+    Run,
+    RunStatus,
+)
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
 
-__all__ = ["AgentAccount", "Membership", "Role", "Tenant"]
+__all__ = [
+    "UNSENT",
+    "Action",
+    "ActionStatus",
+    "RUNNABLE",
+    "TERMINAL",
+    "AgentAccount",
+    "Artifact",
+    "Checkpoint",
+    "Membership",
+    "RecordedCall",
+    "Role",
+    "Run",
+    "RunStatus",
+    "Tenant",
+]

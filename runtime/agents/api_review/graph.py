@@ -1,0 +1,109 @@
+"""The api-review agent: which changes between two API versions break clients?
+
+Goal: {"old_spec": "shop-v1", "new_spec": "shop-v2", "scope": ["/orders", "/users"],
+"create_review_task": true}. Reads both documents (recorded: never read twice for a run),
+analyses each scope prefix separately (recorded per prefix: the evidence a goal revision can
+keep), writes `report.risks`, and, if asked, proposes a review task in the tracker — a side
+effect that waits at a hold point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.agents.api_review.diff import find_risks, load_spec
+from runtime.context import StepContext
+from runtime.graphs import Complete, Graph, Next, Outcome, Wait, register
+
+DEFAULT_GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+
+graph = Graph(
+    "api-review",
+    version="1",
+    tools=("tasks.create",),
+    description="Finds backward-compatibility risks between two OpenAPI documents.",
+    default_goal=DEFAULT_GOAL,
+)
+
+
+def _specs(goal: dict[str, Any]) -> tuple[str, str]:
+    return str(goal["old_spec"]), str(goal["new_spec"])
+
+
+@graph.step(start=True)
+def read_specs(ctx: StepContext) -> Outcome:
+    old_name, new_name = _specs(ctx.goal)
+    for name in (old_name, new_name):
+        ctx.record(f"spec:{name}", lambda name=name: load_spec(name))
+    return Next("analyse", update={"specs": [old_name, new_name]})
+
+
+@graph.step
+def analyse(ctx: StepContext) -> Outcome:
+    """Evidence per scope prefix; prefixes analysed before (same specs) are reused as is."""
+    old_name, new_name = _specs(ctx.goal)
+    old = ctx.record(f"spec:{old_name}", lambda: load_spec(old_name))
+    new = ctx.record(f"spec:{new_name}", lambda: load_spec(new_name))
+    evidence = dict(ctx.state.get("evidence", {}))
+    for prefix in ctx.goal["scope"]:
+        key = f"{old_name}..{new_name}:{prefix}"
+        if key not in evidence:
+            evidence[key] = ctx.record(f"analysis:{key}", lambda p=prefix: find_risks(old, new, [p]))
+    return Next("report", update={"evidence": evidence})
+
+
+@graph.step
+def report(ctx: StepContext) -> Outcome:
+    old_name, new_name = _specs(ctx.goal)
+    risks = [
+        risk
+        for prefix in ctx.goal["scope"]
+        for risk in ctx.state["evidence"][f"{old_name}..{new_name}:{prefix}"]
+    ]
+    summary = {"old_spec": old_name, "new_spec": new_name, "scope": list(ctx.goal["scope"]),
+               "risks": risks}
+    if ctx.goal.get("create_review_task") and risks:
+        return Next("propose_task", update={"report": summary})
+    return Complete(update={"report": summary})
+
+
+@graph.step
+def propose_task(ctx: StepContext) -> Outcome:
+    report_ = ctx.state["report"]
+    lines = [f"- {r['method']} {r['path']}: {r['kind']} — {r['detail']}" for r in report_["risks"]]
+    ctx.propose(
+        "tasks.create",
+        {"title": f"Review {len(lines)} API compatibility risk(s): "
+                  f"{report_['old_spec']} → {report_['new_spec']}",
+         "body": "\n".join(lines)},
+        reason="The new API version breaks existing clients in these places.",
+        target=f"{report_['new_spec']}",
+    )
+    return Wait("approval", then="finish", prompt="Approve creating the review task",
+                detail={"tool": "tasks.create"})
+
+
+@graph.step
+def finish(ctx: StepContext) -> Outcome:
+    return Complete()
+
+
+@graph.on_revision
+def keep_valid_evidence(
+    old_state: dict[str, Any], old_goal: Any, new_goal: Any
+) -> tuple[dict[str, Any], str]:
+    """Evidence for prefixes still in scope (same specs) stays; the report and the rest go."""
+    old_name, new_name = _specs(new_goal)
+    wanted = {f"{old_name}..{new_name}:{prefix}" for prefix in new_goal["scope"]}
+    kept = {k: v for k, v in old_state.get("evidence", {}).items() if k in wanted}
+    return {"evidence": kept, "dropped": sorted(set(old_state.get("evidence", {})) - wanted)}, (
+        "read_specs"
+    )
+
+
+register(graph)

@@ -1,0 +1,107 @@
+"""Storing state so that bytes grow with what changed, not with the whole state per step.
+
+A value whose canonical JSON is above `INLINE_LIMIT` bytes is stored once, content-addressed,
+and referenced by digest. Lists are cut into fixed chunks of `CHUNK` items, each encoded on
+its own: a list that grows by one item per step rewrites only its last chunk, so n steps of a
+growing state cost O(n) bytes, not O(n²). Identical values — unchanged keys, earlier chunks —
+hash to the same artifact and are never stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from audit.canonical import canonical_bytes, sha256_hex
+
+INLINE_LIMIT = 512
+CHUNK = 32
+REF = "$ref"
+CHUNKS = "$chunks"
+
+
+@dataclass
+class Encoder:
+    """Collects the artifacts a state needs; `new` are those not yet known to be stored."""
+
+    known: set[str] = field(default_factory=set)
+    new: dict[str, str] = field(default_factory=dict)
+
+    def encode(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            if REF in value or CHUNKS in value:  # a user value that looks like ours: box it
+                return self._store({"$literal": {k: self.encode(v) for k, v in value.items()}})
+            encoded: Any = {k: self.encode(v) for k, v in value.items()}
+        elif isinstance(value, list) and len(value) > CHUNK:
+            chunks = [self._store(self._list(value[i : i + CHUNK])) for i in range(0, len(value), CHUNK)]
+            return {CHUNKS: chunks, "n": len(value)}
+        elif isinstance(value, list):
+            encoded = self._list(value)
+        else:
+            encoded = value
+        return self._store(encoded) if len(canonical_bytes(encoded)) > INLINE_LIMIT else encoded
+
+    def _list(self, items: list[Any]) -> list[Any]:
+        return [self.encode(item) for item in items]
+
+    def _store(self, encoded: Any) -> dict[str, str]:
+        text = canonical_bytes(encoded).decode("utf-8")
+        digest = sha256_hex(text.encode("utf-8"))
+        if digest not in self.known:
+            self.new[digest] = text
+        return {REF: digest}
+
+    def committed(self) -> None:
+        """The new artifacts were stored: remember them so later steps skip them."""
+        self.known.update(self.new)
+        self.new = {}
+
+
+def collect_refs(value: Any, into: set[str]) -> set[str]:
+    if isinstance(value, dict):
+        if REF in value and len(value) == 1:
+            into.add(value[REF])
+        else:
+            for item in value.values():
+                collect_refs(item, into)
+    elif isinstance(value, list):
+        for item in value:
+            collect_refs(item, into)
+    return into
+
+
+def decode(value: Any, load: dict[str, Any]) -> Any:
+    """Rebuild a value from its encoding; `load` maps digest -> parsed artifact JSON."""
+    if isinstance(value, dict):
+        if REF in value and len(value) == 1:
+            return decode(load[value[REF]], load)
+        if CHUNKS in value:
+            out: list[Any] = []
+            for chunk in value[CHUNKS]:
+                out.extend(decode(chunk, load))
+            return out
+        if "$literal" in value and len(value) == 1:
+            return {k: decode(v, load) for k, v in value["$literal"].items()}
+        return {k: decode(v, load) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(item, load) for item in value]
+    return value
+
+
+def resolve(tenant_id: int, encoded: Any, cache: dict[str, Any] | None = None) -> Any:
+    """Decode a stored value, fetching its artifacts (and theirs) in batched rounds."""
+    import json
+
+    from runtime.models import Artifact
+
+    cache = {} if cache is None else cache
+    wanted = collect_refs(encoded, set()) - cache.keys()
+    while wanted:
+        rows = Artifact.objects.filter(tenant_id=tenant_id, digest__in=wanted)
+        fetched = {row.digest: json.loads(row.content) for row in rows}
+        missing = wanted - fetched.keys()
+        if missing:
+            raise LookupError(f"artifacts missing: {sorted(missing)[:3]}")
+        cache.update(fetched)
+        wanted = set().union(*(collect_refs(v, set()) for v in fetched.values())) - cache.keys()
+    return decode(encoded, cache)

@@ -1,0 +1,101 @@
+"""What a step sees: state, goal, input — and the calls that must not be paid twice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, transaction
+from django.db.models.functions import Now
+
+from audit.canonical import CanonicalError, canonical_bytes
+from runtime.errors import InvalidParams
+from runtime.events import RunEvent, record
+from runtime.faults import fault
+from runtime.models import RecordedCall, Run
+
+if TYPE_CHECKING:
+    from runtime.leases import Lease
+
+
+@dataclass
+class StepContext:
+    run_id: Any
+    tenant_id: int
+    step: str
+    state: dict[str, Any]
+    goal: Any
+    goal_rev: int
+    checkpoint_rev: int
+    lease: Lease
+    input: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    now: datetime | None = None
+    recorded: dict[str, Any] = field(default_factory=dict)
+    # Counters a test or a bench can read: calls really made vs answered from the record.
+    calls_made: int = 0
+    calls_reused: int = 0
+    proposals: list[dict[str, Any]] = field(default_factory=list)
+    _index: int = 0
+
+    def record(self, key: str | None, call: Callable[[], Any]) -> Any:
+        """Return the recorded result for `key`, or make the call once and record it.
+
+        Use a key that names the evidence ("spec:shop-v1") to reuse it across goal
+        revisions; with None the key is this step's position, reused only on re-execution.
+        """
+        self._index += 1
+        key = key or f"{self.step}@{self.checkpoint_rev}#{self._index}"
+        if key in self.recorded:
+            self.calls_reused += 1
+            return self.recorded[key]
+        result = call()
+        try:
+            canonical_bytes(result)
+        except CanonicalError as exc:
+            raise InvalidParams(f"recorded result of {key!r} is not storable JSON: {exc}") from None
+        stored = self._store(key, result)
+        self.calls_made += 1
+        self.recorded[key] = stored
+        fault("after_record")
+        return stored
+
+    def model(self, name: str, call: Callable[[], Any], *, key: str | None = None) -> Any:
+        """A paid model call: recorded like any other call, under `model:<name>`."""
+        return self.record(key or f"model:{name}@{self.step}@{self.checkpoint_rev}", call)
+
+    def propose(self, tool: str, params: dict[str, Any], *, reason: str = "",
+                target: str = "") -> None:
+        """Propose a side effect; it is prepared in the ledger with this step's commit."""
+        self.proposals.append(
+            {"tool": tool, "params": params, "reason": reason, "target": target,
+             "call_index": len(self.proposals) + 1}
+        )
+
+    def _store(self, key: str, result: Any) -> Any:
+        """Commit the result now, fenced: a stale executor's result is not recorded."""
+        from runtime.leases import refuse_stale
+
+        try:
+            with transaction.atomic(durable=True):
+                mine = Run.objects.filter(pk=self.run_id, fence=self.lease.fence)
+                if mine.update(updated_at=Now()) != 1:
+                    raise _Stale()
+                RecordedCall.objects.create(
+                    run_id=self.run_id, tenant_id=self.tenant_id, key=key,
+                    goal_rev=self.goal_rev, result=result, fence=self.lease.fence,
+                )
+                run = Run(run_id=self.run_id, tenant_id=self.tenant_id)
+                record(run, RunEvent.CALL_RECORDED, self.lease.actor, key=key)
+        except _Stale:
+            refuse_stale(self.lease, f"record {key}")
+        except IntegrityError:
+            # Recorded meanwhile (same key): the first result stands, for everyone.
+            return RecordedCall.objects.get(run_id=self.run_id, key=key).result
+        return result
+
+
+class _Stale(Exception):
+    pass

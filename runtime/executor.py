@@ -1,0 +1,433 @@
+"""The executor: advance one run under a lease until it waits, ends, fails or its slice ends.
+
+Recovery, step by step (DESIGN.md): take the lease (fence += 1), check the graph version
+(migrate or escalate), reconcile the ledger, then continue from the last committed step.
+Every write is conditional on the fence; a refused write stops the executor at once.
+One step's commit is one short transaction: run row CAS + artifacts + checkpoint + journal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Now
+
+from audit import journal
+from audit.canonical import digest
+from audit.models import JournalEntry
+from runtime import ledger
+from runtime.artifacts import Encoder, resolve
+from runtime.context import StepContext
+from runtime.errors import (
+    AlreadyCompleted,
+    HoldpointError,
+    LeaseHeld,
+    NotFound,
+    RunFinished,
+    StaleFence,
+)
+from runtime.events import RunEvent, record
+from runtime.faults import fault
+from runtime.graphs import Complete, Fail, Graph, Next, Outcome, Wait, registry
+from runtime.leases import Lease, db_now_plus, refuse_stale, release, take_lease
+from runtime.models import Artifact, Checkpoint, RecordedCall, Run, RunStatus
+
+log = logging.getLogger("holdpoint.executor")
+
+
+class StepTimeout(Exception):
+    """A step ran longer than its graph allows."""
+
+
+@dataclass(frozen=True)
+class AdvanceResult:
+    outcome: str  # completed | waiting | failed | retrying | needs_attention | yielded | skipped | stale | stopped
+    steps: int = 0
+    detail: str = ""
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def advance_run(
+    run_id: Any, owner: str | None = None, *, ttl: float | None = None,
+    slice_seconds: float | None = None,
+) -> AdvanceResult:
+    """Take the run's lease and execute steps; harmless to call for a run that is not due."""
+    owner = owner or worker_id()
+    ttl = float(ttl or settings.HOLDPOINT_LEASE_TTL)
+    try:
+        lease = take_lease(run_id, owner, ttl)
+    except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
+        return AdvanceResult("skipped", detail=exc.code)
+    executor = Executor(lease)
+    try:
+        return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
+    except StaleFence as exc:
+        log.warning("run %s: executor %s stopped: %s", run_id, lease.actor, exc)
+        return AdvanceResult("stale", executor.steps, str(exc))
+
+
+def backoff_seconds(graph: Graph, failures: int) -> float:
+    """Exponential backoff with "equal jitter": half fixed, half random."""
+    ceiling = min(graph.retry_max, graph.retry_base * 2 ** (failures - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def call_with_timeout(seconds: float, fn: Callable[[StepContext], Outcome], ctx: StepContext) -> Outcome:
+    """Run a step with a wall-clock limit (SIGALRM; only possible on the main thread)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        return fn(ctx)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise StepTimeout(f"step {ctx.step} exceeded {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn(ctx)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Executor:
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.steps = 0
+        self.run = Run.objects.get(pk=lease.run_id)
+        self.encoder = Encoder()
+        self.state: dict[str, Any] = {}
+        self.state_goal_rev = self.run.goal_rev
+        self.recorded: dict[str, Any] = {}
+        self.head: journal.Head | None = None
+        self.calls_made = 0
+        self.calls_reused = 0
+
+    # --- the loop ------------------------------------------------------------------------
+    def execute(self, slice_seconds: float) -> AdvanceResult:
+        graph = self.ensure_compatible()
+        if graph is None:
+            return AdvanceResult("needs_attention", detail=self.run.attention_reason)
+        self.reconcile()
+        self.load()
+        deadline = time.monotonic() + slice_seconds
+        while True:
+            if self.state_goal_rev != self.run.goal_rev:
+                if not self.apply_revision(graph):
+                    return self.stopped()
+                continue
+            step = graph.steps.get(self.run.next_step)
+            if step is None:
+                self.escalate(f"graph {graph.name}@{graph.version} has no step "
+                              f"{self.run.next_step!r}")
+                return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
+            ctx = self.context(self.run.next_step)
+            try:
+                outcome = call_with_timeout(graph.step_timeout, step, ctx)
+                if not isinstance(outcome, Next | Wait | Complete | Fail):
+                    raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
+            except StaleFence:
+                raise
+            except Exception as exc:  # a step's failure is data: retry, then escalate
+                self.absorb(ctx)
+                return self.fail(graph, ctx.step, exc)
+            self.absorb(ctx)
+            if not self.commit_outcome(ctx, outcome):
+                if self.run.status != RunStatus.RUNNING:
+                    return self.stopped()
+                continue  # the goal moved under the step: apply the revision, go again
+            self.steps += 1
+            fault("after_checkpoint")
+            if self.run.status != RunStatus.RUNNING:
+                return AdvanceResult(_OUTCOME[self.run.status], self.steps)
+            if time.monotonic() > deadline:
+                release(self.lease, requeue=True)
+                return AdvanceResult("yielded", self.steps)
+
+    def stopped(self) -> AdvanceResult:
+        return AdvanceResult("stopped", self.steps, f"run is {self.run.status}")
+
+    def context(self, step: str) -> StepContext:
+        return StepContext(
+            run_id=self.run.run_id, tenant_id=self.run.tenant_id, step=step,
+            state=dict(self.state), goal=self.run.goal, goal_rev=self.run.goal_rev,
+            checkpoint_rev=self.run.checkpoint_rev, lease=self.lease,
+            input=self.run.pending_input, metadata=self.run.metadata, recorded=self.recorded,
+        )
+
+    def absorb(self, ctx: StepContext) -> None:
+        self.calls_made += ctx.calls_made
+        self.calls_reused += ctx.calls_reused
+        if ctx.calls_made:
+            self.head = None  # recording appended to the stream: re-read the head
+
+    # --- loading -------------------------------------------------------------------------
+    def load(self) -> None:
+        self.recorded = dict(
+            RecordedCall.objects.filter(run_id=self.run.run_id).values_list("key", "result")
+        )
+        if self.run.checkpoint_rev == 0:
+            self.state, self.state_goal_rev = {}, self.run.goal_rev
+            return
+        checkpoint = Checkpoint.objects.get(run_id=self.run.run_id, rev=self.run.checkpoint_rev)
+        cache: dict[str, Any] = {}
+        self.state = resolve(self.run.tenant_id, checkpoint.state, cache)
+        self.encoder.known.update(cache)
+        self.state_goal_rev = checkpoint.goal_rev
+
+    def reconcile(self) -> None:
+        """Settle `sent`/`unknown` actions before anything else (the ledger issue fills it)."""
+
+    def reload(self) -> None:
+        self.run = Run.objects.get(pk=self.run.run_id)
+        if self.run.fence != self.lease.fence:
+            refuse_stale(self.lease, "commit")
+
+    # --- commits -------------------------------------------------------------------------
+    def commit_outcome(self, ctx: StepContext, outcome: Outcome) -> bool:
+        state = {**self.state, **outcome.update}
+        changes: dict[str, Any] = {"waiting_for": None, "wake_at": None}
+        if isinstance(outcome, Next):
+            status, next_step = RunStatus.RUNNING, outcome.step
+        elif isinstance(outcome, Complete):
+            status, next_step = RunStatus.COMPLETED, ""
+        elif isinstance(outcome, Fail):
+            status, next_step = RunStatus.FAILED, ""
+            changes["last_error"] = outcome.reason[:2000]
+        else:
+            status, next_step = _WAIT_STATUS[outcome.kind], outcome.then
+            changes["waiting_for"] = {"kind": outcome.kind, "prompt": outcome.prompt,
+                                      **outcome.detail}
+            if outcome.until is not None:
+                changes["wake_at"] = outcome.until
+                changes["waiting_for"]["until"] = outcome.until.isoformat()
+        if ctx.input is not None:
+            changes["pending_input"] = None
+        return self.commit(ctx.step, state, status, next_step, changes,
+                           RunEvent.STEP_COMMITTED, proposals=ctx.proposals)
+
+    def commit(
+        self, step: str, state: dict[str, Any], status: str, next_step: str,
+        changes: dict[str, Any], event: RunEvent, *, goal_rev: int | None = None,
+        proposals: list[dict[str, Any]] | None = None, **payload: Any,
+    ) -> bool:
+        """One transaction: run CAS, new artifacts, checkpoint, journal. False if the run moved
+        (cancelled, or goal revised) — raises StaleFence if another executor holds it."""
+        goal_rev = self.run.goal_rev if goal_rev is None else goal_rev
+        encoded = self.encoder.encode(state)
+        for attempt in range(2):
+            try:
+                entry = self._commit_once(step, state, encoded, status, next_step, changes,
+                                          event, goal_rev, proposals or [], payload)
+                break
+            except journal.StreamMoved:
+                self.head = None
+                if attempt:
+                    raise
+            except _Moved:
+                self.reload()
+                return False
+        self.encoder.committed()
+        self.state, self.state_goal_rev = state, goal_rev
+        self.head = None if proposals else journal.Head(entry.seq, entry.hash)
+        return True
+
+    def _commit_once(
+        self, step: str, state: dict[str, Any], encoded: Any, status: str, next_step: str,
+        changes: dict[str, Any], event: RunEvent, goal_rev: int,
+        proposals: list[dict[str, Any]], payload: dict[str, Any],
+    ) -> JournalEntry:
+        rev = self.run.checkpoint_rev + 1
+        lease = self.lease
+        update: dict[str, Any] = {
+            "checkpoint_rev": rev, "next_step": next_step, "status": status,
+            "consecutive_failures": 0, "updated_at": Now(), **changes,
+        }
+        if status == RunStatus.RUNNING:
+            update["lease_expires_at"] = db_now_plus(lease.ttl)  # a commit is a heartbeat
+        else:
+            update.update(lease_owner="", lease_expires_at=None)
+        waits = update.get("waiting_for")
+        with transaction.atomic(durable=True):
+            moved = Run.objects.filter(
+                pk=self.run.run_id, fence=lease.fence, status=RunStatus.RUNNING,
+                checkpoint_rev=self.run.checkpoint_rev, goal_rev=self.run.goal_rev,
+            ).update(**update)
+            if moved != 1:
+                raise _Moved()
+            if self.encoder.new:
+                Artifact.objects.bulk_create(
+                    [Artifact(tenant_id=self.run.tenant_id, digest=d, content=text,
+                              size=len(text.encode()))
+                     for d, text in self.encoder.new.items()],
+                    ignore_conflicts=True,
+                )
+            body = {"run": str(self.run.run_id), "rev": rev, "goal_rev": goal_rev, "step": step,
+                    "next_step": next_step, "status": status, "state": encoded,
+                    "waits": waits, "fence": lease.fence}
+            checkpoint_digest = digest(body)
+            Checkpoint.objects.create(
+                run_id=self.run.run_id, tenant_id=self.run.tenant_id, rev=rev,
+                goal_rev=goal_rev, step=step, next_step=next_step, status=status,
+                state=encoded, waits=waits, created_by=lease.actor, fence=lease.fence,
+                digest=checkpoint_digest,
+            )
+            entry = record(self.run, event, lease.actor, head=self.head, rev=rev, step=step,
+                           next_step=next_step, status=status, digest=checkpoint_digest,
+                           **payload)
+            if proposals:
+                ledger.prepare_proposals(self.run, lease.fence, step, proposals, lease.actor)
+        self.run.checkpoint_rev, self.run.next_step, self.run.status = rev, next_step, status
+        for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
+            if name in changes:
+                setattr(self.run, name, changes[name])
+        return entry
+
+    # --- failure, escalation -------------------------------------------------------------
+    def fail(self, graph: Graph, step: str, exc: BaseException) -> AdvanceResult:
+        failures = self.run.consecutive_failures + 1
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        escalate = failures >= graph.max_failures or (
+            isinstance(exc, HoldpointError) and not exc.transient
+        )
+        delay = 0.0 if escalate else backoff_seconds(graph, failures)
+        update: dict[str, Any] = {
+            "consecutive_failures": failures, "attempts": F("attempts") + 1,
+            "last_error": error, "lease_owner": "", "lease_expires_at": None,
+            "updated_at": Now(),
+        }
+        if escalate:
+            status = RunStatus.NEEDS_ATTENTION
+            reason = f"{failures} consecutive failure(s) at step {step}: {error}"
+            update.update(status=status, attention_reason=reason[:2000], wake_at=None)
+        else:
+            status = RunStatus.RETRYING
+            update.update(status=status, wake_at=db_now_plus(delay))
+        with transaction.atomic(durable=True):
+            mine = Run.objects.filter(pk=self.run.run_id, fence=self.lease.fence,
+                                      status=RunStatus.RUNNING)
+            if mine.update(**update) != 1:
+                transaction.set_rollback(True)
+                moved = True
+            else:
+                moved = False
+                record(self.run, RunEvent.STEP_FAILED, self.lease.actor, step=step,
+                       error=error, failures=failures, status=status,
+                       retry_in_seconds=round(delay, 3) if not escalate else None)
+                if escalate:
+                    record(self.run, RunEvent.ESCALATED, self.lease.actor,
+                           reason=update["attention_reason"], status=status)
+        if moved:
+            self.reload()
+            return self.stopped()
+        log.info("run %s step %s failed (%s/%s): %s", self.run.run_id, step, failures,
+                 graph.max_failures, error)
+        self.run.refresh_from_db()
+        return AdvanceResult(_OUTCOME[status], self.steps, error)
+
+    def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
+        with transaction.atomic(durable=True):
+            mine = Run.objects.filter(pk=self.run.run_id, fence=self.lease.fence)
+            changed = mine.exclude(status__in=[RunStatus.COMPLETED, RunStatus.FAILED,
+                                               RunStatus.CANCELLED]).update(
+                status=RunStatus.NEEDS_ATTENTION, attention_reason=reason[:2000],
+                lease_owner="", lease_expires_at=None, updated_at=Now(),
+            )
+            if changed == 1:
+                record(self.run, event, self.lease.actor, reason=reason,
+                       status=RunStatus.NEEDS_ATTENTION)
+        if changed != 1:
+            self.reload()
+            return
+        self.run.refresh_from_db()
+
+    # --- versions and revisions ----------------------------------------------------------
+    def ensure_compatible(self) -> Graph | None:
+        run = self.run
+        graph = registry.get(run.graph, run.graph_version)
+        if graph is not None:
+            return graph
+        path = registry.migration_path(run.graph, run.graph_version)
+        if not path:
+            self.escalate(
+                f"graph {run.graph} version {run.graph_version} is not registered and no "
+                "registered migration leads from it to a registered version",
+                RunEvent.INCOMPATIBLE,
+            )
+            return None
+        self.load()
+        state, before = self.state, digest(self.encoder.encode(self.state))
+        self.encoder.new = {}
+        try:
+            for _, _, migrate in path:
+                state = migrate(dict(state))
+        except Exception as exc:  # a failing migration must not half-apply
+            self.escalate(f"migration from {run.graph_version} failed: {exc}",
+                          RunEvent.INCOMPATIBLE)
+            return None
+        target = path[-1][1]
+        graph = registry.get(run.graph, target)
+        assert graph is not None
+        after = digest(self.encoder.encode(state))
+        self.encoder.new = {}
+        ok = self.commit("(migration)", state, RunStatus.RUNNING, run.next_step,
+                         {"graph_version": target}, RunEvent.MIGRATED,
+                         from_version=run.graph_version, to_version=target,
+                         before_digest=before, after_digest=after)
+        if not ok:
+            return None
+        self.run.graph_version = target
+        return graph
+
+    def apply_revision(self, graph: Graph) -> bool:
+        """Let the graph keep the evidence still valid for the new goal; continue from there."""
+        old_goal = self.goal_at(self.state_goal_rev)
+        try:
+            state, next_step = graph.revise(dict(self.state), old_goal, self.run.goal)
+        except Exception as exc:
+            self.escalate(f"revision hook failed: {exc}")
+            return False
+        return self.commit(
+            "(revision)", state, RunStatus.RUNNING, next_step, {}, RunEvent.REVISION_APPLIED,
+            from_rev=self.state_goal_rev, to_rev=self.run.goal_rev, kept=sorted(state),
+        ) or self.run.status == RunStatus.RUNNING
+
+    def goal_at(self, goal_rev: int) -> Any:
+        """The goal as it was at `goal_rev`, from the journal's revision events."""
+        revisions = JournalEntry.objects.filter(
+            stream=journal.run_stream(self.run.run_id), type=RunEvent.GOAL_REVISED.value,
+        ).order_by("seq")
+        for entry in revisions:
+            if entry.payload.get("from_rev") == goal_rev:
+                return entry.payload.get("previous_goal")
+        return self.run.goal
+
+
+_WAIT_STATUS = {"input": RunStatus.WAITING_INPUT, "approval": RunStatus.WAITING_APPROVAL,
+                "timer": RunStatus.QUEUED}
+_OUTCOME = {
+    RunStatus.COMPLETED: "completed", RunStatus.FAILED: "failed",
+    RunStatus.WAITING_INPUT: "waiting", RunStatus.WAITING_APPROVAL: "waiting",
+    RunStatus.QUEUED: "waiting", RunStatus.RETRYING: "retrying",
+    RunStatus.NEEDS_ATTENTION: "needs_attention", RunStatus.CANCELLED: "stopped",
+    RunStatus.RUNNING: "yielded", RunStatus.NEEDS_RECONCILIATION: "waiting",
+}
+
+
+class _Moved(Exception):
+    pass
+

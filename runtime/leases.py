@@ -1,0 +1,141 @@
+"""Leases with fencing tokens: one executor per run at a time.
+
+Taking a lease is a compare-and-swap on the run row using the database clock, bumping
+`fence`. Every later executor write is conditional on that fence, so an executor that was
+paused past its lease (GC, SIGSTOP, a slow disk) and taken over cannot write anything: a
+lease alone never gives mutual exclusion, the fence does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import DateTimeField, ExpressionWrapper, F, Q, Value
+from django.db.models.functions import Now
+
+from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
+from runtime.events import RunEvent, record
+from runtime.models import RUNNABLE, TERMINAL, Run, RunStatus
+
+
+@dataclass(frozen=True)
+class Lease:
+    run_id: Any
+    tenant_id: int
+    owner: str
+    fence: int
+    ttl: float
+    expires_at: datetime
+
+    @property
+    def actor(self) -> str:
+        return f"worker:{self.owner}#{self.fence}"
+
+
+def db_now_plus(seconds: float) -> ExpressionWrapper:
+    """`now() + seconds` evaluated by the database: lease time is database time."""
+    return ExpressionWrapper(
+        Now() + Value(timedelta(seconds=seconds)), output_field=DateTimeField()
+    )
+
+
+def lease_free() -> Q:
+    return Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
+
+
+def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = True) -> Lease:
+    """Take the run's lease if nobody holds a live one; fence += 1. Raises LeaseHeld & co.
+
+    `runnable_only` (workers): only runs that are due — queued, running with a dead lease,
+    retrying or a timer whose time has come. External executors may lease any unfinished run.
+    """
+    with transaction.atomic(durable=True):
+        before = Run.objects.filter(pk=run_id).values("lease_owner", "status").first()
+        if before is None:
+            raise NotFound()
+        due = Run.objects.filter(pk=run_id).filter(lease_free())
+        if runnable_only:
+            due = due.filter(status__in=RUNNABLE).filter(
+                Q(wake_at__isnull=True) | Q(wake_at__lte=Now())
+            )
+        else:
+            due = due.exclude(status__in=TERMINAL)
+        changes: dict[str, Any] = {
+            "lease_owner": owner,
+            "lease_expires_at": db_now_plus(ttl),
+            "fence": F("fence") + 1,
+            "updated_at": Now(),
+        }
+        if runnable_only:
+            changes.update(status=RunStatus.RUNNING, wake_at=None)
+        if due.update(**changes) != 1:
+            _refuse(run_id)
+        run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(pk=run_id)
+        lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at)
+        record(
+            run,
+            RunEvent.LEASE_TAKEN,
+            lease.actor,
+            owner=owner,
+            fence=run.fence,
+            expires_at=run.lease_expires_at.isoformat(),
+            previous_owner=before["lease_owner"],
+            takeover=bool(before["lease_owner"]) and before["lease_owner"] != owner,
+            status=run.status,
+        )
+        return lease
+
+
+def _refuse(run_id: Any) -> None:
+    run = Run.objects.only("status").get(pk=run_id)
+    if run.status == RunStatus.COMPLETED:
+        raise AlreadyCompleted()
+    if run.status in TERMINAL:
+        raise RunFinished(f"the run is {run.status}")
+    raise LeaseHeld(f"the run is {run.status} and not available to this executor")
+
+
+def heartbeat(lease: Lease) -> datetime:
+    """Extend the lease from now; StaleFence if another executor took the run."""
+    updated = Run.objects.filter(pk=lease.run_id, fence=lease.fence, lease_owner=lease.owner)
+    if updated.update(lease_expires_at=db_now_plus(lease.ttl)) != 1:
+        refuse_stale(lease, "heartbeat")
+    return Run.objects.values_list("lease_expires_at", flat=True).get(pk=lease.run_id)
+
+
+def release(lease: Lease, *, requeue: bool = False) -> None:
+    """Give the lease up (graceful stop). A running run goes back to queued for the next one."""
+    with transaction.atomic(durable=True):
+        mine = Run.objects.filter(pk=lease.run_id, fence=lease.fence, lease_owner=lease.owner)
+        changes: dict[str, Any] = {"lease_owner": "", "lease_expires_at": None}
+        running = mine.filter(status=RunStatus.RUNNING)
+        if running.update(status=RunStatus.QUEUED, **changes) == 1:
+            run = Run.objects.get(pk=lease.run_id)
+            record(run, RunEvent.LEASE_RELEASED, lease.actor, fence=lease.fence,
+                   status=RunStatus.QUEUED)
+            if requeue:
+                from runtime.queue import ring
+
+                ring(lease.run_id)
+            return
+        if mine.update(**changes) != 1:
+            refuse_stale(lease, "release")
+
+
+def refuse_stale(lease: Lease, what: str) -> None:
+    """Journal the refused write (outside the failed transaction), then raise StaleFence."""
+    run = Run.objects.filter(pk=lease.run_id).first()
+    if run is not None:
+        with transaction.atomic():
+            record(
+                run,
+                RunEvent.STALE_WRITE_REFUSED,
+                lease.actor,
+                attempted=what,
+                stale_fence=lease.fence,
+                current_fence=run.fence,
+            )
+    raise StaleFence(f"fence {lease.fence} is stale ({what} refused)")

@@ -1,0 +1,74 @@
+"""The side-effect ledger: one row per intended external action.
+
+`prepared` always means "certainly not sent": `sent` is committed before a request leaves.
+The idempotency key is derived from (run, goal_rev, step, call index) — never from a process
+or a clock — so a re-executed step finds its own earlier action instead of minting a new one.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from runtime.models.runs import Run
+from runtime.models.tenancy import Tenant
+
+
+class ActionStatus(models.TextChoices):
+    PREPARED = "prepared"
+    AWAITING_APPROVAL = "awaiting_approval"
+    APPROVED = "approved"
+    SENT = "sent"
+    CONFIRMED = "confirmed"
+    UNKNOWN = "unknown"
+    FAILED = "failed"
+    MANUAL_REVIEW = "manual_review"
+    CANCELLED = "cancelled"
+    COMPENSATED = "compensated"
+
+
+# Before anything left: a goal revision, a rejection or a cancel may still withdraw these.
+UNSENT = frozenset({ActionStatus.PREPARED, ActionStatus.AWAITING_APPROVAL, ActionStatus.APPROVED})
+
+
+class Action(models.Model):
+    action_id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="actions")
+    idempotency_key = models.CharField(max_length=255)
+    tool = models.CharField(max_length=100)
+    tool_version = models.CharField(max_length=40, default="1")
+    # Canonical JSON text (RFC 8785 style): hashes cover exactly these stored bytes and the
+    # executor sends only them.
+    params = models.TextField()
+    fingerprint = models.CharField(max_length=64)
+    status = models.CharField(
+        max_length=24, choices=ActionStatus.choices, default=ActionStatus.PREPARED
+    )
+    goal_rev = models.PositiveIntegerField()
+    fence = models.BigIntegerField()
+    step = models.CharField(max_length=100)
+    call_index = models.PositiveIntegerField()
+    reason = models.TextField(blank=True, default="")
+    target = models.CharField(max_length=300, blank=True, default="")
+    external_id = models.CharField(max_length=300, blank=True, default="")
+    result = models.JSONField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"], name="runtime_action_one_key"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=ActionStatus.values), name="runtime_action_status_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tool} {self.idempotency_key} ({self.status})"

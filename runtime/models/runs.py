@@ -1,0 +1,169 @@
+"""Runs, their checkpoints, content-addressed artifacts and recorded calls.
+
+The run row is the single source of truth for who may execute (lease owner, expiry, fence)
+and where the run is (checkpoint_rev, next_step, status). Every executor write is a
+compare-and-swap on it; the queue only rings the doorbell.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from runtime.models.tenancy import Tenant
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING_INPUT = "waiting_input"
+    WAITING_APPROVAL = "waiting_approval"
+    RETRYING = "retrying"
+    NEEDS_RECONCILIATION = "needs_reconciliation"
+    NEEDS_ATTENTION = "needs_attention"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+# Statuses an executor may pick a run up in (the lease CAS admits nothing else).
+RUNNABLE = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING,
+                      RunStatus.NEEDS_RECONCILIATION})
+
+
+class Run(models.Model):
+    run_id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="runs")
+    thread_id = models.CharField(max_length=200)
+    graph = models.CharField(max_length=100)
+    graph_version = models.CharField(max_length=40)
+    state_version = models.PositiveIntegerField(default=1)
+    goal = models.JSONField()
+    goal_rev = models.PositiveIntegerField(default=1)
+    status = models.CharField(max_length=24, choices=RunStatus.choices, default=RunStatus.QUEUED)
+    checkpoint_rev = models.PositiveIntegerField(default=0)
+    next_step = models.CharField(max_length=100)
+    waiting_for = models.JSONField(null=True, blank=True)
+    # Input delivered by a client while the run waited; consumed by the next step's commit.
+    pending_input = models.JSONField(null=True, blank=True)
+    # When a retrying run or a timer wait becomes runnable again (database time).
+    wake_at = models.DateTimeField(null=True, blank=True)
+    lease_owner = models.CharField(max_length=200, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    fence = models.BigIntegerField(default=0)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    attention_reason = models.TextField(blank=True, default="")
+    metadata = models.JSONField(default=dict, blank=True)
+    created_by = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=RunStatus.values), name="runtime_run_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(fence__gte=0) & Q(goal_rev__gte=1), name="runtime_run_counters"
+            ),
+        ]
+        indexes = [
+            # The sweeper: runs whose lease expired or that wait for a time to come.
+            models.Index(
+                fields=["lease_expires_at"],
+                name="runtime_run_sweep_lease",
+                condition=Q(status__in=["queued", "running", "retrying", "needs_reconciliation"]),
+            ),
+            models.Index(
+                fields=["wake_at"],
+                name="runtime_run_sweep_wake",
+                condition=Q(wake_at__isnull=False),
+            ),
+            # Runs pages and API lists: a tenant's runs, newest first, by status.
+            models.Index(fields=["tenant", "status", "-created_at"], name="runtime_run_list"),
+            models.Index(fields=["tenant", "thread_id"], name="runtime_run_thread"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.graph}@{self.graph_version} {self.run_id} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class Artifact(models.Model):
+    """A large value stored once per tenant under the sha256 of its canonical bytes."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    digest = models.CharField(max_length=64)
+    content = models.TextField()
+    size = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "digest"], name="runtime_artifact_once"),
+        ]
+
+    def __str__(self) -> str:
+        return f"artifact {self.digest[:12]} ({self.size} B)"
+
+
+class Checkpoint(models.Model):
+    """Append-only: what the next step needs, and who wrote it under which fence."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    rev = models.PositiveIntegerField()
+    goal_rev = models.PositiveIntegerField()
+    step = models.CharField(max_length=100, blank=True, default="")
+    next_step = models.CharField(max_length=100, blank=True, default="")
+    status = models.CharField(max_length=24, choices=RunStatus.choices)
+    # The graph's state with large values replaced by artifact references.
+    state = models.JSONField()
+    waits = models.JSONField(null=True, blank=True)
+    created_by = models.CharField(max_length=240)
+    fence = models.BigIntegerField()
+    digest = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run", "rev"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "rev"], name="runtime_checkpoint_one_rev"),
+        ]
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.run_id}@{self.rev}"
+
+
+class RecordedCall(models.Model):
+    """The result of a call that must not be paid twice (model call, document read).
+
+    Committed as soon as the call returns, before the step commits, so a crash between the
+    two reuses the result instead of paying again. Keyed per run, so still-valid evidence
+    survives a goal revision when the graph uses a revision-independent key.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="recorded_calls")
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    key = models.CharField(max_length=300)
+    goal_rev = models.PositiveIntegerField()
+    result = models.JSONField()
+    fence = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "key"], name="runtime_recordedcall_once"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}:{self.key}"

@@ -1,0 +1,21 @@
+"""The doorbell: tell workers a run may have work. Never the source of truth.
+
+A lost message is found by the sweeper; a duplicated one finds the lease held and exits.
+Always rung after commit, so a worker never wakes to a row it cannot see yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+
+
+def ring(run_id: Any) -> None:
+    transaction.on_commit(lambda: _enqueue(str(run_id)))
+
+
+def _enqueue(run_id: str) -> None:
+    from django_q.tasks import async_task
+
+    async_task("runtime.tasks.advance", run_id)

@@ -1,0 +1,15 @@
+"""django-q2 entry points: thin wrappers; tests call the functions they wrap."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from runtime import executor, sweeper
+
+
+def advance(run_id: str) -> str:
+    return executor.advance_run(run_id).outcome
+
+
+def sweep() -> int:
+    return sweeper.sweep_for(settings.HOLDPOINT_SWEEP_WINDOW, settings.HOLDPOINT_SWEEP_INTERVAL)

@@ -1,0 +1,118 @@
+"""Graphs the tests run, in-process and in real worker processes.
+
+`chain` appends one line per step execution and per paid call to the file named in its
+goal, so a test can count executions across processes and crashes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any
+
+from runtime.context import StepContext
+from runtime.graphs import Complete, Graph, Next, Outcome, Wait, register
+
+
+def _note(ctx: StepContext, line: str) -> None:
+    path = ctx.goal.get("counter")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{ctx.run_id} {line} pid={os.getpid()}\n")
+
+
+chain = Graph("chain", version="1", max_failures=3, retry_base=0.05, retry_max=0.2)
+
+
+@chain.step(start=True)
+def tick(ctx: StepContext) -> Outcome:
+    i = ctx.state.get("i", 0) + 1
+    _note(ctx, f"step {i}")
+    answer = ctx.model("think", lambda: (_note(ctx, f"call {i}"), f"thought {i}")[1])
+    if ctx.goal.get("sleep"):
+        time.sleep(float(ctx.goal["sleep"]))
+    update = {"i": i, "answers": [*ctx.state.get("answers", []), answer]}
+    if i >= int(ctx.goal.get("steps", 3)):
+        return Complete(update=update)
+    return Next("tick", update=update)
+
+
+register(chain)
+
+FAILURES: Counter[str] = Counter()
+flaky = Graph("flaky", version="1", max_failures=3, retry_base=0.01, retry_max=0.05)
+
+
+@flaky.step(start=True)
+def attempt(ctx: StepContext) -> Outcome:
+    FAILURES[str(ctx.run_id)] += 1
+    if FAILURES[str(ctx.run_id)] <= int(ctx.goal.get("fail_times", 0)):
+        raise RuntimeError(f"tool unavailable (attempt {FAILURES[str(ctx.run_id)]})")
+    return Complete(update={"attempts_seen": FAILURES[str(ctx.run_id)]})
+
+
+register(flaky)
+
+asker = Graph("asker", version="1")
+
+
+@asker.step(start=True)
+def ask(ctx: StepContext) -> Outcome:
+    return Wait("input", then="answer", prompt="What is the ticket title?")
+
+
+@asker.step
+def answer(ctx: StepContext) -> Outcome:
+    return Complete(update={"title": ctx.input["title"]})
+
+
+register(asker)
+
+proposer = Graph("proposer", version="1", tools=("tasks.create",))
+
+
+@proposer.step(start=True)
+def propose(ctx: StepContext) -> Outcome:
+    ctx.propose("tasks.create", {"title": ctx.goal["title"]}, reason="asked to")
+    return Wait("approval", then="done", prompt="approve the task")
+
+
+@proposer.step
+def done(ctx: StepContext) -> Outcome:
+    return Complete(update={"done_for": ctx.goal["title"]})
+
+
+register(proposer)
+
+grower = Graph("grower", version="1")
+
+
+@grower.step(start=True)
+def grow(ctx: StepContext) -> Outcome:
+    notes = [*ctx.state.get("notes", []), "x" * 1000 + str(len(ctx.state.get("notes", [])))]
+    if len(notes) >= int(ctx.goal["steps"]):
+        return Complete(update={"notes": notes})
+    return Next("grow", update={"notes": notes})
+
+
+register(grower)
+
+
+def evolving(version: str) -> Graph:
+    """A graph that exists in several versions (tests register/unregister them)."""
+    graph = Graph("evolving", version=version)
+
+    @graph.step(start=True)
+    def first(ctx: StepContext) -> Outcome:
+        return Wait("input", then="second", update={"shape": version})
+
+    @graph.step
+    def second(ctx: StepContext) -> Outcome:
+        return Complete(update={"finished_on": version, "seen": dict(ctx.state)})
+
+    return graph
+
+
+def reviser_goal(**extra: Any) -> dict[str, Any]:
+    return {"title": "first", **extra}
