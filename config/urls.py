@@ -6,7 +6,7 @@ from django.urls import path
 from django.views.generic import RedirectView
 
 from approvals import views as approval_views
-from runtime import health, web
+from runtime import health, pages, web
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
@@ -14,6 +14,13 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("inbox/", approval_views.inbox, name="inbox"),
     path("tenant/switch/", web.switch_tenant_view, name="switch-tenant"),
+    path("runs/", pages.runs_page, name="runs"),
+    path("runs/<uuid:run_id>/", pages.run_page, name="run"),
+    path("runs/<uuid:run_id>/live/", pages.run_live, name="run-live"),
+    path("runs/<uuid:run_id>/cancel/", pages.run_cancel, name="run-cancel"),
+    path("runs/<uuid:run_id>/resume/", pages.run_resume, name="run-resume"),
+    path("runs/<uuid:run_id>/input/", pages.run_input, name="run-input"),
+    path("runs/<uuid:run_id>/revise/", pages.run_revise, name="run-revise"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),

@@ -1,0 +1,498 @@
+"""Reviewer pages for runs: the list, starting one, one run's story, and the human levers.
+
+The views translate HTTP into calls of `runtime.lifecycle` and back. They never decide
+whether a transition is allowed: the lifecycle function's compare-and-swap does, and its
+refusal (a HoldpointError) becomes a message on the page rather than a 500. Every read goes
+through the tenancy helpers, so another tenant's run is a 404 exactly like a run that does
+not exist (DESIGN.md, invariant 9).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+from uuid import UUID
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse, QueryDict
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.utils.cache import patch_vary_headers
+from django.views.decorators.http import require_http_methods
+from django_htmx.middleware import HtmxDetails
+
+from audit.canonical import CanonicalError, parse_strict
+from audit.journal import Break, run_stream, verify_stream
+from audit.models import JournalEntry
+from runtime.artifacts import resolve
+from runtime.errors import HoldpointError, InvalidParams, NotFound, UnknownGraph
+from runtime.graphs import registry
+from runtime.lifecycle import (
+    RESUMABLE,
+    cancel_run,
+    create_run,
+    provide_input,
+    resume_run,
+    revise_goal,
+)
+from runtime.models import Run, RunStatus
+from runtime.tenancy import (
+    Principal,
+    actions_for,
+    checkpoints_for,
+    get_scoped,
+    journal_for,
+    runs_for,
+)
+
+PAGE_SIZE = 50
+# A long run's page is re-rendered every 2 s while it is live: bound what one poll renders.
+TIMELINE_LIMIT = 100
+ACTION_LIMIT = 50
+SUMMARY_LIMIT = 160
+DEFAULT_GRAPH = "api-review"
+# The list renders only these, so a large goal or state is never loaded for a list row.
+LIST_FIELDS = (
+    "run_id",
+    "status",
+    "graph",
+    "graph_version",
+    "thread_id",
+    "goal_rev",
+    "checkpoint_rev",
+    "next_step",
+    "created_at",
+    "updated_at",
+)
+# Payload keys worth a glance in the timeline, in this order; the full payload is one click
+# away. Digests and whole goals are noise in a one-line summary.
+SUMMARY_KEYS = (
+    "status",
+    "step",
+    "next_step",
+    "rev",
+    "goal_rev",
+    "from_rev",
+    "to_rev",
+    "previous_status",
+    "tool",
+    "owner",
+    "graph",
+    "graph_version",
+    "from_version",
+    "to_version",
+    "fence",
+    "failures",
+    "retry_in_seconds",
+    "reason",
+    "error",
+)
+SUMMARY_SKIP = frozenset(
+    {"digest", "before_digest", "after_digest", "fingerprint", "goal", "previous_goal"}
+)
+
+
+class HtmxHttpRequest(HttpRequest):
+    """What the middlewares add to a request (for type checkers only)."""
+
+    htmx: HtmxDetails
+    principal: Principal | None
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    entry: JournalEntry
+    summary: str
+    payload_json: str
+
+
+# --- access -----------------------------------------------------------------------------
+
+
+def _principal(request: HttpRequest) -> Principal | None:
+    """The session's principal; None when the user belongs to no active tenant."""
+    principal: Principal | None = getattr(request, "principal", None)
+    if principal is not None and principal.is_agent:
+        # An agent account acts through the API with its token, never through pages.
+        raise PermissionDenied("Agents use the API.")
+    return principal
+
+
+def _can_act(principal: Principal | None) -> bool:
+    return principal is not None and principal.may_act
+
+
+def _scoped_run(principal: Principal | None, run_id: UUID) -> Run:
+    """The run if it is the principal's tenant's; any other case is the same plain 404."""
+    if principal is None:
+        raise Http404()
+    try:
+        return get_scoped(runs_for(principal), principal, run_id=run_id)
+    except NotFound:
+        raise Http404() from None
+
+
+def _acting_on(request: HttpRequest, run_id: UUID) -> tuple[Principal, Run]:
+    """Look the run up first, so a viewer probing another tenant's id still gets 404."""
+    principal = _principal(request)
+    run = _scoped_run(principal, run_id)
+    if principal is None or not _can_act(principal):
+        raise PermissionDenied("Viewers may look, not act.")
+    return principal, run
+
+
+# --- small translations -----------------------------------------------------------------
+
+
+def parse_json(text: str, field: str) -> Any:
+    """Parse a textarea strictly (DESIGN.md: no duplicate keys, NaN or Infinity).
+
+    A lenient parser would silently keep the last of two equal keys, so what a reviewer
+    typed and what the run got could differ.
+    """
+    try:
+        return parse_strict(text)
+    except CanonicalError as exc:
+        message = f"{field} is not valid JSON: {exc}"
+        raise InvalidParams(message, errors={field: [message]}) from None
+
+
+def _parse_rev(value: str | None, field: str) -> int:
+    try:
+        return int(value or "")
+    except ValueError:
+        raise InvalidParams(f"{field} is missing or not a number") from None
+
+
+def pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def summarise(payload: Any) -> str:
+    """One line telling what an event did; the full payload stays one click away."""
+    if not isinstance(payload, dict):
+        return _clip(json.dumps(payload, ensure_ascii=False), SUMMARY_LIMIT)
+    keys = [k for k in SUMMARY_KEYS if k in payload]
+    keys += sorted(k for k in payload if k not in SUMMARY_KEYS and k not in SUMMARY_SKIP)
+    parts = []
+    for key in keys:
+        value = payload[key]
+        if value is None or value == "" or value == []:
+            continue
+        if isinstance(value, dict | list):
+            parts.append(f"{key}=({len(value)} items)")
+        else:
+            parts.append(f"{key}={_clip(str(value), 60)}")
+    return _clip(" · ".join(parts), SUMMARY_LIMIT)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _seen_token(run: Run) -> str:
+    """What the page's forms were built from; when it changes the forms may be stale."""
+    return f"{run.status}:{run.checkpoint_rev}:{run.goal_rev}"
+
+
+# --- the runs list and starting a run ---------------------------------------------------
+
+
+def _list_filters(params: QueryDict) -> dict[str, str]:
+    """Filters from the query string; an unknown status is ignored, not an empty list."""
+    found: dict[str, str] = {}
+    status = params.get("status", "")
+    if status in RunStatus.values:
+        found["status"] = status
+    for name in ("graph", "thread_id"):
+        value = params.get(name, "").strip()
+        if value:
+            found[name] = value
+    return found
+
+
+def _default_goal_text() -> str:
+    try:
+        goal = registry.latest(DEFAULT_GRAPH).default_goal
+    except UnknownGraph:
+        goal = None
+    return pretty(goal if goal is not None else {})
+
+
+def _graph_choices() -> list[dict[str, str]]:
+    latest = (registry.latest(name) for name in registry.names())
+    return [{"name": g.name, "version": g.version, "description": g.description} for g in latest]
+
+
+def _render_runs(
+    request: HttpRequest,
+    principal: Principal | None,
+    form: dict[str, str] | None = None,
+    *,
+    error: str = "",
+    status: int = 200,
+) -> HttpResponse:
+    if principal is None:
+        return render(request, "runtime/runs.html", {}, status=status)
+    filters = _list_filters(request.GET)
+    runs = (
+        runs_for(principal)
+        .filter(**filters)
+        .only(*LIST_FIELDS)
+        .order_by("-created_at", "-run_id")  # run_id breaks ties so pages never overlap
+    )
+    page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
+    graphs = _graph_choices()
+    graph_names = [g["name"] for g in graphs]
+    if filters.get("graph") and filters["graph"] not in graph_names:
+        graph_names.append(filters["graph"])  # runs of a graph no longer registered
+    context = {
+        "page_obj": page,
+        "filters": filters,
+        "statuses": RunStatus.values,
+        "graphs": graphs,
+        "filter_graphs": graph_names,
+        "can_act": _can_act(principal),
+        "form": form or {"graph": DEFAULT_GRAPH, "goal": _default_goal_text(), "thread_id": ""},
+        "error": error,
+        "thread_id_max": Run._meta.get_field("thread_id").max_length,
+    }
+    return render(request, "runtime/runs.html", context, status=status)
+
+
+def _start_run(request: HttpRequest, principal: Principal) -> HttpResponse:
+    form = {
+        "graph": request.POST.get("graph", ""),
+        "goal": request.POST.get("goal", ""),
+        "thread_id": request.POST.get("thread_id", "").strip(),
+    }
+    limit = Run._meta.get_field("thread_id").max_length or 0
+    try:
+        if len(form["thread_id"]) > limit:
+            raise InvalidParams(f"thread_id is longer than {limit} characters")
+        goal = parse_json(form["goal"], "goal")
+        run = create_run(
+            principal.tenant,
+            form["graph"],
+            goal,
+            actor=principal.label,
+            thread_id=form["thread_id"] or None,
+        )
+    except HoldpointError as exc:
+        # Nothing was created: create_run writes the run and its first event atomically.
+        return _render_runs(request, principal, form, error=exc.detail, status=exc.status)
+    messages.success(request, f"Started {run.graph}@{run.graph_version} run {run.run_id}.")
+    return redirect("run", run_id=run.run_id)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def runs_page(request: HttpRequest) -> HttpResponse:
+    """The tenant's runs, newest first, filterable; POST starts a run (not for viewers)."""
+    principal = _principal(request)
+    if request.method == "POST":
+        if principal is None or not _can_act(principal):
+            raise PermissionDenied("Viewers may look, not start runs.")
+        return _start_run(request, principal)
+    return _render_runs(request, principal)
+
+
+# --- one run ----------------------------------------------------------------------------
+
+
+def _live_context(principal: Principal, run: Run, seen: str) -> dict[str, Any]:
+    """What the live part shows: header, actions, timeline and whether the chain holds."""
+    stream = run_stream(run.run_id)
+    entries = list(journal_for(principal).filter(stream=stream).order_by("-seq")[:TIMELINE_LIMIT])
+    actions = list(
+        actions_for(principal)
+        .filter(run=run)
+        .only("tool", "status", "goal_rev", "idempotency_key", "step", "created_at")
+        .order_by("-created_at")[: ACTION_LIMIT + 1]
+    )
+    chain_break: Break | None = verify_stream(stream)
+    return {
+        "run": run,
+        "goal_json": pretty(run.goal),
+        "waiting_json": pretty(run.waiting_for) if run.waiting_for else "",
+        "timeline": [TimelineRow(e, summarise(e.payload), pretty(e.payload)) for e in entries],
+        # Seqs count from 1 without gaps (the chain check proves it), so the newest is the
+        # total: no COUNT query per poll.
+        "timeline_total": entries[0].seq if entries else 0,
+        "actions": actions[:ACTION_LIMIT],
+        "more_actions": len(actions) > ACTION_LIMIT,
+        "chain_break": chain_break,
+        "live_url": reverse("run-live", args=[run.run_id]) + "?" + urlencode({"seen": seen}),
+        "stale": seen != _seen_token(run),
+    }
+
+
+def _checkpoint_state(principal: Principal, run: Run) -> tuple[Any, str]:
+    """The latest checkpoint's state, decoded; or why it cannot be shown."""
+    if run.checkpoint_rev == 0:
+        return None, "No checkpoint yet: the first step has not committed."
+    checkpoint = checkpoints_for(principal).filter(run=run, rev=run.checkpoint_rev).first()
+    if checkpoint is None:
+        return None, f"Checkpoint {run.checkpoint_rev} is missing."
+    try:
+        return resolve(run.tenant_id, checkpoint.state), ""
+    except LookupError as exc:  # artifacts purged by retention
+        return None, f"State unavailable: {exc}"
+
+
+def _render_run(
+    request: HttpRequest,
+    principal: Principal,
+    run: Run,
+    *,
+    drafts: dict[str, str] | None = None,
+    errors: dict[str, str] | None = None,
+    status: int = 200,
+) -> HttpResponse:
+    drafts = drafts or {}
+    state, state_error = _checkpoint_state(principal, run)
+    context = {
+        **_live_context(principal, run, _seen_token(run)),
+        "state_json": pretty(state) if not state_error else "",
+        "state_error": state_error,
+        "can_act": _can_act(principal) and not run.is_terminal,
+        "resumable": run.status in RESUMABLE
+        or (run.status == RunStatus.QUEUED and run.wake_at is not None),
+        "goal_draft": drafts.get("goal", pretty(run.goal)),
+        "input_draft": drafts.get("input", "{}"),
+        "errors": errors or {},
+    }
+    response = render(request, "runtime/run.html", context, status=status)
+    patch_vary_headers(response, ("HX-Request",))
+    return response
+
+
+@login_required
+@require_http_methods(["GET"])
+def run_page(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    """One run: header, state, actions, timeline, and the levers for reviewers."""
+    principal = _principal(request)
+    if principal is None:
+        return render(request, "runtime/run.html", {})
+    return _render_run(request, principal, _scoped_run(principal, run_id))
+
+
+@login_required
+@require_http_methods(["GET"])
+def run_live(request: HtmxHttpRequest, run_id: UUID) -> HttpResponse:
+    """The part of the run page htmx polls; rendered without the poll once the run ended.
+
+    Opened directly (not by htmx) it answers the whole page, so the URL is never a bare
+    fragment in a browser tab.
+    """
+    principal = _principal(request)
+    run = _scoped_run(principal, run_id)
+    assert principal is not None  # _scoped_run raised 404 otherwise
+    if not request.htmx:
+        return _render_run(request, principal, run)
+    seen = request.GET.get("seen", "")
+    response = render(request, "runtime/_run_live.html", _live_context(principal, run, seen))
+    patch_vary_headers(response, ("HX-Request",))
+    return response
+
+
+# --- the levers -------------------------------------------------------------------------
+
+
+def _pull(request: HttpRequest, run: Run, lever: Callable[[], str]) -> HttpResponse:
+    """Call a lifecycle function; its refusal is a message, never a 500."""
+    try:
+        messages.success(request, lever())
+    except HoldpointError as exc:
+        messages.error(request, exc.detail)
+    return redirect("run", run_id=run.run_id)
+
+
+def _json_draft_or_page(
+    request: HttpRequest, principal: Principal, run: Run, field: str
+) -> tuple[Any, HttpResponse | None]:
+    """The textarea's JSON, or the run page again with the draft kept and the error shown."""
+    text = request.POST.get(field, "")
+    try:
+        return parse_json(text, field), None
+    except InvalidParams as exc:
+        page = _render_run(
+            request,
+            principal,
+            run,
+            drafts={field: text},
+            errors={field: exc.detail},
+            status=exc.status,
+        )
+        return None, page
+
+
+@login_required
+@require_http_methods(["POST"])
+def run_cancel(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    principal, run = _acting_on(request, run_id)
+    reason = request.POST.get("reason", "").strip()
+
+    def lever() -> str:
+        cancel_run(run, reason, actor=principal.label)
+        return "Run cancelled."
+
+    return _pull(request, run, lever)
+
+
+@login_required
+@require_http_methods(["POST"])
+def run_resume(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    principal, run = _acting_on(request, run_id)
+    before = run.status
+
+    def lever() -> str:
+        expected = request.POST.get("expected_rev")
+        resume_run(
+            run,
+            actor=principal.label,
+            expected_rev=_parse_rev(expected, "expected_rev") if expected else None,
+        )
+        if run.status == before:
+            return f"Nothing to resume: the run is {run.status}. Workers were notified."
+        return f"Resumed: the run is {run.status}."
+
+    return _pull(request, run, lever)
+
+
+@login_required
+@require_http_methods(["POST"])
+def run_input(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    principal, run = _acting_on(request, run_id)
+    data, page = _json_draft_or_page(request, principal, run, "input")
+    if page is not None:
+        return page
+
+    def lever() -> str:
+        expected = _parse_rev(request.POST.get("expected_rev"), "expected_rev")
+        provide_input(run, data, expected, actor=principal.label)
+        return "Input delivered: the run is queued to continue."
+
+    return _pull(request, run, lever)
+
+
+@login_required
+@require_http_methods(["POST"])
+def run_revise(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    principal, run = _acting_on(request, run_id)
+    goal, page = _json_draft_or_page(request, principal, run, "goal")
+    if page is not None:
+        return page
+
+    def lever() -> str:
+        expected = _parse_rev(request.POST.get("expected_goal_rev"), "expected_goal_rev")
+        revise_goal(run, goal, expected, actor=principal.label)
+        return f"Goal revised: now revision {run.goal_rev}."
+
+    return _pull(request, run, lever)
