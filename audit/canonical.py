@@ -82,3 +82,32 @@ def sha256_hex(data: bytes) -> str:
 
 def digest(value: Any) -> str:
     return sha256_hex(canonical_bytes(value))
+
+
+def _reject_constant(name: str) -> Any:
+    raise CanonicalError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise CanonicalError(f"duplicate key {key!r}")
+        found[key] = value
+    return found
+
+
+def parse_strict(text: str | bytes) -> Any:
+    """Parse JSON the one way every entry point must: no duplicate keys, NaN or Infinity.
+
+    A lenient parser keeps the last of two equal keys, so what a person or agent sent and
+    what was hashed could differ. Raises CanonicalError (a ValueError) with the reason.
+    """
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except CanonicalError:
+        raise
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8
+        raise CanonicalError(str(exc)) from None
+    _check(value, "")
+    return value

@@ -221,15 +221,16 @@ CACHES = {
 # --- Holdpoint --------------------------------------------------------------------------
 HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
 HOLDPOINT_DEMO_PASSWORD = env_str("HOLDPOINT_DEMO_PASSWORD", "")
-# A worker cluster is "recently seen" by /readyz if its heartbeat is younger than this.
-HOLDPOINT_READY_CLUSTER_MAX_AGE = env_int("HOLDPOINT_READY_CLUSTER_MAX_AGE", 60, minimum=1)
 HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
+# Heartbeat from a side thread during long steps (every TTL/3). Tests that run the executor
+# inside pytest's open transaction switch it off: the side connection would wait on it.
+HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.
 HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
-HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 55, minimum=0)
+HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 20, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
 
 if TESTING:

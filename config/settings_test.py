@@ -5,9 +5,8 @@ import os
 os.environ.setdefault("HOLDPOINT_TESTING", "1")
 os.environ.setdefault("HOLDPOINT_LEASE_TTL", "5")
 os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
-os.environ.setdefault(
-    "HOLDPOINT_GRAPH_MODULES", "runtime.agents.api_review.graph,tests.graphs"
-)
+os.environ.setdefault("HOLDPOINT_HEARTBEAT_THREAD", "0")
+os.environ.setdefault("HOLDPOINT_GRAPH_MODULES", "runtime.agents.api_review.graph,tests.graphs")
 os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
 os.environ.setdefault(

@@ -33,7 +33,9 @@ class Encoder:
                 return self._store({"$literal": {k: self.encode(v) for k, v in value.items()}})
             encoded: Any = {k: self.encode(v) for k, v in value.items()}
         elif isinstance(value, list) and len(value) > CHUNK:
-            chunks = [self._store(self._list(value[i : i + CHUNK])) for i in range(0, len(value), CHUNK)]
+            chunks = [
+                self._store(self._list(value[i : i + CHUNK])) for i in range(0, len(value), CHUNK)
+            ]
             return {CHUNKS: chunks, "n": len(value)}
         elif isinstance(value, list):
             encoded = self._list(value)

@@ -66,12 +66,18 @@ class StepContext:
         """A paid model call: recorded like any other call, under `model:<name>`."""
         return self.record(key or f"model:{name}@{self.step}@{self.checkpoint_rev}", call)
 
-    def propose(self, tool: str, params: dict[str, Any], *, reason: str = "",
-                target: str = "") -> None:
+    def propose(
+        self, tool: str, params: dict[str, Any], *, reason: str = "", target: str = ""
+    ) -> None:
         """Propose a side effect; it is prepared in the ledger with this step's commit."""
         self.proposals.append(
-            {"tool": tool, "params": params, "reason": reason, "target": target,
-             "call_index": len(self.proposals) + 1}
+            {
+                "tool": tool,
+                "params": params,
+                "reason": reason,
+                "target": target,
+                "call_index": len(self.proposals) + 1,
+            }
         )
 
     def _store(self, key: str, result: Any) -> Any:
@@ -84,8 +90,12 @@ class StepContext:
                 if mine.update(updated_at=Now()) != 1:
                     raise _Stale()
                 RecordedCall.objects.create(
-                    run_id=self.run_id, tenant_id=self.tenant_id, key=key,
-                    goal_rev=self.goal_rev, result=result, fence=self.lease.fence,
+                    run_id=self.run_id,
+                    tenant_id=self.tenant_id,
+                    key=key,
+                    goal_rev=self.goal_rev,
+                    result=result,
+                    fence=self.lease.fence,
                 )
                 run = Run(run_id=self.run_id, tenant_id=self.tenant_id)
                 record(run, RunEvent.CALL_RECORDED, self.lease.actor, key=key)

@@ -41,7 +41,14 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.faults import fault
 from runtime.graphs import Complete, Fail, Graph, Next, Outcome, Wait, registry
-from runtime.leases import Lease, db_now_plus, refuse_stale, release, take_lease
+from runtime.leases import (
+    Heartbeater,
+    Lease,
+    db_now_plus,
+    refuse_stale,
+    release,
+    take_lease,
+)
 from runtime.models import Artifact, Checkpoint, RecordedCall, Run, RunStatus
 
 log = logging.getLogger("holdpoint.executor")
@@ -53,7 +60,9 @@ class StepTimeout(Exception):
 
 @dataclass(frozen=True)
 class AdvanceResult:
-    outcome: str  # completed | waiting | failed | retrying | needs_attention | yielded | skipped | stale | stopped
+    # completed | waiting | failed | retrying | needs_attention | yielded | skipped | stale
+    # | stopped
+    outcome: str
     steps: int = 0
     detail: str = ""
 
@@ -63,7 +72,10 @@ def worker_id() -> str:
 
 
 def advance_run(
-    run_id: Any, owner: str | None = None, *, ttl: float | None = None,
+    run_id: Any,
+    owner: str | None = None,
+    *,
+    ttl: float | None = None,
     slice_seconds: float | None = None,
 ) -> AdvanceResult:
     """Take the run's lease and execute steps; harmless to call for a run that is not due."""
@@ -87,7 +99,9 @@ def backoff_seconds(graph: Graph, failures: int) -> float:
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
-def call_with_timeout(seconds: float, fn: Callable[[StepContext], Outcome], ctx: StepContext) -> Outcome:
+def call_with_timeout(
+    seconds: float, fn: Callable[[StepContext], Outcome], ctx: StepContext
+) -> Outcome:
     """Run a step with a wall-clock limit (SIGALRM; only possible on the main thread)."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return fn(ctx)
@@ -124,6 +138,12 @@ class Executor:
             return AdvanceResult("needs_attention", detail=self.run.attention_reason)
         self.reconcile()
         self.load()
+        if not settings.HOLDPOINT_HEARTBEAT_THREAD:
+            return self.loop(graph, slice_seconds, None)
+        with Heartbeater(self.lease) as beater:
+            return self.loop(graph, slice_seconds, beater)
+
+    def loop(self, graph: Graph, slice_seconds: float, beater: Heartbeater | None) -> AdvanceResult:
         deadline = time.monotonic() + slice_seconds
         while True:
             if self.state_goal_rev != self.run.goal_rev:
@@ -132,8 +152,9 @@ class Executor:
                 continue
             step = graph.steps.get(self.run.next_step)
             if step is None:
-                self.escalate(f"graph {graph.name}@{graph.version} has no step "
-                              f"{self.run.next_step!r}")
+                self.escalate(
+                    f"graph {graph.name}@{graph.version} has no step {self.run.next_step!r}"
+                )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
             try:
@@ -144,8 +165,10 @@ class Executor:
                 raise
             except Exception as exc:  # a step's failure is data: retry, then escalate
                 self.absorb(ctx)
+                self.check_lease(beater)
                 return self.fail(graph, ctx.step, exc)
             self.absorb(ctx)
+            self.check_lease(beater)
             if not self.commit_outcome(ctx, outcome):
                 if self.run.status != RunStatus.RUNNING:
                     return self.stopped()
@@ -158,15 +181,26 @@ class Executor:
                 release(self.lease, requeue=True)
                 return AdvanceResult("yielded", self.steps)
 
+    def check_lease(self, beater: Heartbeater | None) -> None:
+        if beater is not None and beater.lost.is_set():
+            refuse_stale(self.lease, "step result")
+
     def stopped(self) -> AdvanceResult:
         return AdvanceResult("stopped", self.steps, f"run is {self.run.status}")
 
     def context(self, step: str) -> StepContext:
         return StepContext(
-            run_id=self.run.run_id, tenant_id=self.run.tenant_id, step=step,
-            state=dict(self.state), goal=self.run.goal, goal_rev=self.run.goal_rev,
-            checkpoint_rev=self.run.checkpoint_rev, lease=self.lease,
-            input=self.run.pending_input, metadata=self.run.metadata, recorded=self.recorded,
+            run_id=self.run.run_id,
+            tenant_id=self.run.tenant_id,
+            step=step,
+            state=dict(self.state),
+            goal=self.run.goal,
+            goal_rev=self.run.goal_rev,
+            checkpoint_rev=self.run.checkpoint_rev,
+            lease=self.lease,
+            input=self.run.pending_input,
+            metadata=self.run.metadata,
+            recorded=self.recorded,
         )
 
     def absorb(self, ctx: StepContext) -> None:
@@ -210,20 +244,38 @@ class Executor:
             changes["last_error"] = outcome.reason[:2000]
         else:
             status, next_step = _WAIT_STATUS[outcome.kind], outcome.then
-            changes["waiting_for"] = {"kind": outcome.kind, "prompt": outcome.prompt,
-                                      **outcome.detail}
+            changes["waiting_for"] = {
+                "kind": outcome.kind,
+                "prompt": outcome.prompt,
+                **outcome.detail,
+            }
             if outcome.until is not None:
                 changes["wake_at"] = outcome.until
                 changes["waiting_for"]["until"] = outcome.until.isoformat()
         if ctx.input is not None:
             changes["pending_input"] = None
-        return self.commit(ctx.step, state, status, next_step, changes,
-                           RunEvent.STEP_COMMITTED, proposals=ctx.proposals)
+        return self.commit(
+            ctx.step,
+            state,
+            status,
+            next_step,
+            changes,
+            RunEvent.STEP_COMMITTED,
+            proposals=ctx.proposals,
+        )
 
     def commit(
-        self, step: str, state: dict[str, Any], status: str, next_step: str,
-        changes: dict[str, Any], event: RunEvent, *, goal_rev: int | None = None,
-        proposals: list[dict[str, Any]] | None = None, **payload: Any,
+        self,
+        step: str,
+        state: dict[str, Any],
+        status: str,
+        next_step: str,
+        changes: dict[str, Any],
+        event: RunEvent,
+        *,
+        goal_rev: int | None = None,
+        proposals: list[dict[str, Any]] | None = None,
+        **payload: Any,
     ) -> bool:
         """One transaction: run CAS, new artifacts, checkpoint, journal. False if the run moved
         (cancelled, or goal revised) — raises StaleFence if another executor holds it."""
@@ -231,8 +283,18 @@ class Executor:
         encoded = self.encoder.encode(state)
         for attempt in range(2):
             try:
-                entry = self._commit_once(step, state, encoded, status, next_step, changes,
-                                          event, goal_rev, proposals or [], payload)
+                entry = self._commit_once(
+                    step,
+                    state,
+                    encoded,
+                    status,
+                    next_step,
+                    changes,
+                    event,
+                    goal_rev,
+                    proposals or [],
+                    payload,
+                )
                 break
             except journal.StreamMoved:
                 self.head = None
@@ -247,15 +309,27 @@ class Executor:
         return True
 
     def _commit_once(
-        self, step: str, state: dict[str, Any], encoded: Any, status: str, next_step: str,
-        changes: dict[str, Any], event: RunEvent, goal_rev: int,
-        proposals: list[dict[str, Any]], payload: dict[str, Any],
+        self,
+        step: str,
+        state: dict[str, Any],
+        encoded: Any,
+        status: str,
+        next_step: str,
+        changes: dict[str, Any],
+        event: RunEvent,
+        goal_rev: int,
+        proposals: list[dict[str, Any]],
+        payload: dict[str, Any],
     ) -> JournalEntry:
         rev = self.run.checkpoint_rev + 1
         lease = self.lease
         update: dict[str, Any] = {
-            "checkpoint_rev": rev, "next_step": next_step, "status": status,
-            "consecutive_failures": 0, "updated_at": Now(), **changes,
+            "checkpoint_rev": rev,
+            "next_step": next_step,
+            "status": status,
+            "consecutive_failures": 0,
+            "updated_at": Now(),
+            **changes,
         }
         if status == RunStatus.RUNNING:
             update["lease_expires_at"] = db_now_plus(lease.ttl)  # a commit is a heartbeat
@@ -264,31 +338,65 @@ class Executor:
         waits = update.get("waiting_for")
         with transaction.atomic(durable=True):
             moved = Run.objects.filter(
-                pk=self.run.run_id, fence=lease.fence, status=RunStatus.RUNNING,
-                checkpoint_rev=self.run.checkpoint_rev, goal_rev=self.run.goal_rev,
+                pk=self.run.run_id,
+                fence=lease.fence,
+                status=RunStatus.RUNNING,
+                checkpoint_rev=self.run.checkpoint_rev,
+                goal_rev=self.run.goal_rev,
             ).update(**update)
             if moved != 1:
                 raise _Moved()
             if self.encoder.new:
                 Artifact.objects.bulk_create(
-                    [Artifact(tenant_id=self.run.tenant_id, digest=d, content=text,
-                              size=len(text.encode()))
-                     for d, text in self.encoder.new.items()],
+                    [
+                        Artifact(
+                            tenant_id=self.run.tenant_id,
+                            digest=d,
+                            content=text,
+                            size=len(text.encode()),
+                        )
+                        for d, text in self.encoder.new.items()
+                    ],
                     ignore_conflicts=True,
                 )
-            body = {"run": str(self.run.run_id), "rev": rev, "goal_rev": goal_rev, "step": step,
-                    "next_step": next_step, "status": status, "state": encoded,
-                    "waits": waits, "fence": lease.fence}
+            body = {
+                "run": str(self.run.run_id),
+                "rev": rev,
+                "goal_rev": goal_rev,
+                "step": step,
+                "next_step": next_step,
+                "status": status,
+                "state": encoded,
+                "waits": waits,
+                "fence": lease.fence,
+            }
             checkpoint_digest = digest(body)
             Checkpoint.objects.create(
-                run_id=self.run.run_id, tenant_id=self.run.tenant_id, rev=rev,
-                goal_rev=goal_rev, step=step, next_step=next_step, status=status,
-                state=encoded, waits=waits, created_by=lease.actor, fence=lease.fence,
+                run_id=self.run.run_id,
+                tenant_id=self.run.tenant_id,
+                rev=rev,
+                goal_rev=goal_rev,
+                step=step,
+                next_step=next_step,
+                status=status,
+                state=encoded,
+                waits=waits,
+                created_by=lease.actor,
+                fence=lease.fence,
                 digest=checkpoint_digest,
             )
-            entry = record(self.run, event, lease.actor, head=self.head, rev=rev, step=step,
-                           next_step=next_step, status=status, digest=checkpoint_digest,
-                           **payload)
+            entry = record(
+                self.run,
+                event,
+                lease.actor,
+                head=self.head,
+                rev=rev,
+                step=step,
+                next_step=next_step,
+                status=status,
+                digest=checkpoint_digest,
+                **payload,
+            )
             if proposals:
                 ledger.prepare_proposals(self.run, lease.fence, step, proposals, lease.actor)
         self.run.checkpoint_rev, self.run.next_step, self.run.status = rev, next_step, status
@@ -306,8 +414,11 @@ class Executor:
         )
         delay = 0.0 if escalate else backoff_seconds(graph, failures)
         update: dict[str, Any] = {
-            "consecutive_failures": failures, "attempts": F("attempts") + 1,
-            "last_error": error, "lease_owner": "", "lease_expires_at": None,
+            "consecutive_failures": failures,
+            "attempts": F("attempts") + 1,
+            "last_error": error,
+            "lease_owner": "",
+            "lease_expires_at": None,
             "updated_at": Now(),
         }
         if escalate:
@@ -318,38 +429,66 @@ class Executor:
             status = RunStatus.RETRYING
             update.update(status=status, wake_at=db_now_plus(delay))
         with transaction.atomic(durable=True):
-            mine = Run.objects.filter(pk=self.run.run_id, fence=self.lease.fence,
-                                      status=RunStatus.RUNNING)
+            mine = Run.objects.filter(
+                pk=self.run.run_id, fence=self.lease.fence, status=RunStatus.RUNNING
+            )
             if mine.update(**update) != 1:
                 transaction.set_rollback(True)
                 moved = True
             else:
                 moved = False
-                record(self.run, RunEvent.STEP_FAILED, self.lease.actor, step=step,
-                       error=error, failures=failures, status=status,
-                       retry_in_seconds=round(delay, 3) if not escalate else None)
+                record(
+                    self.run,
+                    RunEvent.STEP_FAILED,
+                    self.lease.actor,
+                    step=step,
+                    error=error,
+                    failures=failures,
+                    status=status,
+                    retry_in_seconds=round(delay, 3) if not escalate else None,
+                )
                 if escalate:
-                    record(self.run, RunEvent.ESCALATED, self.lease.actor,
-                           reason=update["attention_reason"], status=status)
+                    record(
+                        self.run,
+                        RunEvent.ESCALATED,
+                        self.lease.actor,
+                        reason=update["attention_reason"],
+                        status=status,
+                    )
         if moved:
             self.reload()
             return self.stopped()
-        log.info("run %s step %s failed (%s/%s): %s", self.run.run_id, step, failures,
-                 graph.max_failures, error)
+        log.info(
+            "run %s step %s failed (%s/%s): %s",
+            self.run.run_id,
+            step,
+            failures,
+            graph.max_failures,
+            error,
+        )
         self.run.refresh_from_db()
         return AdvanceResult(_OUTCOME[status], self.steps, error)
 
     def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
         with transaction.atomic(durable=True):
             mine = Run.objects.filter(pk=self.run.run_id, fence=self.lease.fence)
-            changed = mine.exclude(status__in=[RunStatus.COMPLETED, RunStatus.FAILED,
-                                               RunStatus.CANCELLED]).update(
-                status=RunStatus.NEEDS_ATTENTION, attention_reason=reason[:2000],
-                lease_owner="", lease_expires_at=None, updated_at=Now(),
+            changed = mine.exclude(
+                status__in=[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
+            ).update(
+                status=RunStatus.NEEDS_ATTENTION,
+                attention_reason=reason[:2000],
+                lease_owner="",
+                lease_expires_at=None,
+                updated_at=Now(),
             )
             if changed == 1:
-                record(self.run, event, self.lease.actor, reason=reason,
-                       status=RunStatus.NEEDS_ATTENTION)
+                record(
+                    self.run,
+                    event,
+                    self.lease.actor,
+                    reason=reason,
+                    status=RunStatus.NEEDS_ATTENTION,
+                )
         if changed != 1:
             self.reload()
             return
@@ -376,18 +515,27 @@ class Executor:
             for _, _, migrate in path:
                 state = migrate(dict(state))
         except Exception as exc:  # a failing migration must not half-apply
-            self.escalate(f"migration from {run.graph_version} failed: {exc}",
-                          RunEvent.INCOMPATIBLE)
+            self.escalate(
+                f"migration from {run.graph_version} failed: {exc}", RunEvent.INCOMPATIBLE
+            )
             return None
         target = path[-1][1]
         graph = registry.get(run.graph, target)
         assert graph is not None
         after = digest(self.encoder.encode(state))
         self.encoder.new = {}
-        ok = self.commit("(migration)", state, RunStatus.RUNNING, run.next_step,
-                         {"graph_version": target}, RunEvent.MIGRATED,
-                         from_version=run.graph_version, to_version=target,
-                         before_digest=before, after_digest=after)
+        ok = self.commit(
+            "(migration)",
+            state,
+            RunStatus.RUNNING,
+            run.next_step,
+            {"graph_version": target},
+            RunEvent.MIGRATED,
+            from_version=run.graph_version,
+            to_version=target,
+            before_digest=before,
+            after_digest=after,
+        )
         if not ok:
             return None
         self.run.graph_version = target
@@ -401,15 +549,26 @@ class Executor:
         except Exception as exc:
             self.escalate(f"revision hook failed: {exc}")
             return False
-        return self.commit(
-            "(revision)", state, RunStatus.RUNNING, next_step, {}, RunEvent.REVISION_APPLIED,
-            from_rev=self.state_goal_rev, to_rev=self.run.goal_rev, kept=sorted(state),
-        ) or self.run.status == RunStatus.RUNNING
+        return (
+            self.commit(
+                "(revision)",
+                state,
+                RunStatus.RUNNING,
+                next_step,
+                {},
+                RunEvent.REVISION_APPLIED,
+                from_rev=self.state_goal_rev,
+                to_rev=self.run.goal_rev,
+                kept=sorted(state),
+            )
+            or self.run.status == RunStatus.RUNNING
+        )
 
     def goal_at(self, goal_rev: int) -> Any:
         """The goal as it was at `goal_rev`, from the journal's revision events."""
         revisions = JournalEntry.objects.filter(
-            stream=journal.run_stream(self.run.run_id), type=RunEvent.GOAL_REVISED.value,
+            stream=journal.run_stream(self.run.run_id),
+            type=RunEvent.GOAL_REVISED.value,
         ).order_by("seq")
         for entry in revisions:
             if entry.payload.get("from_rev") == goal_rev:
@@ -417,17 +576,24 @@ class Executor:
         return self.run.goal
 
 
-_WAIT_STATUS = {"input": RunStatus.WAITING_INPUT, "approval": RunStatus.WAITING_APPROVAL,
-                "timer": RunStatus.QUEUED}
+_WAIT_STATUS = {
+    "input": RunStatus.WAITING_INPUT,
+    "approval": RunStatus.WAITING_APPROVAL,
+    "timer": RunStatus.QUEUED,
+}
 _OUTCOME = {
-    RunStatus.COMPLETED: "completed", RunStatus.FAILED: "failed",
-    RunStatus.WAITING_INPUT: "waiting", RunStatus.WAITING_APPROVAL: "waiting",
-    RunStatus.QUEUED: "waiting", RunStatus.RETRYING: "retrying",
-    RunStatus.NEEDS_ATTENTION: "needs_attention", RunStatus.CANCELLED: "stopped",
-    RunStatus.RUNNING: "yielded", RunStatus.NEEDS_RECONCILIATION: "waiting",
+    RunStatus.COMPLETED: "completed",
+    RunStatus.FAILED: "failed",
+    RunStatus.WAITING_INPUT: "waiting",
+    RunStatus.WAITING_APPROVAL: "waiting",
+    RunStatus.QUEUED: "waiting",
+    RunStatus.RETRYING: "retrying",
+    RunStatus.NEEDS_ATTENTION: "needs_attention",
+    RunStatus.CANCELLED: "stopped",
+    RunStatus.RUNNING: "yielded",
+    RunStatus.NEEDS_RECONCILIATION: "waiting",
 }
 
 
 class _Moved(Exception):
     pass
-

@@ -8,17 +8,22 @@ lease alone never gives mutual exclusion, the fence does.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import TracebackType
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, F, Q, Value
 from django.db.models.functions import Now
 
 from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
 from runtime.events import RunEvent, record
 from runtime.models import RUNNABLE, TERMINAL, Run, RunStatus
+
+log = logging.getLogger("holdpoint.leases")
 
 
 @dataclass(frozen=True)
@@ -111,18 +116,23 @@ def release(lease: Lease, *, requeue: bool = False) -> None:
     with transaction.atomic(durable=True):
         mine = Run.objects.filter(pk=lease.run_id, fence=lease.fence, lease_owner=lease.owner)
         changes: dict[str, Any] = {"lease_owner": "", "lease_expires_at": None}
-        running = mine.filter(status=RunStatus.RUNNING)
-        if running.update(status=RunStatus.QUEUED, **changes) == 1:
+        requeued = mine.filter(status=RunStatus.RUNNING).update(status=RunStatus.QUEUED, **changes)
+        if requeued:
             run = Run.objects.get(pk=lease.run_id)
-            record(run, RunEvent.LEASE_RELEASED, lease.actor, fence=lease.fence,
-                   status=RunStatus.QUEUED)
+            record(
+                run,
+                RunEvent.LEASE_RELEASED,
+                lease.actor,
+                fence=lease.fence,
+                status=RunStatus.QUEUED,
+            )
             if requeue:
                 from runtime.queue import ring
 
                 ring(lease.run_id)
-            return
-        if mine.update(**changes) != 1:
-            refuse_stale(lease, "release")
+        released = requeued or mine.update(**changes)
+    if not released:
+        refuse_stale(lease, "release")
 
 
 def refuse_stale(lease: Lease, what: str) -> None:
@@ -139,3 +149,42 @@ def refuse_stale(lease: Lease, what: str) -> None:
                 current_fence=run.fence,
             )
     raise StaleFence(f"fence {lease.fence} is stale ({what} refused)")
+
+
+class Heartbeater:
+    """Keeps a lease alive from a side thread while a step runs longer than TTL/3.
+
+    Step commits extend the lease too; this covers the long step (a slow model call) that
+    would otherwise lose its run to another worker mid-step. The thread has its own database
+    connection. If a heartbeat is refused the lease is lost: `lost` is set and the executor
+    stops at its next check (its writes would be refused by the fence anyway).
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="holdpoint-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeater:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        try:
+            while not self._stop.wait(self.lease.ttl / 3):
+                try:
+                    heartbeat(self.lease)
+                except StaleFence:
+                    self.lost.set()
+                    return
+                except Exception:  # a passing database error: the next beat may succeed
+                    log.exception("heartbeat for run %s failed", self.lease.run_id)
+        finally:
+            connection.close()

@@ -14,7 +14,13 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from audit.canonical import CanonicalError, canonical_bytes, sha256_hex
-from runtime.errors import ActionCancelled, InvalidParams, InvalidTransition, StaleFence, StaleGoalRev
+from runtime.errors import (
+    ActionCancelled,
+    InvalidParams,
+    InvalidTransition,
+    StaleFence,
+    StaleGoalRev,
+)
 from runtime.events import RunEvent, record
 from runtime.models import UNSENT, Action, ActionStatus, Run
 
@@ -35,8 +41,9 @@ def canonical_params(params: Any) -> tuple[str, str]:
     return data.decode("utf-8"), sha256_hex(data)
 
 
-def prepare_proposals(run: Run, fence: int, step: str, proposals: list[dict[str, Any]],
-                      actor: str) -> list[Action]:
+def prepare_proposals(
+    run: Run, fence: int, step: str, proposals: list[dict[str, Any]], actor: str
+) -> list[Action]:
     """Inside the step's commit: write each proposal `prepared`, or find it prepared already.
 
     The same key with a different fingerprint is refused: a re-executed step that now asks
@@ -49,19 +56,36 @@ def prepare_proposals(run: Run, fence: int, step: str, proposals: list[dict[str,
         existing = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
         if existing is not None:
             if existing.fingerprint != fingerprint:
-                raise InvalidParams(f"step {step} re-proposed call {proposal['call_index']} "
-                                    "with different params under the same key")
+                raise InvalidParams(
+                    f"step {step} re-proposed call {proposal['call_index']} "
+                    "with different params under the same key"
+                )
             prepared.append(existing)
             continue
         action = Action.objects.create(
-            tenant_id=run.tenant_id, run=run, idempotency_key=key, tool=proposal["tool"],
-            params=text, fingerprint=fingerprint, goal_rev=run.goal_rev, fence=fence,
-            step=step, call_index=proposal["call_index"], reason=proposal.get("reason", ""),
+            tenant_id=run.tenant_id,
+            run=run,
+            idempotency_key=key,
+            tool=proposal["tool"],
+            params=text,
+            fingerprint=fingerprint,
+            goal_rev=run.goal_rev,
+            fence=fence,
+            step=step,
+            call_index=proposal["call_index"],
+            reason=proposal.get("reason", ""),
             target=proposal.get("target", ""),
         )
-        record(run, RunEvent.ACTION_PREPARED, actor, action_id=str(action.action_id),
-               idempotency_key=key, fingerprint=fingerprint, tool=action.tool,
-               goal_rev=run.goal_rev)
+        record(
+            run,
+            RunEvent.ACTION_PREPARED,
+            actor,
+            action_id=str(action.action_id),
+            idempotency_key=key,
+            fingerprint=fingerprint,
+            tool=action.tool,
+            goal_rev=run.goal_rev,
+        )
         prepared.append(action)
     return prepared
 
@@ -75,8 +99,14 @@ def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
     if ids:
         stale.update(status=ActionStatus.CANCELLED)
         for action_id in ids:
-            record(run, RunEvent.ACTION_CANCELLED, actor, action_id=action_id,
-                   reason="goal revised", goal_rev=goal_rev)
+            record(
+                run,
+                RunEvent.ACTION_CANCELLED,
+                actor,
+                action_id=action_id,
+                reason="goal revised",
+                goal_rev=goal_rev,
+            )
     return ids
 
 
@@ -106,7 +136,14 @@ def record_late_result(action: Action, outcome: str, result: Any, actor: str) ->
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=action.run_id)
         Action.objects.filter(pk=action.pk).update(result=result)
-        record(run, RunEvent.LATE_RESULT_IGNORED, actor, action_id=str(action.action_id),
-               outcome=outcome, action_goal_rev=action.goal_rev, run_goal_rev=run.goal_rev)
+        record(
+            run,
+            RunEvent.LATE_RESULT_IGNORED,
+            actor,
+            action_id=str(action.action_id),
+            outcome=outcome,
+            action_goal_rev=action.goal_rev,
+            run_goal_rev=run.goal_rev,
+        )
     action.refresh_from_db()
     return action

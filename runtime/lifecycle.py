@@ -28,6 +28,9 @@ from runtime.ledger import cancel_older_revisions
 from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.queue import ring
 
+# What `resume_run` wakes besides a timer wait; pages use it to decide whether to offer it.
+RESUMABLE = frozenset({RunStatus.NEEDS_ATTENTION, RunStatus.RETRYING})
+
 
 def _json_value(value: Any, field: str) -> Any:
     try:
@@ -38,8 +41,14 @@ def _json_value(value: Any, field: str) -> Any:
 
 
 def create_run(
-    tenant: Tenant, graph: str, goal: Any, *, actor: str, thread_id: str | None = None,
-    graph_version: str | None = None, metadata: dict[str, Any] | None = None,
+    tenant: Tenant,
+    graph: str,
+    goal: Any,
+    *,
+    actor: str,
+    thread_id: str | None = None,
+    graph_version: str | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> Run:
     """Start a run pinned to a registered graph version (the latest unless one is named)."""
     found = registry.get(graph, graph_version) if graph_version else None
@@ -49,13 +58,25 @@ def create_run(
         found = registry.latest(graph)
     with transaction.atomic(durable=True):
         run = Run.objects.create(
-            tenant=tenant, graph=found.name, graph_version=found.version,
-            state_version=found.state_version, goal=_json_value(goal, "goal"),
-            thread_id=thread_id or str(uuid.uuid4()), next_step=found.start,
-            metadata={"tools": list(found.tools), **(metadata or {})}, created_by=actor,
+            tenant=tenant,
+            graph=found.name,
+            graph_version=found.version,
+            state_version=found.state_version,
+            goal=_json_value(goal, "goal"),
+            thread_id=thread_id or str(uuid.uuid4()),
+            next_step=found.start,
+            metadata={"tools": list(found.tools), **(metadata or {})},
+            created_by=actor,
         )
-        record(run, RunEvent.CREATED, actor, graph=found.name, graph_version=found.version,
-               goal_rev=1, status=RunStatus.QUEUED)
+        record(
+            run,
+            RunEvent.CREATED,
+            actor,
+            graph=found.name,
+            graph_version=found.version,
+            goal_rev=1,
+            status=RunStatus.QUEUED,
+        )
         ring(run.run_id)
     return run
 
@@ -70,9 +91,17 @@ def _finished(run: Run) -> None:
 def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
     """Stop a run for good; unsent actions are withdrawn, an executor's next write is refused."""
     with transaction.atomic(durable=True):
-        changed = Run.objects.filter(pk=run.pk).exclude(status__in=TERMINAL).update(
-            status=RunStatus.CANCELLED, waiting_for=None, wake_at=None, lease_owner="",
-            lease_expires_at=None, updated_at=Now(),
+        changed = (
+            Run.objects.filter(pk=run.pk)
+            .exclude(status__in=TERMINAL)
+            .update(
+                status=RunStatus.CANCELLED,
+                waiting_for=None,
+                wake_at=None,
+                lease_owner="",
+                lease_expires_at=None,
+                updated_at=Now(),
+            )
         )
         run.refresh_from_db()
         if changed != 1:
@@ -80,8 +109,14 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
         withdrawn = Action.objects.filter(run=run, status__in=UNSENT)
         ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
         withdrawn.update(status=ActionStatus.CANCELLED)
-        record(run, RunEvent.CANCELLED, actor, reason=reason[:2000], withdrawn_actions=ids,
-               status=RunStatus.CANCELLED)
+        record(
+            run,
+            RunEvent.CANCELLED,
+            actor,
+            reason=reason[:2000],
+            withdrawn_actions=ids,
+            status=RunStatus.CANCELLED,
+        )
     return run
 
 
@@ -91,11 +126,9 @@ def provide_input(run: Run, data: Any, expected_rev: int, *, actor: str) -> Run:
     with transaction.atomic(durable=True):
         changed = Run.objects.filter(
             pk=run.pk, status=RunStatus.WAITING_INPUT, checkpoint_rev=expected_rev
-        ).update(status=RunStatus.QUEUED, pending_input=data, waiting_for=None,
-                 updated_at=Now())
+        ).update(status=RunStatus.QUEUED, pending_input=data, waiting_for=None, updated_at=Now())
         run.refresh_from_db()
         if changed != 1:
-            _finished(run)
             if run.status != RunStatus.WAITING_INPUT:
                 raise NotWaitingInput(f"the run is {run.status}")
             raise VersionConflict(f"checkpoint_rev is {run.checkpoint_rev}, not {expected_rev}")
@@ -114,23 +147,29 @@ def resume_run(run: Run, *, actor: str, expected_rev: int | None = None) -> Run:
         _finished(current)
         if expected_rev is not None and current.checkpoint_rev != expected_rev:
             raise VersionConflict(f"checkpoint_rev is {current.checkpoint_rev}")
-        wakeable = Q(status__in=[RunStatus.NEEDS_ATTENTION, RunStatus.RETRYING]) | Q(
-            status=RunStatus.QUEUED, wake_at__isnull=False
-        )
+        wakeable = Q(status__in=RESUMABLE) | Q(status=RunStatus.QUEUED, wake_at__isnull=False)
         changed = Run.objects.filter(wakeable, pk=run.pk).update(
-            status=RunStatus.QUEUED, wake_at=None, consecutive_failures=0,
-            attention_reason="", updated_at=Now(),
+            status=RunStatus.QUEUED,
+            wake_at=None,
+            consecutive_failures=0,
+            attention_reason="",
+            updated_at=Now(),
         )
         if changed:
-            record(current, RunEvent.RESUMED, actor, previous_status=current.status,
-                   status=RunStatus.QUEUED)
+            record(
+                current,
+                RunEvent.RESUMED,
+                actor,
+                previous_status=current.status,
+                status=RunStatus.QUEUED,
+            )
         ring(run.pk)
     run.refresh_from_db()
     return run
 
 
 def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> Run:
-    """"I said it wrong": a new goal revision that fences off everything of the old one.
+    """ "I said it wrong": a new goal revision that fences off everything of the old one.
 
     goal_rev + 1 atomically (CAS on the expected revision); every action prepared under an
     older revision and not yet sent is cancelled; the executor's in-flight step cannot commit
@@ -140,19 +179,28 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
     _json_value(goal, "goal")
     with transaction.atomic(durable=True):
         current = Run.objects.select_for_update().get(pk=run.pk)
-        _finished(current)
+        if current.status in TERMINAL:
+            raise RunFinished(f"the run is {current.status}")
         if current.goal_rev != expected_goal_rev:
             raise VersionConflict(f"goal_rev is {current.goal_rev}, not {expected_goal_rev}")
         new_rev = current.goal_rev + 1
         waiting = current.status in (RunStatus.WAITING_INPUT, RunStatus.WAITING_APPROVAL)
         changes: dict[str, Any] = {"goal": goal, "goal_rev": new_rev, "updated_at": Now()}
         if waiting or current.status in (RunStatus.RETRYING, RunStatus.NEEDS_ATTENTION):
-            changes.update(status=RunStatus.QUEUED, waiting_for=None, wake_at=None,
-                           pending_input=None)
+            changes.update(
+                status=RunStatus.QUEUED, waiting_for=None, wake_at=None, pending_input=None
+            )
         Run.objects.filter(pk=run.pk, goal_rev=expected_goal_rev).update(**changes)
-        record(current, RunEvent.GOAL_REVISED, actor, from_rev=expected_goal_rev,
-               to_rev=new_rev, previous_goal=current.goal, goal=goal,
-               status=changes.get("status", current.status))
+        record(
+            current,
+            RunEvent.GOAL_REVISED,
+            actor,
+            from_rev=expected_goal_rev,
+            to_rev=new_rev,
+            previous_goal=current.goal,
+            goal=goal,
+            status=changes.get("status", current.status),
+        )
         cancel_older_revisions(current, new_rev, actor)
         ring(run.pk)
     run.refresh_from_db()

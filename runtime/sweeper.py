@@ -61,11 +61,12 @@ def sweep_for(seconds: float, interval: float) -> int:
 
     django-q2 schedules have minute granularity; a crashed worker's run must be picked up
     within seconds of its lease expiring, so the scheduled task keeps ticking for most of
-    the minute instead of ticking once.
+    the minute instead of ticking once. The window stays well under the minute because a
+    cluster's graceful stop waits for running tasks: a long window would delay redeploys.
     """
     deadline = time.monotonic() + seconds
-    rung = 0
-    while time.monotonic() < deadline:
-        rung += sweep_once().rung
+    rung = sweep_once().rung
+    while time.monotonic() + interval < deadline:
         time.sleep(interval * random.uniform(0.75, 1.25))
+        rung += sweep_once().rung
     return rung

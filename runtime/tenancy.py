@@ -36,6 +36,14 @@ class Principal:
         return self.role == Role.AGENT
 
     @property
+    def may_act(self) -> bool:
+        """May pull a run's levers (start, cancel, resume, input, revise) from the pages.
+
+        Viewers only look; agents act through the API with their token.
+        """
+        return self.role in (Role.ADMIN, Role.REVIEWER)
+
+    @property
     def label(self) -> str:
         kind = "agent" if self.is_agent else "user"
         return f"{kind}:{self.user.get_username()}"

@@ -88,3 +88,33 @@ def agent_a(tenant_a: Tenant) -> Persona:
 @pytest.fixture
 def agent_b(tenant_b: Tenant) -> Persona:
     return make_persona(tenant_b, "agent-b", Role.AGENT)
+
+
+def _db_fixture_of(request: pytest.FixtureRequest) -> str | None:
+    marker = request.node.get_closest_marker("django_db")
+    if marker is not None and marker.kwargs.get("transaction"):
+        return "transactional_db"
+    if "transactional_db" in request.fixturenames or "live_server" in request.fixturenames:
+        return "transactional_db"
+    if marker is not None or "db" in request.fixturenames:
+        return "db"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
+    """After every test: each run's status rebuilt from its journal equals the stored one,
+    and each run's chain verifies. Event sourcing is checked on every run the suite makes."""
+    db_fixture = _db_fixture_of(request)
+    if db_fixture is not None:
+        request.getfixturevalue(db_fixture)
+    yield
+    if db_fixture is None:
+        return
+    from audit.journal import run_stream, verify_stream
+    from runtime.events import rebuild_status
+    from runtime.models import Run
+
+    for run_id, status in Run.objects.values_list("run_id", "status"):
+        assert rebuild_status(run_id) == status, f"journal disagrees for run {run_id}"
+        assert verify_stream(run_stream(run_id)) is None, f"chain broken for run {run_id}"

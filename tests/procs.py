@@ -45,6 +45,9 @@ def child_env(**extra: str) -> dict[str, str]:
         DATABASE_URL=test_database_url(),
         HOLDPOINT_VAR_DIR=str(settings.VAR_DIR),
         PYTHONUNBUFFERED="1",
+        # One sweep tick per scheduled task: a graceful stop then never waits for a sweep.
+        HOLDPOINT_SWEEP_WINDOW="0",
+        HOLDPOINT_HEARTBEAT_THREAD="1",
     )
     env.update(extra)
     return env

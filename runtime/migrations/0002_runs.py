@@ -6,160 +6,346 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runtime', '0001_initial'),
+        ("runtime", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Run',
+            name="Run",
             fields=[
-                ('run_id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('thread_id', models.CharField(max_length=200)),
-                ('graph', models.CharField(max_length=100)),
-                ('graph_version', models.CharField(max_length=40)),
-                ('state_version', models.PositiveIntegerField(default=1)),
-                ('goal', models.JSONField()),
-                ('goal_rev', models.PositiveIntegerField(default=1)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('waiting_input', 'Waiting Input'), ('waiting_approval', 'Waiting Approval'), ('retrying', 'Retrying'), ('needs_reconciliation', 'Needs Reconciliation'), ('needs_attention', 'Needs Attention'), ('completed', 'Completed'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], default='queued', max_length=24)),
-                ('checkpoint_rev', models.PositiveIntegerField(default=0)),
-                ('next_step', models.CharField(max_length=100)),
-                ('waiting_for', models.JSONField(blank=True, null=True)),
-                ('pending_input', models.JSONField(blank=True, null=True)),
-                ('wake_at', models.DateTimeField(blank=True, null=True)),
-                ('lease_owner', models.CharField(blank=True, default='', max_length=200)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('fence', models.BigIntegerField(default=0)),
-                ('consecutive_failures', models.PositiveIntegerField(default=0)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('last_error', models.TextField(blank=True, default='')),
-                ('attention_reason', models.TextField(blank=True, default='')),
-                ('metadata', models.JSONField(blank=True, default=dict)),
-                ('created_by', models.CharField(blank=True, default='', max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='runs', to='runtime.tenant')),
+                (
+                    "run_id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("thread_id", models.CharField(max_length=200)),
+                ("graph", models.CharField(max_length=100)),
+                ("graph_version", models.CharField(max_length=40)),
+                ("state_version", models.PositiveIntegerField(default=1)),
+                ("goal", models.JSONField()),
+                ("goal_rev", models.PositiveIntegerField(default=1)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("waiting_input", "Waiting Input"),
+                            ("waiting_approval", "Waiting Approval"),
+                            ("retrying", "Retrying"),
+                            ("needs_reconciliation", "Needs Reconciliation"),
+                            ("needs_attention", "Needs Attention"),
+                            ("completed", "Completed"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        default="queued",
+                        max_length=24,
+                    ),
+                ),
+                ("checkpoint_rev", models.PositiveIntegerField(default=0)),
+                ("next_step", models.CharField(max_length=100)),
+                ("waiting_for", models.JSONField(blank=True, null=True)),
+                ("pending_input", models.JSONField(blank=True, null=True)),
+                ("wake_at", models.DateTimeField(blank=True, null=True)),
+                ("lease_owner", models.CharField(blank=True, default="", max_length=200)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("fence", models.BigIntegerField(default=0)),
+                ("consecutive_failures", models.PositiveIntegerField(default=0)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("last_error", models.TextField(blank=True, default="")),
+                ("attention_reason", models.TextField(blank=True, default="")),
+                ("metadata", models.JSONField(blank=True, default=dict)),
+                ("created_by", models.CharField(blank=True, default="", max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="runs",
+                        to="runtime.tenant",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='RecordedCall',
+            name="RecordedCall",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=300)),
-                ('goal_rev', models.PositiveIntegerField()),
-                ('result', models.JSONField()),
-                ('fence', models.BigIntegerField()),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, to='runtime.tenant')),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='recorded_calls', to='runtime.run')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=300)),
+                ("goal_rev", models.PositiveIntegerField()),
+                ("result", models.JSONField()),
+                ("fence", models.BigIntegerField()),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, to="runtime.tenant"
+                    ),
+                ),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="recorded_calls",
+                        to="runtime.run",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Checkpoint',
+            name="Checkpoint",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('rev', models.PositiveIntegerField()),
-                ('goal_rev', models.PositiveIntegerField()),
-                ('step', models.CharField(blank=True, default='', max_length=100)),
-                ('next_step', models.CharField(blank=True, default='', max_length=100)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('waiting_input', 'Waiting Input'), ('waiting_approval', 'Waiting Approval'), ('retrying', 'Retrying'), ('needs_reconciliation', 'Needs Reconciliation'), ('needs_attention', 'Needs Attention'), ('completed', 'Completed'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], max_length=24)),
-                ('state', models.JSONField()),
-                ('waits', models.JSONField(blank=True, null=True)),
-                ('created_by', models.CharField(max_length=240)),
-                ('fence', models.BigIntegerField()),
-                ('digest', models.CharField(max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, to='runtime.tenant')),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='checkpoints', to='runtime.run')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("rev", models.PositiveIntegerField()),
+                ("goal_rev", models.PositiveIntegerField()),
+                ("step", models.CharField(blank=True, default="", max_length=100)),
+                ("next_step", models.CharField(blank=True, default="", max_length=100)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("waiting_input", "Waiting Input"),
+                            ("waiting_approval", "Waiting Approval"),
+                            ("retrying", "Retrying"),
+                            ("needs_reconciliation", "Needs Reconciliation"),
+                            ("needs_attention", "Needs Attention"),
+                            ("completed", "Completed"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        max_length=24,
+                    ),
+                ),
+                ("state", models.JSONField()),
+                ("waits", models.JSONField(blank=True, null=True)),
+                ("created_by", models.CharField(max_length=240)),
+                ("fence", models.BigIntegerField()),
+                ("digest", models.CharField(max_length=64)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, to="runtime.tenant"
+                    ),
+                ),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="checkpoints",
+                        to="runtime.run",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['run', 'rev'],
+                "ordering": ["run", "rev"],
             },
         ),
         migrations.CreateModel(
-            name='Action',
+            name="Action",
             fields=[
-                ('action_id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('idempotency_key', models.CharField(max_length=255)),
-                ('tool', models.CharField(max_length=100)),
-                ('tool_version', models.CharField(default='1', max_length=40)),
-                ('params', models.TextField()),
-                ('fingerprint', models.CharField(max_length=64)),
-                ('status', models.CharField(choices=[('prepared', 'Prepared'), ('awaiting_approval', 'Awaiting Approval'), ('approved', 'Approved'), ('sent', 'Sent'), ('confirmed', 'Confirmed'), ('unknown', 'Unknown'), ('failed', 'Failed'), ('manual_review', 'Manual Review'), ('cancelled', 'Cancelled'), ('compensated', 'Compensated')], default='prepared', max_length=24)),
-                ('goal_rev', models.PositiveIntegerField()),
-                ('fence', models.BigIntegerField()),
-                ('step', models.CharField(max_length=100)),
-                ('call_index', models.PositiveIntegerField()),
-                ('reason', models.TextField(blank=True, default='')),
-                ('target', models.CharField(blank=True, default='', max_length=300)),
-                ('external_id', models.CharField(blank=True, default='', max_length=300)),
-                ('result', models.JSONField(blank=True, null=True)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, to='runtime.tenant')),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='actions', to='runtime.run')),
+                (
+                    "action_id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                ("idempotency_key", models.CharField(max_length=255)),
+                ("tool", models.CharField(max_length=100)),
+                ("tool_version", models.CharField(default="1", max_length=40)),
+                ("params", models.TextField()),
+                ("fingerprint", models.CharField(max_length=64)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("prepared", "Prepared"),
+                            ("awaiting_approval", "Awaiting Approval"),
+                            ("approved", "Approved"),
+                            ("sent", "Sent"),
+                            ("confirmed", "Confirmed"),
+                            ("unknown", "Unknown"),
+                            ("failed", "Failed"),
+                            ("manual_review", "Manual Review"),
+                            ("cancelled", "Cancelled"),
+                            ("compensated", "Compensated"),
+                        ],
+                        default="prepared",
+                        max_length=24,
+                    ),
+                ),
+                ("goal_rev", models.PositiveIntegerField()),
+                ("fence", models.BigIntegerField()),
+                ("step", models.CharField(max_length=100)),
+                ("call_index", models.PositiveIntegerField()),
+                ("reason", models.TextField(blank=True, default="")),
+                ("target", models.CharField(blank=True, default="", max_length=300)),
+                ("external_id", models.CharField(blank=True, default="", max_length=300)),
+                ("result", models.JSONField(blank=True, null=True)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, to="runtime.tenant"
+                    ),
+                ),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="actions",
+                        to="runtime.run",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['created_at'],
+                "ordering": ["created_at"],
             },
         ),
         migrations.CreateModel(
-            name='Artifact',
+            name="Artifact",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('digest', models.CharField(max_length=64)),
-                ('content', models.TextField()),
-                ('size', models.PositiveIntegerField()),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, to='runtime.tenant')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("digest", models.CharField(max_length=64)),
+                ("content", models.TextField()),
+                ("size", models.PositiveIntegerField()),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, to="runtime.tenant"
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('tenant', 'digest'), name='runtime_artifact_once')],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("tenant", "digest"), name="runtime_artifact_once"
+                    )
+                ],
             },
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(condition=models.Q(('status__in', ['queued', 'running', 'retrying', 'needs_reconciliation'])), fields=['lease_expires_at'], name='runtime_run_sweep_lease'),
+            model_name="run",
+            index=models.Index(
+                condition=models.Q(
+                    ("status__in", ["queued", "running", "retrying", "needs_reconciliation"])
+                ),
+                fields=["lease_expires_at"],
+                name="runtime_run_sweep_lease",
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(condition=models.Q(('wake_at__isnull', False)), fields=['wake_at'], name='runtime_run_sweep_wake'),
+            model_name="run",
+            index=models.Index(
+                condition=models.Q(("wake_at__isnull", False)),
+                fields=["wake_at"],
+                name="runtime_run_sweep_wake",
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['tenant', 'status', '-created_at'], name='runtime_run_list'),
+            model_name="run",
+            index=models.Index(fields=["tenant", "status", "-created_at"], name="runtime_run_list"),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['tenant', 'thread_id'], name='runtime_run_thread'),
+            model_name="run",
+            index=models.Index(fields=["tenant", "thread_id"], name="runtime_run_thread"),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['queued', 'running', 'waiting_input', 'waiting_approval', 'retrying', 'needs_reconciliation', 'needs_attention', 'completed', 'failed', 'cancelled'])), name='runtime_run_status_valid'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "status__in",
+                        [
+                            "queued",
+                            "running",
+                            "waiting_input",
+                            "waiting_approval",
+                            "retrying",
+                            "needs_reconciliation",
+                            "needs_attention",
+                            "completed",
+                            "failed",
+                            "cancelled",
+                        ],
+                    )
+                ),
+                name="runtime_run_status_valid",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(('fence__gte', 0), ('goal_rev__gte', 1)), name='runtime_run_counters'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("fence__gte", 0), ("goal_rev__gte", 1)),
+                name="runtime_run_counters",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='recordedcall',
-            constraint=models.UniqueConstraint(fields=('run', 'key'), name='runtime_recordedcall_once'),
+            model_name="recordedcall",
+            constraint=models.UniqueConstraint(
+                fields=("run", "key"), name="runtime_recordedcall_once"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='checkpoint',
-            constraint=models.UniqueConstraint(fields=('run', 'rev'), name='runtime_checkpoint_one_rev'),
+            model_name="checkpoint",
+            constraint=models.UniqueConstraint(
+                fields=("run", "rev"), name="runtime_checkpoint_one_rev"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='action',
-            constraint=models.UniqueConstraint(fields=('tenant', 'idempotency_key'), name='runtime_action_one_key'),
+            model_name="action",
+            constraint=models.UniqueConstraint(
+                fields=("tenant", "idempotency_key"), name="runtime_action_one_key"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='action',
-            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['prepared', 'awaiting_approval', 'approved', 'sent', 'confirmed', 'unknown', 'failed', 'manual_review', 'cancelled', 'compensated'])), name='runtime_action_status_valid'),
+            model_name="action",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "status__in",
+                        [
+                            "prepared",
+                            "awaiting_approval",
+                            "approved",
+                            "sent",
+                            "confirmed",
+                            "unknown",
+                            "failed",
+                            "manual_review",
+                            "cancelled",
+                            "compensated",
+                        ],
+                    )
+                ),
+                name="runtime_action_status_valid",
+            ),
         ),
     ]

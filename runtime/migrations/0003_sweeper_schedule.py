@@ -7,8 +7,7 @@ def add_schedule(apps, schema_editor):
     Schedule = apps.get_model("django_q", "Schedule")
     Schedule.objects.update_or_create(
         name="holdpoint-sweeper",
-        defaults={"func": "runtime.tasks.sweep", "schedule_type": "I", "minutes": 1,
-                  "repeats": -1},
+        defaults={"func": "runtime.tasks.sweep", "schedule_type": "I", "minutes": 1, "repeats": -1},
     )
 
 

@@ -30,8 +30,9 @@ class RunStatus(models.TextChoices):
 
 TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 # Statuses an executor may pick a run up in (the lease CAS admits nothing else).
-RUNNABLE = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING,
-                      RunStatus.NEEDS_RECONCILIATION})
+RUNNABLE = frozenset(
+    {RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING, RunStatus.NEEDS_RECONCILIATION}
+)
 
 
 class Run(models.Model):

@@ -53,7 +53,9 @@ def analyse(ctx: StepContext) -> Outcome:
     for prefix in ctx.goal["scope"]:
         key = f"{old_name}..{new_name}:{prefix}"
         if key not in evidence:
-            evidence[key] = ctx.record(f"analysis:{key}", lambda p=prefix: find_risks(old, new, [p]))
+            evidence[key] = ctx.record(
+                f"analysis:{key}", lambda p=prefix: find_risks(old, new, [p])
+            )
     return Next("report", update={"evidence": evidence})
 
 
@@ -65,8 +67,12 @@ def report(ctx: StepContext) -> Outcome:
         for prefix in ctx.goal["scope"]
         for risk in ctx.state["evidence"][f"{old_name}..{new_name}:{prefix}"]
     ]
-    summary = {"old_spec": old_name, "new_spec": new_name, "scope": list(ctx.goal["scope"]),
-               "risks": risks}
+    summary = {
+        "old_spec": old_name,
+        "new_spec": new_name,
+        "scope": list(ctx.goal["scope"]),
+        "risks": risks,
+    }
     if ctx.goal.get("create_review_task") and risks:
         return Next("propose_task", update={"report": summary})
     return Complete(update={"report": summary})
@@ -78,14 +84,20 @@ def propose_task(ctx: StepContext) -> Outcome:
     lines = [f"- {r['method']} {r['path']}: {r['kind']} — {r['detail']}" for r in report_["risks"]]
     ctx.propose(
         "tasks.create",
-        {"title": f"Review {len(lines)} API compatibility risk(s): "
-                  f"{report_['old_spec']} → {report_['new_spec']}",
-         "body": "\n".join(lines)},
+        {
+            "title": f"Review {len(lines)} API compatibility risk(s): "
+            f"{report_['old_spec']} → {report_['new_spec']}",
+            "body": "\n".join(lines),
+        },
         reason="The new API version breaks existing clients in these places.",
         target=f"{report_['new_spec']}",
     )
-    return Wait("approval", then="finish", prompt="Approve creating the review task",
-                detail={"tool": "tasks.create"})
+    return Wait(
+        "approval",
+        then="finish",
+        prompt="Approve creating the review task",
+        detail={"tool": "tasks.create"},
+    )
 
 
 @graph.step

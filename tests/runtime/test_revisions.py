@@ -1,0 +1,163 @@
+"""Goal revisions fence old work (invariant 6), and the api-review agent end to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from runtime.artifacts import resolve
+from runtime.errors import ActionCancelled, RunFinished, StaleGoalRev, VersionConflict
+from runtime.executor import advance_run
+from runtime.graphs import Complete, Graph, Next, register, registry
+from runtime.ledger import check_dispatchable, record_late_result
+from runtime.lifecycle import create_run, revise_goal
+from runtime.models import Action, ActionStatus, Checkpoint, RecordedCall, RunStatus, Tenant
+from tests.runtime.helpers import events, payloads
+
+
+def _state(run: Any) -> dict[str, Any]:
+    run.refresh_from_db()
+    return resolve(run.tenant_id, Checkpoint.objects.get(run=run, rev=run.checkpoint_rev).state)
+
+
+def test_revision_cancels_an_old_revision_action_that_waits(tenant_a: Tenant) -> None:
+    from django.db import transaction
+
+    run = create_run(tenant_a, "proposer", {"title": "first"}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    old = Action.objects.get(run=run)
+    assert (old.status, old.goal_rev) == (ActionStatus.PREPARED, 1)
+    fence = run.__class__.objects.get(pk=run.pk).fence
+
+    with pytest.raises(VersionConflict):
+        revise_goal(run, {"title": "second"}, expected_goal_rev=2, actor="user:alice")
+    revise_goal(run, {"title": "second"}, expected_goal_rev=1, actor="user:alice")
+    old.refresh_from_db()
+    assert run.goal_rev == 2 and old.status == ActionStatus.CANCELLED
+
+    # The old action is never dispatched, whoever tries.
+    with pytest.raises(ActionCancelled), transaction.atomic():
+        check_dispatchable(old.action_id, fence)
+
+    # A late result for the old revision is recorded but does not move the run.
+    before = run.__class__.objects.get(pk=run.pk)
+    record_late_result(old, "confirmed", {"external_id": "T-1"}, actor="agent:x")
+    after = run.__class__.objects.get(pk=run.pk)
+    assert (after.checkpoint_rev, after.status, after.goal_rev) == (
+        before.checkpoint_rev,
+        before.status,
+        2,
+    )
+    old.refresh_from_db()
+    assert old.status == ActionStatus.CANCELLED and old.result == {"external_id": "T-1"}
+
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    new = Action.objects.get(run=run, goal_rev=2)
+    assert new.idempotency_key != old.idempotency_key and "second" in new.params
+    assert payloads(run, "revision_applied")[0]["to_rev"] == 2
+
+
+def test_old_revision_action_cannot_be_dispatched_after_a_bump(tenant_a: Tenant) -> None:
+    """An action prepared under rev 1 but not cancelled (e.g. raced) is refused as stale."""
+    from django.db import transaction
+
+    run = create_run(tenant_a, "proposer", {"title": "first"}, actor="t")
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    revise_goal(run, {"title": "second"}, expected_goal_rev=1, actor="t")
+    Action.objects.filter(pk=action.pk).update(status=ActionStatus.PREPARED)  # simulate the race
+    with pytest.raises(StaleGoalRev), transaction.atomic():
+        check_dispatchable(action.action_id, run.fence)
+
+
+def test_in_flight_step_result_of_old_revision_never_advances_the_new_one(
+    tenant_a: Tenant,
+) -> None:
+    """The goal is revised while a step runs: its result is dropped, the step re-runs."""
+    seen: list[tuple[int, str]] = []
+    racing = Graph("racing", version="1")
+
+    @racing.step(start=True)
+    def work(ctx: Any) -> Any:
+        seen.append((ctx.goal_rev, ctx.goal["topic"]))
+        if ctx.goal_rev == 1:  # a user revises the goal while this step is in flight
+            from runtime.models import Run
+
+            revise_goal(Run.objects.get(pk=ctx.run_id), {"topic": "new"}, 1, actor="user:u")
+        return Next("finish", update={"answer_for": ctx.goal["topic"]})
+
+    @racing.step
+    def finish(ctx: Any) -> Any:
+        return Complete()
+
+    register(racing)
+    try:
+        run = create_run(tenant_a, "racing", {"topic": "old"}, actor="t")
+        assert advance_run(run.run_id, "w1").outcome == "completed"
+        assert seen == [(1, "old"), (2, "new")]
+        assert _state(run)["answer_for"] == "new"
+        goal_revs = set(Checkpoint.objects.filter(run=run).values_list("goal_rev", flat=True))
+        assert goal_revs == {2}
+    finally:
+        registry.unregister("racing", "1")
+
+
+def test_revision_of_a_finished_run_is_refused(tenant_a: Tenant) -> None:
+    run = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    advance_run(run.run_id, "w1")
+    with pytest.raises(RunFinished):
+        revise_goal(run, {"steps": 2}, expected_goal_rev=1, actor="t")
+
+
+GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+EXPECTED = {
+    ("/orders", "POST", "request_field_required_added"),
+    ("/orders/{order_id}", "GET", "type_changed"),
+    ("/users", "GET", "enum_narrowed"),
+}
+
+
+def _triples(report: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(r["path"], r["method"], r["kind"]) for r in report["risks"]}
+
+
+def test_api_review_finds_exactly_the_three_risks_and_proposes_a_task(tenant_a: Tenant) -> None:
+    run = create_run(tenant_a, "api-review", GOAL, actor="user:alice")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    run.refresh_from_db()
+    assert run.status == RunStatus.WAITING_APPROVAL
+    report = _state(run)["report"]
+    assert len(report["risks"]) == 3 and _triples(report) == EXPECTED
+    action = Action.objects.get(run=run)
+    assert action.tool == "tasks.create" and action.status == ActionStatus.PREPARED
+    assert "3 API compatibility risk(s)" in action.params
+
+
+def test_api_review_revision_reuses_orders_evidence_and_drops_users(tenant_a: Tenant) -> None:
+    run = create_run(tenant_a, "api-review", GOAL, actor="user:alice")
+    advance_run(run.run_id, "w1")
+    narrowed = {**GOAL, "scope": ["/orders"], "create_review_task": False}
+    revise_goal(run, narrowed, expected_goal_rev=1, actor="user:alice")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+
+    state = _state(run)
+    assert len(state["report"]["risks"]) == 2
+    assert _triples(state["report"]) == {t for t in EXPECTED if t[0].startswith("/orders")}
+    assert state["dropped"] == ["shop-v1..shop-v2:/users"]
+    assert Action.objects.get(run=run).status == ActionStatus.CANCELLED  # no task
+    assert not Action.objects.filter(run=run, goal_rev=2).exists()
+    # Evidence reused: each document read once, each prefix analysed once, across revisions.
+    keys = sorted(RecordedCall.objects.filter(run=run).values_list("key", flat=True))
+    assert keys == [
+        "analysis:shop-v1..shop-v2:/orders",
+        "analysis:shop-v1..shop-v2:/users",
+        "spec:shop-v1",
+        "spec:shop-v2",
+    ]
+    assert events(run).count("goal_revised") == 1
