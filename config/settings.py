@@ -220,6 +220,15 @@ CACHES = {
 
 # --- Holdpoint --------------------------------------------------------------------------
 HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
+# How the task service deduplicates: key (honours Idempotency-Key), lookup (can be searched
+# by key), none. It decides how unknown outcomes of tasks.* are reconciled.
+HOLDPOINT_TASKS_DEDUP = env_str("HOLDPOINT_TASKS_DEDUP", "key")
+if HOLDPOINT_TASKS_DEDUP not in {"key", "lookup", "none"}:
+    raise EnvError(
+        f"HOLDPOINT_TASKS_DEDUP must be key, lookup or none, got {HOLDPOINT_TASKS_DEDUP!r}"
+    )
+# Reconciliation attempts of one unknown outcome before a human is asked.
+HOLDPOINT_RECONCILE_ATTEMPTS = env_int("HOLDPOINT_RECONCILE_ATTEMPTS", 5, minimum=1)
 HOLDPOINT_DEMO_PASSWORD = env_str("HOLDPOINT_DEMO_PASSWORD", "")
 HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
 # Heartbeat from a side thread during long steps (every TTL/3). Tests that run the executor

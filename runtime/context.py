@@ -37,8 +37,9 @@ class StepContext:
     # Counters a test or a bench can read: calls really made vs answered from the record.
     calls_made: int = 0
     calls_reused: int = 0
-    proposals: list[dict[str, Any]] = field(default_factory=list)
+    runner: Any = None  # the executor's ActionRunner
     _index: int = 0
+    _act_index: int = 0
 
     def record(self, key: str | None, call: Callable[[], Any]) -> Any:
         """Return the recorded result for `key`, or make the call once and record it.
@@ -66,18 +67,19 @@ class StepContext:
         """A paid model call: recorded like any other call, under `model:<name>`."""
         return self.record(key or f"model:{name}@{self.step}@{self.checkpoint_rev}", call)
 
-    def propose(
-        self, tool: str, params: dict[str, Any], *, reason: str = "", target: str = ""
-    ) -> None:
-        """Propose a side effect; it is prepared in the ledger with this step's commit."""
-        self.proposals.append(
-            {
-                "tool": tool,
-                "params": params,
-                "reason": reason,
-                "target": target,
-                "call_index": len(self.proposals) + 1,
-            }
+    def act(self, tool: str, params: dict[str, Any], *, reason: str = "", target: str = "") -> Any:
+        """Perform a side effect through the ledger, exactly once, and return its proof.
+
+        Prepared (checkpointed) with a stable idempotency key, `sent` committed before the
+        request leaves, confirmed only on a verifiable result. Re-executed after a crash, the
+        same call returns the recorded outcome instead of acting again. May park the run: for
+        an approval, for reconciliation of an unknown outcome, or for a human.
+        """
+        self._act_index += 1
+        if self.runner is None:
+            raise RuntimeError("ctx.act needs an executor")
+        return self.runner.act(
+            self, tool, params, reason=reason, target=target, call_index=self._act_index
         )
 
     def _store(self, key: str, result: Any) -> Any:

@@ -37,6 +37,11 @@ class RunEvent(models.TextChoices):
     ACTION_PREPARED = "action_prepared"
     ACTION_CANCELLED = "action_cancelled"
     ACTION_OUTCOME = "action_outcome"
+    ACTION_RESOLVED = "action_resolved"
+    ACTION_CHECKPOINT = "action_checkpoint"
+    PARKED = "parked"
+    RECONCILE_SCHEDULED = "reconcile_scheduled"
+    NEEDS_RECONCILIATION = "needs_reconciliation"
 
 
 def record(

@@ -27,9 +27,9 @@ from django.db.models.functions import Now
 from audit import journal
 from audit.canonical import digest
 from audit.models import JournalEntry
-from runtime import ledger
 from runtime.artifacts import Encoder, resolve
 from runtime.context import StepContext
+from runtime.dispatch import ActionRunner, Park, unsettled
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
@@ -49,7 +49,7 @@ from runtime.leases import (
     release,
     take_lease,
 )
-from runtime.models import Artifact, Checkpoint, RecordedCall, Run, RunStatus
+from runtime.models import ActionStatus, Artifact, Checkpoint, RecordedCall, Run, RunStatus
 
 log = logging.getLogger("holdpoint.executor")
 
@@ -130,14 +130,18 @@ class Executor:
         self.head: journal.Head | None = None
         self.calls_made = 0
         self.calls_reused = 0
+        self.runner: ActionRunner | None = None
 
     # --- the loop ------------------------------------------------------------------------
     def execute(self, slice_seconds: float) -> AdvanceResult:
         graph = self.ensure_compatible()
         if graph is None:
             return AdvanceResult("needs_attention", detail=self.run.attention_reason)
-        self.reconcile()
         self.load()
+        self.runner = ActionRunner(self, graph)
+        parked = self.reconcile()
+        if parked is not None:
+            return parked
         if not settings.HOLDPOINT_HEARTBEAT_THREAD:
             return self.loop(graph, slice_seconds, None)
         with Heartbeater(self.lease) as beater:
@@ -163,6 +167,14 @@ class Executor:
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
             except StaleFence:
                 raise
+            except Park as parked:
+                self.absorb(ctx)
+                return self.park(parked, ctx.step)
+            except _Aborted:
+                self.absorb(ctx)
+                if self.run.status != RunStatus.RUNNING:
+                    return self.stopped()
+                continue  # the goal moved while preparing: apply the revision, go again
             except Exception as exc:  # a step's failure is data: retry, then escalate
                 self.absorb(ctx)
                 self.check_lease(beater)
@@ -201,6 +213,7 @@ class Executor:
             input=self.run.pending_input,
             metadata=self.run.metadata,
             recorded=self.recorded,
+            runner=self.runner,
         )
 
     def absorb(self, ctx: StepContext) -> None:
@@ -223,8 +236,48 @@ class Executor:
         self.encoder.known.update(cache)
         self.state_goal_rev = checkpoint.goal_rev
 
-    def reconcile(self) -> None:
-        """Settle `sent`/`unknown` actions before anything else (the ledger issue fills it)."""
+    def reconcile(self) -> AdvanceResult | None:
+        """Settle `sent`/`unknown` actions before anything else (recovery, step 4).
+
+        Returns a result when the run cannot go on now (a human must look, or the sender of
+        an action could still be in flight), else None.
+        """
+        if self.run.actions.filter(status=ActionStatus.MANUAL_REVIEW).exists():
+            return self.park(
+                Park("needs_reconciliation", "an action's outcome needs a human"),
+                self.run.next_step,
+            )
+        for action in unsettled(self.run):
+            try:
+                self.runner.reconcile(action)
+            except Park as parked:
+                return self.park(parked, self.run.next_step)
+        return None
+
+    def checkpoint_action(
+        self, step: str, within: Callable[[], None], allow_moved: bool = False
+    ) -> bool:
+        """A checkpoint around a side effect: same state, same step, plus the ledger write."""
+        done = self.commit(
+            step, self.state, RunStatus.RUNNING, step, {}, RunEvent.ACTION_CHECKPOINT, within=within
+        )
+        if not done and not allow_moved:
+            raise _Aborted()
+        return done
+
+    def park(self, parked: Park, step: str) -> AdvanceResult:
+        """Stop here for an approval, a reconciliation or a human; the step re-runs later."""
+        waiting: dict[str, Any] = {"kind": _PARK_KIND[parked.status], "prompt": parked.reason}
+        if parked.action is not None:
+            waiting.update(action_id=str(parked.action.action_id), tool=parked.action.tool)
+        changes: dict[str, Any] = {"waiting_for": waiting, "wake_at": parked.until}
+        if parked.until is not None:
+            waiting["until"] = parked.until.isoformat()
+        if not self.commit(
+            step, self.state, parked.status, step, changes, RunEvent.PARKED, reason=parked.reason
+        ):
+            return self.stopped()
+        return AdvanceResult(_OUTCOME[self.run.status], self.steps, parked.reason)
 
     def reload(self) -> None:
         self.run = Run.objects.get(pk=self.run.run_id)
@@ -261,7 +314,6 @@ class Executor:
             next_step,
             changes,
             RunEvent.STEP_COMMITTED,
-            proposals=ctx.proposals,
         )
 
     def commit(
@@ -274,7 +326,7 @@ class Executor:
         event: RunEvent,
         *,
         goal_rev: int | None = None,
-        proposals: list[dict[str, Any]] | None = None,
+        within: Callable[[], None] | None = None,
         **payload: Any,
     ) -> bool:
         """One transaction: run CAS, new artifacts, checkpoint, journal. False if the run moved
@@ -292,7 +344,7 @@ class Executor:
                     changes,
                     event,
                     goal_rev,
-                    proposals or [],
+                    within,
                     payload,
                 )
                 break
@@ -305,7 +357,7 @@ class Executor:
                 return False
         self.encoder.committed()
         self.state, self.state_goal_rev = state, goal_rev
-        self.head = None if proposals else journal.Head(entry.seq, entry.hash)
+        self.head = None if within else journal.Head(entry.seq, entry.hash)
         return True
 
     def _commit_once(
@@ -318,7 +370,7 @@ class Executor:
         changes: dict[str, Any],
         event: RunEvent,
         goal_rev: int,
-        proposals: list[dict[str, Any]],
+        within: Callable[[], None] | None,
         payload: dict[str, Any],
     ) -> JournalEntry:
         rev = self.run.checkpoint_rev + 1
@@ -397,8 +449,8 @@ class Executor:
                 digest=checkpoint_digest,
                 **payload,
             )
-            if proposals:
-                ledger.prepare_proposals(self.run, lease.fence, step, proposals, lease.actor)
+            if within is not None:
+                within()
         self.run.checkpoint_rev, self.run.next_step, self.run.status = rev, next_step, status
         for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
             if name in changes:
@@ -597,3 +649,14 @@ _OUTCOME = {
 
 class _Moved(Exception):
     pass
+
+
+class _Aborted(Exception):
+    """A side-effect checkpoint found the run moved (goal revised or cancelled)."""
+
+
+_PARK_KIND = {
+    RunStatus.WAITING_APPROVAL: "approval",
+    RunStatus.NEEDS_RECONCILIATION: "reconciliation",
+    RunStatus.RETRYING: "reconciliation",
+}

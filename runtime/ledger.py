@@ -1,9 +1,10 @@
-"""The side-effect ledger: preparing actions and fencing them by goal revision.
+"""The side-effect ledger: every transition of an action, as one named function.
 
-This issue gives actions their place: steps propose them, the step's commit prepares them
-(with a stable idempotency key and a fingerprint of the canonical params), a goal revision
-cancels what was prepared under an older revision, and an old revision's late result is
-recorded without advancing the run. Sending, confirming and reconciling arrive with tools.
+`prepared` always means "certainly not sent": `sent` is committed before a request leaves.
+`confirmed` needs proof (the service's id; the database refuses it without). An unknown
+outcome is never reported as success and never retried under a new key. Executor writes are
+conditional on the run's fence; a revision of the goal fences off the old revision's work.
+Network calls live in `runtime.dispatch`; this module only writes.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import QuerySet
+from django.db.models.functions import Now
+from django.utils import timezone
 
-from audit.canonical import CanonicalError, canonical_bytes, sha256_hex
+from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
 from runtime.errors import (
     ActionCancelled,
     InvalidParams,
@@ -22,7 +25,26 @@ from runtime.errors import (
     StaleGoalRev,
 )
 from runtime.events import RunEvent, record
-from runtime.models import UNSENT, Action, ActionStatus, Run
+from runtime.leases import db_now_plus
+from runtime.models import UNSENT, Action, ActionStatus, Run, RunStatus
+from runtime.tools import Tool
+
+S = ActionStatus
+# The allowed transitions, in one place (DESIGN.md, "Action" state machine).
+TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PREPARED: frozenset({S.AWAITING_APPROVAL, S.SENT, S.CANCELLED}),
+    S.AWAITING_APPROVAL: frozenset({S.APPROVED, S.CANCELLED}),
+    S.APPROVED: frozenset({S.SENT, S.CANCELLED, S.AWAITING_APPROVAL}),
+    S.SENT: frozenset({S.CONFIRMED, S.UNKNOWN, S.FAILED, S.PREPARED, S.MANUAL_REVIEW}),
+    S.UNKNOWN: frozenset({S.CONFIRMED, S.UNKNOWN, S.PREPARED, S.FAILED, S.MANUAL_REVIEW}),
+    S.MANUAL_REVIEW: frozenset({S.CONFIRMED, S.PREPARED}),
+    S.CONFIRMED: frozenset({S.COMPENSATED}),
+}
+UNSETTLED = (S.SENT, S.UNKNOWN)
+
+
+def sources(target: str) -> list[str]:
+    return [source for source, targets in TRANSITIONS.items() if target in targets]
 
 
 def idempotency_key(run_id: Any, goal_rev: int, step: str, call_index: int) -> str:
@@ -41,53 +63,138 @@ def canonical_params(params: Any) -> tuple[str, str]:
     return data.decode("utf-8"), sha256_hex(data)
 
 
-def prepare_proposals(
-    run: Run, fence: int, step: str, proposals: list[dict[str, Any]], actor: str
-) -> list[Action]:
-    """Inside the step's commit: write each proposal `prepared`, or find it prepared already.
+def journal_params(tool: Tool, params: dict[str, Any]) -> dict[str, Any]:
+    """Params as the journal keeps them: sensitive values as digests only."""
+    return {k: ({"sha256": digest(v)} if k in tool.sensitive else v) for k, v in params.items()}
 
-    The same key with a different fingerprint is refused: a re-executed step that now asks
-    for something else must not silently become a second action.
+
+def fenced(run_id: Any, fence: int) -> None:
+    """Inside a transaction: proceed only if `fence` still owns the run (row-locking it)."""
+    if Run.objects.filter(pk=run_id, fence=fence).update(updated_at=Now()) != 1:
+        raise StaleFence(f"fence {fence} no longer owns run {run_id}")
+
+
+def transition(action: Action, target: str, actor: str, **changes: Any) -> Action:
+    """Compare-and-swap the action into `target` from any status allowed to reach it."""
+    moved = Action.objects.filter(pk=action.pk, status__in=sources(target)).update(
+        status=target, updated_at=Now(), **changes
+    )
+    if moved != 1:
+        current = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
+        raise InvalidTransition(f"action is {current}, cannot become {target}")
+    run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
+    record(
+        run,
+        RunEvent.ACTION_OUTCOME,
+        actor,
+        action_id=str(action.action_id),
+        idempotency_key=action.idempotency_key,
+        fingerprint=action.fingerprint,
+        action_status=target,
+        **{k: v for k, v in changes.items() if k in ("external_id", "last_error")},
+    )
+    action.refresh_from_db()
+    return action
+
+
+def create_action(
+    run: Run,
+    fence: int,
+    tool: Tool,
+    params: dict[str, Any],
+    *,
+    step: str,
+    call_index: int,
+    reason: str,
+    target: str,
+    actor: str,
+    needs_approval: bool,
+) -> Action:
+    """Insert a prepared action (inside the step's checkpoint transaction)."""
+    text, fingerprint = canonical_params(params)
+    key = idempotency_key(run.run_id, run.goal_rev, step, call_index)
+    action = Action.objects.create(
+        tenant_id=run.tenant_id,
+        run=run,
+        idempotency_key=key,
+        tool=tool.name,
+        tool_version=tool.version,
+        params=text,
+        fingerprint=fingerprint,
+        goal_rev=run.goal_rev,
+        fence=fence,
+        step=step,
+        call_index=call_index,
+        reason=reason[:5000],
+        target=target[:300],
+        status=S.AWAITING_APPROVAL if needs_approval else S.PREPARED,
+    )
+    record(
+        run,
+        RunEvent.ACTION_PREPARED,
+        actor,
+        action_id=str(action.action_id),
+        idempotency_key=key,
+        fingerprint=fingerprint,
+        tool=tool.name,
+        params=journal_params(tool, params),
+        goal_rev=run.goal_rev,
+        action_status=action.status,
+    )
+    return action
+
+
+def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Action | None:
+    """The action this call of this step prepared before, if any; refuses different params."""
+    key = idempotency_key(run.run_id, run.goal_rev, step, call_index)
+    action = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
+    if action is not None and action.fingerprint != fingerprint:
+        raise InvalidParams(
+            f"step {step} asked for call {call_index} with different params under the same "
+            "idempotency key; refusing to send something other than what was prepared",
+            errors={"params": ["differs from the prepared action with this key"]},
+        )
+    return action
+
+
+def check_dispatchable(action_id: Any, fence: int) -> Action:
+    """Refuse to send an action whose revision is stale or whose run moved to another fence.
+
+    Locks the action and run rows so a concurrent goal revision cannot slip in between the
+    check and the `sent` mark made in the same transaction.
     """
-    prepared = []
-    for proposal in proposals:
-        text, fingerprint = canonical_params(proposal["params"])
-        key = idempotency_key(run.run_id, run.goal_rev, step, proposal["call_index"])
-        existing = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
-        if existing is not None:
-            if existing.fingerprint != fingerprint:
-                raise InvalidParams(
-                    f"step {step} re-proposed call {proposal['call_index']} "
-                    "with different params under the same key"
-                )
-            prepared.append(existing)
-            continue
-        action = Action.objects.create(
-            tenant_id=run.tenant_id,
-            run=run,
-            idempotency_key=key,
-            tool=proposal["tool"],
-            params=text,
-            fingerprint=fingerprint,
-            goal_rev=run.goal_rev,
-            fence=fence,
-            step=step,
-            call_index=proposal["call_index"],
-            reason=proposal.get("reason", ""),
-            target=proposal.get("target", ""),
-        )
-        record(
-            run,
-            RunEvent.ACTION_PREPARED,
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("check_dispatchable must run inside the dispatch transaction")
+    action = Action.objects.select_for_update().get(pk=action_id)
+    run = Run.objects.select_for_update().get(pk=action.run_id)
+    if action.status == S.CANCELLED:
+        raise ActionCancelled("the action was cancelled")
+    if action.goal_rev != run.goal_rev:
+        raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
+    if run.fence != fence:
+        raise StaleFence("the run was taken over by another executor")
+    if action.status not in (S.PREPARED, S.APPROVED):
+        raise InvalidTransition(f"action is {action.status}")
+    return action
+
+
+def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+    """Commit `sent` before the request leaves. Until `in_flight_until` (this sender's lease
+    plus the tool's longest request) nobody may conclude the request did not arrive."""
+    with transaction.atomic(durable=True):
+        action = check_dispatchable(action.action_id, fence)
+        from runtime.gates import dispatch_gate
+
+        dispatch_gate(action)
+        return transition(
+            action,
+            S.SENT,
             actor,
-            action_id=str(action.action_id),
-            idempotency_key=key,
-            fingerprint=fingerprint,
-            tool=action.tool,
-            goal_rev=run.goal_rev,
+            sent_fence=fence,
+            sent_at=Now(),
+            in_flight_until=db_now_plus(ttl + tool.timeout),
+            attempts=action.attempts + 1,
         )
-        prepared.append(action)
-    return prepared
 
 
 def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
@@ -97,7 +204,7 @@ def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
     )
     ids = [str(a) for a in stale.values_list("action_id", flat=True)]
     if ids:
-        stale.update(status=ActionStatus.CANCELLED)
+        stale.update(status=S.CANCELLED, updated_at=Now())
         for action_id in ids:
             record(
                 run,
@@ -110,32 +217,21 @@ def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
     return ids
 
 
-def check_dispatchable(action_id: Any, fence: int) -> Action:
-    """Refuse to send an action whose revision is stale or whose run moved to another fence.
+def record_late_result(
+    action: Action, outcome: str, result: Any, actor: str, external_id: str = ""
+) -> Action:
+    """Record an old revision's result on its action; the run itself does not move.
 
-    Locks the action and run rows so a concurrent goal revision cannot slip in between the
-    check and the `sent` mark made in the same transaction by the caller.
+    The effect happened (or not) whatever the goal is now: the ledger must say so. But the
+    result belongs to the old goal, so it never advances the new revision's steps.
     """
-    if not transaction.get_connection().in_atomic_block:
-        raise RuntimeError("check_dispatchable must run inside the dispatch transaction")
-    action = Action.objects.select_for_update().get(pk=action_id)
-    run = Run.objects.select_for_update().get(pk=action.run_id)
-    if action.status == ActionStatus.CANCELLED:
-        raise ActionCancelled("the action was cancelled")
-    if action.goal_rev != run.goal_rev:
-        raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
-    if run.fence != fence:
-        raise StaleFence("the run was taken over by another executor")
-    if action.status not in (ActionStatus.PREPARED, ActionStatus.APPROVED):
-        raise InvalidTransition(f"action is {action.status}")
-    return action
-
-
-def record_late_result(action: Action, outcome: str, result: Any, actor: str) -> Action:
-    """Record an old revision's result on its action; the run itself does not move."""
     with transaction.atomic():
         run = Run.objects.select_for_update().get(pk=action.run_id)
-        Action.objects.filter(pk=action.pk).update(result=result)
+        changes: dict[str, Any] = {"result": result}
+        target = {"applied": S.CONFIRMED, "confirmed": S.CONFIRMED}.get(outcome)
+        if target and external_id and action.status in sources(target):
+            changes.update(status=target, external_id=external_id)
+        Action.objects.filter(pk=action.pk).update(**changes, updated_at=Now())
         record(
             run,
             RunEvent.LATE_RESULT_IGNORED,
@@ -147,3 +243,60 @@ def record_late_result(action: Action, outcome: str, result: Any, actor: str) ->
         )
     action.refresh_from_db()
     return action
+
+
+def resolve(
+    action: Action, outcome: str, *, actor: str, external_id: str = "", note: str = ""
+) -> Action:
+    """A human settles an action nothing could prove: applied (with the id) or not applied.
+
+    Not applied puts it back to `prepared`: the step sends it again with the same key. The
+    run leaves `needs_reconciliation` when no other action of it waits for a human.
+    """
+    if outcome not in ("applied", "not_applied"):
+        raise InvalidParams(
+            "outcome must be applied or not_applied", errors={"outcome": ["applied or not_applied"]}
+        )
+    if outcome == "applied" and not external_id.strip():
+        raise InvalidParams(
+            "applied needs the external id that proves it",
+            errors={"external_id": ["required when applied"]},
+        )
+    with transaction.atomic(durable=True):
+        locked = Action.objects.select_for_update().get(pk=action.pk)
+        if locked.status != S.MANUAL_REVIEW:
+            raise InvalidTransition(f"action is {locked.status}, not manual_review")
+        in_flight = locked.in_flight_until
+        if outcome == "not_applied" and in_flight and in_flight > timezone.now():
+            # Saying "not applied" while the sender may still land its request is how a
+            # human causes a duplicate; wait until it cannot.
+            raise InvalidTransition(
+                f"the sender may still be in flight until {in_flight.isoformat()}; "
+                "check again after that"
+            )
+        run = Run.objects.select_for_update().get(pk=locked.run_id)
+        target = S.CONFIRMED if outcome == "applied" else S.PREPARED
+        changes: dict[str, Any] = (
+            {"external_id": external_id.strip()} if target == S.CONFIRMED else {}
+        )
+        transition(locked, target, actor, **changes)
+        record(
+            run,
+            RunEvent.ACTION_RESOLVED,
+            actor,
+            action_id=str(locked.action_id),
+            outcome=outcome,
+            external_id=external_id,
+            note=note[:2000],
+        )
+        still_open = Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists()
+        if run.status == RunStatus.NEEDS_RECONCILIATION and not still_open:
+            Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, updated_at=Now())
+            record(
+                run, RunEvent.RESUMED, actor, previous_status=run.status, status=RunStatus.QUEUED
+            )
+            from runtime.queue import ring
+
+            ring(run.run_id)
+    locked.refresh_from_db()
+    return locked

@@ -12,6 +12,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from runtime.models import Membership, Role, Tenant
+from tests.sandbox import sandbox_factory  # noqa: F401  (a fixture for every test area)
 
 User = get_user_model()
 
@@ -118,3 +119,11 @@ def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
     for run_id, status in Run.objects.values_list("run_id", "status"):
         assert rebuild_status(run_id) == status, f"journal disagrees for run {run_id}"
         assert verify_stream(run_stream(run_id)) is None, f"chain broken for run {run_id}"
+
+
+@pytest.fixture(autouse=True)
+def closed_circuits() -> None:
+    """Circuit breakers are per process; each test starts like a fresh worker."""
+    from runtime.tools import reset_breakers
+
+    reset_breakers()

@@ -13,6 +13,7 @@ from typing import Any
 
 from runtime.context import StepContext
 from runtime.graphs import Complete, Graph, Next, Outcome, Wait, register
+from runtime.tools import CallResult, Tool, register_tool
 
 
 def _note(ctx: StepContext, line: str) -> None:
@@ -69,18 +70,23 @@ def answer(ctx: StepContext) -> Outcome:
 
 register(asker)
 
-proposer = Graph("proposer", version="1", tools=("tasks.create",))
+
+class NoteTool(Tool):
+    """A local tool for tests: applies at once, with a synthetic id."""
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        return CallResult("applied", external_id=f"note-{key}", result={"params": params_text})
+
+
+register_tool(NoteTool(name="test.note", approval=True, schema={"type": "object"}))
+
+proposer = Graph("proposer", version="1", tools=("test.note",))
 
 
 @proposer.step(start=True)
 def propose(ctx: StepContext) -> Outcome:
-    ctx.propose("tasks.create", {"title": ctx.goal["title"]}, reason="asked to")
-    return Wait("approval", then="done", prompt="approve the task")
-
-
-@proposer.step
-def done(ctx: StepContext) -> Outcome:
-    return Complete(update={"done_for": ctx.goal["title"]})
+    note = ctx.act("test.note", {"title": ctx.goal["title"]}, reason="asked to")
+    return Complete(update={"done_for": ctx.goal["title"], "note": note.external_id})
 
 
 register(proposer)

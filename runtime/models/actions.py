@@ -56,17 +56,40 @@ class Action(models.Model):
     external_id = models.CharField(max_length=300, blank=True, default="")
     result = models.JSONField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
+    reconcile_attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    # Who sent it and until when that sender could still be in flight (its lease expiry plus
+    # the tool's timeout, database time): the reconciler concludes nothing before that.
+    sent_fence = models.BigIntegerField(null=True, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    in_flight_until = models.DateTimeField(null=True, blank=True)
+    compensates = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="compensations"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["created_at"]
+        indexes = [
+            # The reconciler and the sweeper: actions whose outcome is not known yet.
+            models.Index(
+                fields=["run"],
+                name="runtime_action_unsettled",
+                condition=Q(status__in=["sent", "unknown", "manual_review"]),
+            ),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["tenant", "idempotency_key"], name="runtime_action_one_key"
             ),
             models.CheckConstraint(
                 condition=Q(status__in=ActionStatus.values), name="runtime_action_status_valid"
+            ),
+            # `confirmed` only on a verifiable result: the service's id for the effect.
+            models.CheckConstraint(
+                condition=~Q(status="confirmed") | ~Q(external_id=""),
+                name="runtime_action_confirmed_has_proof",
             ),
         ]
 

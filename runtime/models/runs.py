@@ -30,9 +30,8 @@ class RunStatus(models.TextChoices):
 
 TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 # Statuses an executor may pick a run up in (the lease CAS admits nothing else).
-RUNNABLE = frozenset(
-    {RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING, RunStatus.NEEDS_RECONCILIATION}
-)
+# needs_reconciliation is not among them: a human resolves the action first.
+RUNNABLE = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING})
 
 
 class Run(models.Model):

@@ -13,7 +13,7 @@ from typing import Any
 
 from runtime.agents.api_review.diff import find_risks, load_spec
 from runtime.context import StepContext
-from runtime.graphs import Complete, Graph, Next, Outcome, Wait, register
+from runtime.graphs import Complete, Graph, Next, Outcome, register
 
 DEFAULT_GOAL = {
     "old_spec": "shop-v1",
@@ -80,9 +80,11 @@ def report(ctx: StepContext) -> Outcome:
 
 @graph.step
 def propose_task(ctx: StepContext) -> Outcome:
+    """Open one review task in the tracker — through the ledger, so exactly once; a hold
+    point when the tenant's policy says so."""
     report_ = ctx.state["report"]
     lines = [f"- {r['method']} {r['path']}: {r['kind']} — {r['detail']}" for r in report_["risks"]]
-    ctx.propose(
+    task = ctx.act(
         "tasks.create",
         {
             "title": f"Review {len(lines)} API compatibility risk(s): "
@@ -92,17 +94,7 @@ def propose_task(ctx: StepContext) -> Outcome:
         reason="The new API version breaks existing clients in these places.",
         target=f"{report_['new_spec']}",
     )
-    return Wait(
-        "approval",
-        then="finish",
-        prompt="Approve creating the review task",
-        detail={"tool": "tasks.create"},
-    )
-
-
-@graph.step
-def finish(ctx: StepContext) -> Outcome:
-    return Complete()
+    return Complete(update={"review_task": {"id": task.external_id, "action": task.action_id}})
 
 
 @graph.on_revision

@@ -1,18 +1,25 @@
 """A stand-in for a team's task tracker, run as its own process over a real socket.
 
-The ledger's guarantees are only believable if they hold against a real service on the other
+The ledger's guarantees are only believable if they hold against a real service at the other
 end of a socket, with its own storage that survives our crashes. Tests count duplicates with
-`GET /tasks`, which lists every task ever created.
+`GET /tasks`, which lists every task ever created (with the idempotency key each came with).
 
-Modes: `key` honours Idempotency-Key (replay returns the first task); `lookup` ignores the
-header on create but can be searched with `GET /tasks?key=…`; `none` can do neither.
+Modes: `key` honours Idempotency-Key (a replay returns the first task, 200); `lookup` does not
+deduplicate but can be searched with `GET /tasks?key=…`; `none` can do neither.
+Fencing: with `Holdpoint-Run` and `Holdpoint-Fence` headers, a request carrying a lower fence
+than one already seen for that run is refused (409) and not applied.
+Faults (`POST /_faults`, or the command's options), each applying to the next N creates:
+`fail_before` (503, nothing applied), `drop_after` (applied, then the connection is dropped
+without an answer), `error_after` (applied, then 500), and `delay` seconds before applying.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,9 +29,14 @@ from urllib.parse import parse_qs, urlparse
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-SCHEMA = """CREATE TABLE IF NOT EXISTS tasks (
-    id TEXT PRIMARY KEY, seq INTEGER, idem_key TEXT, title TEXT, body TEXT, created_at TEXT
-)"""
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS tasks (
+        id TEXT PRIMARY KEY, seq INTEGER, idem_key TEXT, run_id TEXT, fence INTEGER,
+        title TEXT, body TEXT, status TEXT DEFAULT 'open', created_at TEXT)""",
+    "CREATE INDEX IF NOT EXISTS tasks_key ON tasks (idem_key)",
+    "CREATE TABLE IF NOT EXISTS fences (run_id TEXT PRIMARY KEY, fence INTEGER)",
+]
+FAULTS = ("fail_before", "drop_after", "error_after")
 
 
 class TaskStore:
@@ -32,43 +44,95 @@ class TaskStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(SCHEMA)
+        self.db.execute("PRAGMA synchronous=FULL")
+        for statement in SCHEMA:
+            self.db.execute(statement)
         self.lock = threading.Lock()
+        self.faults: dict[str, float] = {"delay": 0.0, **dict.fromkeys(FAULTS, 0)}
 
-    def create(self, body: dict[str, Any], key: str | None, honour_key: bool) -> tuple[int, dict]:
+    def take_fault(self, name: str) -> bool:
         with self.lock:
-            if honour_key and key:
+            if self.faults[name] > 0:
+                self.faults[name] -= 1
+                return True
+            return False
+
+    def fence_ok(self, run_id: str | None, fence: int | None) -> bool:
+        """Refuse a lower fence than seen for the run; remember the highest. Caller locks."""
+        if not run_id or fence is None:
+            return True
+        row = self.db.execute("SELECT fence FROM fences WHERE run_id = ?", (run_id,)).fetchone()
+        if row and fence < row[0]:
+            return False
+        self.db.execute(
+            "INSERT INTO fences VALUES (?, ?) ON CONFLICT(run_id) DO UPDATE SET fence = "
+            "max(fence, excluded.fence)",
+            (run_id, fence),
+        )
+        return True
+
+    def create(
+        self,
+        body: dict[str, Any],
+        key: str | None,
+        mode: str,
+        run_id: str | None,
+        fence: int | None,
+    ) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            if not self.fence_ok(run_id, fence):
+                return 409, {"error": "stale fence", "run": run_id, "fence": fence}
+            if mode == "key" and key:
                 found = self.find(key)
                 if found:
                     return 200, found[0]
-            task = {
-                "id": str(uuid.uuid4()),
-                "title": str(body.get("title", "")),
-                "body": body,
-                "idempotency_key": key,
-            }
+            task_id = str(uuid.uuid4())
             self.db.execute(
-                "INSERT INTO tasks VALUES (?, (SELECT COUNT(*) + 1 FROM tasks), ?, ?, ?, "
-                "datetime('now'))",
-                (task["id"], key, task["title"], json.dumps(body)),
+                "INSERT INTO tasks (id, seq, idem_key, run_id, fence, title, body, created_at) "
+                "VALUES (?, (SELECT COUNT(*) + 1 FROM tasks), ?, ?, ?, ?, ?, datetime('now'))",
+                (task_id, key, run_id, fence, str(body.get("title", "")), json.dumps(body)),
             )
-            return 201, task
+            return 201, self.get(task_id) or {}
+
+    def close(self, task_id: str, run_id: str | None, fence: int | None) -> tuple[int, Any]:
+        with self.lock:
+            if not self.fence_ok(run_id, fence):
+                return 409, {"error": "stale fence"}
+            if self.get(task_id) is None:
+                return 404, {"error": "no such task"}
+            self.db.execute("UPDATE tasks SET status = 'closed' WHERE id = ?", (task_id,))
+            return 200, self.get(task_id)
+
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        rows = self._rows("WHERE id = ?", (task_id,))
+        return rows[0] if rows else None
 
     def find(self, key: str | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT id, idem_key, title, body FROM tasks"
-        rows = (
-            self.db.execute(sql + " WHERE idem_key = ? ORDER BY seq", (key,))
-            if key is not None
-            else self.db.execute(sql + " ORDER BY seq")
-        )
+        if key is None:
+            return self._rows("", ())
+        return self._rows("WHERE idem_key = ?", (key,))
+
+    def _rows(self, where: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
+        sql = "SELECT id, idem_key, title, body, status, run_id, fence, seq FROM tasks "
         return [
-            {"id": r[0], "idempotency_key": r[1], "title": r[2], "body": json.loads(r[3])}
-            for r in rows
+            {
+                "id": r[0],
+                "idempotency_key": r[1],
+                "title": r[2],
+                "body": json.loads(r[3]),
+                "status": r[4],
+                "run_id": r[5],
+                "fence": r[6],
+                "seq": r[7],
+            }
+            for r in self.db.execute(sql + where + " ORDER BY seq", args)
         ]
 
 
 def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, format: str, *args: Any) -> None:  # quiet by default
             pass
 
@@ -80,10 +144,31 @@ def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _body(self) -> Any:
+            length = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(length) or b"{}")
+
+        def _fence(self) -> tuple[str | None, int | None]:
+            raw = self.headers.get("Holdpoint-Fence")
+            try:
+                return self.headers.get("Holdpoint-Run"), int(raw) if raw else None
+            except ValueError:
+                return self.headers.get("Holdpoint-Run"), None
+
+        def _drop(self) -> None:
+            """Applied, but the answer never arrives: the client cannot know."""
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             url = urlparse(self.path)
             if url.path == "/healthz":
                 return self._send(200, {"status": "ok", "mode": mode})
+            if url.path == "/_faults":
+                return self._send(200, store.faults)
             if url.path != "/tasks":
                 return self._send(404, {"error": "not found"})
             key = parse_qs(url.query).get("key", [None])[0]
@@ -92,15 +177,33 @@ def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
             return self._send(200, store.find(key))
 
         def do_POST(self) -> None:  # noqa: N802
-            if urlparse(self.path).path != "/tasks":
-                return self._send(404, {"error": "not found"})
-            length = int(self.headers.get("Content-Length") or 0)
+            path = urlparse(self.path).path
             try:
-                body = json.loads(self.rfile.read(length) or b"{}")
+                body = self._body()
             except ValueError:
                 return self._send(400, {"error": "invalid JSON"})
+            if path == "/_faults":
+                with store.lock:
+                    for name, value in body.items():
+                        if name in store.faults:
+                            store.faults[name] = float(value)
+                return self._send(200, store.faults)
+            run_id, fence = self._fence()
+            if path.startswith("/tasks/") and path.endswith("/close"):
+                status, task = store.close(path.split("/")[2], run_id, fence)
+                return self._send(status, task)
+            if path != "/tasks" or not isinstance(body, dict):
+                return self._send(404 if path != "/tasks" else 400, {"error": "bad request"})
+            if store.faults["delay"]:
+                time.sleep(store.faults["delay"])
+            if store.take_fault("fail_before"):
+                return self._send(503, {"error": "unavailable (nothing applied)"})
             key = self.headers.get("Idempotency-Key")
-            status, task = store.create(body, key, honour_key=mode == "key")
+            status, task = store.create(body, key, mode, run_id, fence)
+            if status in (200, 201) and store.take_fault("drop_after"):
+                return self._drop()
+            if status in (200, 201) and store.take_fault("error_after"):
+                return self._send(500, {"error": "internal error (after applying)"})
             return self._send(status, task)
 
     return Handler
@@ -113,13 +216,24 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8765)
         parser.add_argument("--mode", choices=["key", "lookup", "none"], default="key")
         parser.add_argument("--data", default=None, help="SQLite file for the tasks")
+        parser.add_argument("--delay", type=float, default=0.0, help="seconds before applying")
+        for fault in FAULTS:
+            parser.add_argument(
+                f"--{fault.replace('_', '-')}",
+                type=int,
+                default=0,
+                help=f"the next N creates: {fault.replace('_', ' ')}",
+            )
 
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["data"] or settings.VAR_DIR / f"sandbox-{options['port']}.sqlite3")
         store = TaskStore(path)
-        server = ThreadingHTTPServer(
-            ("127.0.0.1", options["port"]), make_handler(store, options["mode"])
-        )
+        store.faults["delay"] = options["delay"]
+        for fault in FAULTS:
+            store.faults[fault] = options[fault]
+        handler = make_handler(store, options["mode"])
+        server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
+        server.daemon_threads = True
         self.stdout.write(
             f"sandbox task service on http://127.0.0.1:{options['port']} "
             f"(mode {options['mode']}, data {path})"

@@ -1,0 +1,346 @@
+"""Sending actions and reconciling unknown outcomes: the ledger's network side.
+
+The order is the guarantee: prepare (with the step's checkpoint) → commit `sent` → call the
+tool outside any transaction → record what came back (with a checkpoint) — each with a named
+fault point between, so tests can kill a real worker in every window. Reconciliation follows
+the tool's dedup contract: replay with the same key, look up by key, or ask a human.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from runtime import ledger
+from runtime.errors import HoldpointError, StaleFence
+from runtime.faults import fault
+from runtime.gates import needs_approval
+from runtime.graphs import Graph
+from runtime.models import Action, ActionStatus, Run
+from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool
+
+if TYPE_CHECKING:
+    from runtime.context import StepContext
+    from runtime.executor import Executor
+
+log = logging.getLogger("holdpoint.dispatch")
+S = ActionStatus
+
+
+class ActionFailed(HoldpointError):
+    """The service refused the action for good; the step decides what that means."""
+
+    code = "action_failed"
+    status = 409
+    title = "The action was refused by the service"
+
+
+class ToolUnavailable(HoldpointError):
+    """Certainly not applied this time (connection refused, circuit open): retry later."""
+
+    code = "tool_unavailable"
+    status = 503
+    transient = True
+
+
+class ToolNotAllowed(HoldpointError):
+    code = "tool_not_allowed"
+    status = 422
+    title = "The graph does not declare this tool"
+
+
+class Park(Exception):
+    """Stop executing this run for now; the executor turns it into a run status."""
+
+    def __init__(
+        self,
+        status: str,
+        reason: str,
+        *,
+        until: datetime | None = None,
+        action: Action | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.until, self.action = status, reason, until, action
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """What a step gets back from `ctx.act`: the proof the effect happened."""
+
+    action_id: str
+    external_id: str
+    result: Any
+
+
+class ActionRunner:
+    """Runs `ctx.act` for one executor: find-or-prepare, send, record, reconcile."""
+
+    def __init__(self, executor: Executor, graph: Graph) -> None:
+        self.executor = executor
+        self.graph = graph
+
+    @property
+    def lease(self) -> Any:
+        return self.executor.lease
+
+    def act(
+        self,
+        ctx: StepContext,
+        tool_name: str,
+        params: dict[str, Any],
+        *,
+        reason: str,
+        target: str,
+        call_index: int,
+    ) -> ActionResult:
+        tool = get_tool(tool_name)
+        if self.graph.tools and tool.name not in self.graph.tools:
+            raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
+        tool.validate(params)  # invalid params never reach the service
+        _, fingerprint = ledger.canonical_params(params)
+        run = self.executor.run
+        action = ledger.find_action(run, ctx.step, call_index, fingerprint)
+        if action is None:
+            fault("before_prepare")
+            action = self.prepare(ctx, tool, params, reason, target, call_index)
+            fault("after_prepare")
+        return self.drive(ctx, tool, action)
+
+    def prepare(
+        self,
+        ctx: StepContext,
+        tool: Tool,
+        params: dict[str, Any],
+        reason: str,
+        target: str,
+        call_index: int,
+    ) -> Action:
+        run, lease = self.executor.run, self.lease
+        approval = needs_approval(tool, params, run)
+        created: list[Action] = []
+
+        def insert() -> None:
+            created.append(
+                ledger.create_action(
+                    run,
+                    lease.fence,
+                    tool,
+                    params,
+                    step=ctx.step,
+                    call_index=call_index,
+                    reason=reason,
+                    target=target,
+                    actor=lease.actor,
+                    needs_approval=approval,
+                )
+            )
+
+        # Checkpointed around the side effect: the same state, the same step, and the
+        # prepared action — in one transaction.
+        self.executor.checkpoint_action(ctx.step, insert)
+        return created[0]
+
+    def drive(self, ctx: StepContext, tool: Tool, action: Action) -> ActionResult:
+        """Take an action from wherever it is to a result, a wait, or a parked run."""
+        for _ in range(4):
+            status = action.status
+            if status == S.CONFIRMED:
+                return ActionResult(str(action.action_id), action.external_id, action.result)
+            if status in (S.FAILED, S.CANCELLED, S.COMPENSATED):
+                raise ActionFailed(f"{action.tool} is {status}: {action.last_error}".strip(": "))
+            if status == S.AWAITING_APPROVAL:
+                raise Park("waiting_approval", f"{action.tool} needs approval", action=action)
+            if status == S.MANUAL_REVIEW:
+                raise Park(
+                    "needs_reconciliation", "an action's outcome needs a human", action=action
+                )
+            if status in ledger.UNSETTLED:
+                action = self.reconcile(action)
+                continue
+            action = self.send(tool, action)
+        raise Park("needs_reconciliation", f"{action.tool} did not settle", action=action)
+
+    def send(self, tool: Tool, action: Action) -> Action:
+        if tool.precheck is not None:
+            tool.precheck(_params(action))
+        try:
+            tool.breaker.admit()
+        except CircuitOpen as exc:
+            raise ToolUnavailable(f"{tool.name}: {exc}") from None
+        action = ledger.mark_sent(action, self.lease.fence, self.lease.ttl, tool, self.lease.actor)
+        self.executor.head = None
+        fault("after_sent_mark")
+        result = tool.call(
+            action.params,
+            key=action.idempotency_key,
+            fence=self.lease.fence,
+            run_id=str(action.run_id),
+        )
+        tool.breaker.record(result.outcome == "applied")
+        fault("after_tool_response")
+        action = self.record(action, result)
+        fault("after_confirm")
+        return action
+
+    def record(self, action: Action, result: CallResult) -> Action:
+        """Write what the call said, with a checkpoint; an old revision's result is kept
+        on the action but advances nothing."""
+        actor = self.lease.actor
+        if result.outcome == "stale":
+            raise StaleFence(f"{action.tool} refused fence {self.lease.fence}: {result.detail}")
+        if result.outcome == "applied":
+            target, changes = (
+                S.CONFIRMED,
+                {"external_id": result.external_id, "result": result.result, "last_error": ""},
+            )
+        elif result.outcome == "refused" and result.transient:
+            target, changes = S.PREPARED, {"last_error": result.detail[:2000]}
+        elif result.outcome == "refused":
+            target, changes = S.FAILED, {"last_error": result.detail[:2000]}
+        else:
+            target, changes = S.UNKNOWN, {"last_error": result.detail[:2000]}
+
+        def write() -> None:
+            ledger.transition(action, target, actor, **changes)
+
+        if not self.executor.checkpoint_action(action.step, write, allow_moved=True):
+            with transaction.atomic(durable=True):
+                ledger.fenced(action.run_id, self.lease.fence)
+                ledger.record_late_result(
+                    action, result.outcome, result.result, actor, external_id=result.external_id
+                )
+        action.refresh_from_db()
+        self.executor.head = None
+        if target == S.PREPARED:
+            raise ToolUnavailable(f"{action.tool}: {result.detail}")
+        return action
+
+    def reconcile(self, action: Action) -> Action:
+        """Settle a sent/unknown action by the tool's contract; park the run if we cannot."""
+        verdict = reconcile_action(action, self.lease.fence, self.lease.actor)
+        self.executor.head = None
+        if verdict.until is not None:
+            raise Park("retrying", verdict.reason, until=verdict.until, action=action)
+        action.refresh_from_db()
+        return action
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str
+    reason: str = ""
+    until: datetime | None = None
+
+
+def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
+    """Recovery checks before it acts (invariant 3), by dedup mode:
+
+    key    → replay with the *same* key: the service answers with the first effect;
+    lookup → ask by key: found → confirmed (id backfilled); provably absent → prepared, but
+             only once the sender can no longer be in flight;
+    none   → manual_review: nothing can prove the outcome, a human must say.
+    Bounded attempts, then manual_review.
+    """
+    tool = get_tool(action.tool)
+    mode = tool.dedup_mode()
+    if mode == Dedup.NONE:
+        return _settle(
+            action,
+            fence,
+            actor,
+            S.MANUAL_REVIEW,
+            f"{tool.name} cannot deduplicate or be looked up; "
+            f"last error: {action.last_error or 'none'}",
+        )
+    if mode == Dedup.KEY:
+        result = tool.call(
+            action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
+        )
+        fault("during_reconcile")
+        if result.outcome == "applied":
+            return _settle(
+                action,
+                fence,
+                actor,
+                S.CONFIRMED,
+                "replayed with the same key",
+                external_id=result.external_id,
+                result=result.result,
+            )
+        if result.outcome == "stale":
+            raise StaleFence(result.detail)
+        if result.outcome == "refused" and not result.transient:
+            return _settle(action, fence, actor, S.FAILED, result.detail)
+        return _again(action, fence, actor, result.detail)
+    found = tool.lookup(action.idempotency_key)
+    fault("during_reconcile")
+    if found.found:
+        return _settle(
+            action,
+            fence,
+            actor,
+            S.CONFIRMED,
+            "found by key",
+            external_id=found.external_id,
+            result=found.result,
+        )
+    if found.found is None:
+        return _again(action, fence, actor, found.detail)
+    if action.in_flight_until and timezone.now() < action.in_flight_until:
+        # Absent *now*, but the sender may still be in flight: concluding "not applied"
+        # here is how duplicates happen. Look again once it cannot be.
+        return Verdict("wait", "the sender may still be in flight", until=action.in_flight_until)
+    return _settle(action, fence, actor, S.PREPARED, "provably absent: safe to send again")
+
+
+def _again(action: Action, fence: int, actor: str, detail: str) -> Verdict:
+    attempts = action.reconcile_attempts + 1
+    if attempts >= settings.HOLDPOINT_RECONCILE_ATTEMPTS:
+        return _settle(
+            action,
+            fence,
+            actor,
+            S.MANUAL_REVIEW,
+            f"{attempts} reconciliation attempts failed: {detail}",
+        )
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence)
+        ledger.transition(
+            action, S.UNKNOWN, actor, reconcile_attempts=attempts, last_error=detail[:2000]
+        )
+    delay = min(60.0, 0.5 * 2**attempts)
+    return Verdict(
+        "wait",
+        f"reconcile again ({attempts}): {detail}",
+        until=timezone.now() + timedelta(seconds=delay),
+    )
+
+
+def _settle(
+    action: Action, fence: int, actor: str, target: str, reason: str, **changes: Any
+) -> Verdict:
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence)
+        if target != S.CONFIRMED:
+            changes["last_error"] = reason[:2000]
+        ledger.transition(
+            action, target, actor, reconcile_attempts=action.reconcile_attempts + 1, **changes
+        )
+    return Verdict(target, reason)
+
+
+def _params(action: Action) -> dict[str, Any]:
+    import json
+
+    return json.loads(action.params)
+
+
+def unsettled(run: Run) -> list[Action]:
+    return list(Action.objects.filter(run=run, status__in=ledger.UNSETTLED).order_by("created_at"))

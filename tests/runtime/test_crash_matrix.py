@@ -1,0 +1,157 @@
+"""The crash matrix: a real worker SIGKILLed at every fault point × every dedup mode.
+
+Each case runs the api-review agent with task creation against a real sandbox process;
+the worker dies at the named point (its whole process group, as in a machine crash); a clean
+worker finishes. The oracle is the sandbox's own list of tasks (TEST-MATRIX.md, A1).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from runtime.ledger import resolve
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.sweeper import sweep_once
+from tests import procs
+from tests.sandbox import Sandbox
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+POINTS = [
+    "before_prepare",
+    "after_prepare",
+    "after_sent_mark",
+    "after_tool_response",
+    "after_confirm",
+    "after_checkpoint",
+    "during_reconcile",
+]
+# Where the request may have left: mode none cannot know, a human must say.
+AMBIGUOUS = {"after_sent_mark", "after_tool_response", "during_reconcile"}
+REPORT = Path(__file__).resolve().parents[2] / "var" / "test" / "crash-matrix.jsonl"
+
+
+def _worker(box: Sandbox, log: Path, faults: str = "") -> Any:
+    env = procs.child_env(**box.env(), HOLDPOINT_FAULTS=faults)
+    return procs.start(["qcluster"], env, log=log)
+
+
+def _until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    def tick() -> bool:
+        sweep_once()
+        return condition()
+
+    procs.wait_for(tick, timeout=timeout, every=0.3)
+
+
+def _after_crash(run: Run) -> None:
+    """The dead worker's lease and in-flight window are over: move the data, not the clock."""
+    past = timezone.now() - timedelta(seconds=1)
+    Run.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(lease_expires_at=past)
+    Action.objects.filter(run=run).update(in_flight_until=past)
+
+
+def _crash(
+    box: Sandbox, run_ref: list[Run], tmp_path: Path, faults: str, name: str, start: bool = False
+) -> bool:
+    """Run one worker armed with `faults`; True if it died at the point."""
+    worker = _worker(box, tmp_path / f"{name}.log", faults)
+    try:
+        if start:
+            run_ref.append(create_run(run_ref[0], "api-review", GOAL, actor="user:t"))
+        run = run_ref[-1]
+
+        def dead_or_parked() -> bool:
+            run.refresh_from_db()
+            return worker.poll() is not None or run.status in (
+                RunStatus.COMPLETED,
+                RunStatus.NEEDS_RECONCILIATION,
+            )
+
+        _until(dead_or_parked)
+        died = worker.poll() == -signal.SIGKILL
+    finally:
+        procs.kill(worker)
+    if died:
+        assert f"fault point reached: {faults}" in (tmp_path / f"{name}.log").read_text()
+    _after_crash(run)
+    return died
+
+
+@pytest.mark.parametrize("mode", ["key", "lookup", "none"])
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_at_point(
+    point: str,
+    mode: str,
+    tenant_a: Tenant,
+    tmp_path: Path,
+    sandbox_factory: Callable[[str], Sandbox],
+) -> None:
+    box = sandbox_factory(mode)
+    ref: list[Any] = [tenant_a]
+    started = timezone.now()
+    if point == "during_reconcile":  # something to reconcile first: the reply is lost
+        assert _crash(box, ref, tmp_path, "after_tool_response", "w0", start=True)
+        died = _crash(box, ref, tmp_path, point, "w1")
+        assert died == (mode != "none")  # mode none never calls the service to reconcile
+    else:
+        assert _crash(box, ref, tmp_path, point, "w1", start=True)
+    run: Run = ref[-1]
+
+    worker = _worker(box, tmp_path / "clean.log")
+    try:
+        _until(
+            lambda: (
+                run.refresh_from_db(),
+                run.status in (RunStatus.COMPLETED, RunStatus.NEEDS_RECONCILIATION),
+            )[1]
+        )
+        human = run.status == RunStatus.NEEDS_RECONCILIATION
+        action = Action.objects.get(run=run)
+        tasks = box.tasks(action.idempotency_key)
+        if human:
+            assert mode == "none" and point in AMBIGUOUS
+            assert action.status == ActionStatus.MANUAL_REVIEW and len(tasks) <= 1
+            if tasks:
+                resolve(action, "applied", actor="user:t", external_id=tasks[0]["id"])
+            else:
+                resolve(action, "not_applied", actor="user:t")
+            _until(lambda: (run.refresh_from_db(), run.status == RunStatus.COMPLETED)[1])
+        else:
+            assert not (mode == "none" and point in AMBIGUOUS), "none must ask a human"
+    finally:
+        procs.kill(worker)
+
+    action.refresh_from_db()
+    tasks = box.tasks()
+    assert len(tasks) == 1, tasks  # no duplicate, nothing lost
+    assert action.status == ActionStatus.CONFIRMED and action.external_id == tasks[0]["id"]
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    with REPORT.open("a") as out:
+        out.write(
+            json.dumps(
+                {
+                    "point": point,
+                    "mode": mode,
+                    "tasks": len(tasks),
+                    "human": human,
+                    "seconds": round((timezone.now() - started).total_seconds(), 2),
+                }
+            )
+            + "\n"
+        )

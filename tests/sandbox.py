@@ -1,0 +1,67 @@
+"""The sandbox task service as a real process on a real socket, for tests."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests import procs
+
+
+@dataclass
+class Sandbox:
+    url: str
+    mode: str
+    proc: subprocess.Popen[bytes] = field(repr=False)
+
+    def tasks(self, key: str | None = None) -> list[dict[str, Any]]:
+        tasks = httpx.get(self.url + "/tasks", timeout=10).json()
+        return [t for t in tasks if key is None or t["idempotency_key"] == key]
+
+    def faults(self, **faults: float) -> None:
+        httpx.post(self.url + "/_faults", json=faults, timeout=10).raise_for_status()
+
+    def env(self) -> dict[str, str]:
+        return {"HOLDPOINT_TASKS_URL": self.url, "HOLDPOINT_TASKS_DEDUP": self.mode}
+
+
+def start_sandbox(mode: str, data: Path) -> Sandbox:
+    port = procs.free_port()
+    proc = procs.start(
+        ["sandbox_tasks", "--port", str(port), "--mode", mode, "--data", str(data)],
+        procs.child_env(),
+        log=data.with_suffix(".log"),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    procs.wait_for(up, timeout=30)
+    return Sandbox(url, mode, proc)
+
+
+@pytest.fixture
+def sandbox_factory(tmp_path: Path, settings: Any) -> Iterator[Callable[[str], Sandbox]]:
+    """Start sandboxes in a mode; the last one started is what `tasks.*` talk to."""
+    started: list[Sandbox] = []
+
+    def start(mode: str = "key") -> Sandbox:
+        box = start_sandbox(mode, tmp_path / f"sandbox-{mode}-{len(started)}.sqlite3")
+        started.append(box)
+        settings.HOLDPOINT_TASKS_URL = box.url
+        settings.HOLDPOINT_TASKS_DEDUP = mode
+        return box
+
+    yield start
+    for box in started:
+        procs.kill(box.proc)
