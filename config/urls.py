@@ -6,7 +6,7 @@ from django.urls import path
 from django.views.generic import RedirectView
 
 from approvals import views as approval_views
-from runtime import health, pages, web
+from runtime import health, pages, reconcile_pages, web
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
@@ -21,6 +21,17 @@ urlpatterns = [
     path("runs/<uuid:run_id>/resume/", pages.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/input/", pages.run_input, name="run-input"),
     path("runs/<uuid:run_id>/revise/", pages.run_revise, name="run-revise"),
+    path("reconcile/", reconcile_pages.reconcile_list, name="reconcile"),
+    path(
+        "reconcile/<uuid:action_id>/",
+        reconcile_pages.reconcile_detail,
+        name="reconcile-detail",
+    ),
+    path(
+        "reconcile/<uuid:action_id>/resolve/",
+        reconcile_pages.reconcile_resolve,
+        name="reconcile-resolve",
+    ),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),
