@@ -5,3 +5,9 @@ class ApprovalsConfig(AppConfig):
     name = "approvals"
     verbose_name = "Approvals"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from approvals.decisions import HoldPoints
+        from runtime import gates
+
+        gates.install(HoldPoints())

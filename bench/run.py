@@ -1,5 +1,10 @@
-"""Holdpoint's first benchmark: durable steps per second of a 50-step no-op graph, against the
-same database's raw INSERT+COMMIT rate measured in the same process, rounds interleaved.
+"""Holdpoint's benchmarks, per backend, rounds interleaved in one process:
+
+1. durable steps per second of a 50-step no-op graph, against the same database's raw
+   INSERT+COMMIT rate;
+2. (bench/ledger.py) what the side-effect ledger adds to one HTTP side effect: a 20-action
+   `bench-act` run against the same requests sent bare to the sandbox task service, which
+   each child starts as its own process (`--actions 0` skips it).
 
     .venv/bin/python bench/run.py                      # SQLite (a fresh temporary file)
     BENCH_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/postgres .venv/bin/python bench/run.py
@@ -23,13 +28,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+from bench import ledger
+from bench.common import RESULTS, ROOT, fmt, log, profile_call, spread, statement_kinds, summary
+from bench.ledger import SANDBOX_MODE, LedgerBench, sandbox
+
 GRAPH_MODULES = "bench.graphs,runtime.agents.api_review.graph"
 PAYLOAD_BYTES = 100
 
@@ -52,10 +61,6 @@ def with_dbname(url: str, dbname: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/" + dbname, parts.query, parts.fragment))
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
 def filesystem_of(path: str) -> str:
     """The filesystem type holding `path` (Linux /proc/mounts; "" elsewhere)."""
     try:
@@ -69,10 +74,6 @@ def filesystem_of(path: str) -> str:
         default=("", ""),
     )
     return best[1]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- child: one backend ----------------------------------------------------------------------
@@ -106,6 +107,7 @@ class Bench:
         self.pg = connection.vendor == "postgresql"
         self.round_no = 0
         self.server_counters = self.pg
+        self.ledger: LedgerBench | None = None  # the second benchmark, when a sandbox runs
 
     # setup
     def prepare(self) -> None:
@@ -207,15 +209,9 @@ class Bench:
         after = self.counters()
         return {"seconds": t1 - t0, "cpu": cpu1 - cpu0, "delta": self.delta(before, after)}
 
-    def statements_per_step(self) -> dict[str, Any]:
-        """SQL statements Django sends per step / per raw commit (BEGIN and COMMIT excluded),
-        from one extra run and one extra raw round, with the server counters switched off."""
-        import re
-        from collections import Counter
-
-        from runtime.executor import advance_run
-        from runtime.lifecycle import create_run
-
+    def statements(self, work: Callable[[], Any]) -> list[str]:
+        """The SQL statements Django sends while `work` runs (BEGIN not counted; COMMIT is
+        not an execute), with the server counters switched off."""
         seen: list[str] = []
 
         def count(execute, sql, params, many, context):
@@ -223,68 +219,47 @@ class Bench:
                 seen.append(sql)
             return execute(sql, params, many, context)
 
-        def kind(sql: str) -> str:
-            verb = sql.split(None, 1)[0].upper()
-            table = re.search(r'(?:FROM|INTO|UPDATE)\s+"?(\w+)"?', sql, re.IGNORECASE)
-            return f"{verb} {table.group(1) if table else '?'}"
-
-        run = create_run(self.tenant, "bench-noop", {"steps": self.steps}, actor="bench")
         self.server_counters = False
         try:
             with self.connection.execute_wrapper(count):
-                advance_run(run.run_id, "bench", slice_seconds=3600)
-            kinds = Counter(kind(q) for q in seen)
-            holdpoint = len(seen) / self.steps
-            seen.clear()
-            with self.connection.execute_wrapper(count):
-                self.raw_once()
+                work()
         finally:
             self.server_counters = self.pg
-        return {
-            "holdpoint": holdpoint,
-            "raw": len(seen) / self.steps,
-            "holdpoint_run_statements": dict(kinds.most_common()),
-        }
+        return seen
 
-    def profile(self, top: int = 25) -> dict[str, Any]:
-        import cProfile
-        import io
-        import pstats
-
+    def statements_per_step(self) -> dict[str, Any]:
+        """SQL statements Django sends per step / per raw commit, from one extra run and one
+        extra raw round."""
         from runtime.executor import advance_run
         from runtime.lifecycle import create_run
 
         run = create_run(self.tenant, "bench-noop", {"steps": self.steps}, actor="bench")
-        profiler = cProfile.Profile()
-        profiler.enable()
-        advance_run(run.run_id, "bench", slice_seconds=3600)
-        profiler.disable()
-        out = io.StringIO()
-        stats = pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("cumulative")
-        stats.print_stats(top)
-        stats.sort_stats("tottime").print_stats(top)
-        stats.sort_stats("cumulative")
-        text = out.getvalue()
-        (RESULTS / f"profile-{self.backend}.txt").write_text(text)
-        entries = []
-        for func, (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
-            entries.append(
-                {
-                    "function": f"{func[0]}:{func[1]}({func[2]})",
-                    "ncalls": ncalls,
-                    "tottime_ms": tottime * 1000,
-                    "cumtime_ms": cumtime * 1000,
-                }
-            )
-        entries.sort(key=lambda e: e["cumtime_ms"], reverse=True)
-        return {"steps": self.steps, "top_cumulative": entries[:top]}
+        seen = self.statements(lambda: advance_run(run.run_id, "bench", slice_seconds=3600))
+        raw = self.statements(self.raw_once)
+        return {
+            "holdpoint": len(seen) / self.steps,
+            "raw": len(raw) / self.steps,
+            "holdpoint_run_statements": statement_kinds(seen),
+        }
+
+    def profile(self) -> dict[str, Any]:
+        from runtime.executor import advance_run
+        from runtime.lifecycle import create_run
+
+        run = create_run(self.tenant, "bench-noop", {"steps": self.steps}, actor="bench")
+        top = profile_call(
+            lambda: advance_run(run.run_id, "bench", slice_seconds=3600), self.backend
+        )
+        return {"steps": self.steps, "top_cumulative": top}
 
     def go(self, rounds: int, profile: bool) -> dict[str, Any]:
         n = self.steps
         self.holdpoint_once()  # warm-up: imports, caches, connection, statement plans
         self.raw_once()
+        if self.ledger:
+            self.ledger.warm_up()
         overhead = self.calibrate()
-        per_round = []
+        per_round, ledger_rows = [], []
         for r in range(1, rounds + 1):
             a = self.holdpoint_once()
             b = self.raw_once()
@@ -309,6 +284,9 @@ class Bench:
                 f" steps/s, raw {row['raw_commits_per_s']:.0f} commits/s, ratio {row['ratio']:.3f},"
                 f" cpu {row['holdpoint_cpu_ms_per_step']:.3f} ms/step"
             )
+            if self.ledger:  # the same round goes on: act, bare (bench/ledger.py)
+                noop_ms = a["seconds"] * 1000 / n
+                ledger_rows.append(self.ledger.round(r, noop_ms, overhead))
 
         def col(key: str, sub: str | None = None) -> list[float]:
             return [r[key][sub] if sub else r[key] for r in per_round]
@@ -332,6 +310,8 @@ class Bench:
         out["statements_per_step"] = self.statements_per_step()
         if profile:
             out["profile"] = self.profile()
+        if self.ledger:
+            out["ledger"] = self.ledger.results(ledger_rows, profile)
         out["environment"] = self.environment()
         return out
 
@@ -420,7 +400,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     bench.prepare()
     log(f"[{args.backend}] migrated in {time.perf_counter() - started:.1f}s")
-    result = bench.go(args.rounds, args.profile)
+    if not args.actions:
+        result = bench.go(args.rounds, args.profile)
+    else:
+        with sandbox(Path(settings.VAR_DIR)) as url:
+            settings.HOLDPOINT_TASKS_URL, settings.HOLDPOINT_TASKS_DEDUP = url, SANDBOX_MODE
+            bench.ledger = LedgerBench(bench, url, args.actions)
+            result = bench.go(args.rounds, args.profile)
     result["wall_seconds"] = time.perf_counter() - started
     return result
 
@@ -459,6 +445,8 @@ def driver(args: argparse.Namespace) -> int:
             str(args.rounds),
             "--steps",
             str(args.steps),
+            "--actions",
+            str(args.actions),
             "--json-out",
             str(out),
         ]
@@ -476,6 +464,8 @@ def driver(args: argparse.Namespace) -> int:
         "benchmark": "bench-noop: a no-op step repeated; durable steps/s vs raw INSERT+COMMIT/s",
         "method": "interleaved rounds (A: one Holdpoint run, B: the same number of raw commits); "
         "ratio = median of per-round holdpoint_steps_per_s / raw_commits_per_s",
+        "side_effect_benchmark": ledger.BENCHMARK,
+        "side_effect_method": ledger.METHOD,
         "environment": {
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "python": platform.python_version(),
@@ -494,19 +484,11 @@ def driver(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def fmt(value: float, digits: int = 0) -> str:
-    return f"{value:,.{digits}f}"
-
-
-def spread(s: dict[str, float], digits: int = 0) -> str:
-    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}–{fmt(s['max'], digits)})"
-
-
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     dirty = " + uncommitted changes" if env.get("git_changed_files") else ""
     lines = [
-        "# Benchmark: 50-step no-op graph vs raw INSERT+COMMIT",
+        "# Benchmarks: 50-step no-op graph vs raw INSERT+COMMIT; side-effect overhead",
         "",
         f"{env['date']} · git {env['git_head'] or '?'}{dirty} · Python {env['python']} · "
         f"{env['cpu_count']} CPUs · {env['platform']}",
@@ -549,6 +531,7 @@ def markdown(report: dict[str, Any]) -> str:
     for name, b in report["backends"].items():
         kinds = b["statements_per_step"]["holdpoint_run_statements"]
         lines.append(f"- {name}: " + ", ".join(f"{k} ×{v}" for k, v in kinds.items()))
+    lines += ledger.markdown_section(report)
     lines += ["", "Environment:", ""]
     for name, b in report["backends"].items():
         e = b["environment"]
@@ -572,7 +555,11 @@ def chart(report: dict[str, Any]) -> None:
     backends = report["backends"]
     if not backends:
         return
-    fig, axes = plt.subplots(1, len(backends), figsize=(5 * len(backends), 3.5), squeeze=False)
+    with_ledger = any("ledger" in b for b in backends.values())
+    rows = 2 if with_ledger else 1
+    fig, axes = plt.subplots(
+        rows, len(backends), figsize=(5 * len(backends), 3.5 * rows), squeeze=False
+    )
     for ax, (name, b) in zip(axes[0], backends.items(), strict=True):
         rounds = [r["round"] for r in b["per_round"]]
         ax.plot(
@@ -592,6 +579,8 @@ def chart(report: dict[str, Any]) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")
+    if with_ledger:
+        ledger.plot(axes[1], backends)
     fig.tight_layout()
     fig.savefig(RESULTS / "latest.png", dpi=100)
     plt.close(fig)
@@ -604,8 +593,14 @@ def main() -> int:
         choices=["sqlite", "postgres"],
         help="run one backend in this process (the driver passes it)",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     parser.add_argument("--steps", type=int, default=50, help="steps per run (default 50)")
+    parser.add_argument(
+        "--actions",
+        type=int,
+        default=20,
+        help="actions per bench-act run in the side-effect benchmark (default 20; 0 skips it)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -613,8 +608,8 @@ def main() -> int:
     )
     parser.add_argument("--json-out", help="child: where to write its JSON")
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1:
-        parser.error("--rounds and --steps must be >= 1")
+    if args.rounds < 1 or args.steps < 1 or args.actions < 0:
+        parser.error("--rounds and --steps must be >= 1, --actions >= 0")
     if args.backend:
         if not args.json_out:
             parser.error("--backend needs --json-out")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import dj_database_url
@@ -99,7 +100,8 @@ except Exception as exc:  # dj_database_url raises several types for a bad URL
 if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "init_command": _SQLITE_INIT, "timeout": 30}
     _db["CONN_MAX_AGE"] = 0 if TESTING else _db["CONN_MAX_AGE"]
-    _db["TEST"] = {"NAME": str(VAR_DIR / "test-holdpoint.sqlite3")}
+    # Per process, so two test runs on one machine never share (and corrupt) a database.
+    _db["TEST"] = {"NAME": str(VAR_DIR / f"test-holdpoint-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_HEALTH_CHECKS"] = True
 DATABASES = {"default": _db}

@@ -17,10 +17,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from runtime import ledger
-from runtime.errors import HoldpointError, StaleFence
+from runtime import gates, ledger
+from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
 from runtime.faults import fault
-from runtime.gates import needs_approval
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool
@@ -39,6 +38,13 @@ class ActionFailed(HoldpointError):
     code = "action_failed"
     status = 409
     title = "The action was refused by the service"
+
+
+class ActionRejected(ActionFailed):
+    """A reviewer said no. The step may catch it and finish without the effect."""
+
+    code = "action_rejected"
+    title = "The action was rejected by a reviewer"
 
 
 class ToolUnavailable(HoldpointError):
@@ -123,7 +129,7 @@ class ActionRunner:
         call_index: int,
     ) -> Action:
         run, lease = self.executor.run, self.lease
-        approval = needs_approval(tool, params, run)
+        approval = gates.needs_approval(tool, params, run)
         created: list[Action] = []
 
         def insert() -> None:
@@ -153,9 +159,13 @@ class ActionRunner:
             status = action.status
             if status == S.CONFIRMED:
                 return ActionResult(str(action.action_id), action.external_id, action.result)
+            if status == S.CANCELLED and action.last_error.startswith("rejected"):
+                raise ActionRejected(action.last_error)
             if status in (S.FAILED, S.CANCELLED, S.COMPENSATED):
                 raise ActionFailed(f"{action.tool} is {status}: {action.last_error}".strip(": "))
             if status == S.AWAITING_APPROVAL:
+                with transaction.atomic(durable=True):
+                    gates.hold(action, self.executor.run, self.lease.actor)  # idempotent
                 raise Park("waiting_approval", f"{action.tool} needs approval", action=action)
             if status == S.MANUAL_REVIEW:
                 raise Park(
@@ -174,7 +184,13 @@ class ActionRunner:
             tool.breaker.admit()
         except CircuitOpen as exc:
             raise ToolUnavailable(f"{tool.name}: {exc}") from None
-        action = ledger.mark_sent(action, self.lease.fence, self.lease.ttl, tool, self.lease.actor)
+        try:
+            action = ledger.mark_sent(
+                action, self.lease.fence, self.lease.ttl, tool, self.lease.actor
+            )
+        except (ApprovalRequired, ApprovalExpired) as refused:
+            action.refresh_from_db()
+            raise Park("waiting_approval", refused.detail, action=action) from None
         self.executor.head = None
         fault("after_sent_mark")
         result = tool.call(

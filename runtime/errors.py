@@ -112,3 +112,34 @@ class StepFailed(HoldpointError):
 class ActionCancelled(Conflict):
     code = "action_cancelled"
     title = "The action was cancelled"
+
+
+class ApprovalRequired(Conflict):
+    code = "approval_required"
+    title = "A valid approval of this exact action is required"
+
+
+class ApprovalExpired(Conflict):
+    code = "approval_expired"
+    title = "The approval expired before the action was sent"
+
+
+class HashMismatch(Conflict):
+    code = "hash_mismatch"
+    title = "The action changed since it was shown"
+
+
+class AlreadyDecided(Conflict):
+    code = "already_decided"
+    title = "The request was already decided"
+
+
+class Expired(Conflict):
+    code = "expired"
+    title = "The request expired"
+
+
+class FieldNotEditable(HoldpointError):
+    code = "field_not_editable"
+    status = 422
+    title = "This field may not be edited"

@@ -1,37 +1,69 @@
-"""The one narrow function through which the executor consults hold points.
+"""The one narrow interface through which the runtime consults hold points.
 
-`runtime` knows nothing of `approvals` (DESIGN.md layering). The approvals app registers its
-checks here at start-up; with none registered, only the tool's own static declaration counts.
+`runtime` knows nothing of `approvals` (DESIGN.md layering). The approvals app registers a
+`HoldPoints` implementation at start-up; without one, only a tool's own static declaration
+counts and nothing can approve (actions needing approval simply wait).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from runtime.models import Action
 
-# (tool, params, run) -> whether this action needs a human decision before it may be sent.
-_approval_checks: list[Callable[[Any, dict[str, Any], Any], bool]] = []
-# (action) -> raises if the action may not be sent now (approval missing, stale, expired…).
-_dispatch_checks: list[Callable[[Action], None]] = []
+
+class HoldPoints(Protocol):
+    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any) -> bool:
+        """Whether this action must wait for a human decision before it may be sent."""
+
+    def hold(self, action: Action, run: Any, actor: str) -> None:
+        """The action waits (awaiting_approval): make sure an open request exists for it.
+        Called inside the transaction that prepared (or re-held) the action."""
+
+    def check_dispatch(self, action: Action, actor: str) -> str | None:
+        """Inside the transaction that would mark the action sent (its row locked): None if
+        it may go, else the refusal code after superseding what no longer holds."""
+
+    def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
+        """Actions were cancelled (goal revised, run cancelled): close their requests."""
+
+    def sweep(self) -> int:
+        """Periodic work (expiry, reminders, escalation); returns how much was done."""
 
 
-def register_approval_check(check: Callable[[Any, dict[str, Any], Any], bool]) -> None:
+_impl: HoldPoints | None = None
+# Test hook: extra static approval checks (tool, params, run) -> bool.
+_approval_checks: list[Any] = []
+
+
+def install(impl: HoldPoints) -> None:
+    global _impl
+    _impl = impl
+
+
+def register_approval_check(check: Any) -> None:
     _approval_checks.append(check)
 
 
-def register_dispatch_check(check: Callable[[Action], None]) -> None:
-    _dispatch_checks.append(check)
-
-
 def needs_approval(tool: Any, params: dict[str, Any], run: Any) -> bool:
-    return tool.needs_approval(params) or any(
-        check(tool, params, run) for check in _approval_checks
-    )
+    if tool.needs_approval(params) or any(check(tool, params, run) for check in _approval_checks):
+        return True
+    return _impl is not None and _impl.needs_approval(tool, params, run)
 
 
-def dispatch_gate(action: Action) -> None:
-    """Called inside the transaction that marks the action sent, with its row locked."""
-    for check in _dispatch_checks:
-        check(action)
+def hold(action: Action, run: Any, actor: str) -> None:
+    if _impl is not None:
+        _impl.hold(action, run, actor)
+
+
+def dispatch_gate(action: Action, actor: str) -> str | None:
+    return _impl.check_dispatch(action, actor) if _impl is not None else None
+
+
+def withdrawn(action_ids: list[str], reason: str, actor: str) -> None:
+    if _impl is not None and action_ids:
+        _impl.withdrawn(action_ids, reason, actor)
+
+
+def sweep() -> int:
+    return _impl.sweep() if _impl is not None else 0

@@ -16,9 +16,13 @@ from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from audit import journal
 from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
+from runtime import gates
 from runtime.errors import (
     ActionCancelled,
+    ApprovalExpired,
+    ApprovalRequired,
     InvalidParams,
     InvalidTransition,
     StaleFence,
@@ -128,6 +132,7 @@ def create_action(
         reason=reason[:5000],
         target=target[:300],
         status=S.AWAITING_APPROVAL if needs_approval else S.PREPARED,
+        requested_fingerprint=fingerprint,
     )
     record(
         run,
@@ -141,6 +146,8 @@ def create_action(
         goal_rev=run.goal_rev,
         action_status=action.status,
     )
+    if action.status == S.AWAITING_APPROVAL:
+        gates.hold(action, run, actor)
     return action
 
 
@@ -148,7 +155,7 @@ def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Actio
     """The action this call of this step prepared before, if any; refuses different params."""
     key = idempotency_key(run.run_id, run.goal_rev, step, call_index)
     action = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
-    if action is not None and action.fingerprint != fingerprint:
+    if action is not None and (action.requested_fingerprint or action.fingerprint) != fingerprint:
         raise InvalidParams(
             f"step {step} asked for call {call_index} with different params under the same "
             "idempotency key; refusing to send something other than what was prepared",
@@ -180,21 +187,57 @@ def check_dispatchable(action_id: Any, fence: int) -> Action:
 
 def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
     """Commit `sent` before the request leaves. Until `in_flight_until` (this sender's lease
-    plus the tool's longest request) nobody may conclude the request did not arrive."""
+    plus the tool's longest request) nobody may conclude the request did not arrive.
+
+    The hold-point re-check runs in the same transaction, with the action row locked: an
+    approval that no longer binds this exact action (hash, expiry, the decider's permission)
+    is superseded and a new request raised — committed — and the send is refused.
+    """
     with transaction.atomic(durable=True):
         action = check_dispatchable(action.action_id, fence)
-        from runtime.gates import dispatch_gate
+        refusal = gates.dispatch_gate(action, actor)
+        if refusal is None:
+            return transition(
+                action,
+                S.SENT,
+                actor,
+                sent_fence=fence,
+                sent_at=Now(),
+                in_flight_until=db_now_plus(ttl + tool.timeout),
+                attempts=action.attempts + 1,
+            )
+    raise (ApprovalExpired if refusal == ApprovalExpired.code else ApprovalRequired)(
+        f"{action.tool} cannot be sent: {refusal.replace('_', ' ')}"
+    )
 
-        dispatch_gate(action)
-        return transition(
-            action,
-            S.SENT,
-            actor,
-            sent_fence=fence,
-            sent_at=Now(),
-            in_flight_until=db_now_plus(ttl + tool.timeout),
-            attempts=action.attempts + 1,
-        )
+
+def hold_again(action: Action, actor: str) -> Action:
+    """Back to awaiting_approval (an approval stopped binding); a new request is raised."""
+    action = transition(action, S.AWAITING_APPROVAL, actor)
+    gates.hold(action, Run.objects.get(pk=action.run_id), actor)
+    return action
+
+
+def edit_params(action: Action, params: dict[str, Any], actor: str) -> Action:
+    """A reviewer's edit of a held action: new canonical params, new fingerprint (so a new
+    action hash); the step's original request stays matched via requested_fingerprint."""
+    text, fingerprint = canonical_params(params)
+    moved = Action.objects.filter(pk=action.pk, status=S.AWAITING_APPROVAL).update(
+        params=text, fingerprint=fingerprint, updated_at=Now()
+    )
+    if moved != 1:
+        raise InvalidTransition("only an action awaiting approval can be edited")
+    run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
+    record(
+        run,
+        RunEvent.ACTION_EDITED,
+        actor,
+        action_id=str(action.action_id),
+        previous_fingerprint=action.fingerprint,
+        fingerprint=fingerprint,
+    )
+    action.refresh_from_db()
+    return action
 
 
 def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
@@ -204,7 +247,7 @@ def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
     )
     ids = [str(a) for a in stale.values_list("action_id", flat=True)]
     if ids:
-        stale.update(status=S.CANCELLED, updated_at=Now())
+        stale.update(status=S.CANCELLED, updated_at=Now(), last_error="goal revised")
         for action_id in ids:
             record(
                 run,
@@ -214,6 +257,7 @@ def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
                 reason="goal revised",
                 goal_rev=goal_rev,
             )
+        gates.withdrawn(ids, "goal revised", actor)
     return ids
 
 
@@ -280,14 +324,21 @@ def resolve(
             {"external_id": external_id.strip()} if target == S.CONFIRMED else {}
         )
         transition(locked, target, actor, **changes)
-        record(
-            run,
-            RunEvent.ACTION_RESOLVED,
-            actor,
-            action_id=str(locked.action_id),
-            outcome=outcome,
-            external_id=external_id,
-            note=note[:2000],
+        resolution = {
+            "action_id": str(locked.action_id),
+            "run_id": str(run.run_id),
+            "outcome": outcome,
+            "external_id": external_id.strip(),
+            "note": note[:2000],
+        }
+        record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
+        # A human act: the tenant's stream records it too (DESIGN.md, "Journal").
+        journal.append(
+            journal.tenant_stream(run.tenant_id),
+            RunEvent.ACTION_RESOLVED.value,
+            tenant_id=run.tenant_id,
+            actor=actor,
+            payload=resolution,
         )
         still_open = Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists()
         if run.status == RunStatus.NEEDS_RECONCILIATION and not still_open:

@@ -14,6 +14,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
+from runtime import gates
 from runtime.errors import (
     AlreadyCompleted,
     InvalidParams,
@@ -108,7 +109,8 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
             raise RunFinished(f"the run is {run.status}")
         withdrawn = Action.objects.filter(run=run, status__in=UNSENT)
         ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
-        withdrawn.update(status=ActionStatus.CANCELLED)
+        withdrawn.update(status=ActionStatus.CANCELLED, last_error="run cancelled")
+        gates.withdrawn(ids, "run cancelled", actor)
         record(
             run,
             RunEvent.CANCELLED,

@@ -19,3 +19,14 @@ def _enqueue(run_id: str) -> None:
     from django_q.tasks import async_task
 
     async_task("runtime.tasks.advance", run_id)
+
+
+def on_commit_task(func: str, *args: Any) -> None:
+    """Enqueue a django-q2 task after the surrounding transaction commits."""
+
+    def enqueue() -> None:
+        from django_q.tasks import async_task
+
+        async_task(func, *args)
+
+    transaction.on_commit(enqueue)

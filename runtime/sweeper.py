@@ -20,6 +20,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from runtime import gates
 from runtime.leases import lease_free
 from runtime.models import RUNNABLE, Run
 from runtime.queue import _enqueue
@@ -53,6 +54,7 @@ def sweep_once(
     chosen = chosen[:batch]
     for run_id in chosen:
         ring(str(run_id))
+    gates.sweep()  # hold points: expiry, reminders, escalation
     return SweepResult(rung=len(chosen), due=len(found))
 
 

@@ -13,3 +13,9 @@ def advance(run_id: str) -> str:
 
 def sweep() -> int:
     return sweeper.sweep_for(settings.HOLDPOINT_SWEEP_WINDOW, settings.HOLDPOINT_SWEEP_INTERVAL)
+
+
+def dispatch_standalone(action_id: str) -> str:
+    from runtime.compensation import dispatch_standalone as dispatch
+
+    return dispatch(action_id).status

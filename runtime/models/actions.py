@@ -44,6 +44,8 @@ class Action(models.Model):
     # executor sends only them.
     params = models.TextField()
     fingerprint = models.CharField(max_length=64)
+    # What the step asked for, before any reviewer edit: a re-executed step is matched on it.
+    requested_fingerprint = models.CharField(max_length=64, blank=True, default="")
     status = models.CharField(
         max_length=24, choices=ActionStatus.choices, default=ActionStatus.PREPARED
     )

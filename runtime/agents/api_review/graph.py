@@ -13,6 +13,7 @@ from typing import Any
 
 from runtime.agents.api_review.diff import find_risks, load_spec
 from runtime.context import StepContext
+from runtime.dispatch import ActionRejected
 from runtime.graphs import Complete, Graph, Next, Outcome, register
 
 DEFAULT_GOAL = {
@@ -84,16 +85,20 @@ def propose_task(ctx: StepContext) -> Outcome:
     point when the tenant's policy says so."""
     report_ = ctx.state["report"]
     lines = [f"- {r['method']} {r['path']}: {r['kind']} — {r['detail']}" for r in report_["risks"]]
-    task = ctx.act(
-        "tasks.create",
-        {
-            "title": f"Review {len(lines)} API compatibility risk(s): "
-            f"{report_['old_spec']} → {report_['new_spec']}",
-            "body": "\n".join(lines),
-        },
-        reason="The new API version breaks existing clients in these places.",
-        target=f"{report_['new_spec']}",
-    )
+    try:
+        task = ctx.act(
+            "tasks.create",
+            {
+                "title": f"Review {len(lines)} API compatibility risk(s): "
+                f"{report_['old_spec']} → {report_['new_spec']}",
+                "body": "\n".join(lines),
+            },
+            reason="The new API version breaks existing clients in these places.",
+            target=f"{report_['new_spec']}",
+        )
+    except ActionRejected as rejected:
+        # A reviewer said no: the report stands on its own, and the run records why.
+        return Complete(update={"review_task": {"rejected": rejected.detail}})
     return Complete(update={"review_task": {"id": task.external_id, "action": task.action_id}})
 
 

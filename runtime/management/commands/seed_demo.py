@@ -45,6 +45,10 @@ TENANT_ADMIN_PERMS = [
     ("authtoken", "view_tokenproxy"),
     ("authtoken", "add_tokenproxy"),
     ("authtoken", "delete_tokenproxy"),
+    ("approvals", "view_approvalpolicy"),
+    ("approvals", "add_approvalpolicy"),
+    ("approvals", "change_approvalpolicy"),
+    ("approvals", "view_approvalrequest"),
 ]
 
 
@@ -103,7 +107,20 @@ class Command(BaseCommand):
             if role == Role.REVIEWER:
                 group, _ = Group.objects.get_or_create(name=reviewer_group_name(tenant))
                 user.groups.add(group)
+        self._demo_policy(tenants["demo"])
         return created
+
+    def _demo_policy(self, tenant: Tenant) -> None:
+        """tasks.create in the demo tenant waits for a demo reviewer (a hold point)."""
+        from approvals.models import ApprovalPolicy
+        from approvals.policies import grant
+
+        policy, _ = ApprovalPolicy.objects.get_or_create(
+            tenant=tenant,
+            name="Review tasks before they are created",
+            defaults={"tool": "tasks.create", "expiry_seconds": 24 * 3600},
+        )
+        grant(policy, Group.objects.get(name=reviewer_group_name(tenant)))
 
     def _tenant_admin_group(self) -> Group:
         group, _ = Group.objects.get_or_create(name=TENANT_ADMIN_GROUP)

@@ -1,0 +1,121 @@
+"""Expiry, reminders and escalation of pending hold points (run by the sweeper).
+
+What expiry means is the policy's choice, never an accident: re-request once and then ask a
+human to look at the run (the default), reject, or — only when the policy says so
+explicitly — approve.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from approvals.decisions import _close, _wake, request_approval
+from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
+from runtime import ledger
+from runtime.events import RunEvent, record
+from runtime.models import Action, ActionStatus, Run, RunStatus
+
+A = ApprovalStatus
+SYSTEM = "system:expirer"
+
+
+def sweep_approvals(batch: int = 200) -> int:
+    now = timezone.now()
+    due = ApprovalRequest.objects.filter(status=A.PENDING, expires_at__lte=now)
+    done = 0
+    for request_id in due.values_list("id", flat=True)[:batch]:
+        done += expire(request_id)
+    done += remind(now, batch) + escalate(now, batch)
+    return done
+
+
+def expire(request_id: object) -> int:
+    with transaction.atomic(durable=True):
+        request = (
+            ApprovalRequest.objects.select_for_update()
+            .select_related("policy")
+            .filter(pk=request_id, status=A.PENDING, expires_at__lte=Now())
+            .first()
+        )
+        if request is None:
+            return 0
+        run = Run.objects.select_for_update().get(pk=request.run_id)
+        action = Action.objects.select_for_update().get(pk=request.action_id)
+        policy = request.policy
+        if policy.on_expiry == OnExpiry.APPROVE:
+            ApprovalRequest.objects.filter(pk=request.pk).update(
+                status=A.APPROVED,
+                decision=Decision.APPROVE,
+                decided_at=Now(),
+                decision_reason="approved at expiry: the policy says so explicitly",
+                expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
+            )
+            ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
+            _wake(run, SYSTEM)
+            return 1
+        _close(request, A.EXPIRED, SYSTEM, "nobody decided before expiry")
+        if policy.on_expiry == OnExpiry.REJECT:
+            ledger.transition(
+                action,
+                ActionStatus.CANCELLED,
+                SYSTEM,
+                last_error="rejected at expiry: nobody decided in time",
+            )
+            _wake(run, SYSTEM)
+        elif request.rerequest_count < 1:
+            request_approval(action, run, SYSTEM, previous=request)
+        else:
+            reason = (
+                f"approval of {action.tool} expired twice without a decision (policy {policy.name})"
+            )
+            moved = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
+                status=RunStatus.NEEDS_ATTENTION, attention_reason=reason, updated_at=Now()
+            )
+            if moved:
+                record(
+                    run, RunEvent.ESCALATED, SYSTEM, reason=reason, status=RunStatus.NEEDS_ATTENTION
+                )
+    return 1
+
+
+def remind(now: object, batch: int) -> int:
+    from approvals.notify import notify_reminder
+
+    pending = (
+        ApprovalRequest.objects.filter(status=A.PENDING, reminded=False)
+        .select_related("policy")
+        .order_by("expires_at")[:batch]
+    )
+    count = 0
+    for request in pending:
+        window = timedelta(seconds=request.policy.remind_before_seconds)
+        if request.expires_at - window > timezone.now():
+            continue
+        if ApprovalRequest.objects.filter(pk=request.pk, reminded=False).update(reminded=True):
+            notify_reminder(request)
+            count += 1
+    return count
+
+
+def escalate(now: object, batch: int) -> int:
+    from approvals.notify import notify_escalated
+
+    count = 0
+    candidates = ApprovalRequest.objects.filter(
+        status=A.PENDING,
+        escalated=False,
+        policy__escalate_after_seconds__isnull=False,
+        policy__escalation_group__isnull=False,
+    ).select_related("policy")[:batch]
+    for request in candidates:
+        due = request.created_at + timedelta(seconds=request.policy.escalate_after_seconds or 0)
+        if due <= timezone.now() and ApprovalRequest.objects.filter(
+            pk=request.pk, escalated=False
+        ).update(escalated=True):
+            notify_escalated(request)
+            count += 1
+    return count

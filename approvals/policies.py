@@ -1,0 +1,102 @@
+"""Which policy holds an action, and who may decide under it.
+
+Permission to decide is an object permission on the policy (guardian's direct-FK tables),
+read here explicitly: only grants on this very policy count — never a global model
+permission, never superuser status — and only for an active member of the policy's tenant
+with a deciding role. Global perms and superusers would leak across tenants.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import Q
+
+from approvals.models import ApprovalPolicy, PolicyGroupPermission, PolicyUserPermission
+from runtime.models import Membership, Role
+
+DECIDE = "decide_approvalpolicy"
+DECIDING_ROLES = (Role.ADMIN, Role.REVIEWER)
+
+
+def _matches(condition: dict[str, Any] | None, params: dict[str, Any], target: str) -> bool:
+    if not condition:
+        return True
+    if "target_matches" in condition:
+        return re.search(str(condition["target_matches"]), target or "") is not None
+    value = params.get(condition.get("param", ""))
+    expected, op = condition.get("value"), condition.get("op", "eq")
+    try:
+        return {
+            "eq": lambda: value == expected,
+            "ne": lambda: value != expected,
+            "gt": lambda: value is not None and value > expected,
+            "gte": lambda: value is not None and value >= expected,
+            "lt": lambda: value is not None and value < expected,
+            "lte": lambda: value is not None and value <= expected,
+            "contains": lambda: expected in (value or ""),
+            "matches": lambda: re.search(str(expected), str(value or "")) is not None,
+        }[op]()
+    except (KeyError, TypeError):
+        return True  # a condition we cannot evaluate holds the action rather than lets it go
+
+
+def policy_for(
+    tenant_id: int, tool: str, params: dict[str, Any], target: str = ""
+) -> ApprovalPolicy | None:
+    """The first active policy (by priority) of the tenant whose tool and condition match."""
+    for policy in ApprovalPolicy.objects.filter(tenant_id=tenant_id, tool=tool, active=True):
+        if _matches(policy.condition, params, target):
+            return policy if policy.required else None
+    return None
+
+
+def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:
+    if not user.is_active:
+        return False
+    member = Membership.objects.filter(
+        user=user, tenant_id=policy.tenant_id, tenant__active=True, role__in=DECIDING_ROLES
+    ).exists()
+    if not member:
+        return False
+    groups = Q(group__in=user.groups.all())
+    granted = (
+        PolicyGroupPermission.objects.filter(
+            groups, content_object=policy, permission__codename=DECIDE
+        ).exists()
+        or PolicyUserPermission.objects.filter(
+            user=user, content_object=policy, permission__codename=DECIDE
+        ).exists()
+    )
+    if granted:
+        return True
+    return bool(
+        escalated
+        and policy.escalation_group_id
+        and user.groups.filter(pk=policy.escalation_group_id).exists()
+    )
+
+
+def deciders(policy: ApprovalPolicy, *, escalated: bool = False) -> list[AbstractBaseUser]:
+    """Who may decide now (for notifications): members granted on the policy."""
+    from django.contrib.auth import get_user_model
+
+    users = (
+        get_user_model()
+        .objects.filter(
+            is_active=True,
+            memberships__tenant_id=policy.tenant_id,
+            memberships__role__in=DECIDING_ROLES,
+        )
+        .distinct()
+    )
+    return [user for user in users if may_decide(user, policy, escalated=escalated)]
+
+
+def grant(policy: ApprovalPolicy, group: Any) -> None:
+    """Let a reviewer group decide under a policy (guardian object permission)."""
+    from guardian.shortcuts import assign_perm
+
+    assign_perm(DECIDE, group, policy)

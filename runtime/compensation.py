@@ -1,0 +1,138 @@
+"""Compensation: undoing a confirmed effect with the tool's compensating tool.
+
+A compensation is a new ledger action of its own — its own idempotency key, its own hold
+point under the tenant's policy — linked to the original. The original becomes `compensated`
+only once the compensation is confirmed; until then it stays what it was: confirmed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.db import transaction
+from django.db.models.functions import Now
+
+from runtime import gates, ledger
+from runtime.dispatch import reconcile_action
+from runtime.errors import InvalidParams, InvalidTransition
+from runtime.events import RunEvent, record
+from runtime.models import Action, ActionStatus, Run
+from runtime.queue import on_commit_task
+from runtime.tools import get_tool
+
+S = ActionStatus
+STANDALONE = "standalone"
+
+
+def compensation_params(action: Action) -> dict[str, Any]:
+    """What the compensating tool needs: the effect's external id (and why)."""
+    return {"task_id": action.external_id}
+
+
+def compensate(action: Action, reason: str, *, actor: str) -> Action:
+    """Prepare the compensating action for a confirmed one and ring its dispatcher."""
+    action.refresh_from_db()
+    if action.status != S.CONFIRMED:
+        raise InvalidTransition(f"only a confirmed action can be compensated ({action.status})")
+    tool = get_tool(action.tool)
+    if not tool.compensation:
+        raise InvalidParams(f"{tool.name} declares no compensation")
+    undo = get_tool(tool.compensation)
+    params = {**compensation_params(action), "reason": reason[:2000]}
+    undo.validate(params)
+    text, fingerprint = ledger.canonical_params(params)
+    with transaction.atomic(durable=True):
+        original = Action.objects.select_for_update().get(pk=action.pk)
+        if original.status != S.CONFIRMED:
+            raise InvalidTransition(
+                f"only a confirmed action can be compensated ({original.status})"
+            )
+        run = Run.objects.select_for_update().get(pk=original.run_id)
+        existing = Action.objects.filter(compensates=original).first()
+        if existing is not None:
+            return existing  # asking twice is the same compensation
+        created = Action.objects.create(
+            tenant_id=run.tenant_id,
+            run=run,
+            idempotency_key=f"{original.idempotency_key}:undo",
+            tool=undo.name,
+            tool_version=undo.version,
+            params=text,
+            fingerprint=fingerprint,
+            goal_rev=run.goal_rev,
+            fence=run.fence,
+            step=STANDALONE,
+            call_index=0,
+            reason=reason[:5000],
+            target=original.external_id,
+            compensates=original,
+            status=S.AWAITING_APPROVAL if gates.needs_approval(undo, params, run) else S.PREPARED,
+        )
+        record(
+            run,
+            RunEvent.ACTION_PREPARED,
+            actor,
+            action_id=str(created.action_id),
+            idempotency_key=created.idempotency_key,
+            fingerprint=fingerprint,
+            tool=undo.name,
+            compensates=str(original.action_id),
+            action_status=created.status,
+        )
+        if created.status == S.PREPARED:
+            on_commit_task("runtime.tasks.dispatch_standalone", str(created.action_id))
+    return created
+
+
+def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> Action:
+    """Send an action that no step drives (a compensation), under the run's current fence.
+
+    The compare-and-swap to `sent` is the lock: of two dispatchers, one wins, the other finds
+    the action already sent. An unknown outcome is reconciled by the tool's contract.
+    """
+    action = Action.objects.get(pk=action_id)
+    tool = get_tool(action.tool)
+    if action.status in ledger.UNSETTLED:
+        fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
+        reconcile_action(action, fence, actor)
+        action.refresh_from_db()
+        return _finish(action, actor)
+    if action.status not in (S.PREPARED, S.APPROVED):
+        return action
+    fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
+    try:
+        action = ledger.mark_sent(action, fence, 0, tool, actor)
+    except InvalidTransition:
+        return Action.objects.get(pk=action_id)
+    result = tool.call(
+        action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
+    )
+    with transaction.atomic(durable=True):
+        if result.outcome == "applied":
+            ledger.transition(
+                action, S.CONFIRMED, actor, external_id=result.external_id, result=result.result
+            )
+        elif result.outcome == "refused" and not result.transient:
+            ledger.transition(action, S.FAILED, actor, last_error=result.detail[:2000])
+        elif result.outcome == "refused":
+            ledger.transition(action, S.PREPARED, actor, last_error=result.detail[:2000])
+        else:
+            ledger.transition(action, S.UNKNOWN, actor, last_error=result.detail[:2000])
+    action.refresh_from_db()
+    return _finish(action, actor)
+
+
+def _finish(action: Action, actor: str) -> Action:
+    if action.status != S.CONFIRMED or action.compensates_id is None:
+        return action
+    with transaction.atomic(durable=True):
+        original = Action.objects.select_for_update().get(pk=action.compensates_id)
+        if original.status == S.CONFIRMED:
+            ledger.transition(original, S.COMPENSATED, actor)
+            Action.objects.filter(pk=original.pk).update(updated_at=Now())
+    return action
+
+
+def params_of(action: Action) -> dict[str, Any]:
+    return json.loads(action.params)

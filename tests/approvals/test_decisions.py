@@ -1,0 +1,277 @@
+"""Hold points: approvals bound to the exact action, applied once, re-checked (invariant 5)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group, Permission
+from django.utils import timezone
+
+from approvals.decisions import decide
+from approvals.expiry import sweep_approvals
+from approvals.hashing import action_hash
+from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, OnExpiry
+from approvals.policies import grant, may_decide
+from runtime.artifacts import resolve as load_state
+from runtime.errors import (
+    AlreadyDecided,
+    Expired,
+    FieldNotEditable,
+    HashMismatch,
+    InvalidParams,
+    NotPermitted,
+)
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run, resume_run, revise_goal
+from runtime.models import Action, ActionStatus, Checkpoint, Role, Run, RunStatus, Tenant
+from tests.approvals.conftest import GOAL
+from tests.conftest import Persona, make_persona
+from tests.runtime.helpers import events, payloads
+
+A = ApprovalStatus
+
+
+def _state(run: Run) -> dict[str, Any]:
+    run.refresh_from_db()
+    return load_state(run.tenant_id, Checkpoint.objects.get(run=run, rev=run.checkpoint_rev).state)
+
+
+def test_request_is_bound_to_the_exact_action(held: Any) -> None:
+    run, request, box = held
+    action = Action.objects.get(run=run)
+    assert run.status == RunStatus.WAITING_APPROVAL
+    assert run.waiting_for["kind"] == "approval"
+    assert run.waiting_for["action_id"] == str(action.action_id)
+    assert action.status == ActionStatus.AWAITING_APPROVAL
+    assert request.status == A.PENDING and request.action_hash == action_hash(action)
+    assert request.title.startswith("Create task: Review 3 API compatibility risk(s)")
+    assert request.shown["initiator"] == "agent:agent-a" and request.shown["impact"] == "write"
+    assert request.shown["policy"] == "tasks need review"
+    assert box.tasks() == []
+
+
+def test_approve_sends_exactly_once_and_completes(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    decided = decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    assert decided.status == A.APPROVED and decided.decided_by == reviewer_a.user
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert len(box.tasks()) == 1 and _state(run)["review_task"]["id"] == box.tasks()[0]["id"]
+    # Repeating the decision that applied returns the same result; it sends nothing more.
+    again = decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    assert again.pk == decided.pk and again.status == A.APPROVED
+    assert len(box.tasks()) == 1
+    decided_events = payloads(run, "approval_decided")
+    assert decided_events[0]["hash_seen"] == request.action_hash
+    assert decided_events[0]["policy"] == "tasks need review"
+
+
+def test_reject_needs_a_reason_and_the_run_finishes_without_the_task(
+    held: Any, reviewer_a: Persona
+) -> None:
+    run, request, box = held
+    with pytest.raises(InvalidParams):
+        decide(request.id, reviewer_a.user, "reject", request.action_hash, reason=" ")
+    decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="Not needed")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    state = _state(run)
+    assert len(state["report"]["risks"]) == 3
+    assert "rejected by alice: Not needed" in state["review_task"]["rejected"]
+    assert box.tasks() == []
+    with pytest.raises(AlreadyDecided, match="already rejected by alice"):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)
+
+
+def test_stale_hash_and_conflicting_decisions_are_refused(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    with pytest.raises(HashMismatch):
+        decide(request.id, reviewer_a.user, "approve", "0" * 64)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    with pytest.raises(AlreadyDecided):
+        decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="changed mind")
+
+
+def test_viewer_outsider_and_self_approval_are_not_permitted(
+    held: Any, viewer_a: Persona, outsider_b: Persona, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    run, request, box = held
+    for persona in (viewer_a, outsider_b):
+        with pytest.raises(NotPermitted):
+            decide(request.id, persona.user, "approve", request.action_hash)
+    starter = make_persona(tenant_a, "sam", Role.REVIEWER)  # in the reviewer group
+    self_run = create_run(tenant_a, "api-review", GOAL, actor="user:sam")
+    advance_run(self_run.run_id, "w1")
+    own = ApprovalRequest.objects.get(run=self_run)
+    with pytest.raises(NotPermitted, match="cannot approve"):
+        decide(own.id, starter.user, "approve", own.action_hash)
+    assert ApprovalRequest.objects.get(pk=request.pk).status == A.PENDING
+
+
+def test_guardian_pitfalls_do_not_grant_decisions(
+    held: Any, outsider_b: Persona, viewer_a: Persona, policy: ApprovalPolicy
+) -> None:
+    """A global model permission or superuser status never lets anyone decide."""
+    run, request, box = held
+    perm = Permission.objects.get(codename="decide_approvalpolicy")
+    outsider_b.user.user_permissions.add(perm)
+    viewer_a.user.user_permissions.add(perm)
+    outsider_b.user.is_superuser = True
+    outsider_b.user.save()
+    for persona in (outsider_b, viewer_a):
+        assert not may_decide(persona.user, policy)
+        with pytest.raises(NotPermitted):
+            decide(request.id, persona.user, "approve", request.action_hash)
+
+
+def test_a_param_change_after_approval_is_never_sent(held: Any, reviewer_a: Persona) -> None:
+    """TOCTOU: the bound action changes after the decision (a bug, an admin, raw SQL)."""
+    run, request, box = held
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    Action.objects.filter(run=run).update(params='{"title":"something else"}')
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    run.refresh_from_db()
+    request.refresh_from_db()
+    assert run.status == RunStatus.WAITING_APPROVAL
+    assert request.status == A.SUPERSEDED and box.tasks() == []
+    fresh = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert fresh.action_hash != request.action_hash
+
+
+def test_permission_revoked_before_execution_requires_a_new_approval(
+    held: Any, reviewer_a: Persona
+) -> None:
+    run, request, box = held
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    reviewer_a.user.groups.clear()
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    request.refresh_from_db()
+    assert request.status == A.SUPERSEDED and box.tasks() == []
+    assert ApprovalRequest.objects.filter(run=run, status=A.PENDING).exists()
+
+
+def test_deactivated_approver_before_execution(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    reviewer_a.user.is_active = False
+    reviewer_a.user.save()
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    assert box.tasks() == []
+
+
+def test_edit_then_approve_sends_the_edited_params(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    with pytest.raises(FieldNotEditable):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash, edits={"owner": "x"})
+    with pytest.raises(InvalidParams):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash, edits={"title": ""})
+    decided = decide(
+        request.id,
+        reviewer_a.user,
+        "approve",
+        request.action_hash,
+        edits={"title": "Review the shop-v2 breaking changes"},
+    )
+    assert decided.action_hash != request.action_hash and decided.edits
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    tasks = box.tasks()
+    assert [t["title"] for t in tasks] == ["Review the shop-v2 breaking changes"]
+    assert "action_edited" in events(run)
+
+
+def test_quorum_two_of_three(
+    held: Any, reviewer_a: Persona, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(quorum=2)
+    second = make_persona(tenant_a, "beth", Role.REVIEWER)
+    make_persona(tenant_a, "carl", Role.REVIEWER)
+    first = decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    assert first.status == A.PENDING
+    with pytest.raises(AlreadyDecided):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)  # one vote each
+    done = decide(request.id, second.user, "approve", request.action_hash)
+    assert done.status == A.APPROVED
+    assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
+
+
+def test_expiry_rerequests_once_then_needs_attention(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with pytest.raises(Expired):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    sweep_approvals()
+    request.refresh_from_db()
+    second = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert request.status == A.EXPIRED and second.rerequest_count == 1
+    ApprovalRequest.objects.filter(pk=second.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    sweep_approvals()
+    run.refresh_from_db()
+    assert run.status == RunStatus.NEEDS_ATTENTION and "expired twice" in run.attention_reason
+    assert box.tasks() == []  # never auto-approved
+    resume_run(run, actor="user:alice")  # a human looked: ask again
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    assert ApprovalRequest.objects.filter(run=run, status=A.PENDING).count() == 1
+
+
+@pytest.mark.parametrize("on_expiry", [OnExpiry.REJECT, OnExpiry.APPROVE])
+def test_expiry_follows_the_policy(held: Any, policy: ApprovalPolicy, on_expiry: str) -> None:
+    run, request, box = held
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(on_expiry=on_expiry)
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    sweep_approvals()
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert len(box.tasks()) == (1 if on_expiry == OnExpiry.APPROVE else 0)
+
+
+def test_dispatch_after_the_approval_expired_is_refused(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    request.refresh_from_db()
+    assert request.status == A.SUPERSEDED and box.tasks() == []
+    assert "approval expired" in Run.objects.get(pk=run.pk).waiting_for["prompt"]
+
+
+def test_goal_revision_supersedes_the_pending_request(held: Any, reviewer_a: Persona) -> None:
+    run, request, box = held
+    revise_goal(run, {**GOAL, "scope": ["/orders"]}, expected_goal_rev=1, actor="user:alice")
+    request.refresh_from_db()
+    assert request.status == A.SUPERSEDED
+    with pytest.raises(AlreadyDecided, match="superseded"):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    fresh = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert fresh.action.goal_rev == 2 and box.tasks() == []
+
+
+def test_no_policy_no_hold(tenant_a: Tenant, sandbox_factory: Any) -> None:
+    box = sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
+
+
+def test_a_policy_condition_limits_the_hold(
+    tenant_a: Tenant, sandbox_factory: Any, reviewer_a: Persona
+) -> None:
+    box = sandbox_factory("key")
+    policy = ApprovalPolicy.objects.create(
+        tenant=tenant_a,
+        name="only prod",
+        tool="tasks.create",
+        condition={"param": "title", "op": "contains", "value": "PROD"},
+    )
+    grant(policy, Group.objects.get(name="acme-reviewers"))
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
