@@ -9,9 +9,16 @@ os.environ.setdefault("HOLDPOINT_HEARTBEAT_THREAD", "0")
 os.environ.setdefault("HOLDPOINT_GRAPH_MODULES", "runtime.agents.api_review.graph,tests.graphs")
 os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
+# One directory per test session (its worker processes are told to use the same one), so
+# concurrent test runs on a machine never see each other's files or worker heartbeats.
 os.environ.setdefault(
     "HOLDPOINT_VAR_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "var", "test"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "var",
+        "test",
+        f"session-{os.getpid()}",
+    ),
 )
 
 from config.settings import *  # noqa: E402,F403

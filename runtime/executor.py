@@ -375,8 +375,12 @@ class Executor:
     ) -> JournalEntry:
         rev = self.run.checkpoint_rev + 1
         lease = self.lease
+        # A step boundary starts a new step visit; checkpoints around a side effect or a
+        # parked step do not (the step will run again from its start).
+        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
         update: dict[str, Any] = {
             "checkpoint_rev": rev,
+            "step_rev": rev if new_visit else self.run.step_rev,
             "next_step": next_step,
             "status": status,
             "consecutive_failures": 0,
@@ -452,6 +456,8 @@ class Executor:
             if within is not None:
                 within()
         self.run.checkpoint_rev, self.run.next_step, self.run.status = rev, next_step, status
+        if new_visit:
+            self.run.step_rev = rev
         for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
             if name in changes:
                 setattr(self.run, name, changes[name])

@@ -51,9 +51,11 @@ def sources(target: str) -> list[str]:
     return [source for source, targets in TRANSITIONS.items() if target in targets]
 
 
-def idempotency_key(run_id: Any, goal_rev: int, step: str, call_index: int) -> str:
-    """Stable across retries and processes: the same call of the same step gets the same key."""
-    return f"{run_id}:{goal_rev}:{step}:{call_index}"
+def idempotency_key(run: Run, step: str, call_index: int) -> str:
+    """Stable across retries and processes: the same call of the same step visit gets the same
+    key. The visit is named by the checkpoint rev it began at (`step_rev`), so a step that
+    loops to itself acts anew on each visit, while a re-run after a crash finds its action."""
+    return f"{run.run_id}:{run.goal_rev}:{step}@{run.step_rev}:{call_index}"
 
 
 def canonical_params(params: Any) -> tuple[str, str]:
@@ -116,7 +118,7 @@ def create_action(
 ) -> Action:
     """Insert a prepared action (inside the step's checkpoint transaction)."""
     text, fingerprint = canonical_params(params)
-    key = idempotency_key(run.run_id, run.goal_rev, step, call_index)
+    key = idempotency_key(run, step, call_index)
     action = Action.objects.create(
         tenant_id=run.tenant_id,
         run=run,
@@ -153,7 +155,7 @@ def create_action(
 
 def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Action | None:
     """The action this call of this step prepared before, if any; refuses different params."""
-    key = idempotency_key(run.run_id, run.goal_rev, step, call_index)
+    key = idempotency_key(run, step, call_index)
     action = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
     if action is not None and (action.requested_fingerprint or action.fingerprint) != fingerprint:
         raise InvalidParams(

@@ -11,6 +11,7 @@ certainly not applied), stale (the service refused our fence) or unknown.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -154,7 +155,7 @@ class TaskTool(Tool):
     def post(self, path: str, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         """Send exactly the stored canonical bytes; classify what came back."""
         try:
-            response = httpx.post(
+            response = http_client().post(
                 self.base_url + path,
                 content=params_text.encode("utf-8"),
                 headers=self.headers(key, fence, run_id),
@@ -171,7 +172,7 @@ class TaskTool(Tool):
         if self.dedup_mode() == Dedup.NONE:
             return LookupResult(found=None, detail="the service has no lookup by key")
         try:
-            response = httpx.get(
+            response = http_client().get(
                 self.base_url + "/tasks", params={"key": key}, timeout=httpx.Timeout(self.timeout)
             )
             response.raise_for_status()
@@ -181,6 +182,21 @@ class TaskTool(Tool):
         if not found:
             return LookupResult(found=False)
         return LookupResult(found=True, external_id=str(found[0]["id"]), result=found[0])
+
+
+_clients: dict[int, httpx.Client] = {}
+
+
+def http_client() -> httpx.Client:
+    """One pooled client per process (workers fork: a client must not cross a fork).
+
+    A fresh client per call loads the CA bundle each time — about 20 ms of CPU, most of a
+    bare call's cost — and opens a new connection.
+    """
+    client = _clients.get(os.getpid())
+    if client is None:
+        client = _clients[os.getpid()] = httpx.Client()
+    return client
 
 
 def classify(response: httpx.Response) -> CallResult:

@@ -127,3 +127,13 @@ def closed_circuits() -> None:
     from runtime.tools import reset_breakers
 
     reset_breakers()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove this session's scratch directory (databases, caches) unless it failed."""
+    import shutil
+
+    from django.conf import settings
+
+    if exitstatus == 0 and settings.VAR_DIR.name.startswith("session-"):
+        shutil.rmtree(settings.VAR_DIR, ignore_errors=True)

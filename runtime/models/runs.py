@@ -45,6 +45,10 @@ class Run(models.Model):
     goal_rev = models.PositiveIntegerField(default=1)
     status = models.CharField(max_length=24, choices=RunStatus.choices, default=RunStatus.QUEUED)
     checkpoint_rev = models.PositiveIntegerField(default=0)
+    # The checkpoint rev at which the current step visit began. Checkpoints around side effects
+    # advance checkpoint_rev mid-step; this does not, so a step that re-runs after a crash
+    # derives the same idempotency keys, and a step that loops to itself derives new ones.
+    step_rev = models.PositiveIntegerField(default=0)
     next_step = models.CharField(max_length=100)
     waiting_for = models.JSONField(null=True, blank=True)
     # Input delivered by a client while the run waited; consumed by the next step's commit.

@@ -326,3 +326,32 @@ def test_unknown_tool_and_undeclared_tool_are_refused(tenant_a: Tenant) -> None:
         assert "does not declare tasks.create" in Run.objects.get(pk=run.pk).attention_reason
     finally:
         registry.unregister("loose", "1")
+
+
+looper = Graph("looper", version="1", tools=("tasks.create",))
+
+
+@looper.step(start=True)
+def act_each_visit(ctx: Any) -> Any:
+    """The same params on every visit: each visit is a new action, not the first one's proof."""
+    ctx.act("tasks.create", {"title": "daily digest"})
+    seen = ctx.state.get("visits", 0) + 1
+    if seen >= 3:
+        return Complete(update={"visits": seen})
+    from runtime.graphs import Next
+
+    return Next("act_each_visit", update={"visits": seen})
+
+
+register(looper)
+
+
+def test_a_step_that_loops_to_itself_acts_once_per_visit(
+    tenant_a: Tenant, sandbox_factory: Factory
+) -> None:
+    box = sandbox_factory("key")
+    run = create_run(tenant_a, "looper", {}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    keys = [t["idempotency_key"] for t in box.tasks()]
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert Action.objects.filter(run=run, status=ActionStatus.CONFIRMED).count() == 3

@@ -132,6 +132,9 @@ class TaskStore:
 def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in two writes; with Nagle on, a keep-alive client waits
+        # for the delayed ACK (~40 ms) on every call.
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet by default
             pass
