@@ -14,7 +14,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from audit.canonical import canonical_bytes, sha256_hex
+from audit.canonical import canonical_bytes, digest, sha256_hex
 from audit.models import GENESIS, JournalEntry, StreamHead
 
 
@@ -47,19 +47,34 @@ def entry_hash(
     payload: Any,
     created_at: datetime,
 ) -> str:
-    """sha256(prev_hash || canonical entry). Every stored field but `id` is covered."""
-    body = canonical_bytes(
-        {
-            "stream": stream,
-            "seq": seq,
-            "type": type,
-            "actor": actor,
-            "object_ref": object_ref,
-            "payload": payload,
-            "created_at": created_at.isoformat(),
-        }
-    )
+    """sha256(prev_hash || canonical entry). Every stored field but `id` is covered; the
+    payload through its own digest, so the retention purge can drop a payload and keep the
+    digest, and the chain still verifies."""
+    fields = {
+        "stream": stream,
+        "seq": seq,
+        "type": type,
+        "actor": actor,
+        "object_ref": object_ref,
+        "created_at": created_at.isoformat(),
+    }
+    return _link(prev_hash, fields, payload_digest(payload))
+
+
+def _link(prev_hash: str, fields: dict[str, Any], payload_sha256: str) -> str:
+    body = canonical_bytes({**fields, "payload_sha256": payload_sha256})
     return sha256_hex(prev_hash.encode("ascii") + body)
+
+
+def payload_digest(payload: Any) -> str:
+    return digest(payload)
+
+
+def stored_payload_digest(entry: JournalEntry) -> str:
+    """The digest the hash covers: recomputed, or kept by the purge when it redacted."""
+    if entry.redacted:
+        return str(entry.payload["sha256"])
+    return payload_digest(entry.payload)
 
 
 def open_stream(stream: str, tenant_id: int) -> Head:
@@ -128,6 +143,18 @@ def append(
     )
 
 
+def entry_hash_from_digest(prev_hash: str, entry: JournalEntry, payload_sha256: str) -> str:
+    fields = {
+        "stream": entry.stream,
+        "seq": entry.seq,
+        "type": entry.type,
+        "actor": entry.actor,
+        "object_ref": entry.object_ref,
+        "created_at": entry.created_at.isoformat(),
+    }
+    return _link(prev_hash, fields, payload_sha256)
+
+
 @dataclass(frozen=True)
 class Break:
     stream: str
@@ -145,16 +172,7 @@ def verify_entries(stream: str, entries: Iterable[JournalEntry]) -> Break | None
             )
         if entry.prev_hash != prev:
             return Break(stream, entry.seq, "prev_hash does not match the previous entry")
-        recomputed = entry_hash(
-            prev,
-            stream=entry.stream,
-            seq=entry.seq,
-            type=entry.type,
-            actor=entry.actor,
-            object_ref=entry.object_ref,
-            payload=entry.payload,
-            created_at=entry.created_at,
-        )
+        recomputed = entry_hash_from_digest(prev, entry, stored_payload_digest(entry))
         if recomputed != entry.hash:
             return Break(stream, entry.seq, "entry content does not match its hash")
         prev, expected_seq = entry.hash, expected_seq + 1

@@ -27,6 +27,38 @@ class StreamHead(models.Model):
         return f"{self.stream}@{self.seq}"
 
 
+class AppendOnly(Exception):
+    """History is never updated or deleted, except by the retention purge."""
+
+
+class JournalQuerySet(models.QuerySet["JournalEntry"]):
+    def update(self, **kwargs: object) -> int:
+        raise AppendOnly("journal entries are never updated")
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise AppendOnly("journal entries are never deleted (the purge redacts payloads)")
+
+    def redact(self) -> int:
+        """Replace payloads by their digests (the retention purge, inside its open gate).
+
+        The hash of each entry covers the payload's digest, not the payload, so the chain
+        verifies after redaction exactly as before.
+        """
+        from audit.journal import payload_digest
+
+        if not PurgeGate.objects.exists():
+            raise AppendOnly("redaction needs the purge gate open in this transaction")
+        done = 0
+        for entry in self.filter(redacted=False).only("pk", "payload").iterator():
+            digest = payload_digest(entry.payload)
+            done += models.QuerySet.update(
+                JournalEntry.objects.filter(pk=entry.pk),
+                payload={"redacted": True, "sha256": digest},
+                redacted=True,
+            )
+        return done
+
+
 class JournalEntry(models.Model):
     stream = models.CharField(max_length=80)
     seq = models.BigIntegerField()
@@ -38,15 +70,45 @@ class JournalEntry(models.Model):
     created_at = models.DateTimeField()
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
+    # Set by the retention purge: the payload was replaced by {"redacted": sha256}, and the
+    # entry's hash was computed over the original, which the digest stands for.
+    redacted = models.BooleanField(default=False)
+
+    objects = JournalQuerySet.as_manager()
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["stream", "seq"], name="audit_journalentry_one_seq"),
         ]
         indexes = [
-            # Tenant audit log pages: newest first within a tenant.
+            # The tenant audit log: newest first within a tenant, keyset-paged by id, and the
+            # same for each filter the page offers, so a filtered page on millions of
+            # entries is an index range scan, never a sort.
             models.Index(fields=["tenant_id", "-id"], name="audit_journal_tenant_recent"),
+            models.Index(fields=["tenant_id", "type", "-id"], name="audit_journal_by_type"),
+            models.Index(fields=["tenant_id", "actor", "-id"], name="audit_journal_by_actor"),
+            models.Index(fields=["tenant_id", "object_ref", "-id"], name="audit_journal_by_object"),
+            models.Index(fields=["tenant_id", "created_at"], name="audit_journal_by_time"),
         ]
 
     def __str__(self) -> str:
         return f"{self.stream}#{self.seq} {self.type}"
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        if not self._state.adding:
+            raise AppendOnly("journal entries are never updated")
+        super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    def delete(self, *args: object, **kwargs: object) -> tuple[int, dict[str, int]]:
+        raise AppendOnly("journal entries are never deleted")
+
+
+class PurgeGate(models.Model):
+    """A row here, inside the purge's own transaction, is what lets the database triggers
+    allow a change to history. Nothing else ever writes it."""
+
+    opened_at = models.DateTimeField(auto_now_add=True)
+    reason = models.CharField(max_length=200)
+
+    def __str__(self) -> str:
+        return f"purge gate {self.opened_at:%Y-%m-%d %H:%M}"

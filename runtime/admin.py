@@ -20,6 +20,7 @@ from django.http import HttpRequest
 from rest_framework.authtoken.admin import TokenAdmin as DrfTokenAdmin
 from rest_framework.authtoken.models import Token, TokenProxy
 
+from runtime.accounts import record_tenant_act
 from runtime.models import AgentAccount, Membership, Role, Tenant
 
 User = get_user_model()
@@ -40,7 +41,53 @@ def admin_users(request: HttpRequest) -> QuerySet[Any]:
     return User.objects.filter(memberships__tenant__in=admin_tenants(request)).distinct()
 
 
-class TenantScopedAdmin(admin.ModelAdmin):
+class AuditedAdmin(admin.ModelAdmin):
+    """Every change made in the admin is written to the tenant's stream, in the same
+    transaction (Django's admin wraps each save and delete in one)."""
+
+    def tenant_of(self, obj: Any) -> int | None:
+        return getattr(obj, "tenant_id", None)
+
+    def _record(self, request: HttpRequest, obj: Any, type: str, **payload: Any) -> None:
+        tenant_id = self.tenant_of(obj)
+        if tenant_id is not None:
+            record_tenant_act(
+                tenant_id,
+                type,
+                f"user:{request.user.get_username()}",
+                model=obj._meta.label,
+                object=str(obj.pk),
+                repr=str(obj)[:200],
+                **payload,
+            )
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        self._record(
+            request,
+            obj,
+            "admin_changed" if change else "admin_added",
+            fields=sorted(form.changed_data),
+        )
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        tenant_id = self.tenant_of(obj)
+        super().delete_model(request, obj)
+        if tenant_id is not None:
+            record_tenant_act(
+                tenant_id,
+                "admin_deleted",
+                f"user:{request.user.get_username()}",
+                model=obj._meta.label,
+                repr=str(obj)[:200],
+            )
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        for obj in queryset:
+            self.delete_model(request, obj)
+
+
+class TenantScopedAdmin(AuditedAdmin):
     """Narrows the changelist, the change form and every FK choice to the admin's tenants."""
 
     tenant_path = "tenant"
@@ -62,12 +109,15 @@ class TenantScopedAdmin(admin.ModelAdmin):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(AuditedAdmin):
     list_display = ["slug", "name", "active", "retention_days", "created_at"]
     search_fields = ["slug", "name"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
         return admin_tenants(request)
+
+    def tenant_of(self, obj: Any) -> int | None:
+        return obj.pk
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # Only operators create, rename the slug of, or deactivate tenants.
@@ -110,7 +160,7 @@ class AgentAccountForm(forms.ModelForm):
 
 
 @admin.register(AgentAccount)
-class AgentAccountAdmin(admin.ModelAdmin):
+class AgentAccountAdmin(AuditedAdmin):
     form = AgentAccountForm
     list_display = ["username", "is_active", "tenant_slug"]
     search_fields = ["username"]
@@ -139,9 +189,19 @@ class AgentAccountAdmin(admin.ModelAdmin):
             # Agents authenticate with tokens only; an unusable password closes the
             # session-login door.
             obj.set_unusable_password()
-        super().save_model(request, obj, form, change)
+        admin.ModelAdmin.save_model(self, request, obj, form, change)
         if not change:
             Membership.objects.create(tenant=form.cleaned_data["tenant"], user=obj, role=Role.AGENT)
+        # Recorded once the membership exists: it names the tenant whose stream gets it.
+        self._record(
+            request,
+            obj,
+            "admin_changed" if change else "admin_added",
+            fields=sorted(form.changed_data),
+        )
+
+    def tenant_of(self, obj: Any) -> int | None:
+        return Membership.objects.filter(user=obj).values_list("tenant_id", flat=True).first()
 
 
 admin.site.unregister(TokenProxy)

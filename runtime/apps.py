@@ -13,3 +13,6 @@ class RuntimeConfig(AppConfig):
         from runtime.graphs import load_graph_modules
 
         load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)
+        from runtime import accounts
+
+        accounts.connect()

@@ -42,7 +42,7 @@ def tick(ctx: StepContext) -> Outcome:
 register(chain)
 
 FAILURES: Counter[str] = Counter()
-flaky = Graph("flaky", version="1", max_failures=3, retry_base=0.01, retry_max=0.05)
+flaky = Graph("flaky", version="1", max_failures=3, retry_base=30.0, retry_max=120.0)
 
 
 @flaky.step(start=True)

@@ -66,7 +66,7 @@ class Action(models.Model):
     sent_at = models.DateTimeField(null=True, blank=True)
     in_flight_until = models.DateTimeField(null=True, blank=True)
     compensates = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="compensations"
+        "self", null=True, blank=True, on_delete=models.RESTRICT, related_name="compensations"
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

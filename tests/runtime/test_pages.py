@@ -27,6 +27,7 @@ from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, RunStatus, Tenant
 from runtime.pages import parse_json, summarise
+from tests.audit.tamper import tampering
 from tests.conftest import Persona
 
 HX = {"HTTP_HX_REQUEST": "true"}
@@ -449,13 +450,19 @@ def test_broken_chain_is_shown(client: Client, reviewer_a: Persona) -> None:
     advance_run(run.run_id, "w1")
     entry = JournalEntry.objects.get(stream=run_stream(run.run_id), seq=2)
     original = entry.actor
-    JournalEntry.objects.filter(pk=entry.pk).update(actor="mallory")
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET actor = %s WHERE id = %s", ["mallory", entry.pk]
+        )
     try:
         page = login(client, reviewer_a).get(reverse("run", args=[run.run_id]))
         assert b"chain broken at seq 2" in page.content
         assert b"chain verified" not in page.content
     finally:
-        JournalEntry.objects.filter(pk=entry.pk).update(actor=original)
+        with tampering() as cursor:
+            cursor.execute(
+                "UPDATE audit_journalentry SET actor = %s WHERE id = %s", [original, entry.pk]
+            )
 
 
 # --- small translations ---------------------------------------------------------------------

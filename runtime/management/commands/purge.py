@@ -1,0 +1,35 @@
+"""Apply retention: purge finished runs past their tenant's retention (or one thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from runtime.retention import purge
+
+
+class Command(BaseCommand):
+    help = "Remove run data past retention; journal chains keep verifying (payload digests)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--dry-run", action="store_true", help="say what would go")
+        parser.add_argument("--tenant", help="only this tenant (slug)")
+        parser.add_argument(
+            "--thread",
+            help="delete this thread's finished runs now (a deletion request); needs --tenant",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["thread"] and not options["tenant"]:
+            raise CommandError("--thread needs --tenant")
+        reports = purge(
+            dry_run=options["dry_run"], tenant_slug=options["tenant"], thread_id=options["thread"]
+        )
+        verb = "would purge" if options["dry_run"] else "purged"
+        for report in reports:
+            self.stdout.write(
+                f"{report.tenant}: {verb} {len(report.runs)} run(s), "
+                f"{report.checkpoints} checkpoint(s), {report.artifacts} artifact(s), "
+                f"{report.entries_redacted} journal payload(s) redacted"
+            )

@@ -1,0 +1,129 @@
+"""Retention: removing old run data while every journal chain still verifies.
+
+Runs past their tenant's retention lose their checkpoints, recorded calls, actions,
+approvals and unreferenced artifacts; their journal entries stay, with payloads replaced by
+digests (the chain hashes cover digests, so it verifies as before). Never purged: a run that
+is not finished, has an open approval, or has an action whose outcome is not settled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from audit import journal
+from audit.models import JournalEntry, PurgeGate
+from runtime.artifacts import collect_refs
+from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
+
+KEEP_ACTIONS = (ActionStatus.SENT, ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW)
+
+
+@dataclass
+class PurgeReport:
+    tenant: str
+    runs: list[str] = field(default_factory=list)
+    checkpoints: int = 0
+    artifacts: int = 0
+    entries_redacted: int = 0
+
+
+def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
+    """Finished runs with nothing open: no pending approval, no unsettled action."""
+    open_actions = Action.objects.filter(status__in=KEEP_ACTIONS).values("run_id")
+    runs = runs.filter(status__in=TERMINAL).exclude(run_id__in=open_actions)
+    try:
+        from approvals.models import ApprovalRequest
+    except ImportError:  # pragma: no cover - approvals is always installed in this project
+        return runs
+    open_requests = ApprovalRequest.objects.filter(status="pending").values("run_id")
+    return runs.exclude(run_id__in=open_requests)
+
+
+def due_runs(tenant: Tenant, now: datetime) -> QuerySet[Run]:
+    cutoff = now - timedelta(days=tenant.retention_days)
+    return purgeable(Run.objects.filter(tenant=tenant, updated_at__lt=cutoff))
+
+
+def purge_tenant(
+    tenant: Tenant,
+    *,
+    now: datetime | None = None,
+    dry_run: bool = False,
+    thread_id: str | None = None,
+    actor: str = "system:retention",
+) -> PurgeReport:
+    """Purge a tenant's expired runs (or, with `thread_id`, that thread's finished runs)."""
+    now = now or timezone.now()
+    runs = (
+        purgeable(Run.objects.filter(tenant=tenant, thread_id=thread_id))
+        if thread_id
+        else due_runs(tenant, now)
+    )
+    report = PurgeReport(tenant.slug, [str(r) for r in runs.values_list("run_id", flat=True)])
+    if dry_run or not report.runs:
+        return report
+    with transaction.atomic(durable=True):
+        gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
+        doomed_checkpoints = Checkpoint.objects.filter(run_id__in=report.runs)
+        doomed_refs = _refs(tenant.pk, doomed_checkpoints)
+        report.checkpoints = doomed_checkpoints.count()
+        streams = [journal.run_stream(run_id) for run_id in report.runs]
+        report.entries_redacted = JournalEntry.objects.filter(stream__in=streams).redact()
+        Run.objects.filter(run_id__in=report.runs).delete()  # cascades to the run's rows
+        kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
+        orphans = Artifact.objects.filter(tenant=tenant, digest__in=doomed_refs - kept_refs)
+        report.artifacts = orphans.count()
+        orphans.delete()
+        journal.append(
+            journal.tenant_stream(tenant.pk),
+            "retention_purged",
+            tenant_id=tenant.pk,
+            actor=actor,
+            payload={
+                "runs": report.runs,
+                "thread_id": thread_id,
+                "checkpoints": report.checkpoints,
+                "artifacts": report.artifacts,
+                "entries_redacted": report.entries_redacted,
+                "retention_days": tenant.retention_days,
+            },
+        )
+        gate.delete()
+    return report
+
+
+def _refs(tenant_id: int, checkpoints: QuerySet[Checkpoint]) -> set[str]:
+    """Every artifact digest the checkpoints reach, through nested artifacts too."""
+    import json
+
+    refs: set[str] = set()
+    for state in checkpoints.values_list("state", flat=True).iterator():
+        collect_refs(state, refs)
+    frontier = set(refs)
+    while frontier:
+        found: set[str] = set()
+        for content in Artifact.objects.filter(
+            tenant_id=tenant_id, digest__in=frontier
+        ).values_list("content", flat=True):
+            collect_refs(json.loads(content), found)
+        frontier = found - refs
+        refs |= found
+    return refs
+
+
+def purge(
+    *,
+    dry_run: bool = False,
+    tenant_slug: str | None = None,
+    thread_id: str | None = None,
+    now: datetime | None = None,
+) -> list[PurgeReport]:
+    tenants = Tenant.objects.all()
+    if tenant_slug:
+        tenants = tenants.filter(slug=tenant_slug)
+    return [purge_tenant(t, now=now, dry_run=dry_run, thread_id=thread_id) for t in tenants]

@@ -1,0 +1,136 @@
+"""Retention purge keeps chains verifiable and never touches what is still open."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from io import StringIO
+from typing import Any
+
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from audit import journal
+from audit.models import JournalEntry
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Artifact, Checkpoint, RecordedCall, Run, Tenant
+from tests.conftest import Persona
+
+
+def _aged(run: Run, days: int) -> None:
+    Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(days=days))
+
+
+def _purge(*args: str) -> str:
+    out = StringIO()
+    call_command("purge", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_purge_removes_expired_runs_and_chains_still_verify(tenant_a: Tenant) -> None:
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    old = create_run(tenant_a, "grower", {"steps": 40}, actor="user:alice")
+    fresh = create_run(tenant_a, "grower", {"steps": 40}, actor="user:alice")
+    for run in (old, fresh):
+        advance_run(run.run_id, "w1")
+    _aged(old, 31)
+    artifacts_before = Artifact.objects.count()
+
+    assert "would purge 1 run(s)" in _purge("--dry-run")
+    assert Run.objects.filter(pk=old.pk).exists()
+    assert "purged 1 run(s)" in _purge()
+
+    assert not Run.objects.filter(pk=old.pk).exists()
+    assert not Checkpoint.objects.filter(run_id=old.pk).exists()
+    assert Run.objects.filter(pk=fresh.pk).exists()
+    # Artifacts the fresh run still needs are kept (both runs stored the same notes).
+    assert 0 < Artifact.objects.count() <= artifacts_before
+    from runtime.artifacts import resolve
+
+    last = Checkpoint.objects.get(run=fresh, rev=40)
+    assert len(resolve(tenant_a.pk, last.state)["notes"]) == 40
+    stream = journal.run_stream(old.run_id)
+    entries = JournalEntry.objects.filter(stream=stream)
+    assert entries.exists() and all(e.redacted for e in entries)
+    assert journal.verify_stream(stream) is None
+    purged = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="retention_purged"
+    )
+    assert purged.payload["runs"] == [str(old.run_id)]
+    ok = StringIO()
+    call_command("audit_verify", stdout=ok)
+    assert "0 broken" in ok.getvalue()
+
+
+def test_purge_never_takes_an_open_run_or_an_unsettled_action(tenant_a: Tenant) -> None:
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=1)
+    waiting = create_run(tenant_a, "asker", {}, actor="t")
+    advance_run(waiting.run_id, "w1")
+    done = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    advance_run(done.run_id, "w1")
+    Action.objects.create(
+        tenant=tenant_a,
+        run=done,
+        idempotency_key="k-open",
+        tool="tasks.create",
+        params="{}",
+        fingerprint="f",
+        goal_rev=1,
+        fence=1,
+        step="tick",
+        call_index=1,
+        status=ActionStatus.MANUAL_REVIEW,
+    )
+    for run in (waiting, done):
+        _aged(run, 10)
+    assert "purged 0 run(s)" in _purge()
+    assert Run.objects.filter(pk__in=[waiting.pk, done.pk]).count() == 2
+
+
+def test_deleting_one_threads_data_on_request(tenant_a: Tenant) -> None:
+    mine = create_run(tenant_a, "chain", {"steps": 2}, actor="t", thread_id="customer-42")
+    other = create_run(tenant_a, "chain", {"steps": 2}, actor="t", thread_id="customer-7")
+    for run in (mine, other):
+        advance_run(run.run_id, "w1")
+    assert "purged 1 run(s)" in _purge("--tenant", tenant_a.slug, "--thread", "customer-42")
+    assert not Run.objects.filter(pk=mine.pk).exists()
+    assert not RecordedCall.objects.filter(run_id=mine.pk).exists()
+    assert Run.objects.filter(pk=other.pk).exists()
+    entry = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="retention_purged"
+    )
+    assert entry.payload["thread_id"] == "customer-42"
+
+
+def test_tenant_stream_records_human_and_admin_acts(
+    client: Client, reviewer_a: Persona, admin_a: Persona, agent_a: Persona
+) -> None:
+    tenant_stream = journal.tenant_stream(reviewer_a.tenant.pk)
+
+    def kinds() -> list[str]:
+        return list(
+            JournalEntry.objects.filter(stream=tenant_stream)
+            .order_by("seq")
+            .values_list("type", flat=True)
+        )
+
+    client.post("/login/", {"username": "alice", "password": "wrong"})
+    client.post("/login/", {"username": "alice", "password": "pw-alice"})
+    assert kinds()[-2:] == ["login_failed", "login"]
+    client.force_login(admin_a.user)
+    response = client.post(
+        "/admin/runtime/agentaccount/add/",
+        {"username": "bot-9", "is_active": "on", "tenant": reviewer_a.tenant.pk},
+    )
+    assert response.status_code == 302
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    bot = get_user_model().objects.get(username="bot-9")
+    token = Token.objects.create(user=bot)
+    token.delete()
+    assert kinds()[-3:] == ["admin_added", "token_created", "token_revoked"]
+    added: Any = JournalEntry.objects.filter(stream=tenant_stream, type="admin_added").last()
+    assert added.actor == "user:ada" and added.payload["model"] == "runtime.AgentAccount"
+    assert journal.verify_stream(tenant_stream) is None

@@ -1,0 +1,188 @@
+"""The journal is append-only and tamper-evident (invariant 8; TEST-MATRIX F1, F2, F4)."""
+
+from __future__ import annotations
+
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import DatabaseError, connection, transaction
+
+from audit import journal
+from audit.models import AppendOnly, JournalEntry, StreamHead
+from audit.verification import anchor, check_anchor, verify_recent
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Checkpoint, Run, Tenant
+from tests.audit.tamper import tampering
+
+
+def _verify(*args: str) -> tuple[bool, str]:
+    out = StringIO()
+    try:
+        call_command("audit_verify", *args, stdout=out)
+    except CommandError:
+        return False, out.getvalue()
+    return True, out.getvalue()
+
+
+def _run(tenant: Tenant, steps: int = 4) -> Run:
+    run = create_run(tenant, "chain", {"steps": steps}, actor="user:alice")
+    advance_run(run.run_id, "w1")
+    return run
+
+
+def test_an_untouched_journal_verifies(tenant_a: Tenant) -> None:
+    _run(tenant_a)
+    ok, text = _verify("--tenant", tenant_a.slug)
+    assert ok and "0 broken" in text
+
+
+@pytest.mark.tampers_journal
+@pytest.mark.parametrize("attack", ["payload", "actor", "delete", "reorder", "forge"])
+def test_raw_sql_tampering_is_caught_naming_the_entry(tenant_a: Tenant, attack: str) -> None:
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    rows = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
+    victim = rows[3]
+    with tampering() as cursor:
+        if attack == "payload":
+            cursor.execute(
+                "UPDATE audit_journalentry SET payload = %s WHERE id = %s",
+                ['{"status": "completed"}', victim.pk],
+            )
+        elif attack == "actor":
+            cursor.execute(
+                "UPDATE audit_journalentry SET actor = 'mallory' WHERE id = %s", [victim.pk]
+            )
+        elif attack == "delete":
+            cursor.execute("DELETE FROM audit_journalentry WHERE id = %s", [victim.pk])
+        elif attack == "reorder":
+            other = rows[4]
+            cursor.execute("UPDATE audit_journalentry SET seq = -1 WHERE id = %s", [victim.pk])
+            cursor.execute(
+                "UPDATE audit_journalentry SET seq = %s WHERE id = %s", [victim.seq, other.pk]
+            )
+            cursor.execute(
+                "UPDATE audit_journalentry SET seq = %s WHERE id = %s", [other.seq, victim.pk]
+            )
+        else:  # a forged entry appended after the last, with a correctly computed hash
+            last = rows[-1]
+            forged = journal.entry_hash(
+                last.hash,
+                stream=stream,
+                seq=last.seq + 1,
+                type="step_committed",
+                actor="mallory",
+                object_ref="",
+                payload={},
+                created_at=last.created_at,
+            )
+            cursor.execute(
+                "INSERT INTO audit_journalentry (stream, seq, tenant_id, type, actor, "
+                "object_ref, payload, created_at, prev_hash, hash, redacted) VALUES "
+                "(%s, %s, %s, 'step_committed', 'mallory', '', %s, %s, %s, %s, %s)",
+                [
+                    stream,
+                    last.seq + 1,
+                    tenant_a.pk,
+                    "{}",
+                    last.created_at,
+                    last.hash,
+                    forged,
+                    False,
+                ],
+            )
+    ok, text = _verify("--stream", stream)
+    assert not ok
+    expected_seq = {"forge": rows[-1].seq + 1}.get(attack, victim.seq)
+    assert f"BROKEN {stream} at seq {expected_seq}" in text or (
+        attack == "forge" and f"BROKEN {stream}" in text
+    ), text
+
+
+@pytest.mark.tampers_journal
+def test_rewritten_or_truncated_tail_is_caught_only_with_an_anchor(
+    tenant_a: Tenant, tmp_path: Path
+) -> None:
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    anchor_file = tmp_path / "heads.anchor"
+    anchor(anchor_file)
+    last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
+    assert last is not None
+    # Truncate the tail and move the head back: the chain itself still verifies.
+    with tampering() as cursor:
+        cursor.execute("DELETE FROM audit_journalentry WHERE id = %s", [last.pk])
+        cursor.execute(
+            "UPDATE audit_streamhead SET seq = %s, hash = %s WHERE stream = %s",
+            [last.seq - 1, last.prev_hash, stream],
+        )
+    assert _verify("--stream", stream)[0]  # without the anchor: undetectable
+    ok, text = _verify("--stream", stream, "--anchor", str(anchor_file))
+    assert not ok and f"ANCHOR {stream} seq {last.seq}: anchored entry is gone" in text
+    assert check_anchor(anchor_file)
+
+
+def test_a_forged_anchor_file_is_refused(tenant_a: Tenant, tmp_path: Path) -> None:
+    _run(tenant_a)
+    path = tmp_path / "heads.anchor"
+    anchor(path)
+    path.write_text(path.read_text()[:-3] + "abc")
+    assert "signature is not valid" in check_anchor(path)[0].problem
+
+
+def test_the_orm_refuses_to_change_history(tenant_a: Tenant) -> None:
+    run = _run(tenant_a, steps=1)
+    entry = JournalEntry.objects.filter(stream=journal.run_stream(run.run_id)).first()
+    assert entry is not None
+    with pytest.raises(AppendOnly):
+        JournalEntry.objects.filter(pk=entry.pk).update(actor="x")
+    with pytest.raises(AppendOnly):
+        JournalEntry.objects.filter(pk=entry.pk).delete()
+    entry.actor = "x"
+    with pytest.raises(AppendOnly):
+        entry.save()
+    with pytest.raises(AppendOnly):
+        entry.delete()
+    with pytest.raises(AppendOnly):
+        JournalEntry.objects.filter(pk=entry.pk).redact()  # only inside the purge gate
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("table", ["audit_journalentry", "runtime_checkpoint"])
+def test_postgresql_refuses_update_and_delete_of_history(tenant_a: Tenant, table: str) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("database triggers are PostgreSQL's")
+    _run(tenant_a, steps=1)
+    for sql in (f"UPDATE {table} SET created_at = created_at", f"DELETE FROM {table}"):
+        with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(sql)
+    assert Checkpoint.objects.exists() and JournalEntry.objects.exists()
+
+
+def test_periodic_verification_alerts_into_the_tenant_stream(tenant_a: Tenant) -> None:
+    run = _run(tenant_a)
+    entry = JournalEntry.objects.filter(stream=journal.run_stream(run.run_id), seq=2).get()
+    with tampering() as cursor:
+        cursor.execute("UPDATE audit_journalentry SET actor = 'mallory' WHERE id = %s", [entry.pk])
+    assert verify_recent() == 1
+    alert = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
+    )
+    assert alert.payload["stream"] == journal.run_stream(run.run_id) and alert.payload["seq"] == 2
+    with tampering() as cursor:  # put it back so the suite's own chain check passes
+        cursor.execute(
+            "UPDATE audit_journalentry SET actor = %s WHERE id = %s", [entry.actor, entry.pk]
+        )
+
+
+def test_stream_heads_match_their_chains(tenant_a: Tenant) -> None:
+    _run(tenant_a)
+    for head in StreamHead.objects.all():
+        last: Any = JournalEntry.objects.filter(stream=head.stream).order_by("-seq").first()
+        assert (head.seq, head.hash) == (last.seq, last.hash)
