@@ -227,6 +227,9 @@ def decide(
         _tenant_event(run.tenant_id, "approval_decided", label, run_id=str(run.run_id), **payload)
         if final:
             _finalise(request, action, run, user, decision, reason, label)
+            from approvals.notify import notify_decided
+
+            notify_decided(request)
     request.refresh_from_db()
     return request
 

@@ -164,3 +164,78 @@ class ApprovalVote(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} {self.decision}"
+
+
+# --- Notifications: per-tenant webhooks ------------------------------------------------------
+
+WEBHOOK_EVENTS = (
+    "approval.requested",
+    "approval.decided",
+    "approval.reminder",
+    "approval.escalated",
+)
+
+
+def all_webhook_events() -> list[str]:
+    """Default subscription: every event (a new endpoint should not miss anything)."""
+    return list(WEBHOOK_EVENTS)
+
+
+def new_webhook_secret() -> str:
+    """`whsec_` + base64 of 32 random bytes, the Standard Webhooks secret format, so
+    receivers can use any Standard Webhooks library to verify our signatures."""
+    import base64
+    import secrets
+
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
+
+
+class TenantWebhook(models.Model):
+    """An endpoint of one tenant that receives signed approval events (optional)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="webhooks")
+    url = models.URLField(max_length=500)
+    # Generated, never typed in: the admin shows it read-only after creation.
+    secret = models.CharField(max_length=100, default=new_webhook_secret, editable=False)
+    active = models.BooleanField(default=True)
+    event_types = models.JSONField(default=all_webhook_events)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["tenant", "url"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}: {self.url}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        if not isinstance(self.event_types, list) or not set(self.event_types) <= set(
+            WEBHOOK_EVENTS
+        ):
+            raise ValidationError({"event_types": f"a list drawn from {', '.join(WEBHOOK_EVENTS)}"})
+
+    def wants(self, event_type: str) -> bool:
+        return self.active and event_type in (self.event_types or [])
+
+
+class WebhookDelivery(models.Model):
+    """One attempt to deliver one message: what operators read when a receiver complains."""
+
+    webhook = models.ForeignKey(TenantWebhook, on_delete=models.CASCADE, related_name="deliveries")
+    event_type = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=64)
+    attempt = models.PositiveSmallIntegerField()
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "webhook deliveries"
+        indexes = [models.Index(fields=["message_id"], name="approvals_delivery_msg")]
+
+    def __str__(self) -> str:
+        outcome = self.status_code or self.error[:40] or "?"
+        return f"{self.event_type} {self.message_id} #{self.attempt}: {outcome}"

@@ -25,7 +25,10 @@ def _matches(condition: dict[str, Any] | None, params: dict[str, Any], target: s
     if not condition:
         return True
     if "target_matches" in condition:
-        return re.search(str(condition["target_matches"]), target or "") is not None
+        try:
+            return re.search(str(condition["target_matches"]), target or "") is not None
+        except re.error:
+            return True  # a broken condition holds the action rather than lets it go
     value = params.get(condition.get("param", ""))
     expected, op = condition.get("value"), condition.get("op", "eq")
     try:
@@ -39,7 +42,7 @@ def _matches(condition: dict[str, Any] | None, params: dict[str, Any], target: s
             "contains": lambda: expected in (value or ""),
             "matches": lambda: re.search(str(expected), str(value or "")) is not None,
         }[op]()
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, re.error):
         return True  # a condition we cannot evaluate holds the action rather than lets it go
 
 

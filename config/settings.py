@@ -244,6 +244,34 @@ HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
 HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 20, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
 
+# --- Notifications ----------------------------------------------------------------------
+# Email through Django's backend: printed to the console in development, SMTP otherwise.
+# Mail is sent by a queued task after commit, never inside the request's transaction; the
+# timeout keeps a dead SMTP server from holding a worker until the task timeout.
+EMAIL_BACKEND = env_str(
+    "EMAIL_BACKEND",
+    "django.core.mail.backends.console.EmailBackend"
+    if DEBUG
+    else "django.core.mail.backends.smtp.EmailBackend",
+)
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "holdpoint@localhost")
+# Absolute links in emails and webhook payloads. A link only opens a page (mail scanners
+# open links before people do); deciding is a POST from that page.
+HOLDPOINT_BASE_URL = env_str("HOLDPOINT_BASE_URL", "http://127.0.0.1:8000").rstrip("/")
+if not HOLDPOINT_BASE_URL.startswith(("http://", "https://")):
+    raise EnvError(
+        f"HOLDPOINT_BASE_URL must start with http:// or https://, got {HOLDPOINT_BASE_URL!r}"
+    )
+# Webhook URLs are typed in by tenant admins: unless allowed, a URL resolving to a loopback,
+# private or link-local address is refused at send time (no probing of internal services).
+HOLDPOINT_WEBHOOK_ALLOW_PRIVATE = env_bool("HOLDPOINT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
+
 if TESTING:
     PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 

@@ -172,10 +172,14 @@ class AgentAccountAdmin(AuditedAdmin):
 
     def get_form(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
         form = super().get_form(request, obj, **kwargs)
-        form.base_fields["tenant"].queryset = admin_tenants(request)
-        if obj is not None:
-            form.base_fields["tenant"].required = False
-            form.base_fields["tenant"].disabled = True
+        # A new field object per request: the form class's fields are shared between
+        # requests (threads), so narrowing them in place could leak one tenant's choices.
+        form.base_fields = {
+            **form.base_fields,
+            "tenant": forms.ModelChoiceField(
+                queryset=admin_tenants(request), required=obj is None, disabled=obj is not None
+            ),
+        }
         return form
 
     @admin.display(description="tenant")

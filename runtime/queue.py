@@ -12,7 +12,9 @@ from django.db import transaction
 
 
 def ring(run_id: Any) -> None:
-    transaction.on_commit(lambda: _enqueue(str(run_id)))
+    # robust: a broker hiccup after commit must not turn a committed change into a 500;
+    # the sweeper rings the run again from database truth.
+    transaction.on_commit(lambda: _enqueue(str(run_id)), robust=True)
 
 
 def _enqueue(run_id: str) -> None:
@@ -29,4 +31,4 @@ def on_commit_task(func: str, *args: Any) -> None:
 
         async_task(func, *args)
 
-    transaction.on_commit(enqueue)
+    transaction.on_commit(enqueue, robust=True)

@@ -49,6 +49,11 @@ TENANT_ADMIN_PERMS = [
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),
     ("approvals", "view_approvalrequest"),
+    ("approvals", "view_tenantwebhook"),
+    ("approvals", "add_tenantwebhook"),
+    ("approvals", "change_tenantwebhook"),
+    ("approvals", "delete_tenantwebhook"),
+    ("approvals", "view_webhookdelivery"),
 ]
 
 
