@@ -1,6 +1,7 @@
 """Runtime models, one module per concept."""
 
 from runtime.models.actions import UNSENT, Action, ActionStatus
+from runtime.models.idempotency import IdempotencyRecord
 from runtime.models.runs import (
     RUNNABLE,
     TERMINAL,
@@ -21,6 +22,7 @@ __all__ = [
     "AgentAccount",
     "Artifact",
     "Checkpoint",
+    "IdempotencyRecord",
     "Membership",
     "RecordedCall",
     "Role",

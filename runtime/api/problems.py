@@ -1,0 +1,207 @@
+"""One error format for the API: application/problem+json (RFC 9457) with a stable `code`.
+
+Every failure goes through `exception_handler` — domain refusals (HoldpointError), DRF's own
+(parse errors, auth, throttling, 404, 405), Django's (an oversized body) and unexpected ones
+(500 with a request id, no stack trace) — so a client handles one shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.http import Http404, HttpRequest, JsonResponse
+from rest_framework import exceptions as drf
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_handler
+
+from runtime.errors import HoldpointError
+
+log = logging.getLogger("holdpoint.api")
+TYPE_BASE = "https://holdpoint.dev/problems/"
+CONTENT_TYPE = "application/problem+json"
+
+# DRF exception classes → stable codes.
+DRF_CODES: dict[type[Exception], str] = {
+    drf.ParseError: "malformed_request",
+    drf.AuthenticationFailed: "not_authenticated",
+    drf.NotAuthenticated: "not_authenticated",
+    drf.PermissionDenied: "not_permitted",
+    drf.NotFound: "not_found",
+    drf.MethodNotAllowed: "method_not_allowed",
+    drf.NotAcceptable: "not_acceptable",
+    drf.UnsupportedMediaType: "unsupported_media_type",
+    drf.Throttled: "throttled",
+    drf.ValidationError: "invalid_request",
+}
+# Every code the API can answer with, for the OpenAPI document.
+CODES = {
+    "malformed_request": 400,
+    "invalid_request": 400,
+    "not_authenticated": 401,
+    "not_permitted": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "not_acceptable": 406,
+    "payload_too_large": 413,
+    "unsupported_media_type": 415,
+    "throttled": 429,
+    "server_error": 500,
+    "unknown_graph": 422,
+    "invalid_params": 422,
+    "idempotency_key_reused": 422,
+    "field_not_editable": 422,
+    "version_conflict": 409,
+    "run_finished": 409,
+    "already_completed": 409,
+    "not_waiting_input": 409,
+    "lease_held": 409,
+    "stale_fence": 409,
+    "approval_required": 409,
+    "approval_expired": 409,
+    "stale_goal_rev": 409,
+    "action_cancelled": 409,
+    "invalid_transition": 409,
+    "hash_mismatch": 409,
+    "already_decided": 409,
+    "expired": 409,
+    "idempotency_key_in_flight": 409,
+    "service_unavailable": 503,
+}
+
+
+def problem(
+    status: int,
+    code: str,
+    title: str,
+    detail: str = "",
+    errors: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "type": TYPE_BASE + code,
+        "title": title,
+        "status": status,
+        "detail": detail or title,
+        "code": code,
+    }
+    if errors:
+        body["errors"] = errors
+    body.update(extra)
+    return body
+
+
+def _field_errors(detail: Any) -> dict[str, list[str]]:
+    if isinstance(detail, dict):
+        return {
+            str(k): [str(m) for m in (v if isinstance(v, list) else [v])] for k, v in detail.items()
+        }
+    return {
+        "non_field_errors": [str(m) for m in (detail if isinstance(detail, list) else [detail])]
+    }
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
+    headers: dict[str, str] = {}
+    if isinstance(exc, HoldpointError):
+        body = problem(exc.status, exc.code, exc.title, exc.detail, errors=exc.extra.get("errors"))
+    elif isinstance(exc, Http404):
+        body = problem(404, "not_found", "Not found")
+    elif isinstance(exc, PermissionDenied):
+        body = problem(403, "not_permitted", "Not permitted")
+    elif isinstance(exc, RequestDataTooBig):
+        body = problem(413, "payload_too_large", "Request body too large")
+    elif isinstance(exc, drf.APIException):
+        code = next((c for cls, c in DRF_CODES.items() if isinstance(exc, cls)), "error")
+        errors = _field_errors(exc.detail) if isinstance(exc, drf.ValidationError) else None
+        detail = "" if errors else str(exc.detail)
+        body = problem(exc.status_code, code, _title(exc), detail, errors=errors)
+        if isinstance(exc, drf.Throttled) and exc.wait is not None:
+            headers["Retry-After"] = str(int(exc.wait) + 1)
+        response = drf_handler(exc, context)
+        if response is not None:
+            headers.update(
+                {k: v for k, v in response.items() if k in ("WWW-Authenticate", "Allow")}
+            )
+    else:
+        request_id = uuid.uuid4().hex
+        log.exception("unhandled API error %s", request_id)
+        body = problem(
+            500,
+            "server_error",
+            "Internal error",
+            "Something went wrong on our side; nothing was applied by this call. "
+            "Quote the request id when reporting it.",
+            request_id=request_id,
+        )
+    return Response(body, status=body["status"], headers=headers, content_type=CONTENT_TYPE)
+
+
+def _title(exc: drf.APIException) -> str:
+    return {
+        drf.ParseError: "Malformed request body",
+        drf.NotAuthenticated: "Authentication required",
+        drf.AuthenticationFailed: "Authentication failed",
+        drf.Throttled: "Too many requests",
+        drf.ValidationError: "Invalid request",
+        drf.NotFound: "Not found",
+        drf.MethodNotAllowed: "Method not allowed",
+    }.get(type(exc), exc.default_detail if isinstance(exc.default_detail, str) else "Error")
+
+
+def problem_response(request: HttpRequest, status: int, code: str, title: str) -> JsonResponse:
+    """For errors raised outside DRF views (404/500 handlers under /api/)."""
+    return JsonResponse(problem(status, code, title), status=status, content_type=CONTENT_TYPE)
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> Any:
+    """API paths answer in the problem format; pages keep Django's own 404 page."""
+    if request.path.startswith("/api/"):
+        return problem_response(request, 404, "not_found", "Not found")
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> Any:
+    if request.path.startswith("/api/"):
+        return problem_response(request, 500, "server_error", "Internal error")
+    from django.views.defaults import server_error as page_error
+
+    return page_error(request)
+
+
+def add_problem_responses(
+    result: dict[str, Any], generator: Any, request: Any, public: bool
+) -> dict[str, Any]:
+    """drf-spectacular hook: every operation documents the problem format and its codes."""
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Problem"] = {
+        "type": "object",
+        "required": ["type", "title", "status", "detail", "code"],
+        "properties": {
+            "type": {"type": "string"},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            "code": {"type": "string", "enum": sorted(CODES)},
+            "errors": {
+                "type": "object",
+                "additionalProperties": {"type": "array", "items": {"type": "string"}},
+            },
+            "request_id": {"type": "string"},
+        },
+    }
+    ref = {"content": {CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+    for path_item in result.get("paths", {}).values():
+        for method, operation in path_item.items():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            codes = ["400", "401", "404", "405", "429"]
+            if method == "post":
+                codes += ["403", "409", "413", "415", "422"]
+            for code in codes:
+                operation["responses"].setdefault(code, {"description": "Problem", **ref})
+    return result

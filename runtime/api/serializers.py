@@ -1,0 +1,206 @@
+"""Request and response shapes of the agent API (API.md). They validate and render; the
+domain functions decide."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rest_framework import serializers
+
+from runtime.models import Action, Checkpoint, Run
+
+
+class LeaseSerializer(serializers.Serializer):
+    owner = serializers.CharField()
+    expires_at = serializers.DateTimeField(allow_null=True)
+    fence = serializers.IntegerField()
+
+
+class RunSerializer(serializers.ModelSerializer):
+    lease = serializers.SerializerMethodField()
+    goal = serializers.JSONField()
+    waiting_for = serializers.JSONField()
+
+    class Meta:
+        model = Run
+        fields = [
+            "run_id",
+            "thread_id",
+            "graph",
+            "graph_version",
+            "status",
+            "goal",
+            "goal_rev",
+            "checkpoint_rev",
+            "next_step",
+            "waiting_for",
+            "lease",
+            "wake_at",
+            "attention_reason",
+            "last_error",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_lease(self, run: Run) -> dict[str, Any]:
+        return {"owner": run.lease_owner, "expires_at": run.lease_expires_at, "fence": run.fence}
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    state = serializers.JSONField()
+    waits = serializers.JSONField()
+
+    class Meta:
+        model = Checkpoint
+        fields = [
+            "rev",
+            "goal_rev",
+            "step",
+            "next_step",
+            "status",
+            "state",
+            "waits",
+            "digest",
+            "created_at",
+            "created_by",
+            "fence",
+        ]
+
+
+class ActionSerializer(serializers.ModelSerializer):
+    run_id = serializers.UUIDField(source="run.run_id", read_only=True)
+    params = serializers.SerializerMethodField()
+    result = serializers.JSONField()
+    approval = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Action
+        fields = [
+            "action_id",
+            "run_id",
+            "idempotency_key",
+            "tool",
+            "tool_version",
+            "params",
+            "fingerprint",
+            "status",
+            "goal_rev",
+            "external_id",
+            "result",
+            "approval",
+            "attempts",
+            "last_error",
+            "sent_at",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_params(self, action: Action) -> Any:
+        return json.loads(action.params)
+
+    def get_approval(self, action: Action) -> str | None:
+        request = action.approvals.order_by("-created_at").first()
+        return str(request.pk) if request is not None else None
+
+
+class JournalEntrySerializer(serializers.Serializer):
+    seq = serializers.IntegerField()
+    type = serializers.CharField()
+    actor = serializers.CharField()
+    payload = serializers.JSONField()
+    prev_hash = serializers.CharField()
+    hash = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class RunCreate(serializers.Serializer):
+    graph = serializers.CharField(max_length=100)
+    goal = serializers.JSONField()
+    thread_id = serializers.CharField(max_length=200, required=False)
+    graph_version = serializers.CharField(max_length=40, required=False)
+
+
+class RevisionIn(serializers.Serializer):
+    goal = serializers.JSONField()
+    expected_goal_rev = serializers.IntegerField(min_value=1)
+
+
+class InputIn(serializers.Serializer):
+    data = serializers.JSONField()
+    expected_rev = serializers.IntegerField(min_value=0)
+
+
+class CancelIn(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, allow_blank=True, default="")
+
+
+class ResumeIn(serializers.Serializer):
+    expected_rev = serializers.IntegerField(min_value=0, required=False)
+
+
+class LeaseIn(serializers.Serializer):
+    owner = serializers.CharField(max_length=200)
+    ttl_seconds = serializers.IntegerField(min_value=2, max_value=3600)
+
+
+class FenceIn(serializers.Serializer):
+    fence = serializers.IntegerField(min_value=1)
+
+
+class CheckpointIn(FenceIn):
+    expected_rev = serializers.IntegerField(min_value=0)
+    state = serializers.JSONField()
+    next_step = serializers.CharField(max_length=100, allow_blank=True)
+    status = serializers.ChoiceField(
+        choices=["running", "waiting_input", "completed", "failed"], default="running"
+    )
+
+
+class ActionIn(FenceIn):
+    tool = serializers.CharField(max_length=100)
+    params = serializers.JSONField()
+    reason = serializers.CharField(max_length=5000, allow_blank=True, default="")
+    target = serializers.CharField(max_length=300, allow_blank=True, default="")
+    idempotency_key = serializers.CharField(max_length=255, required=False)
+
+
+class OutcomeIn(FenceIn):
+    outcome = serializers.ChoiceField(choices=["confirmed", "failed", "unknown"])
+    external_id = serializers.CharField(max_length=300, allow_blank=True, default="")
+    result = serializers.JSONField(required=False, allow_null=True, default=None)
+
+
+class ResolveIn(serializers.Serializer):
+    outcome = serializers.ChoiceField(choices=["applied", "not_applied"])
+    external_id = serializers.CharField(max_length=300, allow_blank=True, default="")
+    note = serializers.CharField(max_length=2000, allow_blank=True, default="")
+
+
+class LeaseOut(serializers.Serializer):
+    fence = serializers.IntegerField()
+    expires_at = serializers.DateTimeField()
+    owner = serializers.CharField()
+
+
+class HeartbeatOut(serializers.Serializer):
+    fence = serializers.IntegerField()
+    expires_at = serializers.DateTimeField()
+
+
+class ReleaseOut(serializers.Serializer):
+    fence = serializers.IntegerField()
+    released = serializers.BooleanField()
+
+
+class Problem(serializers.Serializer):
+    """application/problem+json (RFC 9457) with a stable machine `code`."""
+
+    type = serializers.CharField()
+    title = serializers.CharField()
+    status = serializers.IntegerField()
+    detail = serializers.CharField()
+    code = serializers.CharField()
+    errors = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()), required=False
+    )

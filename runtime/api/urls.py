@@ -1,0 +1,43 @@
+"""/api/v1/ — the agent-facing contract (API.md)."""
+
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from approvals import api as approvals_api
+from runtime.api import views
+
+urlpatterns = [
+    path("runs/", views.RunList.as_view(), name="api-runs"),
+    path("runs/<uuid:run_id>/", views.RunDetail.as_view(), name="api-run"),
+    path("runs/<uuid:run_id>/revisions/", views.Revisions.as_view(), name="api-revisions"),
+    path("runs/<uuid:run_id>/input/", views.Input.as_view(), name="api-input"),
+    path("runs/<uuid:run_id>/cancel/", views.Cancel.as_view(), name="api-cancel"),
+    path("runs/<uuid:run_id>/resume/", views.Resume.as_view(), name="api-resume"),
+    path("runs/<uuid:run_id>/checkpoints/", views.Checkpoints.as_view(), name="api-checkpoints"),
+    path(
+        "runs/<uuid:run_id>/checkpoints/<int:rev>/",
+        views.CheckpointDetail.as_view(),
+        name="api-checkpoint",
+    ),
+    path("runs/<uuid:run_id>/events/", views.Events.as_view(), name="api-events"),
+    path("runs/<uuid:run_id>/actions/", views.RunActions.as_view(), name="api-run-actions"),
+    path("runs/<uuid:run_id>/lease/", views.Lease.as_view(), name="api-lease"),
+    path("runs/<uuid:run_id>/lease/heartbeat/", views.Heartbeat.as_view(), name="api-heartbeat"),
+    path("runs/<uuid:run_id>/lease/release/", views.Release.as_view(), name="api-release"),
+    path("actions/", views.Actions.as_view(), name="api-actions"),
+    path("actions/<uuid:action_id>/", views.ActionDetail.as_view(), name="api-action"),
+    path("actions/<uuid:action_id>/dispatch/", views.Dispatch.as_view(), name="api-dispatch"),
+    path("actions/<uuid:action_id>/outcome/", views.Outcome.as_view(), name="api-outcome"),
+    path("actions/<uuid:action_id>/resolve/", views.Resolve.as_view(), name="api-resolve"),
+    path("approvals/", approvals_api.Approvals.as_view(), name="api-approvals"),
+    path(
+        "approvals/<uuid:approval_id>/", approvals_api.ApprovalDetail.as_view(), name="api-approval"
+    ),
+    path(
+        "approvals/<uuid:approval_id>/decision/",
+        approvals_api.Decision.as_view(),
+        name="api-decision",
+    ),
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+]

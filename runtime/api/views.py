@@ -1,0 +1,317 @@
+"""The agent API (API.md): thin views over the domain functions.
+
+Views parse, scope to the principal's tenant (another tenant's object is 404), call one
+domain function and render. They decide nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from runtime import ledger, lifecycle, protocol
+from runtime.api import serializers as s
+from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
+from runtime.api.idempotency import idempotent
+from runtime.errors import InvalidParams, NotPermitted
+from runtime.leases import take_lease
+from runtime.models import Action, Checkpoint, Role, Run, RunStatus
+from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
+
+
+def _valid(serializer_class: type[Any], data: Any) -> dict[str, Any]:
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+def _filter(queryset: QuerySet[Any], request: Request, *names: str) -> QuerySet[Any]:
+    for name in names:
+        value = request.query_params.get(name)
+        if value:
+            queryset = queryset.filter(**{name: value})
+    return queryset
+
+
+class RunList(ApiView):
+    @extend_schema(responses=s.RunSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        runs = _filter(runs_for(self.principal(request)), request, "status", "thread_id", "graph")
+        status_filter = request.query_params.get("status")
+        if status_filter and status_filter not in RunStatus.values:
+            raise InvalidParams("unknown status", errors={"status": ["unknown status"]})
+        paginator = Cursor()
+        page = paginator.paginate_queryset(runs, request, view=self)
+        return paginator.get_paginated_response(s.RunSerializer(page, many=True).data)
+
+    @extend_schema(request=s.RunCreate, responses={201: s.RunSerializer})
+    @idempotent
+    def post(self, request: Request) -> Response:
+        data = _valid(s.RunCreate, request.data)
+        run = lifecycle.create_run(
+            self.principal(request).tenant,
+            data["graph"],
+            data["goal"],
+            actor=self.actor(request),
+            thread_id=data.get("thread_id"),
+            graph_version=data.get("graph_version"),
+        )
+        return Response(s.RunSerializer(run).data, status=status.HTTP_201_CREATED)
+
+
+class RunDetail(ApiView):
+    @extend_schema(responses=s.RunSerializer)
+    def get(self, request: Request, run_id: str) -> Response:
+        run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
+        seconds = wait_seconds(request)
+        if seconds:
+            run = wait_for_change(
+                lambda: Run.objects.get(pk=run.pk),
+                seconds,
+                lambda r: (r.status, r.checkpoint_rev, r.goal_rev),
+            )
+        return Response(s.RunSerializer(run).data)
+
+
+class RunLever(ApiView):
+    """POST levers on one run: revisions, input, cancel, resume."""
+
+    def run(self, request: Request, run_id: str) -> Run:
+        principal = self.principal(request)
+        run = self.scoped(request, runs_for(principal), run_id=run_id)
+        if principal.role == Role.VIEWER:
+            raise NotPermitted("viewers may look, not act")
+        return run
+
+
+class Revisions(RunLever):
+    @extend_schema(request=s.RevisionIn, responses=s.RunSerializer)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.RevisionIn, request.data)
+        run = lifecycle.revise_goal(
+            run, data["goal"], data["expected_goal_rev"], actor=self.actor(request)
+        )
+        return Response(s.RunSerializer(run).data)
+
+
+class Input(RunLever):
+    @extend_schema(request=s.InputIn, responses=s.RunSerializer)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.InputIn, request.data)
+        run = lifecycle.provide_input(
+            run, data["data"], data["expected_rev"], actor=self.actor(request)
+        )
+        return Response(s.RunSerializer(run).data)
+
+
+class Cancel(RunLever):
+    @extend_schema(request=s.CancelIn, responses=s.RunSerializer)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.CancelIn, request.data)
+        run = lifecycle.cancel_run(run, data["reason"], actor=self.actor(request))
+        return Response(s.RunSerializer(run).data)
+
+
+class Resume(RunLever):
+    @extend_schema(request=s.ResumeIn, responses={202: s.RunSerializer})
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.ResumeIn, request.data)
+        run = lifecycle.resume_run(
+            run, actor=self.actor(request), expected_rev=data.get("expected_rev")
+        )
+        return Response(s.RunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+
+class Checkpoints(RunLever):
+    @extend_schema(responses=s.CheckpointSerializer(many=True))
+    def get(self, request: Request, run_id: str) -> Response:
+        run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
+        checkpoints = checkpoints_for(self.principal(request)).filter(run=run)
+        paginator = Cursor()
+        paginator.ordering = "-rev"
+        page = paginator.paginate_queryset(checkpoints, request, view=self)
+        return paginator.get_paginated_response(s.CheckpointSerializer(page, many=True).data)
+
+    @extend_schema(request=s.CheckpointIn, responses={201: s.CheckpointSerializer})
+    @idempotent
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.CheckpointIn, request.data)
+        checkpoint = protocol.write_checkpoint(
+            run,
+            data["fence"],
+            data["expected_rev"],
+            data["state"],
+            data["next_step"],
+            self.actor(request),
+            status=data["status"],
+        )
+        return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
+
+
+class CheckpointDetail(ApiView):
+    @extend_schema(responses=s.CheckpointSerializer)
+    def get(self, request: Request, run_id: str, rev: int) -> Response:
+        principal = self.principal(request)
+        run = self.scoped(request, runs_for(principal), run_id=run_id)
+        checkpoint: Checkpoint = self.scoped(request, checkpoints_for(principal), run=run, rev=rev)
+        data = s.CheckpointSerializer(checkpoint).data
+        if request.query_params.get("inline") in ("1", "true"):
+            from runtime.artifacts import resolve
+
+            data["state"] = resolve(run.tenant_id, checkpoint.state)
+        return Response(data)
+
+
+class Events(ApiView):
+    @extend_schema(responses=s.JournalEntrySerializer(many=True))
+    def get(self, request: Request, run_id: str) -> Response:
+        principal = self.principal(request)
+        run = self.scoped(request, runs_for(principal), run_id=run_id)
+        try:
+            after = int(request.query_params.get("after", 0))
+        except ValueError:
+            raise InvalidParams(
+                "after must be a sequence number", errors={"after": ["an integer"]}
+            ) from None
+        entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)
+        entries = entries.order_by("seq")[:500]
+        return Response({"results": s.JournalEntrySerializer(entries, many=True).data})
+
+
+class RunActions(RunLever):
+    @extend_schema(responses=s.ActionSerializer(many=True))
+    def get(self, request: Request, run_id: str) -> Response:
+        run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
+        actions = actions_for(self.principal(request)).filter(run=run).select_related("run")
+        paginator = Cursor()
+        page = paginator.paginate_queryset(actions, request, view=self)
+        return paginator.get_paginated_response(s.ActionSerializer(page, many=True).data)
+
+    @extend_schema(request=s.ActionIn, responses={201: s.ActionSerializer})
+    @idempotent
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.ActionIn, request.data)
+        action, created = protocol.prepare(
+            run,
+            data["fence"],
+            data["tool"],
+            data["params"],
+            reason=data["reason"],
+            who=self.actor(request),
+            idempotency_key=data.get("idempotency_key"),
+            target=data["target"],
+        )
+        return Response(
+            s.ActionSerializer(action).data,
+            status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+        )
+
+
+class Lease(RunLever):
+    @extend_schema(request=s.LeaseIn, responses=s.LeaseOut)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.LeaseIn, request.data)
+        lease = take_lease(run.pk, data["owner"], data["ttl_seconds"], runnable_only=False)
+        return Response(
+            {"fence": lease.fence, "expires_at": lease.expires_at, "owner": lease.owner}
+        )
+
+
+class Heartbeat(RunLever):
+    @extend_schema(request=s.FenceIn, responses=s.HeartbeatOut)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.FenceIn, request.data)
+        ttl = float(request.data.get("ttl_seconds", 30)) if isinstance(request.data, dict) else 30
+        expires = protocol.heartbeat(run, data["fence"], max(2.0, min(ttl, 3600.0)))
+        return Response({"expires_at": expires, "fence": data["fence"]})
+
+
+class Release(RunLever):
+    @extend_schema(request=s.FenceIn, responses=s.ReleaseOut)
+    def post(self, request: Request, run_id: str) -> Response:
+        run = self.run(request, run_id)
+        data = _valid(s.FenceIn, request.data)
+        protocol.release(run, data["fence"], self.actor(request))
+        return Response({"released": True, "fence": data["fence"]})
+
+
+class Actions(ApiView):
+    @extend_schema(responses=s.ActionSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        actions = _filter(
+            actions_for(self.principal(request)), request, "idempotency_key", "status", "tool"
+        ).select_related("run")
+        paginator = Cursor()
+        page = paginator.paginate_queryset(actions, request, view=self)
+        return paginator.get_paginated_response(s.ActionSerializer(page, many=True).data)
+
+
+class ActionLever(ApiView):
+    def scoped_action(self, request: Request, action_id: str) -> Action:
+        principal = self.principal(request)
+        action = self.scoped(request, actions_for(principal), action_id=action_id)
+        if principal.role == Role.VIEWER:
+            raise NotPermitted("viewers may look, not act")
+        return action
+
+
+class ActionDetail(ActionLever):
+    @extend_schema(responses=s.ActionSerializer)
+    def get(self, request: Request, action_id: str) -> Response:
+        action = self.scoped(request, actions_for(self.principal(request)), action_id=action_id)
+        return Response(s.ActionSerializer(action).data)
+
+
+class Dispatch(ActionLever):
+    @extend_schema(request=s.FenceIn, responses=s.ActionSerializer)
+    def post(self, request: Request, action_id: str) -> Response:
+        action = self.scoped_action(request, action_id)
+        data = _valid(s.FenceIn, request.data)
+        action = protocol.dispatch(action, data["fence"], self.actor(request))
+        return Response(s.ActionSerializer(action).data)
+
+
+class Outcome(ActionLever):
+    @extend_schema(request=s.OutcomeIn, responses=s.ActionSerializer)
+    def post(self, request: Request, action_id: str) -> Response:
+        action = self.scoped_action(request, action_id)
+        data = _valid(s.OutcomeIn, request.data)
+        action = protocol.record_outcome(
+            action,
+            data["fence"],
+            data["outcome"],
+            who=self.actor(request),
+            external_id=data["external_id"],
+            result=data["result"],
+        )
+        return Response(s.ActionSerializer(action).data)
+
+
+class Resolve(ActionLever):
+    @extend_schema(request=s.ResolveIn, responses=s.ActionSerializer)
+    def post(self, request: Request, action_id: str) -> Response:
+        action = self.scoped_action(request, action_id)
+        if not self.principal(request).may_act:
+            raise NotPermitted("only a reviewer or admin resolves an action")
+        data = _valid(s.ResolveIn, request.data)
+        action = ledger.resolve(
+            action,
+            data["outcome"],
+            actor=self.actor(request),
+            external_id=data["external_id"],
+            note=data["note"],
+        )
+        return Response(s.ActionSerializer(action).data)
