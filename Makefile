@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test lint fmt bench clean
+.PHONY: run test browser lint fmt bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,19 @@ $(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
 run: $(VENV)/.installed
 	scripts/run.sh
 
-test: $(VENV)/.test-installed
+test: browser $(VENV)/.test-installed
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Browser tests drive Debian's Chromium (never a downloaded browser build). Installed when
+# missing and we are root; otherwise a hint, and those tests skip (or fail under CI=true).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "Installing Debian's chromium for the browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+		echo "hint: browser tests need /usr/bin/chromium: sudo apt-get install -y chromium"; \
+	fi
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
