@@ -4,7 +4,9 @@
    INSERT+COMMIT rate;
 2. (bench/ledger.py) what the side-effect ledger adds to one HTTP side effect: a 20-action
    `bench-act` run against the same requests sent bare to the sandbox task service, which
-   each child starts as its own process (`--actions 0` skips it).
+   each child starts as its own process (`--actions 0` skips it);
+3. opt-in, `--audit-entries N` (PostgreSQL only): bench/audit_log.py, the tenant audit log
+   page's server time on N journal entries, in its own process and scratch database.
 
     .venv/bin/python bench/run.py                      # SQLite (a fresh temporary file)
     BENCH_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/postgres .venv/bin/python bench/run.py
@@ -481,7 +483,21 @@ def driver(args: argparse.Namespace) -> int:
     chart(report)
     log(f"wrote {RESULTS / 'latest.json'} and {RESULTS / 'latest.md'}")
     print(markdown(report))
+    if args.audit_entries:
+        failed += audit_log_step(args.audit_entries)
     return 1 if failed else 0
+
+
+def audit_log_step(entries: int) -> list[str]:
+    """bench/audit_log.py in its own process (its own scratch PostgreSQL database): opt-in,
+    since writing a million entries takes minutes. Returns what failed."""
+    if not postgres_admin_url():
+        log("== audit log: needs BENCH_POSTGRES_URL (PostgreSQL); skipped")
+        return ["audit_log"]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "audit_log.py")]
+    log(f"== audit log: {entries:,} entries")
+    code = subprocess.run([*cmd, "--entries", str(entries)], cwd=ROOT).returncode
+    return [] if code == 0 else ["audit_log"]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -606,10 +622,19 @@ def main() -> int:
         action="store_true",
         help="also cProfile one extra run; writes results/profile-<backend>.txt",
     )
+    parser.add_argument(
+        "--audit-entries",
+        type=int,
+        default=0,
+        help="also run bench/audit_log.py with this many journal entries (PostgreSQL only; "
+        "default 0 skips it; 1000000 is the acceptance figure)",
+    )
     parser.add_argument("--json-out", help="child: where to write its JSON")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.actions < 0:
         parser.error("--rounds and --steps must be >= 1, --actions >= 0")
+    if args.audit_entries and args.audit_entries < 10_000:
+        parser.error("--audit-entries is 0 (skip) or >= 10000")
     if args.backend:
         if not args.json_out:
             parser.error("--backend needs --json-out")

@@ -1,0 +1,546 @@
+"""Audit pages: the tenant's journal (filters, keyset paging, export) and one run's trail.
+
+They live in `runtime` because pages need the principal; `audit` itself stays free of
+runtime imports (DESIGN.md, layering). Every read goes through `journal_for(principal)`, so
+another tenant's entries are never in a queryset and another tenant's run is the same 404
+as a run that does not exist (invariant 9). Nothing here writes history except the record
+that an export happened (invariant 8: the journal is append-only).
+
+The log is meant to stay fast on millions of entries: every filter is an equality (or a
+range on `created_at`) that one of JournalEntry's indexes serves in the order the page
+shows, pages are keyset by id (`?before=<id>`) rather than OFFSET, and nothing COUNTs the
+tenant's entries. `bench/audit_log.py` measures it on a million entries in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
+from urllib.parse import urlencode
+from uuid import UUID
+
+from django.contrib.auth.decorators import login_required
+from django.db import transaction
+from django.db.models import Q, QuerySet
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    QueryDict,
+    StreamingHttpResponse,
+)
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_http_methods
+
+from audit import journal
+from audit.journal import Break, run_stream, verify_entries
+from audit.models import GENESIS, JournalEntry, StreamHead
+from runtime.events import RunEvent
+from runtime.pages import _principal, _scoped_run, pretty, summarise
+from runtime.tenancy import Principal, journal_for
+
+PAGE_SIZE = 50
+# A run's trail is verified from seq 1 on every view (the chain has no shortcut), but only
+# this many entries are rendered per page, so a run that retried for weeks stays readable.
+TRAIL_PAGE = 500
+EXPORT_CHUNK_ROWS = 2000  # rows per database round trip of the export's cursor
+EXPORT_CHUNK_BYTES = 64 * 1024  # bytes per write to the client: not one write per row
+HASH_SHOWN = 12
+# Events of the tenants' streams (human and admin acts), next to the runs' own events.
+TENANT_EVENTS = (
+    "action_resolved",
+    "admin_added",
+    "admin_changed",
+    "admin_deleted",
+    "approval_decided",
+    "audit_exported",
+    "chain_break_detected",
+    "login",
+    "login_failed",
+    "policy_changed",
+    "retention_purged",
+    "token_created",
+    "token_revoked",
+    "webhook_changed",
+    "webhook_deleted",
+)
+KNOWN_TYPES = tuple(sorted({*RunEvent.values, *TENANT_EVENTS}))
+# The fields the log renders; prev_hash (and the rest of the row) stays in the database.
+LOG_FIELDS = ("id", "stream", "seq", "type", "actor", "object_ref", "payload", "created_at")
+EXPORT_FIELDS = (
+    "id",
+    "stream",
+    "seq",
+    "created_at",
+    "type",
+    "actor",
+    "object_ref",
+    "payload",
+    "redacted",
+    "prev_hash",
+    "hash",
+)
+# A spreadsheet runs a cell starting with one of these as a formula (OWASP "CSV injection");
+# tab and carriage return too, which some spreadsheets strip before looking.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+MAX_BIGINT = 2**63 - 1
+
+
+class BadFilter(ValueError):
+    """A filter value the log cannot use; its message is shown to the reviewer."""
+
+
+# --- filters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AuditFilters:
+    """What the log and the exports are narrowed to. Empty means "any"."""
+
+    actor: str = ""
+    type: str = ""
+    object_ref: str = ""
+    since: date | None = None  # ?from=, inclusive, a UTC day
+    until: date | None = None  # ?to=, inclusive, a UTC day
+
+    @property
+    def has_period(self) -> bool:
+        return self.since is not None or self.until is not None
+
+    def params(self) -> dict[str, str]:
+        """The query string that reproduces these filters (links, exports, the journal)."""
+        found = {"actor": self.actor, "type": self.type, "object": self.object_ref}
+        found["from"] = self.since.isoformat() if self.since else ""
+        found["to"] = self.until.isoformat() if self.until else ""
+        return {key: value for key, value in found.items() if value}
+
+    def bounds(self) -> tuple[datetime | None, datetime | None]:
+        """[lower, upper) in UTC: whole days, so "to" includes its own day."""
+        lower = datetime.combine(self.since, time.min, tzinfo=UTC) if self.since else None
+        upper = None
+        if self.until is not None and self.until < date.max:
+            upper = datetime.combine(self.until + timedelta(days=1), time.min, tzinfo=UTC)
+        return lower, upper
+
+
+def _text(params: QueryDict, param: str, label: str, field: str) -> str:
+    value = params.get(param, "").strip()
+    limit = JournalEntry._meta.get_field(field).max_length or 0
+    if len(value) > limit:
+        raise BadFilter(f"{label} is longer than {limit} characters.")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        # PostgreSQL refuses NUL in text outright: a 500 waiting to happen, and never a match.
+        raise BadFilter(f"{label} contains control characters.")
+    return value
+
+
+def _actor(params: QueryDict) -> str:
+    return _text(params, "actor", "Actor", "actor")
+
+
+def _type(params: QueryDict) -> str:
+    return _text(params, "type", "Event type", "type")
+
+
+def _object(params: QueryDict) -> str:
+    """`run:<uuid>` or any other exact ref; a bare run id is taken as `run:<uuid>`."""
+    value = _text(params, "object", "Object", "object_ref")
+    try:
+        return f"run:{UUID(value)}"
+    except ValueError:
+        pass
+    if value.startswith("run:"):
+        try:
+            return f"run:{UUID(value[4:])}"
+        except ValueError:
+            raise BadFilter(f"Object {value!r} is not run:<run id>.") from None
+    return value
+
+
+def _day(params: QueryDict, param: str, label: str) -> date | None:
+    value = params.get(param, "").strip()
+    if not value:
+        return None
+    try:
+        return datetime.strptime(value, "%Y-%m-%d").date()
+    except ValueError:
+        raise BadFilter(f"{label} {value[:40]!r} is not a date (YYYY-MM-DD).") from None
+
+
+def _since(params: QueryDict) -> date | None:
+    return _day(params, "from", "From")
+
+
+def _until(params: QueryDict) -> date | None:
+    return _day(params, "to", "To")
+
+
+PARSERS: dict[str, Callable[[QueryDict], Any]] = {
+    "actor": _actor,
+    "type": _type,
+    "object_ref": _object,
+    "since": _since,
+    "until": _until,
+}
+
+
+def parse_filters(params: QueryDict) -> tuple[AuditFilters, list[str]]:
+    """The filters of a query string, and what is wrong with it (each a sentence)."""
+    problems: list[str] = []
+    found: dict[str, Any] = {}
+    for name, parse in PARSERS.items():
+        try:
+            found[name] = parse(params)
+        except BadFilter as exc:
+            problems.append(str(exc))
+    filters = AuditFilters(**found) if not problems else AuditFilters()
+    if filters.since and filters.until and filters.since > filters.until:
+        problems.append("The period starts after it ends.")
+    return filters, problems
+
+
+def parse_before(value: str | None) -> int | None:
+    """The keyset cursor: the id of the last entry of the previous page."""
+    if not value:
+        return None
+    try:
+        before = int(value)
+    except ValueError:
+        raise BadFilter("That page position is not an entry id.") from None
+    if not 0 < before <= MAX_BIGINT:
+        raise BadFilter("That page position is not an entry id.")
+    return before
+
+
+def filtered(entries: QuerySet[JournalEntry], filters: AuditFilters) -> QuerySet[JournalEntry]:
+    """Equality filters only (and a created_at range): each is the prefix of an index
+    (tenant_id, actor|type|object_ref, -id) or (tenant_id, created_at)."""
+    if filters.actor:
+        entries = entries.filter(actor=filters.actor)
+    if filters.type:
+        entries = entries.filter(type=filters.type)
+    if filters.object_ref:
+        entries = entries.filter(object_ref=filters.object_ref)
+    lower, upper = filters.bounds()
+    if lower is not None:
+        entries = entries.filter(created_at__gte=lower)
+    if upper is not None:
+        entries = entries.filter(created_at__lt=upper)
+    return entries
+
+
+def ordering(filters: AuditFilters, *, newest_first: bool = True) -> list[str]:
+    """By id, which the tenant/actor/type/object indexes hold in order; with a period by
+    (created_at, id) instead, so (tenant_id, created_at) serves it as a range read from one
+    end — ordering a period by id would sort every entry of the period (or walk the newer
+    ones first) before the first row comes out."""
+    fields = ["created_at", "id"] if filters.has_period else ["id"]
+    return [("-" if newest_first else "") + f for f in fields]
+
+
+# --- the log ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogRow:
+    entry: JournalEntry
+    summary: str
+    payload_json: str
+    run_id: UUID | None
+
+
+@dataclass(frozen=True)
+class LogPage:
+    rows: list[LogRow]
+    next_before: int | None
+
+
+def run_of(object_ref: str) -> UUID | None:
+    if not object_ref.startswith("run:"):
+        return None
+    try:
+        return UUID(object_ref[4:])
+    except ValueError:
+        return None
+
+
+def _older_than(principal: Principal, filters: AuditFilters, before: int) -> Q:
+    """Entries after the cursor entry in the page's order (strictly: no overlap, no gap)."""
+    if not filters.has_period:
+        return Q(id__lt=before)
+    cursor_time = journal_for(principal).filter(pk=before).values_list("created_at", flat=True)
+    at = cursor_time.first()
+    if at is None:
+        raise BadFilter("That page position is not an entry of this tenant.")
+    # created_at <= at bounds the index range; among equal times, id breaks the tie.
+    return Q(created_at__lte=at) & (Q(created_at__lt=at) | Q(id__lt=before))
+
+
+def log_query(
+    principal: Principal, filters: AuditFilters, before: int | None
+) -> QuerySet[JournalEntry]:
+    """The page's one query (bench/audit_log.py EXPLAINs exactly this)."""
+    entries = filtered(journal_for(principal), filters).only(*LOG_FIELDS)
+    if before is not None:
+        entries = entries.filter(_older_than(principal, filters, before))
+    return entries.order_by(*ordering(filters))[: PAGE_SIZE + 1]
+
+
+def log_page(principal: Principal, filters: AuditFilters, before: int | None) -> LogPage:
+    """One page, newest first: one query (two with a period and a cursor), PAGE_SIZE + 1
+    rows read to know whether there is an older page."""
+    found = list(log_query(principal, filters, before))
+    shown = found[:PAGE_SIZE]
+    rows = [LogRow(e, summarise(e.payload), pretty(e.payload), run_of(e.object_ref)) for e in shown]
+    return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None)
+
+
+@login_required
+@require_http_methods(["GET"])
+def audit_log(request: HttpRequest) -> HttpResponse:
+    """The tenant's journal, every stream, newest first, filterable and exportable."""
+    principal = _principal(request)
+    if principal is None:
+        return render(request, "audit/log.html", {})
+    filters, problems = parse_filters(request.GET)
+    page = LogPage([], None)
+    if not problems:
+        try:
+            page = log_page(principal, filters, parse_before(request.GET.get("before")))
+        except BadFilter as exc:
+            problems.append(str(exc))
+    query = filters.params() if not problems else {}
+    types = list(KNOWN_TYPES)
+    if filters.type and filters.type not in types:
+        types.append(filters.type)  # an event type of older code, still in the journal
+    context = {
+        "rows": page.rows,
+        "filters": filters,
+        "form": request.GET if problems else filters.params(),
+        "types": types,
+        "problems": problems,
+        "paged": bool(request.GET.get("before")),
+        "newest_url": _url("audit-log", query),
+        "older_url": (
+            _url("audit-log", {**query, "before": str(page.next_before)})
+            if page.next_before
+            else ""
+        ),
+        "csv_url": _url("audit-export-csv", query),
+        "jsonl_url": _url("audit-export-jsonl", query),
+    }
+    return render(request, "audit/log.html", context, status=400 if problems else 200)
+
+
+def _url(name: str, query: dict[str, str]) -> str:
+    return reverse(name) + ("?" + urlencode(query) if query else "")
+
+
+# --- exports ------------------------------------------------------------------------------
+
+
+def record_export(principal: Principal, filters: AuditFilters, format: str) -> JournalEntry:
+    """An export is a human act on the tenant's data: it goes into the tenant's stream, and
+    commits before the first byte leaves, so no export happens unrecorded."""
+    tenant_id = principal.tenant.pk
+    with transaction.atomic(durable=True):
+        return journal.append(
+            journal.tenant_stream(tenant_id),
+            "audit_exported",
+            tenant_id=tenant_id,
+            actor=principal.label,
+            payload={"filters": filters.params(), "format": format},
+        )
+
+
+def export_rows(principal: Principal, filters: AuditFilters) -> Iterator[dict[str, Any]]:
+    """Oldest first, as plain dicts from a cursor read 2000 rows at a time: the queryset is
+    never materialised, so memory stays flat however many entries match."""
+    entries = filtered(journal_for(principal), filters).order_by(
+        *ordering(filters, newest_first=False)
+    )
+    return entries.values(*EXPORT_FIELDS).iterator(chunk_size=EXPORT_CHUNK_ROWS)
+
+
+def _cell(name: str, value: Any) -> Any:
+    if name == "payload":
+        value = _json(value)  # always JSON, whatever its type, so it parses back
+    elif isinstance(value, bool):
+        return "true" if value else "false"
+    elif isinstance(value, int):
+        return value
+    elif isinstance(value, datetime):
+        return value.isoformat()
+    text = str(value)
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def csv_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(EXPORT_FIELDS)
+    for row in rows:
+        writer.writerow([_cell(name, row[name]) for name in EXPORT_FIELDS])
+        if buffer.tell() >= EXPORT_CHUNK_BYTES:
+            yield _drain(buffer)
+    yield _drain(buffer)
+
+
+def jsonl_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+    buffer = io.StringIO()
+    for row in rows:
+        row["created_at"] = row["created_at"].isoformat()
+        buffer.write(_json(row) + "\n")
+        if buffer.tell() >= EXPORT_CHUNK_BYTES:
+            yield _drain(buffer)
+    yield _drain(buffer)
+
+
+def _drain(buffer: io.StringIO) -> str:
+    text = buffer.getvalue()
+    buffer.seek(0)
+    buffer.truncate()
+    return text
+
+
+FORMATS = {
+    "csv": ("text/csv; charset=utf-8", csv_lines),
+    "jsonl": ("application/jsonl; charset=utf-8", jsonl_lines),
+}
+
+
+def _export(request: HttpRequest, format: str) -> HttpResponse:
+    principal = _principal(request)
+    if principal is None:
+        raise Http404()
+    filters, problems = parse_filters(request.GET)
+    if problems:
+        return HttpResponse(
+            "\n".join(problems) + "\n", status=400, content_type="text/plain; charset=utf-8"
+        )
+    record_export(principal, filters, format)
+    content_type, lines = FORMATS[format]
+    chunks = (text.encode("utf-8") for text in lines(export_rows(principal, filters)))
+    response = StreamingHttpResponse(chunks, content_type=content_type)
+    stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
+    name = f"holdpoint-audit-{principal.tenant.slug}-{stamp}.{format}"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@login_required
+@require_http_methods(["GET"])
+def export_csv(request: HttpRequest) -> HttpResponse:
+    return _export(request, "csv")
+
+
+@login_required
+@require_http_methods(["GET"])
+def export_jsonl(request: HttpRequest) -> HttpResponse:
+    return _export(request, "jsonl")
+
+
+# --- a run's trail ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrailRow:
+    entry: JournalEntry
+    summary: str
+    payload_json: str
+    verdict: str  # "verified", "broken", "after a break"
+
+
+@dataclass(frozen=True)
+class Trail:
+    rows: list[TrailRow]
+    chain_break: Break | None
+    total: int
+    next_after: int | None
+
+
+def _verdict(seq: int, found: Break | None) -> str:
+    if found is None or seq < found.seq:
+        return "verified"
+    return "broken" if seq == found.seq else "after a break"
+
+
+def _head_break(stream: str, tenant_id: int, last: JournalEntry | None) -> Break | None:
+    """Entries cut off at the end leave an intact chain; the stream head still knows."""
+    head = StreamHead.objects.filter(stream=stream, tenant_id=tenant_id).first()
+    last_seq, last_hash = (last.seq, last.hash) if last is not None else (0, GENESIS)
+    if head is None or (head.seq, head.hash) == (last_seq, last_hash):
+        return None
+    return Break(stream, last_seq + 1, "entries missing after the last one")
+
+
+def walk_trail(principal: Principal, run_id: UUID, after: int = 0) -> Trail:
+    """Verify the run's whole stream in one pass, keeping only the entries shown.
+
+    verify_entries stops at the first break; the walk goes on past it so the entries after
+    a break are still shown (marked as such) and counted.
+    """
+    stream = run_stream(run_id)
+    entries = journal_for(principal).filter(stream=stream).order_by("seq")
+    shown: list[JournalEntry] = []
+    last: JournalEntry | None = None
+    total = 0
+
+    def walk() -> Iterator[JournalEntry]:
+        nonlocal last, total
+        for entry in entries.iterator(chunk_size=TRAIL_PAGE):
+            last, total = entry, total + 1
+            if entry.seq > after and len(shown) <= TRAIL_PAGE:
+                shown.append(entry)
+            yield entry
+
+    steps = walk()
+    found = verify_entries(stream, steps)
+    for _ in steps:
+        pass
+    if found is None:
+        found = _head_break(stream, principal.tenant.pk, last)
+    rows = [
+        TrailRow(e, summarise(e.payload), pretty(e.payload), _verdict(e.seq, found))
+        for e in shown[:TRAIL_PAGE]
+    ]
+    more = len(shown) > TRAIL_PAGE
+    return Trail(rows, found, total, rows[-1].entry.seq if more else None)
+
+
+@login_required
+@require_http_methods(["GET"])
+def run_trail(request: HttpRequest, run_id: UUID) -> HttpResponse:
+    """A run's whole story from its stream, oldest first, each entry's link checked."""
+    principal = _principal(request)
+    run = _scoped_run(principal, run_id)
+    assert principal is not None  # _scoped_run raised 404 otherwise
+    try:
+        after = max(0, min(int(request.GET.get("after") or 0), MAX_BIGINT))
+    except ValueError:
+        after = 0
+    trail = walk_trail(principal, run.run_id, after)
+    context = {
+        "run": run,
+        "trail": trail,
+        "hash_shown": HASH_SHOWN,
+        "export_url": _url("audit-export-jsonl", {"object": f"run:{run.run_id}"}),
+        "later_url": (
+            reverse("run-trail", args=[run.run_id]) + f"?after={trail.next_after}"
+            if trail.next_after
+            else ""
+        ),
+    }
+    return render(request, "audit/trail.html", context)
