@@ -10,9 +10,11 @@ process group, creates N runs, and then, until every run has settled or time is 
   replacement dies at a named point; every 10th kill is a graceful SIGTERM, with SIGKILL
   after a grace (a redeploy). Dead workers are restarted at once;
 - rings due runs itself every ~0.5 s (the scheduled sweeper has minute granularity);
-- plays the human for runs in needs_reconciliation, the only thing it moves by hand:
-  looks the idempotency key up in the service and resolves applied (with the task id) or,
-  once the sender can no longer be in flight, not applied.
+- plays the reviewer: approves every pending hold point of its runs as soon as it appears
+  (a reviewer watching the inbox), through the approvals app's own `decide`;
+- plays the human for runs in needs_reconciliation: looks the idempotency key up in the
+  service and resolves applied (with the task id) or, once the sender can no longer be in
+  flight, not applied. Apart from these two human acts, nothing is moved by hand.
 
 Then it stops every process it started and counts, from GET /tasks and the database:
 duplicates, false completions, lost and stuck runs. Nothing here asserts; the caller
@@ -40,11 +42,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+from django.apps import apps as django_apps
 from django.conf import settings
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runtime.errors import InvalidTransition
+from runtime.errors import HoldpointError, InvalidTransition
 from runtime.ledger import resolve
 from runtime.lifecycle import create_run
 from runtime.models import TERMINAL, Action, ActionStatus, Run, RunStatus, Tenant
@@ -75,9 +78,10 @@ MODES = ("key", "lookup", "none")
 PARKED_FOR_HUMANS = frozenset(
     {RunStatus.NEEDS_ATTENTION, RunStatus.WAITING_APPROVAL, RunStatus.WAITING_INPUT}
 )
-# Not lost although not terminal: the approvals app (not built yet) owns these decisions,
-# so a run that waits for one is reported as waiting, not as lost.
-NOT_LOST = TERMINAL | {RunStatus.NEEDS_RECONCILIATION, RunStatus.WAITING_APPROVAL}
+# Not lost although not terminal: a human's turn. (A run waiting for approval is not lost
+# either while one of its actions still awaits a decision: nobody may have been allowed
+# to decide. Waiting with nothing left to decide, it is lost: nothing will wake it.)
+NOT_LOST = TERMINAL | {RunStatus.NEEDS_RECONCILIATION}
 ChildEnv = Mapping[str, str] | Callable[[], Mapping[str, str]]
 # A worker that cannot start (bad settings, a broken import) would otherwise be restarted
 # in a tight loop until the timeout; past this many exits nobody asked for, the soak stops.
@@ -120,8 +124,8 @@ class ChaosConfig:
             raise ValueError("runs and workers must be at least 1")
         if self.kill_every <= 0:
             raise ValueError("kill_every must be positive")
-        if self.rate < 0 or self.service_delay < 0:
-            raise ValueError("rate and service_delay must not be negative")
+        if min(self.rate, self.service_delay, self.grace) < 0:
+            raise ValueError("rate, service_delay and grace must not be negative")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
 
@@ -155,7 +159,9 @@ class ChaosReport:
     graceful: dict[str, int] = field(default_factory=dict)
     unexpected_exits: int = 0
     sweep_errors: dict[str, int] = field(default_factory=dict)
+    worker_task_errors: dict[str, int] = field(default_factory=dict)
     human_resolutions: dict[str, int] = field(default_factory=dict)
+    approvals: dict[str, int] = field(default_factory=dict)
     max_fence: int = 0
     max_fence_run: str = ""
     timed_out: bool = False
@@ -260,6 +266,7 @@ class Worker:
     armed: str
     log: Path
     log_offset: int
+    started_at: float = field(default_factory=time.monotonic)
     # Set when SIGTERM was sent: the monotonic time at which SIGKILL follows.
     kill_at: float | None = None
 
@@ -302,7 +309,11 @@ class Fleet:
         self.start(worker.slot, armed_next)
 
     def sigterm(self, worker: Worker, grace: float) -> None:
-        _signal_group(worker.proc, signal.SIGTERM)
+        """A redeploy: SIGTERM to the qcluster main process, as a supervisor or a container
+        runtime sends it. Not to the whole group: django-q2's children die of it on their own
+        and the cluster then waits for them forever (seen: still up 40 s later), where the
+        main process alone stops its cluster in about a second."""
+        worker.proc.send_signal(signal.SIGTERM)
         worker.kill_at = time.monotonic() + grace
         self.kills["sigterm"] += 1
         self.note("kill", kind="sigterm", slot=worker.slot, pid=worker.proc.pid, grace=grace)
@@ -348,6 +359,16 @@ class Fleet:
     def stop_all(self) -> None:
         for worker in self.workers.values():
             _kill_group(worker.proc)
+
+    def task_errors(self) -> Counter[str]:
+        """Queue tasks that raised, by message, from the worker logs. A run can look merely
+        slow while every attempt at it fails (a schema out of date, a bug): say so."""
+        errors: Counter[str] = Counter()
+        for log in sorted(self.log_dir.glob("worker-*.log")):
+            for line in log.read_text("utf-8", "replace").splitlines():
+                if " ERROR django-q Failed " in line:
+                    errors[line.partition(") - ")[2][:160] or line[-160:]] += 1
+        return errors
 
 
 class Progress:
@@ -399,6 +420,8 @@ class Chaos:
         self.rung: dict[str, float] = {}
         self.injected = 0
         self.resolutions: Counter[str] = Counter()
+        self.approvals: Counter[str] = Counter()
+        self.no_reviewer: set[Any] = set()
         self.sweep_errors: Counter[str] = Counter()
         self.seen: dict[str, str] = {}
         self.sandbox: subprocess.Popen[bytes] | None = None
@@ -489,6 +512,8 @@ class Chaos:
                 run_ids.append(str(run.run_id))
                 self.note("run_created", run_id=run_ids[-1])
             self.fleet.reap()
+            if self.sandbox is not None and self.sandbox.poll() is not None:
+                raise ChaosAborted(f"the sandbox died; see {self.log_dir}/sandbox.log")
             if now >= next_kill:
                 self.inject(run_ids)
                 next_kill = now + self.jitter()
@@ -496,12 +521,14 @@ class Chaos:
                 self.sweep()
                 next_sweep = now + config.sweep_interval
             statuses = self.observe(run_ids)
+            acted = self.play_reviewer(run_ids)
             if statuses[RunStatus.NEEDS_RECONCILIATION]:
-                self.play_human(run_ids)
+                acted += self.play_human(run_ids)
             settled = sum(n for s, n in statuses.items() if s in TERMINAL | PARKED_FOR_HUMANS)
             done = sum(n for s, n in statuses.items() if s in TERMINAL)
             kills = sum(self.fleet.kills.values())
-            finished = len(run_ids) == config.runs and settled == config.runs
+            # A human act just now may have woken a run that looked settled: look again.
+            finished = len(run_ids) == config.runs and settled == config.runs and not acted
             self.progress.draw(
                 done,
                 config.runs,
@@ -526,9 +553,13 @@ class Chaos:
         candidates = sorted(self.fleet.candidates(), key=lambda w: w.slot)
         if not candidates:
             return
-        # An idle worker's death tests nothing: prefer one that holds a run's lease now.
+        # An armed worker is spared for a while so it can reach its point; an idle worker's
+        # death tests nothing, so one that holds a run's lease now is preferred.
+        spare_until = time.monotonic() - 3 * self.config.kill_every
+        eligible = [w for w in candidates if not w.armed or w.started_at < spare_until]
         busy = self.busy_slots(run_ids)
-        worker = self.rng.choice([w for w in candidates if w.slot in busy] or candidates)
+        pool = eligible or candidates
+        worker = self.rng.choice([w for w in pool if w.slot in busy] or pool)
         self.injected += 1
         if self.injected % 10 == 0:
             self.fleet.sigterm(worker, self.config.grace)
@@ -585,8 +616,58 @@ class Chaos:
                 self.note("run", run_id=key, status=status)
         return statuses
 
-    # --- the human --------------------------------------------------------------------------
-    def play_human(self, run_ids: list[str]) -> None:
+    # --- the humans -------------------------------------------------------------------------
+    def play_reviewer(self, run_ids: list[str]) -> int:
+        """Approve every pending approval request of our runs, as a reviewer who watches the
+        inbox would: at once, possibly before the run has even parked. Returns how many.
+
+        Through approvals' own `decide`, as the reviewer page calls it (chaos is a harness
+        above both apps; runtime proper never imports approvals). The reviewer is the first
+        member allowed to decide under the request's policy who has not voted yet; with
+        nobody allowed, the run stays waiting and is reported so.
+        """
+        if not django_apps.is_installed("approvals"):
+            return 0
+        from approvals.decisions import decide
+        from approvals.models import ApprovalRequest, ApprovalStatus
+        from approvals.policies import deciders
+
+        pending = ApprovalRequest.objects.filter(
+            run_id__in=run_ids, status=ApprovalStatus.PENDING
+        ).select_related("policy")
+        acted = 0
+        for request in pending:
+            voted = set(request.votes.values_list("user_id", flat=True))
+            allowed = deciders(request.policy, escalated=request.escalated)
+            users = [user for user in allowed if user.pk not in voted]
+            if not users:
+                if request.policy_id not in self.no_reviewer:
+                    self.no_reviewer.add(request.policy_id)
+                    self.note("no_reviewer", policy=request.policy.name, run_id=request.run_id)
+                continue
+            try:
+                decide(
+                    request.pk,
+                    users[0],
+                    "approve",
+                    request.action_hash,
+                    reason="chaos: approved as a reviewer would",
+                )
+            except HoldpointError as exc:  # decided, superseded or expired meanwhile
+                self.approvals[f"refused:{exc.code}"] += 1
+                self.note("approval_refused", run_id=str(request.run_id), code=exc.code)
+                continue
+            acted += 1
+            self.approvals["approved"] += 1
+            self.note(
+                "approved",
+                run_id=str(request.run_id),
+                action_id=str(request.action_id),
+                reviewer=users[0].get_username(),
+            )
+        return acted
+
+    def play_human(self, run_ids: list[str]) -> int:
         """Resolve manual_review actions as a reviewer would, by looking in the tracker.
 
         "Not applied" only once the sender's in-flight window had passed *before* we looked:
@@ -599,13 +680,14 @@ class Chaos:
         )
         actions = list(waiting)
         if not actions:
-            return
+            return 0
         looked_at = timezone.now()
         try:
             tasks = self.fetch_tasks()
         except httpx.HTTPError as exc:
             self.note("human_lookup_failed", error=str(exc))
-            return
+            return 0
+        acted = 0
         by_key: dict[str, list[dict[str, Any]]] = {}
         for task in tasks:
             by_key.setdefault(str(task.get("idempotency_key")), []).append(task)
@@ -634,6 +716,7 @@ class Chaos:
             except InvalidTransition as exc:  # moved meanwhile, or still in flight
                 self.note("human_refused", action_id=str(action.action_id), detail=str(exc))
                 continue
+            acted += 1
             self.resolutions[outcome] += 1
             self.note(
                 "human_resolved",
@@ -642,6 +725,7 @@ class Chaos:
                 outcome=outcome,
                 tasks=len(found),
             )
+        return acted
 
     # --- the service ------------------------------------------------------------------------
     def start_sandbox(self) -> None:
@@ -690,7 +774,9 @@ class Chaos:
         report.graceful = dict(sorted(self.fleet.graceful.items()))
         report.unexpected_exits = self.fleet.unexpected_exits
         report.human_resolutions = dict(sorted(self.resolutions.items()))
+        report.approvals = dict(sorted(self.approvals.items()))
         report.sweep_errors = dict(self.sweep_errors)
+        report.worker_task_errors = dict(self.fleet.task_errors().most_common())
 
 
 def tally(
@@ -763,7 +849,8 @@ def tally(
                     "actions": [(a["idempotency_key"], a["status"]) for a in own],
                 }
             )
-        if status not in NOT_LOST:
+        deciding = any(a["status"] == ActionStatus.AWAITING_APPROVAL for a in own)
+        if status not in NOT_LOST and not (status == RunStatus.WAITING_APPROVAL and deciding):
             report.lost += 1
             report.problems.append(
                 {
@@ -798,6 +885,13 @@ def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
 
 
+def _errors(errors: Mapping[str, int]) -> str:
+    if not errors:
+        return "0"
+    message, count = next(iter(errors.items()))
+    return f"{sum(errors.values())}  (most often, {count}x: {message[:100]})"
+
+
 def table(report: ChaosReport) -> str:
     """The report as an aligned two-column table (what the command prints)."""
     rows: list[tuple[str, str]] = [
@@ -819,6 +913,8 @@ def table(report: ChaosReport) -> str:
         ("graceful stops", _counts(report.graceful)),
         ("unexpected worker exits", str(report.unexpected_exits)),
         ("driver sweep errors", _counts(report.sweep_errors)),
+        ("worker task errors", _errors(report.worker_task_errors)),
+        ("approvals given", _counts(report.approvals)),
         (
             "human resolutions",
             f"{sum(report.human_resolutions.values())}  ({_counts(report.human_resolutions)})",

@@ -73,6 +73,8 @@ def test_a_clean_tally_is_ok() -> None:
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
+    """Four runs started over 8 s, a kill every ~2 s, replies delayed 1 s: kills land in the
+    middle of runs (the sent window included), not between them. About 20-30 s."""
     config = ChaosConfig(
         runs=4,
         kill_every=2,

@@ -47,6 +47,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--tasks-url", default=None, help="use this task service instead of a sandbox"
         )
+        parser.add_argument(
+            "--grace", type=float, default=5.0, help="seconds after SIGTERM before SIGKILL"
+        )
         parser.add_argument("--log-dir", default=None, help="worker logs and history here")
         parser.add_argument(
             "--progress", action="store_true", help="draw the progress bar even without a TTY"
@@ -95,6 +98,7 @@ class Command(BaseCommand):
             timeout=options["timeout"],
             rate=options["rate"],
             service_delay=options["service_delay"],
+            grace=options["grace"],
             tasks_url=options["tasks_url"],
             log_dir=Path(options["log_dir"]) if options["log_dir"] else None,
         )
