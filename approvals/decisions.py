@@ -36,8 +36,8 @@ from runtime.errors import (
     NotPermitted,
 )
 from runtime.events import RunEvent, record
-from runtime.models import Action, ActionStatus, Run, RunStatus
-from runtime.queue import ring
+from runtime.lifecycle import wake_from_approval
+from runtime.models import Action, ActionStatus, Run
 from runtime.tools import get_tool
 
 A = ApprovalStatus
@@ -181,6 +181,7 @@ def decide(
     if decision == Decision.REJECT and not reason.strip():
         raise InvalidParams("a rejection needs a reason", errors={"reason": ["required"]})
     label = f"user:{user.get_username()}"
+    changed = False
     with transaction.atomic(durable=True):
         request = (
             ApprovalRequest.objects.select_for_update().select_related("policy").get(pk=request_id)
@@ -198,40 +199,63 @@ def decide(
         if not same_hash(seen_hash, request.action_hash):
             raise HashMismatch("the page you decided on shows an older version of this action")
         if not same_hash(action_hash(action), request.action_hash):
-            raise HashMismatch("the action changed after it was requested")
-        if ApprovalVote.objects.filter(request=request, user=user).exists():
-            raise AlreadyDecided("you already voted on this request")
-        if edits and decision == Decision.APPROVE:
-            action = _apply_edits(request, action, edits, label)
-        ApprovalVote.objects.create(
-            request=request,
-            user=user,
-            decision=decision,
-            action_hash=seen_hash,
-            reason=reason[:2000],
-        )
-        approvals = request.votes.filter(decision=Decision.APPROVE).count()
-        final = decision == Decision.REJECT or approvals >= request.quorum
-        payload = {
-            "approval_id": str(request.id),
-            "action_id": str(action.action_id),
-            "decision": decision,
-            "hash_seen": seen_hash,
-            "reason": reason[:2000],
-            "policy": request.policy.name,
-            "votes": approvals,
-            "quorum": request.quorum,
-            "final": final,
-        }
-        record(run, RunEvent.APPROVAL_DECIDED, label, **payload)
-        _tenant_event(run.tenant_id, "approval_decided", label, run_id=str(run.run_id), **payload)
-        if final:
-            _finalise(request, action, run, user, decision, reason, label)
-            from approvals.notify import notify_decided
-
-            notify_decided(request)
+            # The action changed under the request: it can never be decided as shown. Close it
+            # and raise a request for what the action is now — committed — then refuse.
+            _close(request, A.SUPERSEDED, label, "the action changed after it was requested")
+            if action.status == ActionStatus.AWAITING_APPROVAL:
+                request_approval(action, run, label, previous=request)
+            changed = True
+        else:
+            _vote(request, action, run, user, decision, seen_hash, reason, edits, label)
+    if changed:
+        raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()
     return request
+
+
+def _vote(
+    request: ApprovalRequest,
+    action: Action,
+    run: Run,
+    user: AbstractBaseUser,
+    decision: str,
+    seen_hash: str,
+    reason: str,
+    edits: dict[str, Any] | None,
+    label: str,
+) -> None:
+    """Record one reviewer's vote; the last one the quorum needs decides the request."""
+    if ApprovalVote.objects.filter(request=request, user=user).exists():
+        raise AlreadyDecided("you already voted on this request")
+    if edits and decision == Decision.APPROVE:
+        action = _apply_edits(request, action, edits, label)
+    ApprovalVote.objects.create(
+        request=request,
+        user=user,
+        decision=decision,
+        action_hash=seen_hash,
+        reason=reason[:2000],
+    )
+    approvals = request.votes.filter(decision=Decision.APPROVE).count()
+    final = decision == Decision.REJECT or approvals >= request.quorum
+    payload = {
+        "approval_id": str(request.id),
+        "action_id": str(action.action_id),
+        "decision": decision,
+        "hash_seen": seen_hash,
+        "reason": reason[:2000],
+        "policy": request.policy.name,
+        "votes": approvals,
+        "quorum": request.quorum,
+        "final": final,
+    }
+    record(run, RunEvent.APPROVAL_DECIDED, label, **payload)
+    _tenant_event(run.tenant_id, "approval_decided", label, run_id=str(run.run_id), **payload)
+    if final:
+        _finalise(request, action, run, user, decision, reason, label)
+        from approvals.notify import notify_decided
+
+        notify_decided(request)
 
 
 def _repeat_or_refuse(
@@ -310,12 +334,7 @@ def _finalise(
 
 def _wake(run: Run, actor: str) -> None:
     """The decision is made: the waiting run goes on (its step sees approved or rejected)."""
-    woken = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
-        status=RunStatus.QUEUED, waiting_for=None, updated_at=Now()
-    )
-    if woken:
-        record(run, RunEvent.WOKEN, actor, reason="approval decided", status=RunStatus.QUEUED)
-        ring(run.run_id)
+    wake_from_approval(run, actor)
 
 
 # --- the runtime's hold-point interface ----------------------------------------------------

@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_htmx",
     "guardian",
     "django_q",
@@ -173,7 +174,12 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["runtime.api.parsers.StrictJSONParser"],
+    "EXCEPTION_HANDLER": "runtime.api.problems.exception_handler",
+    "DEFAULT_THROTTLE_RATES": {
+        "agent": env_str("HOLDPOINT_API_RATE", "600/minute"),
+        "user": env_str("HOLDPOINT_API_RATE", "600/minute"),
+    },
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
 }
 SPECTACULAR_SETTINGS = {
@@ -181,6 +187,18 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "OAS_VERSION": "3.0.3",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",  # served from static/, no CDN
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "runtime.models.runs.RunStatus",
+        "ActionStatusEnum": "runtime.models.actions.ActionStatus",
+        "ApprovalStatusEnum": "approvals.models.ApprovalStatus",
+    },
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "runtime.api.problems.add_problem_responses",
+    ],
 }
 
 # --- Worker: django-q2 ------------------------------------------------------------------
@@ -240,6 +258,8 @@ HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.
+# How long an Idempotency-Key's stored response is replayed (hours).
+HOLDPOINT_IDEMPOTENCY_HOURS = env_int("HOLDPOINT_IDEMPOTENCY_HOURS", 24, minimum=1)
 HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
 HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 20, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])

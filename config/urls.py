@@ -2,17 +2,30 @@
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 from django.views.generic import RedirectView
 
 from approvals import views as approval_views
-from runtime import health, pages, reconcile_pages, web
+from runtime import audit_pages, health, pages, reconcile_pages, web
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("inbox/", approval_views.inbox, name="inbox"),
+    path("inbox/list/", approval_views.inbox_list, name="inbox-list"),
+    path("inbox/history/", approval_views.history, name="inbox-history"),
+    path("approvals/<uuid:request_id>/", approval_views.request_page, name="approval-page"),
+    path(
+        "approvals/<uuid:request_id>/status/",
+        approval_views.request_status,
+        name="approval-page-status",
+    ),
+    path(
+        "approvals/<uuid:request_id>/decide/",
+        approval_views.decide_page,
+        name="approval-page-decide",
+    ),
     path("tenant/switch/", web.switch_tenant_view, name="switch-tenant"),
     path("runs/", pages.runs_page, name="runs"),
     path("runs/<uuid:run_id>/", pages.run_page, name="run"),
@@ -21,6 +34,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/resume/", pages.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/input/", pages.run_input, name="run-input"),
     path("runs/<uuid:run_id>/revise/", pages.run_revise, name="run-revise"),
+    path("runs/<uuid:run_id>/trail/", audit_pages.run_trail, name="run-trail"),
     path("reconcile/", reconcile_pages.reconcile_list, name="reconcile"),
     path(
         "reconcile/<uuid:action_id>/",
@@ -32,7 +46,14 @@ urlpatterns = [
         reconcile_pages.reconcile_resolve,
         name="reconcile-resolve",
     ),
+    path("audit/", audit_pages.audit_log, name="audit-log"),
+    path("audit/export.csv", audit_pages.export_csv, name="audit-export-csv"),
+    path("audit/export.jsonl", audit_pages.export_jsonl, name="audit-export-jsonl"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),
+    path("api/v1/", include("runtime.api.urls")),
 ]
+
+handler404 = "runtime.api.problems.not_found"
+handler500 = "runtime.api.problems.server_error"

@@ -49,7 +49,7 @@ from runtime.leases import (
     release,
     take_lease,
 )
-from runtime.models import ActionStatus, Artifact, Checkpoint, RecordedCall, Run, RunStatus
+from runtime.models import Action, ActionStatus, Artifact, Checkpoint, RecordedCall, Run, RunStatus
 
 log = logging.getLogger("holdpoint.executor")
 
@@ -277,7 +277,23 @@ class Executor:
             step, self.state, parked.status, step, changes, RunEvent.PARKED, reason=parked.reason
         ):
             return self.stopped()
+        if parked.status == RunStatus.WAITING_APPROVAL and parked.action is not None:
+            self.wake_if_decided(parked.action.pk)
         return AdvanceResult(_OUTCOME[self.run.status], self.steps, parked.reason)
+
+    def wake_if_decided(self, action_id: Any) -> None:
+        """The decision may have landed while we were parking (it saw the run `running` and
+        woke nobody): look once more, after our commit, and wake the run ourselves."""
+        from runtime.lifecycle import wake_from_approval
+
+        still_held = Action.objects.filter(
+            pk=action_id, status=ActionStatus.AWAITING_APPROVAL
+        ).exists()
+        if not still_held:
+            with transaction.atomic(durable=True):
+                if wake_from_approval(self.run, self.lease.actor, "decided while parking"):
+                    self.head = None
+            self.run.refresh_from_db()
 
     def reload(self) -> None:
         self.run = Run.objects.get(pk=self.run.run_id)

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import DateTimeField, ExpressionWrapper, F, Q, Value
+from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, Value, When
 from django.db.models.functions import Now
 
 from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
@@ -76,6 +76,14 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
         }
         if runnable_only:
             changes.update(status=RunStatus.RUNNING, wake_at=None)
+        else:
+            # An external executor that leases a queued or retrying run is now running it.
+            changes["status"] = Case(
+                When(
+                    status__in=[RunStatus.QUEUED, RunStatus.RETRYING], then=Value(RunStatus.RUNNING)
+                ),
+                default=F("status"),
+            )
         if due.update(**changes) != 1:
             _refuse(run_id)
         run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(pk=run_id)

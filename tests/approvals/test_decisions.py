@@ -275,3 +275,50 @@ def test_a_policy_condition_limits_the_hold(
     grant(policy, Group.objects.get(name="acme-reviewers"))
     run = create_run(tenant_a, "api-review", GOAL, actor="t")
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
+
+
+def test_a_request_whose_action_changed_is_superseded_and_raised_again(
+    held: Any, reviewer_a: Persona
+) -> None:
+    """Nobody can decide what they were not shown: the request closes and a new one opens."""
+    run, request, box = held
+    Action.objects.filter(run=run).update(params='{"title":"changed under the request"}')
+    for decision, reason in (("approve", ""), ("reject", "no")):
+        with pytest.raises((HashMismatch, AlreadyDecided)):
+            decide(request.id, reviewer_a.user, decision, request.action_hash, reason=reason)
+    request.refresh_from_db()
+    fresh = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert request.status == A.SUPERSEDED and fresh.previous_id == request.pk
+    assert fresh.action_hash == action_hash(Action.objects.get(run=run))
+    decide(fresh.id, reviewer_a.user, "approve", fresh.action_hash)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert [t["title"] for t in box.tasks()] == ["changed under the request"]
+
+
+def test_a_decision_made_while_the_run_is_still_parking_wakes_it(
+    tenant_a: Tenant,
+    policy: ApprovalPolicy,
+    reviewer_a: Persona,
+    sandbox_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by `manage.py chaos`: the reviewer approved between the action being held and
+    the run parking; decide() saw the run `running` and woke nobody."""
+    from runtime.executor import Executor
+
+    box = sandbox_factory("key")
+    park = Executor.park
+
+    def decide_first(self: Executor, parked: Any, step: str) -> Any:
+        request = ApprovalRequest.objects.get(action=parked.action, status=A.PENDING)
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)  # the race
+        return park(self, parked, step)
+
+    monkeypatch.setattr(Executor, "park", decide_first)
+    run = create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a")
+    advance_run(run.run_id, "w1")
+    monkeypatch.setattr(Executor, "park", park)
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED  # woken, not stuck in waiting_approval
+    assert "woken" in events(run)
+    assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1

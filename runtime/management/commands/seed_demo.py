@@ -49,6 +49,7 @@ TENANT_ADMIN_PERMS = [
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),
     ("approvals", "view_approvalrequest"),
+    ("audit", "view_journalentry"),
     ("approvals", "view_tenantwebhook"),
     ("approvals", "add_tenantwebhook"),
     ("approvals", "change_tenantwebhook"),
