@@ -110,7 +110,9 @@ class Command(BaseCommand):
             Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": role})
             if role == Role.ADMIN:
                 user.groups.add(admins)
-            if role == Role.REVIEWER:
+            # demo-admin decides too, so a run demo-reviewer starts from the Runs page can be
+            # approved by someone else (whoever starts a run cannot approve its actions).
+            if role in (Role.REVIEWER, Role.ADMIN):
                 group, _ = Group.objects.get_or_create(name=reviewer_group_name(tenant))
                 user.groups.add(group)
         self._demo_policy(tenants["demo"])
