@@ -63,7 +63,7 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
             raise NotFound()
         due = Run.objects.filter(pk=run_id).filter(lease_free())
         if runnable_only:
-            due = due.filter(status__in=RUNNABLE).filter(
+            due = due.filter(status__in=RUNNABLE, external=False).filter(
                 Q(wake_at__isnull=True) | Q(wake_at__lte=Now())
             )
         else:

@@ -50,8 +50,13 @@ def create_run(
     thread_id: str | None = None,
     graph_version: str | None = None,
     metadata: dict[str, Any] | None = None,
+    external: bool = False,
 ) -> Run:
-    """Start a run pinned to a registered graph version (the latest unless one is named)."""
+    """Start a run pinned to a registered graph version (the latest unless one is named).
+
+    `external`: the agent runs its own loop through the executor protocol; Holdpoint's
+    workers never pick it up.
+    """
     found = registry.get(graph, graph_version) if graph_version else None
     if found is None:
         if graph_version:
@@ -68,6 +73,7 @@ def create_run(
             next_step=found.start,
             metadata={"tools": list(found.tools), **(metadata or {})},
             created_by=actor,
+            external=external,
         )
         record(
             run,
@@ -76,9 +82,11 @@ def create_run(
             graph=found.name,
             graph_version=found.version,
             goal_rev=1,
+            external=external,
             status=RunStatus.QUEUED,
         )
-        ring(run.run_id)
+        if not external:
+            ring(run.run_id)
     return run
 
 

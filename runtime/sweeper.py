@@ -34,7 +34,7 @@ class SweepResult:
 
 def due_runs(limit: int) -> list[tuple[Any, int]]:
     """(run_id, tenant_id) of runs a worker should pick up now (uses the sweep indexes)."""
-    runnable = Run.objects.filter(status__in=RUNNABLE).filter(lease_free())
+    runnable = Run.objects.filter(status__in=RUNNABLE, external=False).filter(lease_free())
     due = runnable.filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
     return list(due.order_by("updated_at").values_list("run_id", "tenant_id")[:limit])
 

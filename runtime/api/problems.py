@@ -69,6 +69,11 @@ CODES = {
     "expired": 409,
     "idempotency_key_in_flight": 409,
     "service_unavailable": 503,
+    "incompatible_version": 409,
+    "action_failed": 409,
+    "action_rejected": 409,
+    "tool_unavailable": 503,
+    "tool_not_allowed": 422,
 }
 
 

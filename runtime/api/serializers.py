@@ -11,10 +11,20 @@ from rest_framework import serializers
 from runtime.models import Action, Checkpoint, Run
 
 
+class StrictInt(serializers.IntegerField):
+    """A JSON integer, not a string that looks like one: fences and revisions are compared,
+    and "1" silently becoming 1 would hide a client bug."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return int(super().to_internal_value(data))
+
+
 class LeaseSerializer(serializers.Serializer):
     owner = serializers.CharField()
     expires_at = serializers.DateTimeField(allow_null=True)
-    fence = serializers.IntegerField()
+    fence = StrictInt()
 
 
 class RunSerializer(serializers.ModelSerializer):
@@ -29,6 +39,7 @@ class RunSerializer(serializers.ModelSerializer):
             "thread_id",
             "graph",
             "graph_version",
+            "external",
             "status",
             "goal",
             "goal_rev",
@@ -119,16 +130,21 @@ class RunCreate(serializers.Serializer):
     goal = serializers.JSONField()
     thread_id = serializers.CharField(max_length=200, required=False)
     graph_version = serializers.CharField(max_length=40, required=False)
+    external = serializers.BooleanField(
+        default=False,
+        help_text="The agent runs its own loop (executor protocol); "
+        "Holdpoint's workers never pick the run up.",
+    )
 
 
 class RevisionIn(serializers.Serializer):
     goal = serializers.JSONField()
-    expected_goal_rev = serializers.IntegerField(min_value=1)
+    expected_goal_rev = StrictInt(min_value=1)
 
 
 class InputIn(serializers.Serializer):
     data = serializers.JSONField()
-    expected_rev = serializers.IntegerField(min_value=0)
+    expected_rev = StrictInt(min_value=0)
 
 
 class CancelIn(serializers.Serializer):
@@ -136,20 +152,29 @@ class CancelIn(serializers.Serializer):
 
 
 class ResumeIn(serializers.Serializer):
-    expected_rev = serializers.IntegerField(min_value=0, required=False)
+    expected_rev = StrictInt(min_value=0, required=False)
 
 
 class LeaseIn(serializers.Serializer):
     owner = serializers.CharField(max_length=200)
-    ttl_seconds = serializers.IntegerField(min_value=2, max_value=3600)
+    ttl_seconds = StrictInt(min_value=2, max_value=3600)
 
 
 class FenceIn(serializers.Serializer):
-    fence = serializers.IntegerField(min_value=1)
+    fence = StrictInt(min_value=1)
+
+
+class HeartbeatIn(FenceIn):
+    ttl_seconds = StrictInt(
+        min_value=2,
+        max_value=3600,
+        default=30,
+        help_text="How long from now the lease lasts; send the ttl the lease was taken with.",
+    )
 
 
 class CheckpointIn(FenceIn):
-    expected_rev = serializers.IntegerField(min_value=0)
+    expected_rev = StrictInt(min_value=0)
     state = serializers.JSONField()
     next_step = serializers.CharField(max_length=100, allow_blank=True)
     status = serializers.ChoiceField(
@@ -178,18 +203,18 @@ class ResolveIn(serializers.Serializer):
 
 
 class LeaseOut(serializers.Serializer):
-    fence = serializers.IntegerField()
+    fence = StrictInt()
     expires_at = serializers.DateTimeField()
     owner = serializers.CharField()
 
 
 class HeartbeatOut(serializers.Serializer):
-    fence = serializers.IntegerField()
+    fence = StrictInt()
     expires_at = serializers.DateTimeField()
 
 
 class ReleaseOut(serializers.Serializer):
-    fence = serializers.IntegerField()
+    fence = StrictInt()
     released = serializers.BooleanField()
 
 

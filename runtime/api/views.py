@@ -60,6 +60,7 @@ class RunList(ApiView):
             actor=self.actor(request),
             thread_id=data.get("thread_id"),
             graph_version=data.get("graph_version"),
+            external=data["external"],
         )
         return Response(s.RunSerializer(run).data, status=status.HTTP_201_CREATED)
 
@@ -230,12 +231,11 @@ class Lease(RunLever):
 
 
 class Heartbeat(RunLever):
-    @extend_schema(request=s.FenceIn, responses=s.HeartbeatOut)
+    @extend_schema(request=s.HeartbeatIn, responses=s.HeartbeatOut)
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
-        data = _valid(s.FenceIn, request.data)
-        ttl = float(request.data.get("ttl_seconds", 30)) if isinstance(request.data, dict) else 30
-        expires = protocol.heartbeat(run, data["fence"], max(2.0, min(ttl, 3600.0)))
+        data = _valid(s.HeartbeatIn, request.data)
+        expires = protocol.heartbeat(run, data["fence"], data["ttl_seconds"])
         return Response({"expires_at": expires, "fence": data["fence"]})
 
 

@@ -63,6 +63,9 @@ class Run(models.Model):
     last_error = models.TextField(blank=True, default="")
     attention_reason = models.TextField(blank=True, default="")
     metadata = models.JSONField(default=dict, blank=True)
+    # Executed by an agent's own loop through the API: workers and the sweeper leave it alone
+    # (the lease protocol still makes the agent the one executor).
+    external = models.BooleanField(default=False)
     created_by = models.CharField(max_length=200, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

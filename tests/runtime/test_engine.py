@@ -284,3 +284,17 @@ def test_sqlite_or_postgres_clock_is_used_for_leases(tenant_a: Tenant) -> None:
 
         db_now = datetime.fromisoformat(db_now).replace(tzinfo=lease.expires_at.tzinfo)
     assert abs((lease.expires_at - db_now).total_seconds() - 30) < 5
+
+
+def test_external_runs_are_never_picked_up_by_workers(tenant_a: Tenant) -> None:
+    """A run an agent executes through the API is its own: no worker, no sweeper doorbell."""
+    from runtime.leases import take_lease
+
+    run = create_run(tenant_a, "chain", {"steps": 2}, actor="agent:x", external=True)
+    assert advance_run(run.run_id, "w1").outcome == "skipped"
+    rung: list[str] = []
+    sweep_once(ring=rung.append)
+    assert rung == []
+    lease = take_lease(run.run_id, "agent-loop", ttl=30, runnable_only=False)
+    run.refresh_from_db()
+    assert lease.fence == 1 and run.status == RunStatus.RUNNING and run.external

@@ -1,0 +1,499 @@
+"""`Executor`: an external agent's loop on a leased run, safe against its own crash.
+
+An agent process can die at any instant — between marking an action `sent` and calling the
+tool, or after the tool answered and before the outcome was recorded. Everything this class
+needs to carry on is therefore kept by the server, never in the process:
+
+- the lease (heartbeated from a background thread) and its fence, which every write
+  carries, so a paused or half-dead predecessor cannot write after a takeover;
+- the latest checkpoint, which says which step comes next (`load`);
+- the action ledger, found again by an idempotency key derived from the run, the goal
+  revision and the call's label — never from the process — so `act` after a restart meets
+  the action the dead process prepared and continues it from its recorded status.
+
+A `sent` or `unknown` action is never "just called again": the tool call is repeated with
+the *same* idempotency key, which a key-deduplicating service answers with the first
+result, or looked up first when the agent gives a `lookup`; a tool that can do neither is
+recorded `unknown` for a human to resolve.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from holdpoint_client.client import Client
+from holdpoint_client.errors import (
+    ActionCancelled,
+    ActionFailed,
+    ActionRejected,
+    ActionWithdrawn,
+    ApprovalExpired,
+    ApprovalRequired,
+    ExecutorError,
+    HoldpointError,
+    InvalidTransition,
+    LeaseHeld,
+    LeaseLost,
+    OutcomeUnknown,
+    StaleFence,
+    StaleGoalRev,
+    ToolRefused,
+    TransportError,
+)
+from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
+
+log = logging.getLogger("holdpoint_client.executor")
+MAX_KEY = 255
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """What `perform` gets: the action as the ledger holds it, and how to send it once.
+
+    Send `params` (a reviewer may have edited them at the hold point, so they can differ
+    from what the agent asked for) with `idempotency_key` as the service's Idempotency-Key;
+    `replay` is True when an earlier attempt may already have applied.
+    """
+
+    action: Action
+    run_id: str
+    fence: int
+    replay: bool
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.action.idempotency_key
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.action.params
+
+    @property
+    def tool(self) -> str:
+        return self.action.tool
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers for a service that deduplicates by key and refuses lower fences."""
+        return {
+            "Idempotency-Key": self.idempotency_key,
+            "Holdpoint-Run": self.run_id,
+            "Holdpoint-Fence": str(self.fence),
+        }
+
+
+# perform(call) -> (external_id, result): raise ToolRefused when the service certainly did
+# not apply it; any other exception means "cannot tell".
+Perform = Callable[[ToolCall], tuple[str, Any]]
+# lookup(call) -> (external_id, result) if the effect exists at the service, else None.
+Lookup = Callable[[ToolCall], "tuple[str, Any] | None"]
+
+
+class Executor:
+    """Hold a run's lease for the length of a `with` block and execute under it.
+
+    `ttl` is the lease length in seconds; a background thread renews it every ttl/3. If the
+    lease is taken over (stale fence) the executor marks itself `lost` and every later
+    call raises `LeaseLost`: the process must stop. On entry it waits up to
+    `lease_timeout` seconds for a lease someone else holds — typically the dead
+    predecessor's, which expires `ttl` seconds after its last heartbeat.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        run_id: str,
+        owner: str,
+        ttl: int = 30,
+        *,
+        lease_timeout: float = 120.0,
+        replay_attempts: int = 3,
+        retry_pause: float = 1.0,
+    ) -> None:
+        if not 2 <= ttl <= 3600:
+            raise ValueError("ttl must be between 2 and 3600 seconds")
+        self.client = client
+        self.run_id = str(run_id)
+        self.owner = owner
+        self.ttl = ttl
+        self.lease_timeout = lease_timeout
+        self.replay_attempts = max(1, replay_attempts)
+        self.retry_pause = retry_pause
+        self.fence = 0
+        self.rev = 0
+        self.next_step = ""
+        self._run: Run | None = None
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+        self._finished = False
+
+    # --- the lease -------------------------------------------------------------------------
+
+    def __enter__(self) -> Executor:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def acquire(self) -> LeaseGrant:
+        """Take the lease, waiting out a live one; AlreadyCompleted/RunFinished propagate."""
+        deadline = time.monotonic() + self.lease_timeout
+        while True:
+            try:
+                grant = self.client.lease(self.run_id, self.owner, self.ttl)
+                break
+            except LeaseHeld:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(max(0.2, min(2.0, self.ttl / 6)))
+        self.fence = grant.fence
+        self._lost.clear()
+        self._stop.clear()
+        self.refresh()
+        self._start_beats()
+        log.info("leased run %s as %s (fence %d)", self.run_id, self.owner, self.fence)
+        return grant
+
+    def close(self) -> None:
+        """Stop heartbeating and hand the lease back, so a successor need not wait it out."""
+        self._stop_beats()
+        if self.fence and not self._finished and not self._lost.is_set():
+            try:
+                self.client.release(self.run_id, self.fence)
+            except HoldpointError as exc:  # the lease expires on its own anyway
+                log.warning("could not release run %s: %s", self.run_id, exc)
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def _heartbeat(self) -> None:
+        interval = self.ttl / 3
+        while not self._stop.wait(interval):
+            try:
+                self.client.heartbeat(self.run_id, self.fence, ttl_seconds=self.ttl)
+            except StaleFence:
+                log.error("run %s: lease lost (fence %d is stale)", self.run_id, self.fence)
+                self._lost.set()
+                return
+            except HoldpointError as exc:  # keep trying: only a stale fence ends the lease
+                log.warning("run %s: heartbeat failed: %s", self.run_id, exc)
+
+    def _start_beats(self) -> None:
+        self._stop.clear()
+        self._beats = threading.Thread(
+            target=self._heartbeat, name=f"holdpoint-lease-{self.run_id}", daemon=True
+        )
+        self._beats.start()
+
+    def _stop_beats(self) -> None:
+        self._stop.set()
+        if self._beats is not None and self._beats is not threading.current_thread():
+            self._beats.join(timeout=self.client.timeout + 1)
+        self._beats = None
+
+    def _check(self) -> None:
+        if self._lost.is_set():
+            raise LeaseLost(f"run {self.run_id} was taken over; fence {self.fence} is stale")
+        if not self.fence:
+            raise ExecutorError("no lease: use the executor as a context manager")
+
+    def _lose(self, exc: StaleFence) -> LeaseLost:
+        self._lost.set()
+        self._stop.set()
+        return LeaseLost(f"run {self.run_id}: {exc.detail}")
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def run(self) -> Run:
+        if self._run is None:
+            self._run = self.client.get_run(self.run_id)
+        return self._run
+
+    @property
+    def goal(self) -> Any:
+        return self.run.goal
+
+    def refresh(self) -> Run:
+        """Re-read the run (goal, revisions, checkpoint rev) from the server."""
+        self._run = self.client.get_run(self.run_id)
+        self.rev = self._run.checkpoint_rev
+        self.next_step = self._run.next_step
+        return self._run
+
+    def load(self) -> dict[str, Any]:
+        """The state of the run's latest checkpoint (artifacts inlined), {} before the first;
+        `next_step` is set from it, so the agent knows where to continue."""
+        run = self.refresh()
+        if run.checkpoint_rev == 0:
+            return {}
+        checkpoint = self.client.get_checkpoint(self.run_id, run.checkpoint_rev, inline=True)
+        self.next_step = checkpoint.next_step
+        state = checkpoint.state
+        return dict(state) if isinstance(state, Mapping) else {}
+
+    def checkpoint(
+        self, state: Mapping[str, Any], next_step: str, status: str = "running"
+    ) -> Checkpoint:
+        """Write the next checkpoint (compare-and-swap on the rev this executor last saw).
+
+        A status other than `running` ends the lease on the server, and a heartbeat that
+        arrived after it would be refused as stale: heartbeats stop before such a write
+        (and start again if it fails).
+        """
+        self._check()
+        ending = status != "running"
+        if ending:
+            self._stop_beats()
+        try:
+            checkpoint = self.client.write_checkpoint(
+                self.run_id,
+                fence=self.fence,
+                expected_rev=self.rev,
+                state=state,
+                next_step=next_step,
+                status=status,
+            )
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+        except BaseException:
+            if ending:
+                self._start_beats()
+            raise
+        self.rev = checkpoint.rev
+        self.next_step = next_step
+        self._finished = ending
+        return checkpoint
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def key_for(self, call: str) -> str:
+        """The ledger key of one call: the same after any number of restarts of the agent,
+        new when the goal is revised (an old revision's work is never reused blindly)."""
+        if not call or not call.isprintable():
+            raise ValueError("call must be a non-empty printable label")
+        key = f"{self.run_id}:{self.run.goal_rev}:ext:{call}"
+        if len(key) > MAX_KEY:
+            raise ValueError(f"call label too long: the key would exceed {MAX_KEY} characters")
+        return key
+
+    def act(
+        self,
+        tool: str,
+        params: Mapping[str, Any],
+        *,
+        call: str,
+        perform: Perform,
+        reason: str = "",
+        target: str = "",
+        replay_safe: bool = True,
+        lookup: Lookup | None = None,
+        approval_timeout: float | None = None,
+    ) -> Action:
+        """Prepare → (wait for approval) → dispatch → perform → record; exactly once.
+
+        `call` names this call within the run (e.g. the step name); it must be the same
+        when the agent comes back to this point after a restart. `replay_safe` says the
+        service deduplicates by Idempotency-Key, so repeating `perform` with the action's
+        key cannot apply twice. Returns the confirmed action; raises ActionRejected,
+        ActionWithdrawn, ActionFailed, OutcomeUnknown or LeaseLost otherwise.
+        """
+        self._check()
+        key = self.key_for(call)
+        found = self.client.find_actions(idempotency_key=key)
+        if found and found[0].params == dict(params):
+            action = found[0]
+            log.info("run %s: %s found as %s (%s)", self.run_id, call, action.status, key)
+        else:
+            # New, or found with other params: a reviewer's edit (the server matches the
+            # params first asked for and returns the action) or an agent that changed its
+            # mind under the same label (refused: IdempotencyKeyReused).
+            action = self._prepare(key, tool, params, reason, target)
+        deadline = None if approval_timeout is None else time.monotonic() + approval_timeout
+        while True:
+            self._check()
+            status = action.status
+            if status in ("confirmed", "compensated"):
+                return action
+            if status == "awaiting_approval":
+                action = self._await_decision(action, deadline)
+            elif status in ("prepared", "approved"):
+                action = self._dispatch(action)
+                if action.status == "sent":
+                    action = self._settle(action, perform, lookup, replay_safe, replay=False)
+            elif status in ("sent", "unknown"):
+                action = self._settle(action, perform, lookup, replay_safe, replay=True)
+            elif status == "failed":
+                raise ActionFailed(f"{tool} failed: {action.last_error}", action=action)
+            elif status == "cancelled":
+                raise self._cancelled(action)
+            elif status == "manual_review":
+                raise OutcomeUnknown(f"{tool} waits for a human to resolve it", action=action)
+            else:
+                raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
+
+    def _prepare(
+        self, key: str, tool: str, params: Mapping[str, Any], reason: str, target: str
+    ) -> Action:
+        try:
+            return self.client.prepare_action(
+                self.run_id,
+                fence=self.fence,
+                tool=tool,
+                params=params,
+                reason=reason,
+                target=target,
+                idempotency_key=key,
+            )
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+
+    def _cancelled(self, action: Action) -> ExecutorError:
+        """A rejection (found again after a restart, too) or another withdrawal."""
+        if action.approval is not None:
+            approval = self.client.get_approval(action.approval)
+            if approval.status == "rejected":
+                return ActionRejected(
+                    f"{action.tool} was rejected: {approval.decision_reason}",
+                    action=action,
+                    reason=approval.decision_reason,
+                )
+        return ActionWithdrawn(f"{action.tool} was cancelled: {action.last_error}", action=action)
+
+    def _await_decision(self, action: Action, deadline: float | None) -> Action:
+        """Long-poll the approval until it is decided; the lease stays renewed meanwhile.
+
+        The first read does not wait: the server's long poll answers on a *change*, and an
+        approval decided before we asked would otherwise cost a full wait.
+        """
+        while True:
+            self._check()
+            if action.approval is None:  # the request is raised in the same transaction
+                time.sleep(self.retry_pause)
+                action = self.client.get_action(action.action_id)
+                continue
+            approval = self.client.get_approval(action.approval)
+            while approval.pending:
+                self._check()
+                wait = float(min(30, self.ttl))
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ExecutorError("no decision within approval_timeout", action=action)
+                    wait = max(1.0, min(wait, left))
+                approval = self.client.get_approval(approval.id, wait=wait)
+            action = self.client.get_action(action.action_id)
+            if action.status != "awaiting_approval" or action.approval != approval.id:
+                return action  # approved, cancelled (rejected, expired) or held anew
+            time.sleep(self.retry_pause)
+
+    def _dispatch(self, action: Action) -> Action:
+        """Mark `sent`. A refusal or an ambiguous failure is settled by re-reading the
+        action: its status, not our guess, decides what happens next."""
+        try:
+            return self.client.dispatch(action.action_id, self.fence)
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+        except StaleGoalRev as exc:
+            raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=action) from exc
+        except (ApprovalRequired, ApprovalExpired):
+            # The server holds the action again under a new request: wait for that one.
+            reread = self.client.get_action(action.action_id)
+            if reread.status in ("prepared", "approved"):
+                raise  # refused with nothing to wait for: never loop on it
+            return reread
+        except (ActionCancelled, InvalidTransition):
+            return self.client.get_action(action.action_id)
+        except TransportError as exc:
+            if not exc.may_have_applied:
+                raise
+            return self.client.get_action(action.action_id)
+
+    def _settle(
+        self,
+        action: Action,
+        perform: Perform,
+        lookup: Lookup | None,
+        replay_safe: bool,
+        *,
+        replay: bool,
+    ) -> Action:
+        """Call the tool (or find its effect) and record what came of it."""
+        call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
+        if replay and lookup is not None:
+            found = lookup(call)
+            if found is not None:
+                return self._confirm(action, found)
+        if replay and not replay_safe:
+            action = self._record(action, "unknown", result={"error": "cannot be replayed"})
+            raise OutcomeUnknown(
+                f"{action.tool} may or may not have applied and cannot be replayed safely",
+                action=action,
+            )
+        for attempt in range(self.replay_attempts):
+            self._check()
+            try:
+                effect = perform(call)
+            except ToolRefused as exc:
+                return self._record(action, "failed", result={"error": str(exc)})
+            except Exception as exc:  # the request may have applied: never a clean failure
+                log.warning("run %s: %s: %r (attempt %d)", self.run_id, action.tool, exc, attempt)
+                action = self._record(action, "unknown", result={"error": repr(exc)[:2000]})
+                if not replay_safe:
+                    raise OutcomeUnknown(f"{action.tool}: {exc!r}", action=action) from exc
+                time.sleep(self.retry_pause * (2**attempt))
+                call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
+                continue
+            return self._confirm(action, effect)
+        raise OutcomeUnknown(
+            f"{action.tool}: no verifiable result after {self.replay_attempts} attempts",
+            action=action,
+        )
+
+    def _confirm(self, action: Action, effect: tuple[str, Any]) -> Action:
+        external_id, result = effect
+        if not str(external_id).strip():  # confirmed needs proof (DESIGN.md invariant 2)
+            action = self._record(action, "unknown", result=result)
+            raise OutcomeUnknown(f"{action.tool} answered without an external id", action=action)
+        return self._record(action, "confirmed", external_id=str(external_id), result=result)
+
+    def _record(
+        self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
+    ) -> Action:
+        """Record the outcome; after an ambiguous failure, the ledger tells if it landed."""
+        for _ in range(3):
+            try:
+                return self.client.record_outcome(
+                    action.action_id,
+                    fence=self.fence,
+                    outcome=outcome,
+                    external_id=external_id,
+                    result=result,
+                )
+            except StaleFence as exc:
+                raise self._lose(exc) from exc
+            except InvalidTransition:
+                reread = self.client.get_action(action.action_id)
+                if reread.status == outcome:  # our own earlier attempt landed
+                    return reread
+                raise
+            except TransportError as exc:
+                if not exc.may_have_applied:
+                    raise
+                reread = self.client.get_action(action.action_id)
+                if reread.status == outcome:
+                    return reread
+        raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)

@@ -1,0 +1,587 @@
+"""The Python client (holdpoint_client) against a real server over a real socket.
+
+`live_server` serves the API from a thread of this process on a transactional database, so
+what the client reads and writes is what the ORM sees. Network faults are made in the
+client's own transport (it forwards to a real one and loses a reply or a connection on
+cue) — never in the database, the queue or the clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from django.contrib.auth.models import Group
+from django.core.cache import caches
+from rest_framework.authtoken.models import Token
+
+import holdpoint_client.errors as errors
+from approvals.models import ApprovalPolicy
+from approvals.policies import grant
+from holdpoint_client import (
+    Action,
+    ActionFailed,
+    ActionRejected,
+    Approval,
+    Checkpoint,
+    Client,
+    Executor,
+    LeaseLost,
+    OutcomeUnknown,
+    Run,
+    ToolCall,
+    ToolRefused,
+)
+from runtime.api.problems import CODES
+from runtime.lifecycle import create_run
+from runtime.models import Action as ActionRow
+from runtime.models import Run as RunRow
+from runtime.models import Tenant
+from tests.conftest import Persona
+from tests.runtime.helpers import expire_lease
+
+GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+TASK = {"title": "Review 3 API compatibility risks", "body": "- GET /orders: removed"}
+
+
+class Faulty(httpx.BaseTransport):
+    """The client's transport: forwards to a real one, except for the faults planned.
+
+    `refuse`: the connection fails before anything is sent. `drop`: the request is
+    delivered and applied, then the reply is lost. `throttle`: a 429 with Retry-After.
+    """
+
+    def __init__(self) -> None:
+        self.real = httpx.HTTPTransport()
+        self.seen: list[httpx.Request] = []
+        self.plan: list[tuple[str, str, str]] = []
+
+    def fail(self, method: str, path_end: str, fault: str) -> None:
+        self.plan.append((method, path_end, fault))
+
+    def sent(self, method: str, path_end: str) -> list[httpx.Request]:
+        return [r for r in self.seen if r.method == method and r.url.path.endswith(path_end)]
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        for index, (method, path_end, fault) in enumerate(self.plan):
+            if request.method == method and request.url.path.endswith(path_end):
+                del self.plan[index]
+                return self._fault(request, fault)
+        return self.real.handle_request(request)
+
+    def _fault(self, request: httpx.Request, fault: str) -> httpx.Response:
+        if fault == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        if fault == "throttle":
+            body = {"status": 429, "code": "throttled", "title": "Too many requests"}
+            return httpx.Response(
+                429, headers={"Retry-After": "7"}, json=body, request=request
+            )  # fmt: skip
+        response = self.real.handle_request(request)
+        response.read()
+        response.close()
+        raise httpx.ReadError("connection reset after the request was applied", request=request)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_throttle() -> None:
+    """Request rates are counted in the process cache, which outlives each test's database."""
+    caches["default"].clear()
+
+
+@pytest.fixture
+def transport() -> Faulty:
+    return Faulty()
+
+
+@pytest.fixture
+def pauses() -> list[float]:
+    return []
+
+
+def connect(url: str, persona: Persona, **options: Any) -> Client:
+    token = persona.token or Token.objects.get_or_create(user=persona.user)[0].key
+    return Client(url, token, backoff=0.01, **options)
+
+
+@pytest.fixture
+def api(
+    live_server: Any, agent_a: Persona, transport: Faulty, pauses: list[float]
+) -> Iterator[Client]:
+    client = connect(live_server.url, agent_a, transport=transport, sleep=pauses.append)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def reviewer_api(live_server: Any, reviewer_a: Persona) -> Iterator[Client]:
+    client = connect(live_server.url, reviewer_a)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def hold_point(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
+    """tasks.create waits for tenant A's reviewers."""
+    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool="tasks.create")
+    grant(policy, Group.objects.get(name="acme-reviewers"))
+    return policy
+
+
+# --- typed results and problem codes ------------------------------------------------------
+
+
+def test_runs_come_back_typed(api: Client) -> None:
+    run = api.create_run("api-review", GOAL, thread_id="thread-1")
+
+    assert isinstance(run, Run)
+    assert (run.graph, run.status, run.goal, run.thread_id) == (
+        "api-review",
+        "queued",
+        GOAL,
+        "thread-1",
+    )
+    assert (run.goal_rev, run.checkpoint_rev, run.next_step) == (1, 0, "read_specs")
+    assert run.created_at is not None and run.created_at.tzinfo is not None
+    assert run.lease.fence == 0 and not run.finished
+    assert api.get_run(run.run_id) == run
+    assert RunRow.objects.get(pk=run.run_id).thread_id == "thread-1"
+
+
+def test_every_problem_code_has_its_exception_class() -> None:
+    for code, status in CODES.items():
+        cls = errors.class_for(status, code)
+        assert (cls.code, cls.status) == (code, status), code
+    assert errors.class_for(409, "a_code_from_a_newer_server") is errors.Conflict
+    assert errors.class_for(502, "") is errors.ServerError
+
+
+def test_refusals_raise_their_classes(api: Client, live_server: Any) -> None:
+    with pytest.raises(errors.UnknownGraph) as unknown:
+        api.create_run("no-such-graph", {})
+    assert (unknown.value.status, unknown.value.code) == (422, "unknown_graph")
+    with pytest.raises(errors.NotAuthenticated):
+        Client(live_server.url, "not-a-token").get_run("00000000-0000-0000-0000-000000000000")
+    run = api.create_run("api-review", GOAL)
+    with pytest.raises(errors.VersionConflict):
+        api.revise(run.run_id, GOAL, expected_goal_rev=7)
+    grant_ = api.lease(run.run_id, "me", 10)
+    with pytest.raises(errors.InvalidParams) as invalid:
+        api.prepare_action(run.run_id, fence=grant_.fence, tool="tasks.create", params={})
+    assert "title" in str(invalid.value.errors)
+
+
+def test_lease_held_stale_fence_and_version_conflict(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    first = api.lease(run.run_id, "first", 30)
+    with pytest.raises(errors.LeaseHeld):
+        api.lease(run.run_id, "second", 30)
+    checkpoint = api.write_checkpoint(
+        run.run_id, fence=first.fence, expected_rev=0, state={"a": 1}, next_step="analyse"
+    )
+    assert isinstance(checkpoint, Checkpoint) and checkpoint.rev == 1
+    with pytest.raises(errors.VersionConflict):
+        api.write_checkpoint(
+            run.run_id, fence=first.fence, expected_rev=0, state={"a": 2}, next_step="analyse"
+        )
+
+    expire_lease(run.run_id)
+    second = api.lease(run.run_id, "second", 30)
+    assert second.fence == first.fence + 1
+    with pytest.raises(errors.StaleFence):
+        api.heartbeat(run.run_id, first.fence)
+    with pytest.raises(errors.StaleFence):
+        api.write_checkpoint(
+            run.run_id, fence=first.fence, expected_rev=1, state={}, next_step="analyse"
+        )
+    assert api.heartbeat(run.run_id, second.fence, ttl_seconds=30) is not None
+
+
+def test_another_tenants_objects_are_not_found(
+    api: Client, live_server: Any, agent_b: Persona
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    grant_ = api.lease(run.run_id, "a", 30)
+    action = api.prepare_action(
+        run.run_id, fence=grant_.fence, tool="tasks.create", params=TASK, idempotency_key="k-1"
+    )
+    with connect(live_server.url, agent_b) as other:
+        with pytest.raises(errors.NotFound):
+            other.get_run(run.run_id)
+        with pytest.raises(errors.NotFound):
+            other.get_action(action.action_id)
+        with pytest.raises(errors.NotFound):
+            other.dispatch(action.action_id, grant_.fence)
+        assert list(other.list_runs()) == []
+        assert other.find_actions(idempotency_key="k-1") == []
+    assert [a.action_id for a in api.find_actions(idempotency_key="k-1")] == [action.action_id]
+
+
+# --- idempotency keys and retries ---------------------------------------------------------
+
+
+def test_a_lost_reply_is_asked_for_again_with_the_same_key(api: Client, transport: Faulty) -> None:
+    transport.fail("POST", "/runs/", "drop")
+
+    run = api.create_run("api-review", GOAL)
+
+    attempts = transport.sent("POST", "/runs/")
+    keys = {r.headers["Idempotency-Key"] for r in attempts}
+    assert len(attempts) == 2 and len(keys) == 1  # one logical call, one key
+    assert RunRow.objects.count() == 1  # the retry got the first run back
+    assert str(RunRow.objects.get().run_id) == run.run_id
+    api.create_run("api-review", GOAL)
+    assert len({r.headers["Idempotency-Key"] for r in transport.sent("POST", "/runs/")}) == 2
+
+
+def test_a_checkpoint_whose_reply_was_lost_is_written_once(api: Client, transport: Faulty) -> None:
+    run = api.create_run("api-review", GOAL)
+    grant_ = api.lease(run.run_id, "me", 30)
+    transport.fail("POST", "/checkpoints/", "drop")
+
+    checkpoint = api.write_checkpoint(
+        run.run_id, fence=grant_.fence, expected_rev=0, state={"n": 1}, next_step="analyse"
+    )
+
+    assert checkpoint.rev == 1  # not a version_conflict from our own first attempt
+    assert [c.rev for c in api.checkpoints(run.run_id)] == [1]
+
+
+def test_a_call_that_is_not_idempotent_is_not_repeated_after_an_ambiguous_failure(
+    api: Client, transport: Faulty
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    transport.fail("POST", "/lease/", "drop")
+
+    with pytest.raises(errors.TransportError) as lost:
+        api.lease(run.run_id, "me", 30)
+
+    assert lost.value.may_have_applied
+    assert len(transport.sent("POST", "/lease/")) == 1
+    assert RunRow.objects.get(pk=run.run_id).fence == 1  # it did apply: re-read, not repeat
+
+
+def test_a_refused_connection_is_retried_even_for_a_lease(
+    api: Client, transport: Faulty, pauses: list[float]
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    transport.fail("POST", "/lease/", "refuse")
+
+    assert api.lease(run.run_id, "me", 30).fence == 1
+    assert len(transport.sent("POST", "/lease/")) == 2 and len(pauses) == 1
+
+
+def test_429_waits_as_told_and_other_409s_are_answers(
+    api: Client, transport: Faulty, pauses: list[float]
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    transport.fail("GET", f"/runs/{run.run_id}/", "throttle")
+
+    assert api.get_run(run.run_id).run_id == run.run_id
+    assert pauses == [7.0]
+
+    api.lease(run.run_id, "me", 30)
+    with pytest.raises(errors.LeaseHeld):
+        api.lease(run.run_id, "other", 30)
+    assert len(transport.sent("POST", "/lease/")) == 2 and pauses == [7.0]
+
+
+# --- lists and long polls -----------------------------------------------------------------
+
+
+def test_list_runs_follows_the_cursors_over_120_runs(
+    api: Client, transport: Faulty, tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    made = {
+        str(create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a").run_id)
+        for _ in range(120)
+    }
+    create_run(tenant_b, "api-review", GOAL, actor="agent:agent-b")
+
+    listed = [run.run_id for run in api.list_runs()]
+
+    assert len(listed) == 120 and set(listed) == made
+    assert len(transport.sent("GET", "/runs/")) == 3  # 50 + 50 + 20
+    page = api.runs_page()
+    assert len(page.results) == 50 and page.next_cursor and page.previous_cursor is None
+    following = api.runs_page(cursor=page.next_cursor)
+    assert not {r.run_id for r in page.results} & {r.run_id for r in following.results}
+    assert list(api.list_runs(status="completed")) == []
+
+
+def test_get_run_with_wait_returns_when_the_run_changes(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    grant_ = api.lease(run.run_id, "me", 30)
+
+    unchanged_at = time.monotonic()
+    assert api.get_run(run.run_id, wait=1).checkpoint_rev == 0
+    assert time.monotonic() - unchanged_at >= 0.9  # waited out: nothing changed
+
+    def write_soon() -> None:
+        time.sleep(0.5)  # let the long poll start first
+        api.write_checkpoint(
+            run.run_id, fence=grant_.fence, expected_rev=0, state={}, next_step="analyse"
+        )
+
+    writer = threading.Thread(target=write_soon)
+    started = time.monotonic()
+    writer.start()
+    try:
+        changed = api.get_run(run.run_id, wait=20)
+    finally:
+        writer.join(timeout=30)
+    assert changed.checkpoint_rev == 1 and changed.status == "running"
+    assert time.monotonic() - started < 10
+
+
+def test_events_and_checkpoints_are_iterated_in_order(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    grant_ = api.lease(run.run_id, "me", 30)
+    for rev in range(3):
+        api.write_checkpoint(
+            run.run_id, fence=grant_.fence, expected_rev=rev, state={"rev": rev}, next_step="x"
+        )
+
+    entries = list(api.events(run.run_id))
+    assert [e.seq for e in entries] == sorted(e.seq for e in entries)
+    assert entries[0].type == "run_created" and entries[1].prev_hash == entries[0].hash
+    assert [e.seq for e in api.events(run.run_id, after=entries[1].seq)] == [
+        e.seq for e in entries[2:]
+    ]
+    assert [c.rev for c in api.checkpoints(run.run_id)] == [3, 2, 1]
+    assert api.get_checkpoint(run.run_id, 2, inline=True).state == {"rev": 1}
+
+
+# --- hold points ------------------------------------------------------------------------
+
+
+def test_approvals_are_read_and_decided_through_the_client(
+    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    grant_ = api.lease(run.run_id, "me", 30)
+    action = api.prepare_action(run.run_id, fence=grant_.fence, tool="tasks.create", params=TASK)
+    assert isinstance(action, Action) and action.status == "awaiting_approval"
+    assert action.approval is not None
+    with pytest.raises(errors.ApprovalRequired):
+        api.dispatch(action.action_id, grant_.fence)
+
+    (pending,) = reviewer_api.approvals(status="pending")
+    assert isinstance(pending, Approval) and pending.id == action.approval
+    assert (pending.action.action_id, pending.action.params) == (action.action_id, TASK)
+    with pytest.raises(errors.HashMismatch):
+        reviewer_api.decide(pending.id, "approve", action_hash="0" * 64)
+    decided = reviewer_api.decide(pending.id, "approve", action_hash=pending.action_hash)
+    again = reviewer_api.decide(pending.id, "approve", action_hash=pending.action_hash)
+    assert decided.status == again.status == "approved" and decided.decided_by == "alice"
+    with pytest.raises(errors.AlreadyDecided):
+        reviewer_api.decide(pending.id, "reject", action_hash=pending.action_hash, reason="no")
+
+    assert api.get_approval(pending.id).status == "approved"
+    assert api.dispatch(action.action_id, grant_.fence).status == "sent"
+
+
+# --- the executor -----------------------------------------------------------------------
+
+
+class Tracker:
+    """A stand-in `perform`: one task per new key, the first task again for a known key —
+    what a key-deduplicating service does."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.tasks: dict[str, str] = {}
+
+    def __call__(self, call: ToolCall) -> tuple[str, Any]:
+        self.calls.append(call)
+        task_id = self.tasks.setdefault(call.idempotency_key, f"task-{len(self.tasks) + 1}")
+        return task_id, {"id": task_id, "title": call.params["title"]}
+
+
+def test_executor_checkpoints_and_acts_exactly_once(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        assert ex.load() == {} and ex.next_step == "read_specs"
+        ex.checkpoint({"specs": ["shop-v1", "shop-v2"]}, "propose_task")
+        first = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        again = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        ex.checkpoint({"task": first.external_id}, "", status="completed")
+
+    assert first.status == "confirmed" and first.external_id == "task-1"
+    assert again.action_id == first.action_id and len(tracker.calls) == 1
+    assert first.idempotency_key == f"{run.run_id}:1:ext:propose_task"
+    stored = RunRow.objects.get(pk=run.run_id)
+    assert (stored.status, stored.checkpoint_rev, stored.lease_owner) == ("completed", 2, "")
+
+
+def test_executor_continues_a_sent_action_of_a_dead_process_with_the_same_key(
+    api: Client,
+) -> None:
+    """The predecessor leased, prepared, dispatched (sent) and died before recording."""
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+    dead = api.lease(run.run_id, "agent-1", 30)
+    key = f"{run.run_id}:1:ext:propose_task"
+    action = api.prepare_action(
+        run.run_id, fence=dead.fence, tool="tasks.create", params=TASK, idempotency_key=key
+    )
+    api.dispatch(action.action_id, dead.fence)
+    tracker(ToolCall(action=action, run_id=run.run_id, fence=dead.fence, replay=False))
+    expire_lease(run.run_id)  # its lease runs out: nobody heartbeats it
+
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        done = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+
+    assert done.action_id == action.action_id and done.status == "confirmed"
+    assert [c.idempotency_key for c in tracker.calls] == [key, key]
+    assert tracker.calls[1].replay and tracker.calls[1].fence == dead.fence + 1
+    assert len(tracker.tasks) == 1 and done.external_id == "task-1"
+    assert ActionRow.objects.get(pk=action.action_id).status == "confirmed"
+
+
+def test_executor_waits_at_the_hold_point_for_the_decision(
+    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+
+    def approve_when_asked() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for approval in reviewer_api.approvals(status="pending"):
+                edits = {"title": "Edited by the reviewer"}
+                reviewer_api.decide(
+                    approval.id, "approve", action_hash=approval.action_hash, edits=edits
+                )
+                return
+            time.sleep(0.1)
+
+    reviewer = threading.Thread(target=approve_when_asked)
+    reviewer.start()
+    try:
+        with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+            done = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+    finally:
+        reviewer.join(timeout=40)
+
+    assert done.status == "confirmed" and len(tracker.calls) == 1
+    assert tracker.calls[0].params["title"] == "Edited by the reviewer"  # what was approved
+
+
+def test_a_rejection_stops_the_action_before_the_tool(
+    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        action = api.prepare_action(
+            run.run_id,
+            fence=ex.fence,
+            tool="tasks.create",
+            params=TASK,
+            idempotency_key=ex.key_for("propose_task"),
+        )
+        (approval,) = reviewer_api.approvals(status="pending")
+        reviewer_api.decide(approval.id, "reject", action_hash=approval.action_hash, reason="dup")
+        with pytest.raises(ActionRejected) as rejected:
+            ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+    assert rejected.value.reason == "dup" and tracker.calls == []
+    assert ActionRow.objects.get(pk=action.action_id).status == "cancelled"
+
+
+def test_a_taken_over_executor_stops(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    with Executor(api, run.run_id, "agent-1", ttl=3) as ex:
+        expire_lease(run.run_id)
+        api.lease(run.run_id, "agent-2", 30)  # the successor
+        deadline = time.monotonic() + 10
+        while not ex.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ex.lost
+        with pytest.raises(LeaseLost):
+            ex.checkpoint({}, "analyse")
+    assert RunRow.objects.get(pk=run.run_id).lease_owner == "agent-2"
+
+
+def test_an_unanswered_tool_call_is_recorded_unknown_then_replayed_with_its_key(
+    api: Client,
+) -> None:
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+
+    def reset_once(call: ToolCall) -> tuple[str, Any]:
+        effect = tracker(call)  # the service applied it...
+        if len(tracker.calls) == 1:
+            raise ConnectionResetError("...and the reply was lost")
+        return effect
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act("tasks.create", TASK, call="propose_task", perform=reset_once)
+
+    assert done.status == "confirmed" and len(tracker.tasks) == 1
+    assert [c.replay for c in tracker.calls] == [False, True]
+    assert tracker.calls[0].idempotency_key == tracker.calls[1].idempotency_key
+    outcomes = [
+        e.payload["action_status"] for e in api.events(run.run_id) if e.type == "action_outcome"
+    ]
+    assert outcomes == ["sent", "unknown", "confirmed"]
+
+
+def test_a_tool_that_cannot_be_replayed_is_left_unknown_for_a_human(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    dead = api.lease(run.run_id, "agent-1", 30)
+    action = api.prepare_action(
+        run.run_id,
+        fence=dead.fence,
+        tool="tasks.create",
+        params=TASK,
+        idempotency_key=f"{run.run_id}:1:ext:propose_task",
+    )
+    api.dispatch(action.action_id, dead.fence)
+    expire_lease(run.run_id)
+    tracker = Tracker()
+
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        with pytest.raises(OutcomeUnknown):
+            ex.act("tasks.create", TASK, call="propose_task", perform=tracker, replay_safe=False)
+
+    assert tracker.calls == []  # never called again blindly
+    assert ActionRow.objects.get(pk=action.action_id).status == "unknown"
+
+
+def test_a_refusal_by_the_service_is_a_failure(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+
+    def refuse(call: ToolCall) -> tuple[str, Any]:
+        raise ToolRefused("HTTP 400: title too long")
+
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        with pytest.raises(ActionFailed):
+            ex.act("tasks.create", TASK, call="propose_task", perform=refuse)
+    assert ActionRow.objects.get(run_id=run.run_id).status == "failed"
+
+
+def test_the_same_call_label_with_other_params_is_refused(api: Client) -> None:
+    run = api.create_run("api-review", GOAL)
+    tracker = Tracker()
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        with pytest.raises(errors.IdempotencyKeyReused):
+            ex.act(
+                "tasks.create", {"title": "Something else"}, call="propose_task", perform=tracker
+            )
+    assert len(tracker.calls) == 1
