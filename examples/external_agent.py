@@ -152,7 +152,7 @@ def post_task(tasks_url: str) -> Perform:
 
 
 def start_run(client: Client, goal: dict[str, Any]) -> str:
-    run = client.create_run("api-review", goal)
+    run = client.create_run("api-review", goal, external=True)
     return run.run_id
 
 

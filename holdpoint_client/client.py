@@ -152,10 +152,14 @@ class Client:
         thread_id: str | None = None,
         graph_version: str | None = None,
         idempotency_key: str | None = None,
+        external: bool = False,
     ) -> Run:
         """Start a run. Pass a stable `idempotency_key` to make the creation itself
-        repeatable across restarts of the caller (24 h on the server)."""
+        repeatable across restarts of the caller (24 h on the server). `external=True`: your
+        own loop executes it (the executor protocol); Holdpoint's workers never pick it up."""
         body: dict[str, Any] = {"graph": graph, "goal": goal}
+        if external:
+            body["external"] = True
         if thread_id is not None:
             body["thread_id"] = thread_id
         if graph_version is not None:
