@@ -106,15 +106,15 @@ def test_killed_after_the_tool_call_then_restarted_makes_exactly_one_task(
 def test_a_worker_taking_the_run_over_meanwhile_adds_no_task(
     agent: tuple[list[str], Sandbox, Path],
 ) -> None:
-    """The run is the hosted api-review graph's: once the dead agent's lease expires, a
-    Holdpoint worker may lease it. It settles the `sent` action by replaying its key and
-    parks the run (it has no `ext:` steps); the restarted agent then finishes it."""
+    """The agent's run is external: once the dead agent's lease expires, no Holdpoint worker
+    takes it (it would run the hosted graph and could add a task); the restarted agent
+    settles its own `sent` action by replaying its key and finishes the run."""
     args, box, log = agent
     run_id, task = crash_after_the_tool_call(args, box, log)
     expire_lease(run_id)
 
-    assert advance_run(run_id, "worker-1").outcome == "needs_attention"
-    assert Action.objects.get(run_id=run_id).status == "confirmed"
+    assert advance_run(run_id, "worker-1").outcome == "skipped"
+    assert Action.objects.get(run_id=run_id).status == "sent"
 
     assert finish(start_agent([*args, "--run", run_id], log), log) == 0, log.read_text()
     assert box.tasks() == [task]
