@@ -14,6 +14,7 @@ from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
+from runtime.api.views import filters, page_of
 from runtime.errors import InvalidParams
 
 
@@ -66,7 +67,11 @@ class DecisionIn(serializers.Serializer):
 
 
 class Approvals(ApiView):
-    @extend_schema(responses=ApprovalSerializer(many=True))
+    @extend_schema(
+        operation_id="approvals_list",
+        responses=page_of(ApprovalSerializer, "ApprovalPage"),
+        parameters=filters("status"),
+    )
     def get(self, request: Request) -> Response:
         approvals = approvals_for(self.principal(request)).select_related("run", "decided_by")
         wanted = request.query_params.get("status")

@@ -186,10 +186,11 @@ def decide(
         request = (
             ApprovalRequest.objects.select_for_update().select_related("policy").get(pk=request_id)
         )
-        if request.status != A.PENDING:
-            return _repeat_or_refuse(request, user, decision, seen_hash, edits)
+        # Permission first: whoever may not decide learns nothing about the request's state.
         if not may_decide(user, request.policy, escalated=request.escalated):
             raise NotPermitted("you may not decide under this policy")
+        if request.status != A.PENDING:
+            return _repeat_or_refuse(request, user, decision, seen_hash, edits)
         run = Run.objects.select_for_update().get(pk=request.run_id)
         if request.policy.separation_of_duties and run.created_by == label:
             raise NotPermitted("whoever started the run cannot approve its actions")

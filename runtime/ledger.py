@@ -25,6 +25,7 @@ from runtime.errors import (
     ApprovalRequired,
     InvalidParams,
     InvalidTransition,
+    RunFinished,
     StaleFence,
     StaleGoalRev,
 )
@@ -178,6 +179,9 @@ def check_dispatchable(action_id: Any, fence: int) -> Action:
     run = Run.objects.select_for_update().get(pk=action.run_id)
     if action.status == S.CANCELLED:
         raise ActionCancelled("the action was cancelled")
+    finished = run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+    if finished and action.step != "standalone":  # compensations may follow a finished run
+        raise RunFinished(f"the run is {run.status}: nothing more is sent for it")
     if action.goal_rev != run.goal_rev:
         raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
     if run.fence != fence:

@@ -19,6 +19,7 @@ from runtime.artifacts import Encoder, collect_refs
 from runtime.errors import (
     InvalidParams,
     InvalidTransition,
+    RunFinished,
     StaleFence,
     VersionConflict,
 )
@@ -177,6 +178,8 @@ def prepare(
         current = Run.objects.select_for_update().get(pk=run.pk)
         if current.fence != fence:
             raise StaleFence(f"fence {fence} does not hold run {run.pk}")
+        if current.status in TERMINAL:
+            raise RunFinished(f"the run is {current.status}")
         index = Action.objects.filter(run=current).count() + 1
         key = (
             idempotency_key

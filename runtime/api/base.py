@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
-from rest_framework.exceptions import NotAuthenticated
+from rest_framework.exceptions import NotAuthenticated, ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.throttling import UserRateThrottle
@@ -21,6 +22,13 @@ MAX_WAIT = 30.0
 class Cursor(CursorPagination):
     page_size = 50
     ordering = "-created_at"
+
+    def paginate_queryset(self, queryset: Any, request: Any, view: Any = None) -> Any:
+        """A forged cursor (a position of the wrong type) is a 400, never a 500."""
+        try:
+            return super().paginate_queryset(queryset, request, view)
+        except (ValueError, TypeError, DjangoValidationError):
+            raise ValidationError({"cursor": ["invalid cursor"]}) from None
 
 
 class PerToken(UserRateThrottle):

@@ -14,6 +14,7 @@ from typing import Any
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.http import Http404, HttpRequest, JsonResponse
 from rest_framework import exceptions as drf
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
 
@@ -141,6 +142,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
             "Quote the request id when reporting it.",
             request_id=request_id,
         )
+    request = context.get("request")
+    if request is not None:
+        # Problems are JSON whatever the view renders (the schema view renders YAML).
+        request.accepted_renderer = JSONRenderer()
+        request.accepted_media_type = CONTENT_TYPE
     return Response(body, status=body["status"], headers=headers, content_type=CONTENT_TYPE)
 
 

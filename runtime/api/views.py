@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers as drf_serializers
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -22,6 +23,25 @@ from runtime.errors import InvalidParams, NotPermitted
 from runtime.leases import take_lease
 from runtime.models import Action, Checkpoint, Role, Run, RunStatus
 from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
+
+
+def page_of(serializer: type[Any], name: str) -> Any:
+    """The documented shape of a cursor page of `serializer` items."""
+    return inline_serializer(
+        name=name,
+        fields={
+            "next": drf_serializers.URLField(allow_null=True),
+            "previous": drf_serializers.URLField(allow_null=True),
+            "results": serializer(many=True),
+        },
+    )
+
+
+def filters(*names: str) -> list[OpenApiParameter]:
+    return [
+        OpenApiParameter(name, str, description=f"only objects whose {name} equals this")
+        for name in names
+    ] + [OpenApiParameter("cursor", str, description="page cursor")]
 
 
 def _valid(serializer_class: type[Any], data: Any) -> dict[str, Any]:
@@ -39,7 +59,11 @@ def _filter(queryset: QuerySet[Any], request: Request, *names: str) -> QuerySet[
 
 
 class RunList(ApiView):
-    @extend_schema(responses=s.RunSerializer(many=True))
+    @extend_schema(
+        operation_id="runs_list",
+        responses=page_of(s.RunSerializer, "RunPage"),
+        parameters=filters("status", "thread_id", "graph"),
+    )
     def get(self, request: Request) -> Response:
         runs = _filter(runs_for(self.principal(request)), request, "status", "thread_id", "graph")
         status_filter = request.query_params.get("status")
@@ -133,7 +157,11 @@ class Resume(RunLever):
 
 
 class Checkpoints(RunLever):
-    @extend_schema(responses=s.CheckpointSerializer(many=True))
+    @extend_schema(
+        operation_id="runs_checkpoints_list",
+        responses=page_of(s.CheckpointSerializer, "CheckpointPage"),
+        parameters=filters(),
+    )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
         checkpoints = checkpoints_for(self.principal(request)).filter(run=run)
@@ -174,7 +202,13 @@ class CheckpointDetail(ApiView):
 
 
 class Events(ApiView):
-    @extend_schema(responses=s.JournalEntrySerializer(many=True))
+    @extend_schema(
+        operation_id="runs_events_list",
+        responses=inline_serializer(
+            name="EventList", fields={"results": s.JournalEntrySerializer(many=True)}
+        ),
+        parameters=[OpenApiParameter("after", int, description="only entries after this seq")],
+    )
     def get(self, request: Request, run_id: str) -> Response:
         principal = self.principal(request)
         run = self.scoped(request, runs_for(principal), run_id=run_id)
@@ -190,7 +224,11 @@ class Events(ApiView):
 
 
 class RunActions(RunLever):
-    @extend_schema(responses=s.ActionSerializer(many=True))
+    @extend_schema(
+        operation_id="runs_actions_list",
+        responses=page_of(s.ActionSerializer, "RunActionPage"),
+        parameters=filters(),
+    )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
         actions = actions_for(self.principal(request)).filter(run=run).select_related("run")
@@ -249,7 +287,11 @@ class Release(RunLever):
 
 
 class Actions(ApiView):
-    @extend_schema(responses=s.ActionSerializer(many=True))
+    @extend_schema(
+        operation_id="actions_list",
+        responses=page_of(s.ActionSerializer, "ActionPage"),
+        parameters=filters("idempotency_key", "status", "tool"),
+    )
     def get(self, request: Request) -> Response:
         actions = _filter(
             actions_for(self.principal(request)), request, "idempotency_key", "status", "tool"
