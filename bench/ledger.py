@@ -7,7 +7,7 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each with `httpx.post` — a new client per call, as `TaskTool.post` does — and the
+        each with the pooled client `TaskTool` uses (`runtime.tools.http_client()`) — and the
         headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
@@ -166,8 +166,11 @@ class LedgerBench:
         url, timeout = self.url + self.tool.path, httpx.Timeout(self.tool.timeout)
         before = self.bench.counters()
         cpu0, t0 = time.process_time(), time.perf_counter()
-        # Module-level httpx.post, a new client per call: what TaskTool.post does.
-        responses = [httpx.post(url, content=b, headers=h, timeout=timeout) for b, h in requests]
+        # The same pooled per-process client TaskTool uses, so only the ledger differs.
+        from runtime.tools import http_client
+
+        client = http_client()
+        responses = [client.post(url, content=b, headers=h, timeout=timeout) for b, h in requests]
         t1, cpu1 = time.perf_counter(), time.process_time()
         after = self.bench.counters()
         self.sent += len(requests)
@@ -303,7 +306,7 @@ def markdown_section(report: dict[str, Any]) -> list[str]:
         f"HTTP call, outcome checkpoint, then the step commit) against the same request sent "
         f"bare with `httpx.post` to the same sandbox task service (mode {SANDBOX_MODE}, its own "
         f"process). Per round: A = a `bench-act` run of {n} actions, ms per action; B = {n} bare "
-        "calls (same bytes, same headers, a new httpx client per call as `TaskTool` does), ms "
+        "calls (same bytes, same headers, the pooled client `TaskTool` uses), ms "
         "per call; noop = the same round's no-op step, ms per step. Median (min–max) over the "
         "rounds.",
         "",
