@@ -30,6 +30,10 @@ def _check(value: Any, path: str) -> None:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise CanonicalError(f"{path or '$'}: NaN and Infinity are not JSON")
+        if abs(value) > MAX_SAFE_INT:
+            # Every float this large is a whole number that some stores (PostgreSQL JSONB)
+            # turn into an integer beyond ±2**53: refuse it like such an integer.
+            raise CanonicalError(f"{path or '$'}: number outside ±2**53")
         return
     if isinstance(value, str):
         if "\x00" in value:

@@ -175,8 +175,11 @@ def check_dispatchable(action_id: Any, fence: int) -> Action:
     """
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("check_dispatchable must run inside the dispatch transaction")
+    # Lock order run → action, the same as a goal revision's (run, then its actions):
+    # the opposite order deadlocks against a concurrent revision.
+    run_id = Action.objects.values_list("run_id", flat=True).get(pk=action_id)
+    run = Run.objects.select_for_update().get(pk=run_id)
     action = Action.objects.select_for_update().get(pk=action_id)
-    run = Run.objects.select_for_update().get(pk=action.run_id)
     if action.status == S.CANCELLED:
         raise ActionCancelled("the action was cancelled")
     finished = run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)

@@ -47,11 +47,9 @@ def actor(run: Run, fence: int, who: str) -> str:
 
 
 def heartbeat(run: Run, fence: int, ttl: float) -> Any:
-    moved = (
-        Run.objects.filter(pk=run.pk, fence=fence)
-        .exclude(status__in=TERMINAL)
-        .update(lease_expires_at=db_now_plus(ttl))
-    )
+    # A released lease (no owner) cannot be revived by its old fence.
+    held = Run.objects.filter(pk=run.pk, fence=fence).exclude(lease_owner="")
+    moved = held.exclude(status__in=TERMINAL).update(lease_expires_at=db_now_plus(ttl))
     if moved != 1:
         raise StaleFence(f"fence {fence} does not hold run {run.pk}")
     return Run.objects.values_list("lease_expires_at", flat=True).get(pk=run.pk)

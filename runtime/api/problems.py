@@ -210,7 +210,7 @@ def add_problem_responses(
         for method, operation in path_item.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            codes = ["400", "401", "404", "405", "429"]
+            codes = ["400", "401", "404", "405", "422", "429"]
             if method == "post":
                 codes += ["403", "409", "413", "415", "422"]
             for code in codes:

@@ -53,6 +53,8 @@ def _valid(serializer_class: type[Any], data: Any) -> dict[str, Any]:
 def _filter(queryset: QuerySet[Any], request: Request, *names: str) -> QuerySet[Any]:
     for name in names:
         value = request.query_params.get(name)
+        if value and "\x00" in value:  # PostgreSQL text cannot hold NUL: refuse, do not 500
+            raise InvalidParams(f"{name} contains a NUL character", errors={name: ["NUL"]})
         if value:
             queryset = queryset.filter(**{name: value})
     return queryset

@@ -1,0 +1,415 @@
+"""B6: a model-based test of the executor protocol over the API.
+
+Two agent "processes" of one tenant (two API clients with the same token) drive two runs
+through leases, heartbeats, lease expiry (the data is moved, not the clock), checkpoints
+with expected_rev, prepare / dispatch / outcome of actions, goal revisions (by an agent or a
+reviewer) and cancellation, in an order Hypothesis chooses. Every call's answer is predicted
+from the database state just before it — so a stale fence must get 409 stale_fence on every
+write — and after every step the invariants are checked against the database and the
+journal:
+
+- fences taken are strictly increasing per run (fence = previous + 1);
+- every checkpoint, prepared action and `sent` mark carries the fence that owned the run
+  when it was written (no write under a stale fence landed);
+- checkpoint revs are 1..checkpoint_rev, contiguous and unique;
+- no action prepared under an old goal_rev is marked `sent` after the revision that left it;
+- a confirmed action always has an external_id;
+- each run's journal chain verifies.
+
+A finished run (cancelled by the reviewer) refuses every further write of its executor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core.cache import cache
+from django.utils import timezone
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+from rest_framework.test import APIClient
+
+from audit.journal import run_stream, verify_stream
+from audit.models import JournalEntry
+from runtime.ledger import sources
+from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run
+from tests.api import (
+    fresh_throttle,  # noqa: F401
+    new_run,
+    session,
+)
+from tests.conftest import Persona
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+
+EXAMPLES = 20
+STEPS = 25
+PROCESSES = ("p1", "p2")
+STATS: Counter[str] = Counter()
+OPERATIONS = [
+    *["lease"] * 2,
+    "expire",
+    *["takeover"] * 2,
+    *["checkpoint"] * 3,
+    *["prepare"] * 3,
+    *["dispatch"] * 3,
+    *["outcome"] * 3,
+    "heartbeat",
+    "release",
+    *["revise"] * 2,
+    "cancel",
+]
+
+
+def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine]:
+    titles = itertools.count()
+
+    class Protocol(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            STATS["examples"] += 1
+            self.clients: dict[str, APIClient] = {p: agent.api() for p in PROCESSES}
+            self.clients["alice"] = session(reviewer.user)
+            self.runs = [new_run(self.clients["p1"])["run_id"] for _ in range(2)]
+            self.fence: dict[tuple[str, str], int] = {}  # (process, run) → fence it holds
+            self.seen_rev: dict[tuple[str, str], int] = {}  # (process, run) → rev it saw
+            self.taken: dict[str, list[int]] = {run: [] for run in self.runs}
+            self.prepared: list[str] = []
+            for p, index in (("p1", 0), ("p2", 1)):  # each process starts holding one run
+                self.lease(p, index)
+
+        # --- helpers ------------------------------------------------------------------------
+
+        def step(self, name: str) -> None:
+            STATS["steps"] += 1
+            STATS[f"rule {name}"] += 1
+
+        def call(self, who: str, url: str, body: dict[str, Any]) -> Any:
+            cache.clear()  # the request rate limit is not under test here
+            STATS["calls"] += 1
+            return self.clients[who].post(f"/api/v1/{url}", body, format="json")
+
+        def refused(self, response: Any, *codes: str) -> None:
+            assert response.status_code == 409, (response.status_code, response.content[:300])
+            assert response["Content-Type"] == "application/problem+json"
+            assert response.json()["code"] in codes, response.json()
+            STATS[f"409 {response.json()['code']}"] += 1
+
+        def accepted(self, response: Any, status: int = 200) -> dict[str, Any]:
+            assert response.status_code == status, (response.status_code, response.content[:300])
+            STATS[f"{status}"] += 1
+            return response.json()
+
+        def row(self, index: int) -> Run:
+            return Run.objects.get(pk=self.runs[index])
+
+        # --- leases -------------------------------------------------------------------------
+
+        def lease(self, p: str, index: int) -> None:
+            self.step("lease")
+            run = self.row(index)
+            # Free is what the database says: no expiry, or one in the past.
+            live = run.lease_expires_at is not None and run.lease_expires_at > timezone.now()
+            response = self.call(
+                p, f"runs/{run.pk}/lease/", {"owner": f"{p}-{index}", "ttl_seconds": 60}
+            )
+            if run.status in TERMINAL:
+                self.refused(response, "run_finished", "already_completed")
+            elif live:
+                self.refused(response, "lease_held")
+            else:
+                data = self.accepted(response)
+                assert data["fence"] == run.fence + 1
+                self.fence[(p, str(run.pk))] = data["fence"]
+                self.taken[str(run.pk)].append(data["fence"])
+
+        def heartbeat(self, p: str, index: int) -> None:
+            self.step("heartbeat")
+            run = self.row(index)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None or not run.lease_owner:
+                # A heartbeat after the lease was given up is a finding of its own
+                # (test_executor_protocol.py::test_a_heartbeat_after_release_...).
+                return
+            response = self.call(p, f"runs/{run.pk}/lease/heartbeat/", {"fence": fence})
+            if fence != run.fence or run.status in TERMINAL:
+                self.refused(response, "stale_fence")
+            else:
+                self.accepted(response)
+
+        def release(self, p: str, index: int) -> None:
+            self.step("release")
+            run = self.row(index)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None:
+                return
+            response = self.call(p, f"runs/{run.pk}/lease/release/", {"fence": fence})
+            if fence != run.fence:
+                self.refused(response, "stale_fence")
+            else:
+                self.accepted(response)
+
+        def expire(self, index: int) -> None:
+            """The holder paused past its TTL: move the data, not the database clock."""
+            self.step("expire")
+            Run.objects.filter(pk=self.runs[index], lease_expires_at__isnull=False).update(
+                lease_expires_at=timezone.now() - timedelta(seconds=120)
+            )
+
+        # --- checkpoints ----------------------------------------------------------------------
+
+        def checkpoint(self, p: str, index: int, fresh: bool) -> None:
+            self.step("checkpoint")
+            run = self.row(index)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None:
+                return
+            expected = run.checkpoint_rev if fresh else self.seen_rev.get((p, str(run.pk)), 0)
+            body = {
+                "fence": fence,
+                "expected_rev": expected,
+                "state": {"by": p, "n": next(titles)},
+                "next_step": "work",
+            }
+            response = self.call(p, f"runs/{run.pk}/checkpoints/", body)
+            if fence != run.fence:
+                self.refused(response, "stale_fence")
+            elif run.status in TERMINAL:
+                self.refused(response, "invalid_transition")
+            elif expected != run.checkpoint_rev:
+                self.refused(response, "version_conflict")
+            else:
+                data = self.accepted(response, 201)
+                assert data["rev"] == expected + 1 and data["goal_rev"] == run.goal_rev
+            self.seen_rev[(p, str(run.pk))] = Run.objects.get(pk=run.pk).checkpoint_rev
+
+        # --- actions -------------------------------------------------------------------------
+
+        def prepare(self, p: str, index: int) -> None:
+            self.step("prepare")
+            run = self.row(index)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None:
+                return
+            body = {
+                "fence": fence,
+                "tool": "tasks.create",
+                "params": {"title": f"task {next(titles)}"},
+                "reason": "model step",
+            }
+            response = self.call(p, f"runs/{run.pk}/actions/", body)
+            if fence != run.fence:
+                self.refused(response, "stale_fence")
+                return
+            if run.status in TERMINAL:
+                self.refused(response, "run_finished")
+                return
+            data = self.accepted(response, 201)
+            assert data["status"] == "prepared" and data["goal_rev"] == run.goal_rev
+            self.prepared.append(str(data["action_id"]))
+
+        def dispatch(self, action_id: str, p: str) -> None:
+            self.step("dispatch")
+            action = Action.objects.get(pk=action_id)
+            run = Run.objects.get(pk=action.run_id)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None:
+                return
+            response = self.call(p, f"actions/{action_id}/dispatch/", {"fence": fence})
+            if action.status == ActionStatus.CANCELLED:
+                self.refused(response, "action_cancelled")
+            elif run.status in TERMINAL:
+                self.refused(response, "run_finished")
+            elif action.goal_rev != run.goal_rev:
+                self.refused(response, "stale_goal_rev")
+            elif fence != run.fence:
+                self.refused(response, "stale_fence")
+            elif action.status not in (ActionStatus.PREPARED, ActionStatus.APPROVED):
+                self.refused(response, "invalid_transition")
+            else:
+                assert self.accepted(response)["status"] == "sent"
+
+        def outcome(self, action_id: str, p: str, verdict: str) -> None:
+            self.step("outcome")
+            action = Action.objects.get(pk=action_id)
+            run = Run.objects.get(pk=action.run_id)
+            fence = self.fence.get((p, str(run.pk)))
+            if fence is None:
+                return
+            body = {"fence": fence, "outcome": verdict, "external_id": f"EXT-{action_id[:8]}"}
+            response = self.call(p, f"actions/{action_id}/outcome/", body)
+            if fence != run.fence:
+                self.refused(response, "stale_fence")
+            elif action.goal_rev != run.goal_rev:
+                self.accepted(response)  # a late result: recorded, the run does not move
+            elif action.status not in sources(verdict):
+                self.refused(response, "invalid_transition")
+            else:
+                assert self.accepted(response)["status"] == verdict
+
+        # --- humans and other clients ------------------------------------------------------
+
+        def revise(self, who: str, index: int, stale: bool) -> None:
+            self.step("revise")
+            run = self.row(index)
+            expected = run.goal_rev - 1 if stale and run.goal_rev > 1 else run.goal_rev
+            body = {"goal": {"steps": next(titles)}, "expected_goal_rev": expected}
+            response = self.call(who, f"runs/{run.pk}/revisions/", body)
+            if run.status in TERMINAL:
+                self.refused(response, "run_finished")
+            elif expected != run.goal_rev:
+                self.refused(response, "version_conflict")
+            else:
+                assert self.accepted(response)["goal_rev"] == run.goal_rev + 1
+                unsent = Action.objects.filter(
+                    run=run, status__in=[ActionStatus.PREPARED, ActionStatus.APPROVED]
+                )
+                assert not unsent.exists()
+
+        def cancel(self, index: int) -> None:
+            self.step("cancel")
+            run = self.row(index)
+            response = self.call("alice", f"runs/{run.pk}/cancel/", {"reason": "model"})
+            if run.status in TERMINAL:
+                self.refused(response, "run_finished")
+            else:
+                assert self.accepted(response)["status"] == "cancelled"
+
+        # --- the one rule ---------------------------------------------------------------------
+        # One rule choosing among weighted operations, so that swarm testing (which switches
+        # whole rules off per example) cannot starve an area of the protocol.
+
+        @rule(
+            op=st.sampled_from(OPERATIONS),
+            p=st.sampled_from(PROCESSES),
+            index=st.sampled_from([0, 1]),
+            fresh=st.booleans(),
+            verdict=st.sampled_from(["confirmed", "failed", "unknown"]),
+            pick=st.integers(0, 1_000),
+            who=st.sampled_from([*PROCESSES, "alice"]),
+        )
+        def act(
+            self, op: str, p: str, index: int, fresh: bool, verdict: str, pick: int, who: str
+        ) -> None:
+            if op in ("dispatch", "outcome") and self.prepared:
+                action_id = self.prepared[pick % len(self.prepared)]
+                if op == "dispatch":
+                    return self.dispatch(action_id, p)
+                return self.outcome(action_id, p, verdict)
+            if op == "cancel" and pick % 3 == 0:  # rare: a cancel ends most of a run's story
+                return self.cancel(index)
+            if op in ("dispatch", "outcome", "prepare"):
+                return self.prepare(p, index)
+            if op == "lease":
+                return self.lease(p, index)
+            if op == "expire":
+                return self.expire(index)
+            if op == "takeover":  # the holder paused past its TTL and p takes the run over
+                self.expire(index)
+                return self.lease(p, index)
+            if op == "checkpoint":
+                return self.checkpoint(p, index, fresh)
+            if op == "heartbeat":
+                return self.heartbeat(p, index)
+            if op == "release":
+                return self.release(p, index)
+            return self.revise(who, index, stale=not fresh)
+
+        # --- invariants ---------------------------------------------------------------------
+
+        @invariant()
+        def fences_strictly_increase(self) -> None:
+            for run_id, taken in self.taken.items():
+                assert taken == sorted(set(taken)), taken
+                journal = [
+                    e.payload["fence"]
+                    for e in JournalEntry.objects.filter(
+                        stream=run_stream(run_id), type="lease_taken"
+                    ).order_by("seq")
+                ]
+                assert journal == list(range(1, len(journal) + 1)), journal
+                assert Run.objects.get(pk=run_id).fence == len(journal)
+
+        @invariant()
+        def no_write_under_a_stale_fence(self) -> None:
+            for run_id in self.runs:
+                owner = 0
+                checkpoints = {c.rev: c for c in Checkpoint.objects.filter(run_id=run_id)}
+                actions = {str(a.pk): a for a in Action.objects.filter(run_id=run_id)}
+                for entry in JournalEntry.objects.filter(stream=run_stream(run_id)).order_by("seq"):
+                    payload = entry.payload
+                    if entry.type == "lease_taken":
+                        owner = payload["fence"]
+                    elif entry.type == "step_committed":
+                        assert checkpoints[payload["rev"]].fence == owner, (run_id, payload)
+                    elif entry.type == "action_prepared":
+                        assert actions[payload["action_id"]].fence == owner
+                    elif entry.type == "action_outcome" and payload["action_status"] == "sent":
+                        assert actions[payload["action_id"]].sent_fence == owner
+
+        @invariant()
+        def checkpoint_revs_are_contiguous(self) -> None:
+            for run_id in self.runs:
+                revs = list(
+                    Checkpoint.objects.filter(run_id=run_id)
+                    .order_by("rev")
+                    .values_list("rev", flat=True)
+                )
+                assert revs == list(range(1, len(revs) + 1))
+                assert Run.objects.get(pk=run_id).checkpoint_rev == len(revs)
+
+        @invariant()
+        def nothing_sent_under_an_old_revision(self) -> None:
+            for run_id in self.runs:
+                entries = JournalEntry.objects.filter(stream=run_stream(run_id))
+                bumps = {e.payload["from_rev"]: e.seq for e in entries.filter(type="goal_revised")}
+                for entry in entries.filter(type="action_outcome"):
+                    if entry.payload["action_status"] != "sent":
+                        continue
+                    action = Action.objects.get(pk=entry.payload["action_id"])
+                    left = bumps.get(action.goal_rev)
+                    assert left is None or entry.seq < left, (action.pk, entry.seq, left)
+
+        @invariant()
+        def confirmed_has_proof(self) -> None:
+            confirmed = Action.objects.filter(run_id__in=self.runs, status="confirmed")
+            assert not confirmed.filter(external_id="").exists()
+
+        @invariant()
+        def journal_verifies(self) -> None:
+            for run_id in self.runs:
+                assert verify_stream(run_stream(run_id)) is None
+
+    return Protocol
+
+
+def test_executor_protocol_model(agent_a: Persona, reviewer_a: Persona) -> None:
+    machine = machine_for(agent_a, reviewer_a)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    print(
+        f"\nB6: {STATS['examples']} examples x up to {STEPS} steps: {STATS['steps']} steps, "
+        f"{STATS['calls']} calls"
+    )
+    print("    " + ", ".join(f"{k}: {v}" for k, v in sorted(STATS.items())))
+    assert STATS["examples"] >= EXAMPLES
+    assert STATS["409 stale_fence"] > 0 and STATS["201"] > 0
