@@ -14,6 +14,7 @@ from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
+from runtime.api.examples import DECIDE
 from runtime.api.views import filters, page_of
 from runtime.errors import InvalidParams
 
@@ -99,7 +100,7 @@ class ApprovalDetail(ApiView):
 
 
 class Decision(ApiView):
-    @extend_schema(request=DecisionIn, responses=ApprovalSerializer)
+    @extend_schema(request=DecisionIn, examples=[DECIDE], responses=ApprovalSerializer)
     def post(self, request: Request, approval_id: str) -> Response:
         approval = self.scoped(request, approvals_for(self.principal(request)), id=approval_id)
         serializer = DecisionIn(data=request.data)

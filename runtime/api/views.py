@@ -16,6 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from runtime import ledger, lifecycle, protocol
+from runtime.api import examples as ex
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
@@ -75,7 +76,11 @@ class RunList(ApiView):
         page = paginator.paginate_queryset(runs, request, view=self)
         return paginator.get_paginated_response(s.RunSerializer(page, many=True).data)
 
-    @extend_schema(request=s.RunCreate, responses={201: s.RunSerializer})
+    @extend_schema(
+        request=s.RunCreate,
+        examples=[ex.CREATE_RUN, ex.CREATE_EXTERNAL_RUN],
+        responses={201: s.RunSerializer},
+    )
     @idempotent
     def post(self, request: Request) -> Response:
         data = _valid(s.RunCreate, request.data)
@@ -117,7 +122,7 @@ class RunLever(ApiView):
 
 
 class Revisions(RunLever):
-    @extend_schema(request=s.RevisionIn, responses=s.RunSerializer)
+    @extend_schema(request=s.RevisionIn, examples=[ex.REVISE], responses=s.RunSerializer)
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         data = _valid(s.RevisionIn, request.data)
@@ -172,7 +177,9 @@ class Checkpoints(RunLever):
         page = paginator.paginate_queryset(checkpoints, request, view=self)
         return paginator.get_paginated_response(s.CheckpointSerializer(page, many=True).data)
 
-    @extend_schema(request=s.CheckpointIn, responses={201: s.CheckpointSerializer})
+    @extend_schema(
+        request=s.CheckpointIn, examples=[ex.CHECKPOINT], responses={201: s.CheckpointSerializer}
+    )
     @idempotent
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
@@ -238,7 +245,12 @@ class RunActions(RunLever):
         page = paginator.paginate_queryset(actions, request, view=self)
         return paginator.get_paginated_response(s.ActionSerializer(page, many=True).data)
 
-    @extend_schema(request=s.ActionIn, responses={201: s.ActionSerializer})
+    @extend_schema(
+        request=s.ActionIn,
+        examples=[ex.PREPARE],
+        # 200: the same idempotency_key with the same params finds the action prepared before.
+        responses={201: s.ActionSerializer, 200: s.ActionSerializer},
+    )
     @idempotent
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
@@ -260,7 +272,7 @@ class RunActions(RunLever):
 
 
 class Lease(RunLever):
-    @extend_schema(request=s.LeaseIn, responses=s.LeaseOut)
+    @extend_schema(request=s.LeaseIn, examples=[ex.LEASE], responses=s.LeaseOut)
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         data = _valid(s.LeaseIn, request.data)
@@ -320,7 +332,7 @@ class ActionDetail(ActionLever):
 
 
 class Dispatch(ActionLever):
-    @extend_schema(request=s.FenceIn, responses=s.ActionSerializer)
+    @extend_schema(request=s.FenceIn, examples=[ex.DISPATCH], responses=s.ActionSerializer)
     def post(self, request: Request, action_id: str) -> Response:
         action = self.scoped_action(request, action_id)
         data = _valid(s.FenceIn, request.data)
@@ -329,7 +341,7 @@ class Dispatch(ActionLever):
 
 
 class Outcome(ActionLever):
-    @extend_schema(request=s.OutcomeIn, responses=s.ActionSerializer)
+    @extend_schema(request=s.OutcomeIn, examples=[ex.OUTCOME], responses=s.ActionSerializer)
     def post(self, request: Request, action_id: str) -> Response:
         action = self.scoped_action(request, action_id)
         data = _valid(s.OutcomeIn, request.data)
@@ -345,7 +357,7 @@ class Outcome(ActionLever):
 
 
 class Resolve(ActionLever):
-    @extend_schema(request=s.ResolveIn, responses=s.ActionSerializer)
+    @extend_schema(request=s.ResolveIn, examples=[ex.RESOLVE], responses=s.ActionSerializer)
     def post(self, request: Request, action_id: str) -> Response:
         action = self.scoped_action(request, action_id)
         if not self.principal(request).may_act:
