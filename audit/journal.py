@@ -184,8 +184,14 @@ def verify_stream(stream: str) -> Break | None:
     found = verify_entries(stream, entries)
     if found is not None:
         return found
-    head = StreamHead.objects.filter(stream=stream).first()
     last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
-    if head is not None and (last is None or head.seq != last.seq or head.hash != last.hash):
-        return Break(stream, (last.seq if last else 0) + 1, "entries missing after the last one")
-    return None
+    return head_break(stream, last)
+
+
+def head_break(stream: str, last: JournalEntry | None) -> Break | None:
+    """Entries cut off at the end leave an intact chain; the stream head still knows."""
+    head = StreamHead.objects.filter(stream=stream).first()
+    last_seq, last_hash = (last.seq, last.hash) if last is not None else (0, GENESIS)
+    if head is None or (head.seq, head.hash) == (last_seq, last_hash):
+        return None
+    return Break(stream, last_seq + 1, "entries missing after the last one")

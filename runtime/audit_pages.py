@@ -40,8 +40,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_http_methods
 
 from audit import journal
-from audit.journal import Break, run_stream, verify_entries
-from audit.models import GENESIS, JournalEntry, StreamHead
+from audit.journal import Break, head_break, run_stream, verify_entries
+from audit.models import JournalEntry
 from runtime.events import RunEvent
 from runtime.pages import _principal, _scoped_run, pretty, summarise
 from runtime.tenancy import Principal, journal_for
@@ -477,15 +477,6 @@ def _verdict(seq: int, found: Break | None) -> str:
     return "broken" if seq == found.seq else "after a break"
 
 
-def _head_break(stream: str, tenant_id: int, last: JournalEntry | None) -> Break | None:
-    """Entries cut off at the end leave an intact chain; the stream head still knows."""
-    head = StreamHead.objects.filter(stream=stream, tenant_id=tenant_id).first()
-    last_seq, last_hash = (last.seq, last.hash) if last is not None else (0, GENESIS)
-    if head is None or (head.seq, head.hash) == (last_seq, last_hash):
-        return None
-    return Break(stream, last_seq + 1, "entries missing after the last one")
-
-
 def walk_trail(principal: Principal, run_id: UUID, after: int = 0) -> Trail:
     """Verify the run's whole stream in one pass, keeping only the entries shown.
 
@@ -511,7 +502,7 @@ def walk_trail(principal: Principal, run_id: UUID, after: int = 0) -> Trail:
     for _ in steps:
         pass
     if found is None:
-        found = _head_break(stream, principal.tenant.pk, last)
+        found = head_break(stream, last)  # the stream is the principal's run's
     rows = [
         TrailRow(e, summarise(e.payload), pretty(e.payload), _verdict(e.seq, found))
         for e in shown[:TRAIL_PAGE]
