@@ -14,7 +14,9 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.http import HttpResponse
 from django.utils import timezone
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -50,7 +52,7 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
         fingerprint = digest({"scope": scope, "body": request.data})
         record = _claim(tenant, key, scope, fingerprint)
         if record.status is not None:
-            return Response(record.body, status=record.status)
+            return _replay(record)
         try:
             response = view(self, request, *args, **kwargs)
         except HoldpointError as exc:
@@ -61,8 +63,9 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
             IdempotencyRecord.objects.filter(pk=record.pk).delete()
             raise
         if response.status_code < 300:
+            content = JSONRenderer().render(response.data).decode()
             IdempotencyRecord.objects.filter(pk=record.pk).update(
-                status=response.status_code, body=response.data
+                status=response.status_code, content=content
             )
         else:
             IdempotencyRecord.objects.filter(pk=record.pk).delete()
@@ -71,6 +74,16 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
     wrapper.__name__ = view.__name__
     wrapper.__doc__ = view.__doc__
     return wrapper
+
+
+def _replay(record: IdempotencyRecord) -> HttpResponse:
+    """The first response's bytes, as they were sent (the renderer is DRF's JSONRenderer,
+    the one that rendered the original)."""
+    response = HttpResponse(
+        record.content or "", status=record.status, content_type="application/json"
+    )
+    response["Idempotent-Replayed"] = "true"
+    return response
 
 
 def _claim(tenant: Tenant, key: str, scope: str, fingerprint: str) -> IdempotencyRecord:

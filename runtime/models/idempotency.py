@@ -13,7 +13,9 @@ class IdempotencyRecord(models.Model):
     scope = models.CharField(max_length=300)  # method + path: a key is per endpoint
     fingerprint = models.CharField(max_length=64)
     status = models.PositiveSmallIntegerField(null=True, blank=True)  # null while in flight
-    body = models.JSONField(null=True, blank=True)
+    # The first response exactly as sent (rendered bytes, not jsonb: PostgreSQL would
+    # reorder its keys and a replay would no longer be byte-identical).
+    content = models.TextField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

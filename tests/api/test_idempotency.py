@@ -12,7 +12,6 @@ import threading
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.db import connection, connections
 
 from runtime.models import Action, Checkpoint, IdempotencyRecord, Run
@@ -29,7 +28,6 @@ from tests.conftest import Persona
 
 pytestmark = pytest.mark.django_db
 
-ON_POSTGRES = "postgresql" in settings.DATABASES["default"]["ENGINE"]
 
 BODY = {"graph": "chain", "goal": {"steps": 2}, "thread_id": "idem"}
 
@@ -50,19 +48,15 @@ def test_same_key_and_body_answers_the_first_response_again(agent_a: Persona) ->
     assert Run.objects.filter(tenant=agent_a.tenant).count() == 1
 
 
-@pytest.mark.xfail(
-    ON_POSTGRES,
-    strict=True,
-    reason="finding: the stored first response is kept in a jsonb column, which reorders "
-    "object keys, so on PostgreSQL a replay is JSON-equal but not byte-identical to the "
-    "first response (SQLite keeps the bytes)",
-)
 def test_a_replay_is_byte_identical(agent_a: Persona) -> None:
     client = agent_a.api()
     body = {**BODY, "goal": {"zeta": 1, "alpha": {"b": 2, "a": 1}}}
     first = create(client, "bytes", body)
     again = create(client, "bytes", body)
     assert (again.status_code, again.content) == (first.status_code, first.content)
+    assert again["Content-Type"] == first["Content-Type"]
+    assert again["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first
 
 
 def test_same_key_with_another_body_is_422_idempotency_key_reused(agent_a: Persona) -> None:
