@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
@@ -13,10 +14,10 @@ from rest_framework.response import Response
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
+from runtime.api import filters
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.examples import DECIDE
-from runtime.api.views import filters, page_of
-from runtime.errors import InvalidParams
+from runtime.api.views import page_of
 
 
 class ApprovalSerializer(serializers.ModelSerializer):
@@ -67,19 +68,24 @@ class DecisionIn(serializers.Serializer):
     edits = serializers.DictField(required=False)
 
 
+class ApprovalFilter(django_filters.FilterSet):
+    status = django_filters.ChoiceFilter(choices=ApprovalStatus.choices)
+
+    class Meta:
+        model = ApprovalRequest
+        fields = ["status"]
+
+
 class Approvals(ApiView):
     @extend_schema(
         operation_id="approvals_list",
         responses=page_of(ApprovalSerializer, "ApprovalPage"),
-        parameters=filters("status"),
+        parameters=filters.parameters(ApprovalFilter),
     )
     def get(self, request: Request) -> Response:
-        approvals = approvals_for(self.principal(request)).select_related("run", "decided_by")
-        wanted = request.query_params.get("status")
-        if wanted:
-            if wanted not in ApprovalStatus.values:
-                raise InvalidParams("unknown status", errors={"status": ["unknown status"]})
-            approvals = approvals.filter(status=wanted)
+        approvals = filters.apply(
+            ApprovalFilter, request, approvals_for(self.principal(request))
+        ).select_related("run", "decided_by")
         paginator = Cursor()
         page = paginator.paginate_queryset(approvals, request, view=self)
         return paginator.get_paginated_response(ApprovalSerializer(page, many=True).data)

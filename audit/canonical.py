@@ -17,7 +17,19 @@ MAX_SAFE_INT = 2**53 - 1
 
 
 class CanonicalError(ValueError):
-    """The value cannot be canonicalised without ambiguity."""
+    """The value cannot be canonicalised without ambiguity.
+
+    `path` names where (`goal.items[2]`, `$` for the whole value) so an API can answer with a
+    field error rather than only a sentence.
+    """
+
+    path: str = "$"
+
+
+def _at(path: str, reason: str) -> CanonicalError:
+    error = CanonicalError(f"{path or '$'}: {reason}")
+    error.path = path.lstrip(".") or "$"
+    return error
 
 
 def _check(value: Any, path: str) -> None:
@@ -25,28 +37,28 @@ def _check(value: Any, path: str) -> None:
         return
     if isinstance(value, int):
         if abs(value) > MAX_SAFE_INT:
-            raise CanonicalError(f"{path or '$'}: integer outside ±2**53")
+            raise _at(path, "integer outside ±2**53")
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise CanonicalError(f"{path or '$'}: NaN and Infinity are not JSON")
+            raise _at(path, "NaN and Infinity are not JSON")
         if abs(value) > MAX_SAFE_INT:
             # Every float this large is a whole number that some stores (PostgreSQL JSONB)
             # turn into an integer beyond ±2**53: refuse it like such an integer.
-            raise CanonicalError(f"{path or '$'}: number outside ±2**53")
+            raise _at(path, "number outside ±2**53")
         return
     if isinstance(value, str):
         if "\x00" in value:
-            raise CanonicalError(f"{path or '$'}: NUL characters are not allowed")
+            raise _at(path, "NUL characters are not allowed")
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise CanonicalError(f"{path or '$'}: lone surrogate in string") from None
+            raise _at(path, "lone surrogate in string") from None
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise CanonicalError(f"{path or '$'}: object keys must be strings")
+                raise _at(path, "object keys must be strings")
             _check(key, path)
             _check(item, f"{path}.{key}")
         return
@@ -54,7 +66,7 @@ def _check(value: Any, path: str) -> None:
         for index, item in enumerate(value):
             _check(item, f"{path}[{index}]")
         return
-    raise CanonicalError(f"{path or '$'}: {type(value).__name__} is not a JSON value")
+    raise _at(path, f"{type(value).__name__} is not a JSON value")
 
 
 def _normalise(value: Any) -> Any:

@@ -40,6 +40,14 @@ def _depth_ok(data: bytes) -> bool:
     return True
 
 
+class MalformedBody(ParseError):
+    """A parse error that can say where: rendered with field `errors` like a 422."""
+
+    def __init__(self, detail: str, errors: dict[str, list[str]]) -> None:
+        super().__init__(detail)
+        self.errors = errors
+
+
 class StrictJSONParser(JSONParser):
     def parse(
         self,
@@ -60,4 +68,4 @@ class StrictJSONParser(JSONParser):
         except UnicodeDecodeError:
             raise ParseError("request body is not UTF-8") from None
         except CanonicalError as exc:
-            raise ParseError(f"JSON parse error: {exc}") from None
+            raise MalformedBody(f"JSON parse error: {exc}", {exc.path: [str(exc)]}) from None

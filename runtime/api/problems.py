@@ -18,6 +18,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
 
+from runtime.api.parsers import MalformedBody
 from runtime.errors import HoldpointError
 
 log = logging.getLogger("holdpoint.api")
@@ -123,6 +124,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
         code = next((c for cls, c in DRF_CODES.items() if isinstance(exc, cls)), "error")
         errors = _field_errors(exc.detail) if isinstance(exc, drf.ValidationError) else None
         detail = "" if errors else str(exc.detail)
+        if isinstance(exc, MalformedBody):  # where in the body, as well as what
+            errors = exc.errors
         body = problem(exc.status_code, code, _title(exc), detail, errors=errors)
         if isinstance(exc, drf.Throttled) and exc.wait is not None:
             headers["Retry-After"] = str(int(exc.wait) + 1)

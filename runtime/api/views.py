@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import QuerySet
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers as drf_serializers
 from rest_framework import status
@@ -17,12 +16,13 @@ from rest_framework.response import Response
 
 from runtime import ledger, lifecycle, protocol
 from runtime.api import examples as ex
+from runtime.api import filters
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
 from runtime.errors import InvalidParams, NotPermitted
 from runtime.leases import take_lease
-from runtime.models import Action, Checkpoint, Role, Run, RunStatus
+from runtime.models import Action, Checkpoint, Role, Run
 from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
 
 
@@ -38,40 +38,20 @@ def page_of(serializer: type[Any], name: str) -> Any:
     )
 
 
-def filters(*names: str) -> list[OpenApiParameter]:
-    return [
-        OpenApiParameter(name, str, description=f"only objects whose {name} equals this")
-        for name in names
-    ] + [OpenApiParameter("cursor", str, description="page cursor")]
-
-
 def _valid(serializer_class: type[Any], data: Any) -> dict[str, Any]:
     serializer = serializer_class(data=data)
     serializer.is_valid(raise_exception=True)
     return dict(serializer.validated_data)
 
 
-def _filter(queryset: QuerySet[Any], request: Request, *names: str) -> QuerySet[Any]:
-    for name in names:
-        value = request.query_params.get(name)
-        if value and "\x00" in value:  # PostgreSQL text cannot hold NUL: refuse, do not 500
-            raise InvalidParams(f"{name} contains a NUL character", errors={name: ["NUL"]})
-        if value:
-            queryset = queryset.filter(**{name: value})
-    return queryset
-
-
 class RunList(ApiView):
     @extend_schema(
         operation_id="runs_list",
         responses=page_of(s.RunSerializer, "RunPage"),
-        parameters=filters("status", "thread_id", "graph"),
+        parameters=filters.parameters(filters.RunFilter),
     )
     def get(self, request: Request) -> Response:
-        runs = _filter(runs_for(self.principal(request)), request, "status", "thread_id", "graph")
-        status_filter = request.query_params.get("status")
-        if status_filter and status_filter not in RunStatus.values:
-            raise InvalidParams("unknown status", errors={"status": ["unknown status"]})
+        runs = filters.apply(filters.RunFilter, request, runs_for(self.principal(request)))
         paginator = Cursor()
         page = paginator.paginate_queryset(runs, request, view=self)
         return paginator.get_paginated_response(s.RunSerializer(page, many=True).data)
@@ -167,7 +147,7 @@ class Checkpoints(RunLever):
     @extend_schema(
         operation_id="runs_checkpoints_list",
         responses=page_of(s.CheckpointSerializer, "CheckpointPage"),
-        parameters=filters(),
+        parameters=filters.parameters(None),
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
@@ -236,7 +216,7 @@ class RunActions(RunLever):
     @extend_schema(
         operation_id="runs_actions_list",
         responses=page_of(s.ActionSerializer, "RunActionPage"),
-        parameters=filters(),
+        parameters=filters.parameters(None),
     )
     def get(self, request: Request, run_id: str) -> Response:
         run = self.scoped(request, runs_for(self.principal(request)), run_id=run_id)
@@ -304,11 +284,11 @@ class Actions(ApiView):
     @extend_schema(
         operation_id="actions_list",
         responses=page_of(s.ActionSerializer, "ActionPage"),
-        parameters=filters("idempotency_key", "status", "tool"),
+        parameters=filters.parameters(filters.ActionFilter),
     )
     def get(self, request: Request) -> Response:
-        actions = _filter(
-            actions_for(self.principal(request)), request, "idempotency_key", "status", "tool"
+        actions = filters.apply(
+            filters.ActionFilter, request, actions_for(self.principal(request))
         ).select_related("run")
         paginator = Cursor()
         page = paginator.paginate_queryset(actions, request, view=self)

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from audit.journal import run_stream, verify_stream
-from runtime.models import Run
+from runtime.auth import revoke_token
+from runtime.models import AgentToken, Run
 from tests.api import (
     METHODS,
     PROBLEM,
@@ -128,9 +128,25 @@ def test_nul_in_checkpoint_state_is_400_and_nothing_is_written(leased: dict[str,
     ).encode()
     before = row_counts()
     url = f"/api/v1/runs/{leased['run_id']}/checkpoints/"
-    refused(raw(leased["client"], url, body), 400, "malformed_request")
+    data = refused(raw(leased["client"], url, body), 400, "malformed_request")
+    assert list(data["errors"]) == ["state.x"]  # says where, not only what
+    assert "NUL" in data["errors"]["state.x"][0]
     assert row_counts() == before
     assert Run.objects.get(pk=leased["run_id"]).checkpoint_rev == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"graph": "chain", "goal": {"x": "a\\u0000b"}}', "goal.x"),
+        (b'{"graph": "chain", "goal": {"items": [1, NaN]}}', "$"),
+        (b'{"graph": "chain", "goal": {"items": [1, 9007199254740993]}}', "goal.items[1]"),
+        (b'{"graph": "chain\\u0000", "goal": {}}', "graph"),
+    ],
+)
+def test_a_malformed_body_names_the_field(agent_a: Persona, body: bytes, field: str) -> None:
+    data = refused(raw(agent_a.api(), "/api/v1/runs/", body), 400, "malformed_request")
+    assert field in data["errors"], data
 
 
 def test_a_body_over_the_upload_limit_is_refused(agent_a: Persona) -> None:
@@ -363,21 +379,28 @@ NUL_FILTERS = [
 
 
 @pytest.mark.parametrize("url", NUL_FILTERS)
-def test_nul_in_a_list_filter_is_never_a_5xx(agent_a: Persona, url: str) -> None:
-    response = get(agent_a.api(), url)
-    assert response.status_code < 500, response.content[:300]
-    if response.status_code == 200:
-        assert response.json()["results"] == []
-    else:
-        refused(response, (400, 422), "invalid_params", "invalid_request")
+def test_nul_in_a_list_filter_is_a_422_naming_the_filter(agent_a: Persona, url: str) -> None:
+    data = problem(get(agent_a.api(), url), 422, "invalid_params")
+    name = url.split("?")[1].split("=")[0]
+    assert list(data["errors"]) == [name]
 
 
 @pytest.mark.parametrize(
-    "url", ["runs/?status=%00", "runs/?status=sleeping", "approvals/?status=%00"]
+    "url",
+    [
+        "runs/?status=%00",
+        "runs/?status=sleeping",
+        "actions/?status=bogus",
+        "approvals/?status=%00",
+        "approvals/?status=maybe",
+        "actions/?status=",
+        "runs/?thread_id=" + "t" * 201,
+    ],
 )
-def test_bad_list_parameters_are_4xx_problems(agent_a: Persona, url: str) -> None:
-    response = get(agent_a.api(), url)
-    refused(response, (400, 422), "invalid_params", "invalid_request")
+def test_bad_list_parameters_are_422_with_field_errors(agent_a: Persona, url: str) -> None:
+    data = problem(get(agent_a.api(), url), 422, "invalid_params")
+    name = url.split("?")[1].split("=")[0]
+    assert name in data["errors"] and data["errors"][name]
 
 
 LISTINGS = ["runs/", "actions/", "approvals/", "runs/{run}/checkpoints/", "runs/{run}/actions/"]
@@ -495,7 +518,7 @@ CREDENTIALS: dict[str, Callable[[Persona], dict[str, str]]] = {
 def test_every_call_without_valid_credentials_is_401(agent_a: Persona, credentials: str) -> None:
     run = new_run(agent_a.api())
     if credentials == "revoked-token":
-        Token.objects.filter(key=agent_a.token).delete()
+        revoke_token(AgentToken.objects.authenticate(agent_a.token), actor="test")
     if credentials == "deactivated-user":
         type(agent_a.user).objects.filter(pk=agent_a.user.pk).update(is_active=False)
     extra = CREDENTIALS[credentials](agent_a)

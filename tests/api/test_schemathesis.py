@@ -348,7 +348,8 @@ def test_operation_conforms(
             for failure in group:
                 name = _check_name(failure)
                 text = (
-                    f"{case.method} {case.formatted_path} body={_short(case.body)} -> "
+                    f"{case.method} {case.formatted_path} query={case.query} "
+                    f"body={_short(case.body)} -> "
                     f"{response.status_code} {response.text[:160]} :: {failure.title}: "
                     f"{failure.message.splitlines()[0] if failure.message else ''}"
                 )
