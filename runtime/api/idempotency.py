@@ -86,6 +86,16 @@ def _replay(record: IdempotencyRecord) -> HttpResponse:
     return response
 
 
+def expire_keys(*, dry_run: bool = False) -> int:
+    """Forget stored responses older than the retention window (the purge command calls
+    this): past the window a key is free again anyway, so the rows only cost space."""
+    window = timedelta(hours=settings.HOLDPOINT_IDEMPOTENCY_HOURS)
+    old = IdempotencyRecord.objects.filter(created_at__lt=timezone.now() - window)
+    if dry_run:
+        return old.count()
+    return old.delete()[0]
+
+
 def _claim(tenant: Tenant, key: str, scope: str, fingerprint: str) -> IdempotencyRecord:
     window = timedelta(hours=settings.HOLDPOINT_IDEMPOTENCY_HOURS)
     IdempotencyRecord.objects.filter(

@@ -9,10 +9,15 @@ answer either the first response or 409 idempotency_key_in_flight.
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
+import time_machine
+from django.core.management import call_command
 from django.db import connection, connections
+from django.utils import timezone
 
 from runtime.models import Action, Checkpoint, IdempotencyRecord, Run
 from tests.api import (
@@ -213,3 +218,23 @@ def test_parallel_identical_posts_make_one_run(agent_a: Persona) -> None:
         assert IdempotencyRecord.objects.get(key=key).status == 201
         tallies.append({"201": len(created), "409": len(in_flight)})
     print(f"\nB7: {BURSTS} bursts x {PARALLEL}: runs per key 1.00; responses {tallies}")
+
+
+def test_purge_forgets_responses_past_the_window(agent_a: Persona) -> None:
+    client = agent_a.api()
+    first = create(client, "old-key")
+    assert first.status_code == 201
+    with time_machine.travel(timezone.now() + timedelta(hours=23), tick=False):
+        out = StringIO()
+        call_command("purge", stdout=out)
+        assert "purged 0 expired Idempotency-Key" in out.getvalue()
+        assert IdempotencyRecord.objects.filter(key="old-key").exists()
+    with time_machine.travel(timezone.now() + timedelta(hours=25), tick=False):
+        out = StringIO()
+        call_command("purge", "--dry-run", stdout=out)
+        assert "would purge 1 expired Idempotency-Key" in out.getvalue()
+        call_command("purge", stdout=StringIO())
+        assert not IdempotencyRecord.objects.filter(key="old-key").exists()
+        again = create(client, "old-key")  # the key is free again: a new run
+        assert again.status_code == 201
+        assert again.json()["run_id"] != first.json()["run_id"]

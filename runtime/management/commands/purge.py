@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from runtime.api.idempotency import expire_keys
 from runtime.retention import purge
 
 
@@ -27,6 +28,9 @@ class Command(BaseCommand):
             dry_run=options["dry_run"], tenant_slug=options["tenant"], thread_id=options["thread"]
         )
         verb = "would purge" if options["dry_run"] else "purged"
+        if not options["thread"]:
+            keys = expire_keys(dry_run=options["dry_run"])
+            self.stdout.write(f"{verb} {keys} expired Idempotency-Key response(s)")
         for report in reports:
             self.stdout.write(
                 f"{report.tenant}: {verb} {len(report.runs)} run(s), "
