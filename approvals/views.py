@@ -60,6 +60,7 @@ from approvals.policies import may_decide
 from approvals.scoping import approvals_for
 from audit.canonical import CanonicalError, parse_strict
 from audit.journal import run_stream
+from runtime.accounts import decision_rate_limited
 from runtime.errors import (
     AlreadyDecided,
     Expired,
@@ -811,6 +812,7 @@ def _done_text(found: ApprovalRequest, decision: str, edits: dict[str, Any] | No
 
 @login_required
 @require_http_methods(["POST"])
+@decision_rate_limited
 def decide_page(request: HttpRequest, request_id: UUID) -> HttpResponse:
     """Hand the reviewer's decision to `decide`; then on to the next item of the inbox."""
     principal = _principal(request)

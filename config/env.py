@@ -7,6 +7,8 @@ the variable's name, never fall back silently to a default that changes behaviou
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 
 
@@ -57,3 +59,30 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_fernet_keys(name: str, *, derive_from: str | None = None) -> list[str]:
+    """Comma-separated Fernet keys, newest first (each 32 url-safe base64-encoded bytes, as
+    `Fernet.generate_key()` prints). Unset or empty: derived from `derive_from` when given
+    (development and tests only), else an error — production never runs on a guessable key.
+    """
+    keys = env_list(name, [])
+    if not keys:
+        if derive_from is None:
+            raise EnvError(
+                f"{name} is required when DEBUG is off: comma-separated Fernet keys, newest "
+                "first (python -c 'from cryptography.fernet import Fernet; "
+                "print(Fernet.generate_key().decode())')"
+            )
+        digest = hashlib.sha256(b"holdpoint.secret-keys:" + derive_from.encode()).digest()
+        return [base64.urlsafe_b64encode(digest).decode("ascii")]
+    for position, key in enumerate(keys, start=1):
+        try:
+            raw = base64.urlsafe_b64decode(key.encode("ascii"))
+        except (ValueError, UnicodeError):
+            raw = b""
+        if len(raw) != 32:
+            raise EnvError(
+                f"{name}: key #{position} is not a Fernet key (32 url-safe base64-encoded bytes)"
+            )
+    return keys

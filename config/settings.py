@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from csp.constants import NONE, SELF
 
-from config.env import EnvError, env_bool, env_int, env_list, env_str
+from config.env import EnvError, env_bool, env_fernet_keys, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("HOLDPOINT_VAR_DIR", str(BASE_DIR / "var")))
@@ -23,6 +26,11 @@ if not _secret:
     _secret = "insecure-development-key-" + "x" * 40
 SECRET_KEY = _secret
 SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
+# Fernet keys for tool credentials at rest, newest first (runtime/crypto.py); derived from
+# SECRET_KEY only in development and tests.
+HOLDPOINT_SECRET_KEYS = env_fernet_keys(
+    "HOLDPOINT_SECRET_KEYS", derive_from=SECRET_KEY if DEBUG or TESTING else None
+)
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"] if DEBUG else [])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -36,12 +44,13 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_htmx",
     "guardian",
+    "axes",
+    "csp",
     "django_q",
     "audit",
     "runtime",
@@ -50,15 +59,18 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "runtime.accounts.SessionTimeoutMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "runtime.tenancy.CurrentTenantMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: turns a lockout into the lockout page
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -111,6 +123,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Auth -------------------------------------------------------------------------------
 AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: a locked-out client is refused unchecked
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
 ]
@@ -123,16 +136,61 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 8 * 3600, minimum=60)
-SESSION_SAVE_EVERY_REQUEST = True  # inactivity timeout rather than a fixed lifetime
+# Sessions end after SESSION_COOKIE_AGE seconds without a request the reviewer made (htmx's
+# background polls do not count: runtime.accounts.SessionTimeoutMiddleware), and in any case
+# HOLDPOINT_SESSION_MAX_AGE seconds after login (OWASP ASVS 3.3.2: 30 min idle, 12 h).
+SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 30 * 60, minimum=60)
+HOLDPOINT_SESSION_MAX_AGE = env_int("HOLDPOINT_SESSION_MAX_AGE", 12 * 3600, minimum=60)
+SESSION_SAVE_EVERY_REQUEST = False  # the middleware above renews the expiry instead
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
+# django-axes: after AXES_FAILURE_LIMIT failed logins for one username from one client
+# address, that pair is refused (HTTP 429, the lockout page) until COOLOFF minutes pass with
+# no further failure. Keyed on the pair so nobody can lock a reviewer out from elsewhere.
+AXES_ENABLED = env_bool("HOLDPOINT_LOGIN_LOCKOUT", True)
+AXES_FAILURE_LIMIT = env_int("HOLDPOINT_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("HOLDPOINT_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_CALLABLE = "runtime.accounts.locked_out"
+AXES_CLIENT_IP_CALLABLE = "runtime.accounts.client_ip"
+AXES_ENABLE_ADMIN = False  # attempts span tenants; `manage.py axes_reset_username` unlocks
+# Decisions one reviewer may post on the request pages (the API has HOLDPOINT_API_RATE).
+HOLDPOINT_DECISION_RATE = env_str("HOLDPOINT_DECISION_RATE", "60/minute")
+if not re.fullmatch(r"[1-9]\d*/(second|minute|hour|day)", HOLDPOINT_DECISION_RATE):
+    raise EnvError(
+        "HOLDPOINT_DECISION_RATE must look like 60/minute (per second, minute, hour or day), "
+        f"got {HOLDPOINT_DECISION_RATE!r}"
+    )
+# Reverse proxies in front of Holdpoint that append to X-Forwarded-For (0: clients connect
+# directly and REMOTE_ADDR is the client; a forged header is then ignored).
+HOLDPOINT_PROXY_COUNT = env_int("HOLDPOINT_PROXY_COUNT", 0, minimum=0)
 
 # --- Security headers (production values unless DEBUG) -----------------------------------
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
+# django-csp 4: only our own files run. No inline script, style or handler anywhere (htmx and
+# triage.js are static files; htmx is told not to inject its indicator style); nothing may
+# frame a page, and forms post only to Holdpoint. The Swagger UI page widens img-src alone.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF],
+        "style-src": [SELF],
+        "img-src": [SELF],
+        "connect-src": [SELF],
+        "font-src": [SELF],
+        "object-src": [NONE],
+        "base-uri": [NONE],
+        "frame-src": [NONE],
+        "frame-ancestors": [NONE],
+        "form-action": [SELF],
+    },
+}
 if not DEBUG:
     SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
     SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31_536_000, minimum=0)
@@ -168,7 +226,7 @@ STORAGES = {
 # --- REST framework ---------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "runtime.auth.AgentTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -189,6 +247,9 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",  # served from static/, no CDN
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # No validator badge: it would send the schema's URL to validator.swagger.io (and the
+    # CSP refuses the image anyway).
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "runtime.models.runs.RunStatus",
@@ -233,8 +294,21 @@ else:
         "LOCATION": str(VAR_DIR / "cache" / "q"),
     }
 Q_CLUSTER["cache"] = "q"
+# The API's and the decision pages' rate limits count in the default cache, so it is shared
+# by every web process (Redis, or files under var/ on one host): with per-process memory,
+# N gunicorn workers would allow N times the limit.
 CACHES = {
-    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "holdpoint",
+    }
+    if REDIS_URL
+    else {
+        "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+        "LOCATION": str(VAR_DIR / "cache" / "default"),
+        "OPTIONS": {"MAX_ENTRIES": 10_000},  # one entry per active user and limit
+    },
     "q": _q_cache,
 }
 

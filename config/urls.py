@@ -12,6 +12,18 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path(
+        "password/",
+        auth_views.PasswordChangeView.as_view(template_name="registration/change_password.html"),
+        name="password_change",
+    ),
+    path(
+        "password/done/",
+        auth_views.PasswordChangeDoneView.as_view(
+            template_name="registration/change_password_done.html"
+        ),
+        name="password_change_done",
+    ),
     path("inbox/", approval_views.inbox, name="inbox"),
     path("inbox/list/", approval_views.inbox_list, name="inbox-list"),
     path("inbox/history/", approval_views.history, name="inbox-history"),

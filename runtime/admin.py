@@ -11,17 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import ForeignKey, QuerySet
 from django.forms import ModelChoiceField
 from django.http import HttpRequest
-from rest_framework.authtoken.admin import TokenAdmin as DrfTokenAdmin
-from rest_framework.authtoken.models import Token, TokenProxy
 
 from runtime.accounts import record_tenant_act
-from runtime.models import AgentAccount, Membership, Role, Tenant
+from runtime.auth import DEFAULT_OVERLAP, Issued, issue_token, revoke_token, rotate_tokens
+from runtime.crypto import SecretUnreadable
+from runtime.models import AgentAccount, AgentToken, Membership, Role, Tenant, ToolCredential
+from runtime.tools import credential_names
 
 User = get_user_model()
 
@@ -208,30 +209,214 @@ class AgentAccountAdmin(AuditedAdmin):
         return Membership.objects.filter(user=obj).values_list("tenant_id", flat=True).first()
 
 
-admin.site.unregister(TokenProxy)
+def _actor(request: HttpRequest) -> str:
+    return f"user:{request.user.get_username()}"
 
 
-@admin.register(TokenProxy)
-class ScopedTokenAdmin(DrfTokenAdmin):
-    """DRF's token admin, limited to tokens of agent accounts in the admin's tenants."""
+def _agents_of(request: HttpRequest) -> QuerySet[Any]:
+    """Agent accounts a token may be issued to from the admin: those of the admin's tenants
+    (a person's script token is issued with `manage.py agent_token --tenant`)."""
+    return User.objects.filter(
+        memberships__tenant__in=admin_tenants(request), memberships__role=Role.AGENT
+    ).distinct()
 
-    # DRF's autocomplete would query the global user admin, listing every tenant's users.
-    autocomplete_fields = ()
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Token]:
-        qs = super().get_queryset(request)
-        if request.user.is_superuser:
-            return qs
-        return qs.filter(
-            user__memberships__tenant__in=admin_tenants(request),
-            user__memberships__role=Role.AGENT,
-        ).distinct()
+def _show_key(request: HttpRequest, issued: Issued) -> None:
+    messages.warning(
+        request,
+        f"New token for {issued.token.user.get_username()} — copy it now, it is shown only "
+        f"this once and cannot be recovered: {issued.key}",
+    )
+
+
+@admin.register(AgentToken)
+class AgentTokenAdmin(TenantScopedAdmin):
+    """Agent tokens of the admin's tenants. Adding one issues a token and shows its key once
+    (a message); a token is never edited or deleted, only revoked or rotated (actions), and
+    nothing but its prefix is ever shown."""
+
+    list_display = [
+        "prefix",
+        "user",
+        "tenant",
+        "name",
+        "status_display",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "created_by",
+    ]
+    search_fields = ["prefix", "name", "user__username"]
+    actions = ["revoke_selected", "rotate_selected"]
+    add_fields = ["user", "name", "expires_at"]
+    shown_fields = [
+        "prefix",
+        "user",
+        "tenant",
+        "name",
+        "status_display",
+        "created_at",
+        "created_by",
+        "expires_at",
+        "revoked_at",
+        "last_used_at",
+    ]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return self.add_fields if obj is None else self.shown_fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [] if obj is None else self.shown_fields
 
     def formfield_for_foreignkey(
         self, db_field: ForeignKey, request: HttpRequest, **kwargs: Any
     ) -> ModelChoiceField | None:
-        if db_field.name == "user" and not request.user.is_superuser:
-            kwargs["queryset"] = User.objects.filter(
-                memberships__tenant__in=admin_tenants(request), memberships__role=Role.AGENT
-            ).distinct()
+        if db_field.name == "user":
+            kwargs["queryset"] = _agents_of(request)
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # revoke instead: the row stays, and so does what it did
+
+    @admin.display(description="status")
+    def status_display(self, obj: AgentToken) -> str:
+        return obj.status()
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        if change:
+            return  # every field is read-only once issued
+        issued = issue_token(
+            form.cleaned_data["user"],
+            actor=_actor(request),
+            name=obj.name,
+            expires_at=obj.expires_at,
+        )
+        # The admin goes on with `obj` (history entry, redirect): make it the issued row.
+        for field in AgentToken._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(issued.token, field.attname))
+        obj._state.adding = False
+        _show_key(request, issued)
+
+    @admin.action(description="Revoke selected tokens (refused from the next request)")
+    def revoke_selected(self, request: HttpRequest, queryset: QuerySet[AgentToken]) -> None:
+        revoked = sum(revoke_token(token, actor=_actor(request)) for token in queryset)
+        self.message_user(request, f"Revoked {revoked} token(s).", messages.SUCCESS)
+
+    revoke_selected.allowed_permissions = ("change",)  # type: ignore[attr-defined]
+
+    @admin.action(description="Rotate selected tokens (old ones keep working for 24 hours)")
+    def rotate_selected(self, request: HttpRequest, queryset: QuerySet[AgentToken]) -> None:
+        owners: dict[tuple[int, int], list[AgentToken]] = {}
+        for token in queryset.select_related("user", "tenant"):
+            if token.is_live():
+                owners.setdefault((token.user_id, token.tenant_id), []).append(token)
+        for tokens in owners.values():
+            issued, _ = rotate_tokens(
+                tokens[0].user,
+                actor=_actor(request),
+                tenant=tokens[0].tenant,
+                replace=tokens,
+                overlap=DEFAULT_OVERLAP,
+            )
+            _show_key(request, issued)
+        if not owners:
+            self.message_user(request, "No live token selected.", messages.WARNING)
+
+    rotate_selected.allowed_permissions = ("change",)  # type: ignore[attr-defined]
+
+
+class ToolCredentialForm(forms.ModelForm):
+    """The secret is write-only: typed into a password field that never renders a value;
+    empty on a change keeps the stored one."""
+
+    service = forms.ChoiceField(choices=())
+    secret = forms.CharField(
+        label="new secret",
+        required=False,
+        strip=False,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text="Write-only: it is stored encrypted and never shown again. "
+        "Leave empty to keep the current one.",
+    )
+
+    class Meta:
+        model = ToolCredential
+        fields = ["tenant", "service"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "service" in self.fields:
+            self.fields["service"].choices = [(name, name) for name in credential_names()]
+
+    def clean_secret(self) -> str:
+        value = self.cleaned_data.get("secret", "")
+        if not value and self.instance.pk is None:
+            raise forms.ValidationError("A new credential needs its secret.")
+        return value
+
+
+@admin.register(ToolCredential)
+class ToolCredentialAdmin(TenantScopedAdmin):
+    form = ToolCredentialForm
+    list_display = ["service", "tenant", "secret_state", "updated_at", "updated_by"]
+    search_fields = ["service"]
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if obj is None:
+            return ["tenant", "service", "secret"]
+        return ["tenant", "service", "secret_state", "secret", "updated_at", "updated_by"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # The ciphertext is bound to its tenant and service: they never change.
+        return (
+            [] if obj is None else ["tenant", "service", "secret_state", "updated_at", "updated_by"]
+        )
+
+    @admin.display(description="secret")
+    def secret_state(self, obj: ToolCredential) -> str:
+        if not obj.is_set:
+            return "not set"
+        try:
+            obj.secret()
+        except SecretUnreadable:
+            return "set (unreadable with the configured keys)"
+        return "set"
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        if form.cleaned_data.get("secret"):
+            obj.set_secret(form.cleaned_data["secret"], actor=_actor(request))
+        super().save_model(request, obj, form, change)
+
+
+# --- operators' tables ---------------------------------------------------------------------
+
+
+class OperatorOnly:
+    """Operators' tables in admin: every tenant's users and groups, and the task queue (its
+    payloads name every tenant's runs). Tenant admins hold no permission on them, and must
+    not learn which rows exist either: Django's history view looks the object up *before* it
+    checks permission (found → 403, missing → a redirect), an oracle for the ids of other
+    tenants' users. For anyone but a superuser the queryset is empty, so every id reads as
+    missing; the permission checks stay Django's (tests/security/test_admin_isolation.py)."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        qs: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
+        return qs if request.user.is_superuser else qs.none()
+
+
+def close_to_tenant_admins(*models: type[Any]) -> None:
+    """Re-register each model's admin with `OperatorOnly` in front of it."""
+    for model in models:
+        current = type(admin.site.get_model_admin(model))
+        admin.site.unregister(model)
+        admin.site.register(model, type(current.__name__, (OperatorOnly, current), {}))
+
+
+def _operator_tables() -> list[type[Any]]:
+    from django.contrib.auth.models import Group
+    from django_q.models import Failure, OrmQ, Schedule, Success
+
+    return [User, Group, Schedule, Success, Failure, OrmQ]
+
+
+close_to_tenant_admins(*_operator_tables())

@@ -7,6 +7,7 @@ object is simply not in the queryset, hence 404 — never 403, which would confi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from runtime.errors import NotFound
 from runtime.models import Membership, Role, Tenant
 
 M = TypeVar("M", bound=Model)
+security_log = logging.getLogger("holdpoint.security")
 SESSION_KEY = "holdpoint_tenant_id"
 
 
@@ -82,7 +84,28 @@ def get_scoped(queryset: QuerySet[M], principal: Principal, **lookup: Any) -> M:
         return scope(queryset, principal).get(**lookup)
     except (queryset.model.DoesNotExist, ValueError, TypeError, ValidationError):
         # A malformed id is answered like a missing one: no oracle for what ids look like.
+        _log_if_foreign(queryset, principal, lookup)
         raise NotFound() from None
+
+
+def _log_if_foreign(queryset: QuerySet[Any], principal: Principal, lookup: dict[str, Any]) -> None:
+    """Another tenant's id is worth an operator's attention (ASVS 16.3.2: log denied access).
+    Only the server log hears of it; the caller got the same 404 as for a missing id, and the
+    lookup runs for every miss, so its cost says nothing either."""
+    try:
+        foreign = (
+            queryset.model._base_manager.filter(**lookup).exclude(tenant=principal.tenant).exists()
+        )
+    except (ValueError, TypeError, ValidationError):
+        return
+    if foreign:
+        security_log.warning(
+            "cross-tenant access refused: %s %s by %s in tenant %s",
+            queryset.model._meta.label,
+            ",".join(f"{k}={v}" for k, v in sorted(lookup.items())),
+            principal.label,
+            principal.tenant.slug,
+        )
 
 
 def memberships_for(principal: Principal) -> QuerySet[Membership]:

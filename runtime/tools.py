@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import jsonschema
 from django.conf import settings
+from django.core.exceptions import ValidationError
 
+from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
 
 
@@ -110,6 +112,8 @@ class Tool:
     sensitive: tuple[str, ...] = ()
     precheck: Callable[[dict[str, Any]], None] | None = None
     breaker: Breaker = field(default_factory=Breaker)
+    # The tenant's ToolCredential (by service name) this tool sends, if any.
+    credential: str = ""
 
     def validate(self, params: Any) -> None:
         """Refuse params that do not fit the schema, with field errors, before preparing."""
@@ -147,7 +151,13 @@ class TaskTool(Tool):
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
         if self.accepts_fence:
             headers.update({"Holdpoint-Fence": str(fence), "Holdpoint-Run": run_id})
-        return headers
+        return headers | self.auth_headers(run_id)
+
+    def auth_headers(self, run_id: str) -> dict[str, str]:
+        """The run's tenant's credential for this service as a bearer token, if it has one.
+        httpx masks Authorization in its reprs; the value is never logged or recorded."""
+        secret = credential_for_run(self.credential, run_id)
+        return {"Authorization": f"Bearer {secret.reveal()}"} if secret is not None else {}
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         return self.post(self.path, params_text, key=key, fence=fence, run_id=run_id)
@@ -164,6 +174,8 @@ class TaskTool(Tool):
         except httpx.ConnectError as exc:
             # Nothing reached the service: certainly not applied.
             return CallResult("refused", transient=True, detail=f"connect failed: {exc}")
+        except SecretUnreadable as exc:  # nothing was sent; an operator must fix the keys
+            return CallResult("refused", transient=True, detail=str(exc))
         except httpx.HTTPError as exc:  # timeout or reset after sending: we cannot know
             return CallResult("unknown", detail=f"{type(exc).__name__}: {exc}")
         return classify(response)
@@ -173,15 +185,52 @@ class TaskTool(Tool):
             return LookupResult(found=None, detail="the service has no lookup by key")
         try:
             response = http_client().get(
-                self.base_url + "/tasks", params={"key": key}, timeout=httpx.Timeout(self.timeout)
+                self.base_url + "/tasks",
+                params={"key": key},
+                headers=self.auth_headers(key.split(":", 1)[0]),  # ledger keys start with the run
+                timeout=httpx.Timeout(self.timeout),
             )
             response.raise_for_status()
             found = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, SecretUnreadable) as exc:
             return LookupResult(found=None, detail=f"lookup failed: {exc}")
         if not found:
             return LookupResult(found=False)
         return LookupResult(found=True, external_id=str(found[0]["id"]), result=found[0])
+
+
+def credential_for_run(service: str, run_id: str) -> Secret | None:
+    """The credential of the run's tenant for `service` (None without one). A run never
+    changes tenant, so run → tenant is remembered per process; the credential itself is
+    read (and decrypted) on every call, so a replaced secret is used at once."""
+    if not service:
+        return None
+    tenant_id = _run_tenants.get(run_id)
+    if tenant_id is None:
+        from runtime.models import Run
+
+        try:
+            tenant_id = (
+                Run.objects.filter(run_id=run_id).values_list("tenant_id", flat=True).first()
+            )
+        except (ValueError, ValidationError):
+            tenant_id = None  # not a run id
+        if tenant_id is None:
+            return None
+        if len(_run_tenants) >= 10_000:
+            _run_tenants.clear()
+        _run_tenants[run_id] = tenant_id
+    from runtime.models import ToolCredential
+
+    return ToolCredential.lookup(tenant_id, service)
+
+
+_run_tenants: dict[str, int] = {}
+
+
+def credential_names() -> list[str]:
+    """Service names of the credentials registered tools send (the admin's choices)."""
+    return sorted({tool.credential for tool in _TOOLS.values() if tool.credential})
 
 
 _clients: dict[int, httpx.Client] = {}
@@ -271,6 +320,7 @@ register_tool(
         timeout=3.0,
         accepts_fence=True,
         compensation="tasks.close",
+        credential="tasks",
     )
 )
 register_tool(
@@ -289,5 +339,6 @@ register_tool(
         },
         timeout=3.0,
         accepts_fence=True,
+        credential="tasks",
     )
 )

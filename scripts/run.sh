@@ -29,7 +29,7 @@ cat <<MSG
     Probes           http://127.0.0.1:8000/healthz  /readyz
     Sandbox tasks    $HOLDPOINT_TASKS_URL/tasks
   Passwords were printed by seed_demo above the first time it ran (or are
-  HOLDPOINT_DEMO_PASSWORD). Agent tokens: .venv/bin/python manage.py drf_create_token demo-agent
+  HOLDPOINT_DEMO_PASSWORD). Agent tokens: .venv/bin/python manage.py agent_token issue demo-agent
   Ctrl-C stops everything.
 
 MSG

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, Group
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from runtime.models import Membership, Role, Tenant
@@ -33,10 +32,17 @@ class Persona:
         return client
 
 
+def issue_token_for(user: AbstractBaseUser) -> str:
+    """A new API token's key for a member (journalled like any issued token)."""
+    from runtime.auth import issue_token
+
+    return issue_token(user, actor="test:personas").key
+
+
 def make_persona(tenant: Tenant, username: str, role: str, **user_fields: Any) -> Persona:
     user = User.objects.create_user(username=username, password="pw-" + username, **user_fields)
     Membership.objects.create(tenant=tenant, user=user, role=role)
-    token = Token.objects.create(user=user).key if role == Role.AGENT else None
+    token = issue_token_for(user) if role == Role.AGENT else None
     if role == Role.REVIEWER:
         group, _ = Group.objects.get_or_create(name=f"{tenant.slug}-reviewers")
         user.groups.add(group)

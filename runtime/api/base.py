@@ -46,7 +46,11 @@ class ApiView(APIView):
             return cached
         if not request.user or not request.user.is_authenticated:
             raise NotAuthenticated()
-        tenant_id = request.session.get(SESSION_KEY) if request.auth is None else None
+        # A token acts in its own tenant (runtime.auth checked the membership); a session in
+        # the tenant the person chose.
+        tenant_id = (
+            request.session.get(SESSION_KEY) if request.auth is None else request.auth.tenant_id
+        )
         principal = principal_for(request.user, tenant_id)
         if principal is None:
             raise NotFound("no tenant for these credentials")

@@ -1,7 +1,8 @@
 """/api/v1/ — the agent-facing contract (API.md)."""
 
+from csp.decorators import csp_update
 from django.urls import path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from approvals import api as approvals_api
 from runtime.api import views
@@ -39,5 +40,18 @@ urlpatterns = [
         name="api-decision",
     ),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    # The split view serves its init script as a file (strict CSP); Swagger UI's stylesheet
+    # draws its icons from data: URLs, so this page alone allows data: images.
+    path(
+        "docs/",
+        csp_update({"img-src": ["data:"]})(
+            # GET only: OPTIONS would render DRF's metadata with the page's HTML renderer (500).
+            SpectacularSwaggerSplitView.as_view(
+                url_name="api-schema",
+                template_name="api/swagger_ui.html",
+                http_method_names=["get", "head"],
+            )
+        ),
+        name="api-docs",
+    ),
 ]

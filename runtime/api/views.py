@@ -63,9 +63,12 @@ class RunList(ApiView):
     )
     @idempotent
     def post(self, request: Request) -> Response:
+        principal = self.principal(request)
+        if principal.role == Role.VIEWER:
+            raise NotPermitted("viewers may look, not act")
         data = _valid(s.RunCreate, request.data)
         run = lifecycle.create_run(
-            self.principal(request).tenant,
+            principal.tenant,
             data["graph"],
             data["goal"],
             actor=self.actor(request),

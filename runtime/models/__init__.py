@@ -11,7 +11,9 @@ from runtime.models.runs import (
     Run,
     RunStatus,
 )
+from runtime.models.secrets import ToolCredential
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
+from runtime.models.tokens import AgentToken, TokenStatus
 
 __all__ = [
     "UNSENT",
@@ -20,6 +22,7 @@ __all__ = [
     "RUNNABLE",
     "TERMINAL",
     "AgentAccount",
+    "AgentToken",
     "Artifact",
     "Checkpoint",
     "IdempotencyRecord",
@@ -29,4 +32,6 @@ __all__ = [
     "Run",
     "RunStatus",
     "Tenant",
+    "TokenStatus",
+    "ToolCredential",
 ]

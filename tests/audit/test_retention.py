@@ -125,11 +125,11 @@ def test_tenant_stream_records_human_and_admin_acts(
     )
     assert response.status_code == 302
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from runtime.auth import issue_token, revoke_token
 
     bot = get_user_model().objects.get(username="bot-9")
-    token = Token.objects.create(user=bot)
-    token.delete()
+    revoke_token(issue_token(bot, actor="user:ada").token, actor="user:ada")
     assert kinds()[-3:] == ["admin_added", "token_created", "token_revoked"]
     added: Any = JournalEntry.objects.filter(stream=tenant_stream, type="admin_added").last()
     assert added.actor == "user:ada" and added.payload["model"] == "runtime.AgentAccount"

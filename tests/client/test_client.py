@@ -17,7 +17,6 @@ import httpx
 import pytest
 from django.contrib.auth.models import Group
 from django.core.cache import caches
-from rest_framework.authtoken.models import Token
 
 import holdpoint_client.errors as errors
 from approvals.models import ApprovalPolicy
@@ -41,7 +40,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Action as ActionRow
 from runtime.models import Run as RunRow
 from runtime.models import Tenant
-from tests.conftest import Persona
+from tests.conftest import Persona, issue_token_for
 from tests.runtime.helpers import expire_lease
 
 GOAL = {
@@ -113,7 +112,7 @@ def pauses() -> list[float]:
 
 
 def connect(url: str, persona: Persona, **options: Any) -> Client:
-    token = persona.token or Token.objects.get_or_create(user=persona.user)[0].key
+    token = persona.token or issue_token_for(persona.user)
     return Client(url, token, backoff=0.01, **options)
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from django.contrib.auth import get_user_model
 from django.test import Client
-from rest_framework.authtoken.models import Token
 
-from runtime.models import Membership, Role, Tenant
+from runtime.models import AgentToken, Membership, Role, Tenant
 from tests.conftest import Persona
 
 User = get_user_model()
@@ -35,7 +34,7 @@ def test_tenant_admin_cannot_open_other_tenants_objects(
         f"/admin/runtime/membership/{foreign.pk}/change/",
         f"/admin/runtime/tenant/{outsider_b.tenant.pk}/change/",
         f"/admin/runtime/agentaccount/{agent_b.user.pk}/change/",
-        f"/admin/authtoken/tokenproxy/{agent_b.user.pk}/change/",
+        f"/admin/runtime/agenttoken/{AgentToken.objects.get(user=agent_b.user).pk}/change/",
         f"/admin/runtime/membership/{foreign.pk}/delete/",
         f"/admin/runtime/membership/{foreign.pk}/history/",
     ]:
@@ -78,13 +77,13 @@ def test_tenant_admin_creates_agent_and_token_in_own_tenant(
     assert not bot.has_usable_password()
     assert Membership.objects.get(user=bot).role == Role.AGENT
 
-    token_form = client.get("/admin/authtoken/tokenproxy/add/")
+    token_form = client.get("/admin/runtime/agenttoken/add/")
     assert b"new-bot" in token_form.content and b"agent-b" not in token_form.content
-    assert client.post("/admin/authtoken/tokenproxy/add/", {"user": bot.pk}).status_code == 302
-    assert Token.objects.filter(user=bot).exists()
-    stolen = client.post("/admin/authtoken/tokenproxy/add/", {"user": agent_b.user.pk})
+    assert client.post("/admin/runtime/agenttoken/add/", {"user": bot.pk}).status_code == 302
+    assert AgentToken.objects.filter(user=bot, tenant=admin_a.tenant).exists()
+    stolen = client.post("/admin/runtime/agenttoken/add/", {"user": agent_b.user.pk})
     assert stolen.status_code == 200
-    tokens = client.get("/admin/authtoken/tokenproxy/")
+    tokens = client.get("/admin/runtime/agenttoken/")
     assert b"new-bot" in tokens.content and b"agent-b" not in tokens.content
 
 

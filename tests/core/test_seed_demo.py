@@ -7,9 +7,8 @@ from io import StringIO
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from rest_framework.authtoken.models import Token
 
-from runtime.models import Membership, Role, Tenant
+from runtime.models import AgentToken, Membership, Role, Tenant
 
 User = get_user_model()
 
@@ -46,7 +45,9 @@ def test_seed_demo_roles_and_logins(settings: object, client: object) -> None:
         "other-reviewer": ("other", Role.REVIEWER),
         "other-agent": ("other", Role.AGENT),
     }
-    assert client.login(username="demo-reviewer", password="demo-pass-123")  # type: ignore[attr-defined]
+    # Through the login form: django-axes needs the request to count failures by.
+    login = client.post("/login/", {"username": "demo-reviewer", "password": "demo-pass-123"})  # type: ignore[attr-defined]
+    assert login.status_code == 302 and login.url == "/inbox/"
     assert User.objects.get(username="demo-admin").is_staff
     assert not User.objects.get(username="demo-admin").is_superuser
     assert not User.objects.get(username="demo-agent").has_usable_password()
@@ -58,12 +59,12 @@ def test_seed_demo_roles_and_logins(settings: object, client: object) -> None:
 
 
 @pytest.mark.django_db
-def test_drf_create_token_works_for_demo_agents() -> None:
+def test_agent_token_issue_works_for_demo_agents() -> None:
     _seed()
     out = StringIO()
-    call_command("drf_create_token", "demo-agent", stdout=out)
-    key = Token.objects.get(user__username="demo-agent").key
-    assert key in out.getvalue()
+    call_command("agent_token", "issue", "demo-agent", stdout=out)
+    key = out.getvalue().splitlines()[-1]
+    assert AgentToken.objects.authenticate(key).user.username == "demo-agent"
 
 
 @pytest.mark.django_db

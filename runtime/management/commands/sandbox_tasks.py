@@ -8,6 +8,10 @@ Modes: `key` honours Idempotency-Key (a replay returns the first task, 200); `lo
 deduplicate but can be searched with `GET /tasks?key=…`; `none` can do neither.
 Fencing: with `Holdpoint-Run` and `Holdpoint-Fence` headers, a request carrying a lower fence
 than one already seen for that run is refused (409) and not applied.
+Credentials: with `--require-token T` (repeatable) or HOLDPOINT_SANDBOX_TOKENS (comma-separated)
+every `/tasks` request must carry `Authorization: Bearer <one of them>`, else 401 and nothing
+is applied — as a real tracker's API token would be (Holdpoint sends the tenant's `tasks`
+credential). `/healthz` and `/_faults` stay open.
 Faults (`POST /_faults`, or the command's options), each applying to the next N creates:
 `fail_before` (503, nothing applied), `drop_after` (applied, then the connection is dropped
 without an answer), `error_after` (applied, then 500), and `delay` seconds before applying.
@@ -15,6 +19,7 @@ without an answer), `error_after` (applied, then 500), and `delay` seconds befor
 
 from __future__ import annotations
 
+import hmac
 import json
 import socket
 import sqlite3
@@ -28,6 +33,8 @@ from urllib.parse import parse_qs, urlparse
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
+
+from config.env import env_list
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tasks (
@@ -129,7 +136,9 @@ class TaskStore:
         ]
 
 
-def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    store: TaskStore, mode: str, tokens: tuple[str, ...] = ()
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         # Headers and body go out in two writes; with Nagle on, a keep-alive client waits
@@ -158,6 +167,27 @@ def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
             except ValueError:
                 return self.headers.get("Holdpoint-Run"), None
 
+        def _refused(self) -> bool:
+            """Answer 401 unless the request carries one of the required tokens."""
+            if not tokens or not urlparse(self.path).path.startswith("/tasks"):
+                return False
+            presented = self.headers.get("Authorization", "")
+            scheme, _, value = presented.partition(" ")
+            ok = scheme.lower() == "bearer" and any(
+                hmac.compare_digest(value.encode(), token.encode()) for token in tokens
+            )
+            if not ok:
+                # Read the body anyway: left unread, it would be parsed as the next request.
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                data = b'{"error": "missing or wrong bearer token"}'
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            return not ok
+
         def _drop(self) -> None:
             """Applied, but the answer never arrives: the client cannot know."""
             self.close_connection = True
@@ -172,6 +202,8 @@ def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
                 return self._send(200, {"status": "ok", "mode": mode})
             if url.path == "/_faults":
                 return self._send(200, store.faults)
+            if self._refused():
+                return None
             if url.path != "/tasks":
                 return self._send(404, {"error": "not found"})
             key = parse_qs(url.query).get("key", [None])[0]
@@ -181,6 +213,8 @@ def make_handler(store: TaskStore, mode: str) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             path = urlparse(self.path).path
+            if self._refused():
+                return None
             try:
                 body = self._body()
             except ValueError:
@@ -220,6 +254,13 @@ class Command(BaseCommand):
         parser.add_argument("--mode", choices=["key", "lookup", "none"], default="key")
         parser.add_argument("--data", default=None, help="SQLite file for the tasks")
         parser.add_argument("--delay", type=float, default=0.0, help="seconds before applying")
+        parser.add_argument(
+            "--require-token",
+            action="append",
+            default=None,
+            help="require Authorization: Bearer TOKEN on /tasks (repeatable; "
+            "default: HOLDPOINT_SANDBOX_TOKENS)",
+        )
         for fault in FAULTS:
             parser.add_argument(
                 f"--{fault.replace('_', '-')}",
@@ -234,12 +275,15 @@ class Command(BaseCommand):
         store.faults["delay"] = options["delay"]
         for fault in FAULTS:
             store.faults[fault] = options[fault]
-        handler = make_handler(store, options["mode"])
+        tokens = tuple(options["require_token"] or env_list("HOLDPOINT_SANDBOX_TOKENS", []))
+        handler = make_handler(store, options["mode"], tokens)
         server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
         server.daemon_threads = True
         self.stdout.write(
             f"sandbox task service on http://127.0.0.1:{options['port']} "
-            f"(mode {options['mode']}, data {path})"
+            f"(mode {options['mode']}, data {path}"
+            + (f", {len(tokens)} token(s) required" if tokens else "")
+            + ")"
         )
         self.stdout.flush()
         try:

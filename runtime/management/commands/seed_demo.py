@@ -16,7 +16,9 @@ from django.contrib.auth.models import Group, Permission
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from runtime.models import Membership, Role, Tenant
+from config.env import env_list
+from runtime.crypto import SecretUnreadable
+from runtime.models import Membership, Role, Tenant, ToolCredential
 
 User = get_user_model()
 
@@ -42,9 +44,13 @@ TENANT_ADMIN_PERMS = [
     ("runtime", "view_agentaccount"),
     ("runtime", "add_agentaccount"),
     ("runtime", "change_agentaccount"),
-    ("authtoken", "view_tokenproxy"),
-    ("authtoken", "add_tokenproxy"),
-    ("authtoken", "delete_tokenproxy"),
+    ("runtime", "view_agenttoken"),
+    ("runtime", "add_agenttoken"),
+    ("runtime", "change_agenttoken"),  # the revoke and rotate actions
+    ("runtime", "view_toolcredential"),
+    ("runtime", "add_toolcredential"),
+    ("runtime", "change_toolcredential"),
+    ("runtime", "delete_toolcredential"),
     ("approvals", "view_approvalpolicy"),
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),
@@ -101,7 +107,7 @@ class Command(BaseCommand):
                 password = settings.HOLDPOINT_DEMO_PASSWORD or secrets.token_urlsafe(12)
                 if role == Role.AGENT:
                     user.set_unusable_password()
-                    password = "(token only: manage.py drf_create_token " + username + ")"
+                    password = "(token only: manage.py agent_token issue " + username + ")"
                 else:
                     user.set_password(password)
                 user.is_staff = role == Role.ADMIN
@@ -116,7 +122,26 @@ class Command(BaseCommand):
                 group, _ = Group.objects.get_or_create(name=reviewer_group_name(tenant))
                 user.groups.add(group)
         self._demo_policy(tenants["demo"])
+        for tenant in tenants.values():
+            self._sandbox_credential(tenant)
         return created
+
+    def _sandbox_credential(self, tenant: Tenant) -> None:
+        """When the sandbox tracker requires a token (HOLDPOINT_SANDBOX_TOKENS, read by
+        `sandbox_tasks` too), each demo tenant's `tasks` credential is its first one, so
+        `make run` keeps working with one variable set for both. Stored encrypted."""
+        tokens = env_list("HOLDPOINT_SANDBOX_TOKENS", [])
+        if not tokens:
+            return
+        credential = ToolCredential.objects.filter(tenant=tenant, service="tasks").first()
+        try:
+            if credential is not None and credential.secret().reveal() == tokens[0]:
+                return
+        except SecretUnreadable:
+            pass  # written under keys no longer configured: replace it
+        credential = credential or ToolCredential(tenant=tenant, service="tasks")
+        credential.set_secret(tokens[0], actor="system:seed_demo")
+        credential.save()
 
     def _demo_policy(self, tenant: Tenant) -> None:
         """tasks.create in the demo tenant waits for a demo reviewer (a hold point)."""

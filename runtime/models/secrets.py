@@ -1,0 +1,55 @@
+"""Tool credentials: a tenant's secret for one outside service, stored encrypted.
+
+A tool names the credential it sends (`Tool.credential`, e.g. "tasks" for the task tracker's
+API token, used by tasks.create and tasks.close). The row holds only the ciphertext
+(runtime/crypto.py); nothing here ever returns the plaintext except `secret()`, which gives a
+masked `Secret`. str/repr name the tenant and service, never the value.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from runtime.crypto import Secret, decrypt, encrypt
+from runtime.models.tenancy import Tenant
+
+
+class ToolCredential(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="tool_credentials")
+    service = models.CharField(
+        max_length=64, help_text="The credential's name that tools refer to (tasks: the tracker)."
+    )
+    ciphertext = models.TextField(editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    updated_by = models.CharField(max_length=200, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["tenant__slug", "service"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "service"], name="runtime_toolcredential_one_per_service"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.service} credential of tenant {self.tenant_id}"
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.ciphertext)
+
+    def set_secret(self, value: str, actor: str = "") -> None:
+        """Encrypt `value` into the row (saved by the caller). The tenant must be set: the
+        ciphertext is bound to it."""
+        self.ciphertext = encrypt(value, tenant_id=self.tenant_id, service=self.service)
+        self.updated_by = actor
+
+    def secret(self) -> Secret:
+        return decrypt(self.ciphertext, tenant_id=self.tenant_id, service=self.service)
+
+    @classmethod
+    def lookup(cls, tenant_id: int, service: str) -> Secret | None:
+        """The tenant's credential for a service, or None if it has none."""
+        row = cls.objects.filter(tenant_id=tenant_id, service=service).first()
+        return row.secret() if row is not None and row.is_set else None
