@@ -1,0 +1,1 @@
+"""Security tests (issue 9): tokens, secrets, isolation, sessions, headers."""
