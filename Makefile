@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: run test browser lint fmt bench clean
 
@@ -44,9 +45,14 @@ fmt: $(VENV)/.test-installed
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-bench: $(VENV)/.test-installed
+$(VENV)/.bench-installed: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e '.[test,bench]'
-	$(PY) bench/run.py
+	touch $@
+
+# SQLite always; PostgreSQL too when DATABASE_URL (or BENCH_POSTGRES_URL) names a server: the
+# bench creates and drops its own holdpoint_bench_* databases there. Under 15 minutes.
+bench: $(VENV)/.bench-installed
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf var/*.sqlite3* var/cache var/staticfiles

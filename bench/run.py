@@ -1,27 +1,33 @@
-"""Holdpoint's benchmarks, per backend, rounds interleaved in one process:
+"""`make bench`: Holdpoint beside its peers and the hardware limit, in one run.
 
-1. durable steps per second of a 50-step no-op graph, against the same database's raw
-   INSERT+COMMIT rate;
-2. (bench/ledger.py) what the side-effect ledger adds to one HTTP side effect: a 20-action
-   `bench-act` run against the same requests sent bare to the sandbox task service, which
-   each child starts as its own process (`--actions 0` skips it);
-3. opt-in, `--audit-entries N` (PostgreSQL only): bench/audit_log.py, the tenant audit log
-   page's server time on N journal entries, in its own process and scratch database.
+Per backend (SQLite always; PostgreSQL when BENCH_POSTGRES_URL or a PostgreSQL DATABASE_URL
+names a server), in one child process on a scratch database:
+
+1. durable step throughput of a 50-step no-op graph, one worker, in interleaved rounds with
+   the raw limit (one-row BEGIN; INSERT; COMMIT, same driver, same durability settings),
+   LangGraph's saver on the same backend (durability="sync") and DBOS Transact;
+2. (bench/ledger.py) what the side-effect ledger adds to one HTTP side effect;
+3. (bench/storage.py) bytes stored per run for a state growing 1 KB/step, 50 and 200 steps;
+4. (bench/scaling.py) one worker process vs two, independent runs;
+5. (bench/recovery.py) SIGKILL of a real worker → the run's next committed step, and a
+   storm of 2,000 runs with expired leases drained by the sweeper.
+
+Then, PostgreSQL only, (bench/pages.py) the reviewer pages with 10,000 pending approvals
+and 1,000,000 journal entries, against the same pages at 100 approvals.
 
     .venv/bin/python bench/run.py                      # SQLite (a fresh temporary file)
     BENCH_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/postgres .venv/bin/python bench/run.py
 
-Without --backend this is the driver: it runs itself once per backend in a subprocess (each
-child has its own django.setup() and DATABASE_URL), collects their JSON and writes
-bench/results/latest.json, latest.md and, when matplotlib is installed, latest.png.
-It never touches the developer's database: SQLite runs in a temporary directory; PostgreSQL
-runs in a database `holdpoint_bench_<pid>` that the child creates and drops on the server.
-See bench/README.md for what is measured and how to read it.
+The driver collects the children's JSON and writes bench/results/latest.json, latest.md and
+the plots (bench/report.py). Nothing is written to the developer's database: SQLite runs in
+a temporary directory; PostgreSQL in databases `holdpoint_bench_*` that the bench creates
+and drops. Every process it starts it stops. See bench/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,37 +36,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
-from bench import ledger
-from bench.common import RESULTS, ROOT, fmt, log, profile_call, spread, statement_kinds, summary
-from bench.ledger import SANDBOX_MODE, LedgerBench, sandbox
+from bench.common import (  # noqa: E402
+    RESULTS,
+    ROOT,
+    counters_pg,
+    install_cleanup,
+    log,
+    postgres_admin_url,
+    profile_call,
+    scratch_postgres,
+    setup_django,
+    sqlalchemy_url,
+    statement_kinds,
+    stop_all,
+    summary,
+    with_dbname,
+)
+from bench.ledger import SANDBOX_MODE, LedgerBench, sandbox  # noqa: E402
 
-GRAPH_MODULES = "bench.graphs,runtime.agents.api_review.graph"
+__all__ = ["postgres_admin_url", "setup_django", "with_dbname", "git_state"]  # audit_log.py
+
 PAYLOAD_BYTES = 100
-
-
-# --- helpers shared by driver and children ---------------------------------------------------
-def postgres_admin_url() -> str | None:
-    """The server to benchmark on: BENCH_POSTGRES_URL, else DATABASE_URL if it is PostgreSQL."""
-    url = os.environ.get("BENCH_POSTGRES_URL", "").strip()
-    if url:
-        return url
-    url = os.environ.get("DATABASE_URL", "").strip()
-    if urlsplit(url).scheme in {"postgres", "postgresql", "pgsql"}:
-        return url
-    return None
-
-
-def with_dbname(url: str, dbname: str) -> str:
-    parts = urlsplit(url)
-    scheme = "postgres" if parts.scheme == "pgsql" else parts.scheme
-    return urlunsplit((scheme, parts.netloc, "/" + dbname, parts.query, parts.fragment))
+PARTS = ("throughput", "ledger", "storage", "scaling", "recovery", "storm", "pages")
 
 
 def filesystem_of(path: str) -> str:
@@ -79,24 +82,6 @@ def filesystem_of(path: str) -> str:
 
 
 # --- child: one backend ----------------------------------------------------------------------
-def setup_django(database_url: str, var_dir: str) -> None:
-    os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
-    os.environ.setdefault("DEBUG", "1")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")  # no "Enqueued" line per create_run
-    os.environ["DATABASE_URL"] = database_url
-    os.environ["HOLDPOINT_VAR_DIR"] = var_dir
-    modules = [m for m in os.environ.get("HOLDPOINT_GRAPH_MODULES", "").split(",") if m.strip()]
-    for module in GRAPH_MODULES.split(","):
-        if module not in modules:
-            modules.append(module)
-    os.environ["HOLDPOINT_GRAPH_MODULES"] = ",".join(modules)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
-
-
 class Bench:
     """Interleaved rounds on the database Django is configured for."""
 
@@ -109,7 +94,10 @@ class Bench:
         self.pg = connection.vendor == "postgresql"
         self.round_no = 0
         self.server_counters = self.pg
-        self.ledger: LedgerBench | None = None  # the second benchmark, when a sandbox runs
+        self.ledger: LedgerBench | None = None  # the side-effect benchmark, when a sandbox runs
+        self.langgraph: Any = None  # bench.peers.LangGraphBench
+        self.dbos: Any = None  # bench.peers.DbosBench
+        self.dbos_dbname: str | None = None
 
     # setup
     def prepare(self) -> None:
@@ -130,23 +118,12 @@ class Bench:
                     "(id integer PRIMARY KEY AUTOINCREMENT, payload text NOT NULL)"
                 )
 
-    # PostgreSQL counters (xact_commit: this database; WAL: the whole server)
-    def counters(self) -> dict[str, int]:
+    # PostgreSQL counters (xact_commit: one database; WAL: the whole server)
+    def counters(self, dbname: str | None = None) -> dict[str, int]:
         if not self.server_counters:
             return {}
         with self.connection.cursor() as cur:
-            cur.execute("SELECT pg_stat_force_next_flush()")
-            cur.execute(
-                "SELECT d.xact_commit, w.wal_sync, pg_current_wal_lsn()::text"
-                " FROM pg_stat_database d, pg_stat_wal w WHERE d.datname = current_database()"
-            )
-            xact, wal_sync, lsn = cur.fetchone()
-        high, low = lsn.split("/")
-        return {
-            "xact": int(xact),
-            "wal_sync": int(wal_sync),
-            "lsn": (int(high, 16) << 32) + int(low, 16),
-        }
+            return counters_pg(cur, dbname)
 
     @staticmethod
     def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -211,6 +188,37 @@ class Bench:
         after = self.counters()
         return {"seconds": t1 - t0, "cpu": cpu1 - cpu0, "delta": self.delta(before, after)}
 
+    # C, D: the peers
+    def peer_once(self, peer: Any, dbname: str | None = None) -> dict[str, Any]:
+        before = self.counters(dbname)
+        result = peer.once()
+        if self.pg and hasattr(peer, "flush_stats"):
+            peer.flush_stats()  # its connection's pending statistics, before we read them
+        after = self.counters(dbname)
+        return {**result, "delta": self.delta(before, after)}
+
+    def dbos_settled_txns(self, runs: int = 3) -> dict[str, float] | None:
+        """DBOS's server transactions per step. Its pooled connections report statistics
+        lazily (PostgreSQL flushes an idle backend's pending counts within 10 s), so counts
+        are read after 10 s of quiet; its own database holds nothing else, but its
+        background threads poll it, so the idle rate (a quiet window of the same kind) is
+        subtracted. About 31 s, PostgreSQL only."""
+        if not (self.pg and self.dbos):
+            return None
+        time.sleep(10.2)
+        a, ta = self.counters(self.dbos_dbname)["xact"], time.monotonic()
+        time.sleep(10.2)
+        b, tb = self.counters(self.dbos_dbname)["xact"], time.monotonic()
+        for _ in range(runs):
+            self.dbos.once()
+        time.sleep(10.2)
+        c, tc = self.counters(self.dbos_dbname)["xact"], time.monotonic()
+        idle_rate = (b - a) / (tb - ta)
+        return {
+            "server_txns_per_step": (c - b - idle_rate * (tc - tb)) / (runs * self.steps),
+            "idle_txns_per_second": idle_rate,
+        }
+
     def statements(self, work: Callable[[], Any]) -> list[str]:
         """The SQL statements Django sends while `work` runs (BEGIN not counted; COMMIT is
         not an execute), with the server counters switched off."""
@@ -258,6 +266,10 @@ class Bench:
         n = self.steps
         self.holdpoint_once()  # warm-up: imports, caches, connection, statement plans
         self.raw_once()
+        if self.langgraph:
+            self.langgraph.once()
+        if self.dbos:
+            self.dbos.once()
         if self.ledger:
             self.ledger.warm_up()
         overhead = self.calibrate()
@@ -265,7 +277,7 @@ class Bench:
         for r in range(1, rounds + 1):
             a = self.holdpoint_once()
             b = self.raw_once()
-            row = {
+            row: dict[str, Any] = {
                 "round": r,
                 "holdpoint_steps_per_s": n / a["seconds"],
                 "raw_commits_per_s": n / b["seconds"],
@@ -275,16 +287,35 @@ class Bench:
                 "raw_seconds": b["seconds"],
             }
             row["ratio"] = row["holdpoint_steps_per_s"] / row["raw_commits_per_s"]
+            peers: dict[str, dict[str, Any]] = {}
+            if self.langgraph:
+                peers["langgraph"] = self.peer_once(self.langgraph)
+            if self.dbos:
+                peers["dbos"] = self.peer_once(self.dbos, self.dbos_dbname)
+            for name, p in peers.items():
+                row[f"{name}_steps_per_s"] = n / p["seconds"]
+                row[f"{name}_cpu_ms_per_step"] = p["cpu"] * 1000 / n
+                row[f"holdpoint_over_{name}"] = row["holdpoint_steps_per_s"] / (n / p["seconds"])
             if self.pg:
                 row["holdpoint_per_step"] = self.per_step(a["delta"], overhead, n)
                 row["raw_per_commit"] = self.per_step(b["delta"], overhead, n)
                 row["holdpoint_counter_delta"] = a["delta"]
                 row["raw_counter_delta"] = b["delta"]
+                for name, p in peers.items():
+                    # LangGraph: + the flush statement on its connection. DBOS: counted in
+                    # its own database, which the counter reads do not touch.
+                    own = (
+                        {**overhead, "xact": overhead["xact"] + 1}
+                        if name == "langgraph"
+                        else {**overhead, "xact": 0}
+                    )
+                    row[f"{name}_per_step"] = self.per_step(p["delta"], own, n)
             per_round.append(row)
+            peer_text = "".join(f", {name} {row[f'{name}_steps_per_s']:.0f}" for name in peers)
             log(
                 f"[{self.backend}] round {r}/{rounds}: holdpoint {row['holdpoint_steps_per_s']:.0f}"
-                f" steps/s, raw {row['raw_commits_per_s']:.0f} commits/s, ratio {row['ratio']:.3f},"
-                f" cpu {row['holdpoint_cpu_ms_per_step']:.3f} ms/step"
+                f" steps/s, raw {row['raw_commits_per_s']:.0f} commits/s{peer_text},"
+                f" ratio {row['ratio']:.3f}, cpu {row['holdpoint_cpu_ms_per_step']:.3f} ms/step"
             )
             if self.ledger:  # the same round goes on: act, bare (bench/ledger.py)
                 noop_ms = a["seconds"] * 1000 / n
@@ -298,23 +329,26 @@ class Bench:
             "steps_per_run": n,
             "rounds": rounds,
             "payload_bytes": PAYLOAD_BYTES,
-            "holdpoint_steps_per_s": summary(col("holdpoint_steps_per_s")),
-            "raw_commits_per_s": summary(col("raw_commits_per_s")),
-            "ratio": summary(col("ratio")),
-            "holdpoint_cpu_ms_per_step": summary(col("holdpoint_cpu_ms_per_step")),
-            "raw_cpu_ms_per_commit": summary(col("raw_cpu_ms_per_commit")),
             "per_round": per_round,
         }
+        for key, value in per_round[0].items():
+            if isinstance(value, float):
+                out[key] = summary(col(key))
         if self.pg:
             out["counter_read_overhead"] = overhead
-            for side in ("holdpoint_per_step", "raw_per_commit"):
+            for side in [
+                k
+                for k, v in per_round[0].items()
+                if k.endswith(("_per_step", "_per_commit")) and isinstance(v, dict)
+            ]:
                 out[side] = {k: summary(col(side, k)) for k in per_round[0][side]}
         out["statements_per_step"] = self.statements_per_step()
+        if self.pg and self.dbos:
+            out["dbos_server_txns_per_step_settled"] = self.dbos_settled_txns()
         if profile:
             out["profile"] = self.profile()
         if self.ledger:
             out["ledger"] = self.ledger.results(ledger_rows, profile)
-        out["environment"] = self.environment()
         return out
 
     def environment(self) -> dict[str, Any]:
@@ -344,71 +378,134 @@ class Bench:
                     cur.execute(f"PRAGMA {pragma}")
                     env[f"sqlite_{pragma}"] = cur.fetchone()[0]
                 env["sqlite_transaction_mode"] = self.connection.transaction_mode
+        if self.langgraph:
+            env["langgraph_saver"] = self.langgraph.settings
+        if self.dbos:
+            env["dbos_launch_seconds"] = self.dbos.launch_seconds
         return env
 
 
 def child(args: argparse.Namespace) -> None:
+    install_cleanup()
+    parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory(prefix="holdpoint-bench-") as var_dir:
-        if args.backend == "sqlite":
-            db_file = Path(var_dir) / "bench.sqlite3"
-            setup_django(f"sqlite:///{db_file}", var_dir)
-            from django.db import connection
+        try:
+            if args.backend == "sqlite":
+                db_file = Path(var_dir) / "bench.sqlite3"
+                url = f"sqlite:///{db_file}"
+                setup_django(url, var_dir)
+                from django.db import connection
 
-            assert connection.settings_dict["NAME"] == str(db_file), "not the bench database"
-            result = run_child(args)
-            result["environment"]["database"] = str(db_file)
-            result["environment"]["filesystem"] = filesystem_of(var_dir)
-        else:
-            result = child_postgres(args, var_dir)
+                assert connection.settings_dict["NAME"] == str(db_file), "not the bench database"
+                result = run_child(args, parts, url, var_dir)
+                result["environment"]["database"] = str(db_file)
+                result["environment"]["filesystem"] = filesystem_of(var_dir)
+            else:
+                with scratch_postgres("holdpoint_bench") as url:
+                    setup_django(url, var_dir)
+                    from django.db import connection, connections
+
+                    assert connection.settings_dict["NAME"].startswith("holdpoint_bench_")
+                    try:
+                        result = run_child(args, parts, url, var_dir)
+                        result["environment"]["database"] = connection.settings_dict["NAME"]
+                    finally:
+                        connections.close_all()
+        finally:
+            stop_all()
     Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
 
 
-def child_postgres(args: argparse.Namespace, var_dir: str) -> dict[str, Any]:
-    import psycopg
-    from psycopg import sql
+@contextlib.contextmanager
+def peers(bench: Bench, url: str, var_dir: str, wanted: bool) -> Iterator[None]:
+    """LangGraph's saver on the backend and DBOS on its own system database, when the bench
+    extra is installed; closed (and the DBOS database dropped) on the way out."""
+    from bench import peers as peer_mod
 
-    admin_url = postgres_admin_url()
-    if not admin_url:
-        raise SystemExit("--backend postgres needs BENCH_POSTGRES_URL (or a postgres DATABASE_URL)")
-    dbname = f"holdpoint_bench_{os.getpid()}"
-    with psycopg.connect(admin_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-    try:
-        setup_django(with_dbname(admin_url, dbname), var_dir)
-        from django.db import connection, connections
-
-        assert connection.settings_dict["NAME"] == dbname, "not the bench database"
-        try:
-            result = run_child(args)
-            result["environment"]["database"] = dbname
-            return result
-        finally:
-            connections.close_all()
-    finally:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
-            )
-        log(f"[postgres] dropped database {dbname}")
+    found = peer_mod.available() if wanted else {}
+    with contextlib.ExitStack() as stack:
+        if "langgraph" in found:
+            target = url if bench.pg else str(Path(var_dir) / "langgraph.sqlite3")
+            bench.langgraph = peer_mod.LangGraphBench(bench.backend, target, bench.steps)
+            stack.callback(bench.langgraph.close)
+        if "dbos" in found:
+            if bench.pg:
+                dbos_url = stack.enter_context(scratch_postgres("holdpoint_bench_dbos"))
+                bench.dbos_dbname = dbos_url.rsplit("/", 1)[1]
+                system_url = sqlalchemy_url(dbos_url)
+            else:
+                path = Path(var_dir) / "dbos.sqlite3"
+                peer_mod.prepare_sqlite_wal(path)
+                system_url = f"sqlite:///{path}"
+            bench.dbos = peer_mod.DbosBench(system_url, bench.steps)
+            stack.callback(bench.dbos.close)
+        if wanted and not found:
+            log("langgraph/dbos not installed: peers skipped (make bench installs the extra)")
+        bench.peer_versions = found  # type: ignore[attr-defined]
+        yield
 
 
-def run_child(args: argparse.Namespace) -> dict[str, Any]:
+def run_child(args: argparse.Namespace, parts: set[str], url: str, var_dir: str) -> dict[str, Any]:
+    """Each part in turn; a part that fails (the engine under test raised, a worker died)
+    is recorded under "errors" with its traceback's last line and the others still run."""
     from django.conf import settings
 
-    # DEBUG=1 only lets the settings load without a SECRET_KEY; production runs without the
-    # debug cursor, which records every query, so the measurement does too.
-    settings.DEBUG = False
     bench = Bench(args.backend, args.steps)
     started = time.perf_counter()
+    timings: dict[str, float] = {}
     bench.prepare()
-    log(f"[{args.backend}] migrated in {time.perf_counter() - started:.1f}s")
-    if not args.actions:
-        result = bench.go(args.rounds, args.profile)
-    else:
-        with sandbox(Path(settings.VAR_DIR)) as url:
-            settings.HOLDPOINT_TASKS_URL, settings.HOLDPOINT_TASKS_DEDUP = url, SANDBOX_MODE
-            bench.ledger = LedgerBench(bench, url, args.actions)
-            result = bench.go(args.rounds, args.profile)
+    timings["migrate"] = time.perf_counter() - started
+    log(f"[{args.backend}] migrated in {timings['migrate']:.1f}s")
+    result: dict[str, Any] = {"backend": args.backend, "errors": {}}
+
+    def part(name: str, work: Callable[[], Any]) -> None:
+        if name not in parts:
+            return
+        t = time.perf_counter()
+        try:
+            result[name] = work()
+        except Exception as exc:  # recorded, reported as a failure; the next part runs
+            import traceback
+
+            log(f"[{args.backend}] {name} FAILED:\n{traceback.format_exc()}")
+            result["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+        timings[name] = time.perf_counter() - t
+
+    def throughput() -> dict[str, Any]:
+        if "ledger" not in parts or not args.actions:
+            return bench.go(args.rounds, args.profile)
+        with sandbox(Path(settings.VAR_DIR)) as tasks_url:
+            settings.HOLDPOINT_TASKS_URL, settings.HOLDPOINT_TASKS_DEDUP = tasks_url, SANDBOX_MODE
+            bench.ledger = LedgerBench(bench, tasks_url, args.actions)
+            try:
+                return bench.go(args.rounds, args.profile)
+            finally:
+                bench.ledger = None
+
+    def storage() -> dict[str, Any]:
+        from bench.storage import StorageBench
+
+        return StorageBench(bench, bench.langgraph).go()
+
+    def scaling() -> dict[str, Any]:
+        from bench.scaling import ScalingBench
+
+        # SQLite has one writer at a time: its pairs are information, so fewer of them.
+        pairs = args.scaling_pairs if bench.pg else max(1, args.scaling_pairs // 2)
+        return ScalingBench(bench, url, var_dir).go(pairs)
+
+    from bench.recovery import RecoveryBench
+
+    recovery = RecoveryBench(bench, url, var_dir)
+    with peers(bench, url, var_dir, "throughput" in parts or "storage" in parts):
+        part("throughput", throughput)
+        part("storage", storage)
+        result["environment"] = bench.environment()
+        result["peer_versions"] = getattr(bench, "peer_versions", {})
+    part("scaling", scaling)
+    part("recovery", lambda: recovery.kill_samples(args.recovery_samples, args.as_deployed))
+    part("storm", lambda: recovery.storm(args.storm_runs))
+    result["timings"] = timings
     result["wall_seconds"] = time.perf_counter() - started
     return result
 
@@ -430,11 +527,34 @@ def git_state() -> dict[str, Any]:
     }
 
 
+def run_subprocess(cmd: list[str]) -> int:
+    """A child in this process group (Ctrl-C reaches it too); waited for, killed if we are
+    interrupted."""
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def driver(args: argparse.Namespace) -> int:
-    backends = ["sqlite"] + (["postgres"] if postgres_admin_url() else [])
+    from bench import report
+
+    install_cleanup()
+    began = time.perf_counter()
+    pg = postgres_admin_url()
+    backends = ["sqlite"] + (["postgres"] if pg else [])
+    parts = args.parts.split(",")
     RESULTS.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     failed = []
+    primary = backends[-1]  # PostgreSQL when there is one: the production shape
     for backend in backends:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             out = Path(tmp.name)
@@ -449,157 +569,82 @@ def driver(args: argparse.Namespace) -> int:
             str(args.steps),
             "--actions",
             str(args.actions),
+            "--parts",
+            ",".join(p for p in parts if p != "pages"),
+            "--scaling-pairs",
+            str(args.scaling_pairs),
+            "--recovery-samples",
+            str(args.recovery_samples),
+            "--storm-runs",
+            str(args.storm_runs),
             "--json-out",
             str(out),
         ]
         if args.profile:
             cmd.append("--profile")
+        if backend == primary and not args.no_as_deployed:
+            cmd.append("--as-deployed")
         log(f"== {backend}: {' '.join(cmd[1:])}")
-        code = subprocess.run(cmd, cwd=ROOT).returncode
+        t = time.perf_counter()
+        code = run_subprocess(cmd)
         if code == 0 and out.stat().st_size:
             results[backend] = json.loads(out.read_text())
+            failed += [f"{backend}: {name}" for name in results[backend].get("errors", {})]
         else:
             failed.append(backend)
             log(f"== {backend} failed (exit {code})")
         out.unlink(missing_ok=True)
-    report = {
-        "benchmark": "bench-noop: a no-op step repeated; durable steps/s vs raw INSERT+COMMIT/s",
-        "method": "interleaved rounds (A: one Holdpoint run, B: the same number of raw commits); "
-        "ratio = median of per-round holdpoint_steps_per_s / raw_commits_per_s",
-        "side_effect_benchmark": ledger.BENCHMARK,
-        "side_effect_method": ledger.METHOD,
-        "environment": {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            **git_state(),
-        },
-        "backends": results,
-        "failed": failed,
-    }
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (RESULTS / "latest.md").write_text(markdown(report))
-    chart(report)
-    log(f"wrote {RESULTS / 'latest.json'} and {RESULTS / 'latest.md'}")
-    print(markdown(report))
+        log(f"== {backend} done in {time.perf_counter() - t:.0f}s")
+    pages = None
+    if "pages" in parts:
+        if pg:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                out = Path(tmp.name)
+            cmd = [sys.executable, str(ROOT / "bench" / "pages.py"), "--json-out", str(out)]
+            cmd += ["--approvals", str(args.approvals), "--entries", str(args.entries)]
+            log(f"== pages: {' '.join(cmd[1:])}")
+            t = time.perf_counter()
+            code = run_subprocess(cmd)
+            if code == 0 and out.stat().st_size:
+                pages = json.loads(out.read_text())
+            else:
+                error = json.loads(out.read_text() or "{}").get("error", f"exit {code}")
+                failed.append(f"pages: {error}")
+            out.unlink(missing_ok=True)
+            log(f"== pages done in {time.perf_counter() - t:.0f}s")
+        else:
+            log("== pages: PostgreSQL only (set BENCH_POSTGRES_URL); skipped")
     if args.audit_entries:
         failed += audit_log_step(args.audit_entries)
+    environment = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
+        **git_state(),
+    }
+    wall = time.perf_counter() - began
+    doc = report.build(results, pages, environment, failed, wall, args)
+    (RESULTS / "latest.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    text = report.markdown(doc)
+    (RESULTS / "latest.md").write_text(text)
+    report.charts(doc)
+    log(f"wrote {RESULTS / 'latest.json'}, latest.md and the plots in {wall:.0f}s")
+    print(text)
     return 1 if failed else 0
 
 
 def audit_log_step(entries: int) -> list[str]:
-    """bench/audit_log.py in its own process (its own scratch PostgreSQL database): opt-in,
-    since writing a million entries takes minutes. Returns what failed."""
+    """bench/audit_log.py in its own process (its own scratch PostgreSQL database): the full
+    matrix of audit-log filters; opt-in. Returns what failed."""
     if not postgres_admin_url():
         log("== audit log: needs BENCH_POSTGRES_URL (PostgreSQL); skipped")
         return ["audit_log"]
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "audit_log.py")]
     log(f"== audit log: {entries:,} entries")
-    code = subprocess.run([*cmd, "--entries", str(entries)], cwd=ROOT).returncode
+    code = run_subprocess([*cmd, "--entries", str(entries)])
     return [] if code == 0 else ["audit_log"]
-
-
-def markdown(report: dict[str, Any]) -> str:
-    env = report["environment"]
-    dirty = " + uncommitted changes" if env.get("git_changed_files") else ""
-    lines = [
-        "# Benchmarks: 50-step no-op graph vs raw INSERT+COMMIT; side-effect overhead",
-        "",
-        f"{env['date']} · git {env['git_head'] or '?'}{dirty} · Python {env['python']} · "
-        f"{env['cpu_count']} CPUs · {env['platform']}",
-        "",
-        "Median (min–max) over interleaved rounds. Ratio = median of per-round "
-        "Holdpoint steps/s ÷ raw commits/s (1.0 would mean a step costs one bare commit).",
-        "",
-        "| backend | Holdpoint steps/s | raw commits/s | ratio | client CPU ms/step "
-        "| raw CPU ms/commit | SQL statements/step |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, b in report["backends"].items():
-        lines.append(
-            f"| {name} | {spread(b['holdpoint_steps_per_s'])} | {spread(b['raw_commits_per_s'])} "
-            f"| {spread(b['ratio'], 3)} | {spread(b['holdpoint_cpu_ms_per_step'], 3)} "
-            f"| {spread(b['raw_cpu_ms_per_commit'], 3)} "
-            f"| {b['statements_per_step']['holdpoint']:.2f} (raw "
-            f"{b['statements_per_step']['raw']:.2f}) |"
-        )
-    pg = report["backends"].get("postgres")
-    if pg:
-        h, r = pg["holdpoint_per_step"], pg["raw_per_commit"]
-        lines += [
-            "",
-            "PostgreSQL server counters (median per step; transactions from pg_stat_database of "
-            "the bench database, WAL from pg_stat_wal / pg_current_wal_lsn, server-wide):",
-            "",
-            "| per durable step | server txns | WAL fsyncs | WAL bytes |",
-            "| --- | --- | --- | --- |",
-            f"| Holdpoint step | {h['server_txns']['median']:.2f} | {h['wal_fsyncs']['median']:.2f}"
-            f" | {fmt(h['wal_bytes']['median'])} |",
-            f"| raw INSERT+COMMIT | {r['server_txns']['median']:.2f} "
-            f"| {r['wal_fsyncs']['median']:.2f} | {fmt(r['wal_bytes']['median'])} |",
-        ]
-    lines += [
-        "",
-        "SQL statements Django sent for one whole 50-step run (BEGIN/COMMIT not counted):",
-        "",
-    ]
-    for name, b in report["backends"].items():
-        kinds = b["statements_per_step"]["holdpoint_run_statements"]
-        lines.append(f"- {name}: " + ", ".join(f"{k} ×{v}" for k, v in kinds.items()))
-    lines += ledger.markdown_section(report)
-    lines += ["", "Environment:", ""]
-    for name, b in report["backends"].items():
-        e = b["environment"]
-        keys = ", ".join(f"{k}={v}" for k, v in e.items())
-        lines.append(f"- {name}: {keys}; {b['rounds']} rounds in {b['wall_seconds']:.1f}s")
-    if report["failed"]:
-        lines.append(f"- FAILED: {', '.join(report['failed'])}")
-    return "\n".join(lines) + "\n"
-
-
-def chart(report: dict[str, Any]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        log("matplotlib not installed: no chart (make bench installs it)")
-        return
-    backends = report["backends"]
-    if not backends:
-        return
-    with_ledger = any("ledger" in b for b in backends.values())
-    rows = 2 if with_ledger else 1
-    fig, axes = plt.subplots(
-        rows, len(backends), figsize=(5 * len(backends), 3.5 * rows), squeeze=False
-    )
-    for ax, (name, b) in zip(axes[0], backends.items(), strict=True):
-        rounds = [r["round"] for r in b["per_round"]]
-        ax.plot(
-            rounds,
-            [r["raw_commits_per_s"] for r in b["per_round"]],
-            "o-",
-            label="raw INSERT+COMMIT /s",
-        )
-        ax.plot(
-            rounds,
-            [r["holdpoint_steps_per_s"] for r in b["per_round"]],
-            "s-",
-            label="Holdpoint steps /s",
-        )
-        ax.set_title(f"{name}: ratio {b['ratio']['median']:.3f}")
-        ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize="small")
-    if with_ledger:
-        ledger.plot(axes[1], backends)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "latest.png", dpi=100)
-    plt.close(fig)
 
 
 def main() -> int:
@@ -618,6 +663,22 @@ def main() -> int:
         help="actions per bench-act run in the side-effect benchmark (default 20; 0 skips it)",
     )
     parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)} (default: all)",
+    )
+    parser.add_argument("--scaling-pairs", type=int, default=6, help="1-vs-2-worker round pairs")
+    parser.add_argument("--recovery-samples", type=int, default=3, help="kills per backend")
+    parser.add_argument("--storm-runs", type=int, default=2000, help="runs in the storm")
+    parser.add_argument("--approvals", type=int, default=10_000, help="pending approvals (pages)")
+    parser.add_argument("--entries", type=int, default=1_000_000, help="journal entries (pages)")
+    parser.add_argument(
+        "--no-as-deployed",
+        action="store_true",
+        help="skip the recovery sample that waits for django-q2's own scheduler (~40 s)",
+    )
+    parser.add_argument("--as-deployed", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also cProfile one extra run; writes results/profile-<backend>.txt",
@@ -626,15 +687,28 @@ def main() -> int:
         "--audit-entries",
         type=int,
         default=0,
-        help="also run bench/audit_log.py with this many journal entries (PostgreSQL only; "
-        "default 0 skips it; 1000000 is the acceptance figure)",
+        help="also run bench/audit_log.py (every audit-log filter) with this many journal "
+        "entries (PostgreSQL only; default 0 skips it)",
     )
     parser.add_argument("--json-out", help="child: where to write its JSON")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite latest.md and plots from latest.json"
+    )
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.actions < 0:
         parser.error("--rounds and --steps must be >= 1, --actions >= 0")
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
     if args.audit_entries and args.audit_entries < 10_000:
         parser.error("--audit-entries is 0 (skip) or >= 10000")
+    if args.report_only:  # rewrite latest.md and the plots from latest.json
+        from bench import report
+
+        doc = json.loads((RESULTS / "latest.json").read_text())
+        (RESULTS / "latest.md").write_text(report.markdown(doc))
+        report.charts(doc)
+        return 0
     if args.backend:
         if not args.json_out:
             parser.error("--backend needs --json-out")
