@@ -5,7 +5,15 @@ nothing relies on it: each tick finds runs that are due — an expired lease on 
 run, a retry or timer whose time came — and rings their doorbell. A tick is bounded overall
 and per tenant, and rings in random order, so recovering ten thousand runs after an outage
 neither stampedes the database and the tools nor lets one tenant starve the others.
-Ringing twice is harmless: the second delivery finds the lease held.
+Ringing twice is harmless: the second delivery finds the lease held. It is not free,
+though: in a storm (thousands of runs due at once) every tick would ring the same runs again
+while they wait in the queue, and workers would spend their time on doorbells that find the
+lease held. So while the queue is backed up (at least a tick's batch of messages waiting), a
+run this process rang is not rung again for HOLDPOINT_SWEEP_REDRIVE seconds unless something
+happened to it since (its fence, checkpoint or status moved: a worker took it). A crashed
+worker's run is still rung as soon as its lease ends; and with a short queue every tick rings
+every due run as before, because then a doorbell may have been swallowed (a hung cluster's
+pusher holds messages its frozen workers never run) and ringing again is what rescues it.
 """
 
 from __future__ import annotations
@@ -32,11 +40,52 @@ class SweepResult:
     due: int
 
 
-def due_runs(limit: int) -> list[tuple[Any, int]]:
-    """(run_id, tenant_id) of runs a worker should pick up now (uses the sweep indexes)."""
+# run_id -> (when this process rang it, the run's (fence, checkpoint_rev, status) then)
+_rung: dict[str, tuple[float, tuple[Any, ...]]] = {}
+clock = time.monotonic  # module attributes so tests can move them
+
+
+def queue_backlog() -> int:
+    """Messages waiting in the broker (not those a cluster already holds)."""
+    from django_q.brokers import get_broker
+
+    try:
+        return int(get_broker().queue_size() or 0)
+    except Exception:  # noqa: BLE001 - any broker failure: act as if the queue were short
+        return 0
+
+
+backlog = queue_backlog
+
+
+def due_runs(limit: int, skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[Any, ...]]:
+    """(run_id, tenant_id, fence, checkpoint_rev, status) of runs a worker should pick up now
+    (uses the sweep indexes), leaving out `skip`."""
     runnable = Run.objects.filter(status__in=RUNNABLE, external=False).filter(lease_free())
     due = runnable.filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
-    return list(due.order_by("updated_at").values_list("run_id", "tenant_id")[:limit])
+    if skip:
+        due = due.exclude(run_id__in=list(skip))
+    fields = ("run_id", "tenant_id", "fence", "checkpoint_rev", "status")
+    return list(due.order_by("updated_at").values_list(*fields)[:limit])
+
+
+def _still_waiting(now: float, backed_up: bool) -> set[str]:
+    """Runs rung within the redrive window that nobody has touched since (still queued);
+    none unless the queue is backed up."""
+    window = settings.HOLDPOINT_SWEEP_REDRIVE
+    for run_id in [r for r, (at, _) in _rung.items() if now - at >= window]:
+        del _rung[run_id]
+    if not _rung or not backed_up:
+        return set()
+    now_seen = {
+        str(run_id): (fence, rev, status)
+        for run_id, fence, rev, status in Run.objects.filter(run_id__in=list(_rung)).values_list(
+            "run_id", "fence", "checkpoint_rev", "status"
+        )
+    }
+    for run_id in [r for r, (_, seen) in _rung.items() if now_seen.get(r) != seen]:
+        del _rung[run_id]  # taken, advanced, finished or gone: judge it afresh
+    return set(_rung)
 
 
 def sweep_once(
@@ -44,16 +93,18 @@ def sweep_once(
 ) -> SweepResult:
     batch = batch or settings.HOLDPOINT_SWEEP_BATCH
     per_tenant = per_tenant or settings.HOLDPOINT_SWEEP_PER_TENANT
-    found = due_runs(batch * 4)
-    by_tenant: dict[int, list[Any]] = defaultdict(list)
-    for run_id, tenant_id in found:
-        if len(by_tenant[tenant_id]) < per_tenant:
-            by_tenant[tenant_id].append(run_id)
-    chosen = [run_id for ids in by_tenant.values() for run_id in ids]
+    now = clock()
+    found = due_runs(batch * 4, skip=_still_waiting(now, backlog() >= batch))
+    by_tenant: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in found:
+        if len(by_tenant[row[1]]) < per_tenant:
+            by_tenant[row[1]].append(row)
+    chosen = [row for rows in by_tenant.values() for row in rows]
     random.shuffle(chosen)
     chosen = chosen[:batch]
-    for run_id in chosen:
+    for run_id, _tenant, fence, rev, status in chosen:
         ring(str(run_id))
+        _rung[str(run_id)] = (now, (fence, rev, status))
     gates.sweep()  # hold points: expiry, reminders, escalation
     return SweepResult(rung=len(chosen), due=len(found))
 
