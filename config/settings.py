@@ -335,9 +335,10 @@ HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1
 # How long an Idempotency-Key's stored response is replayed (hours).
 HOLDPOINT_IDEMPOTENCY_HOURS = env_int("HOLDPOINT_IDEMPOTENCY_HOURS", 24, minimum=1)
 HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
-# A run the sweeper rang and nobody has taken since is not rung again for this long (a
-# storm would otherwise fill the queue with doorbells for the same runs).
-HOLDPOINT_SWEEP_REDRIVE = env_int("HOLDPOINT_SWEEP_REDRIVE", 10, minimum=0)
+# While the queue is backed up, a run the sweeper rang and nobody has taken since is not rung
+# again for this long (a storm would otherwise fill the queue with doorbells for the same
+# runs); with a short queue every tick rings every due run (runtime/sweeper.py).
+HOLDPOINT_SWEEP_REDRIVE = env_int("HOLDPOINT_SWEEP_REDRIVE", 60, minimum=0)
 HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 20, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
 
