@@ -24,7 +24,7 @@ from approvals.models import (
     ApprovalVote,
     Decision,
 )
-from approvals.policies import may_decide, policy_for
+from approvals.policies import may_decide, may_hold, policy_for
 from audit import journal
 from runtime import ledger
 from runtime.errors import (
@@ -38,6 +38,7 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, ActionStatus, Run
+from runtime.statements import tenant_check
 from runtime.tools import get_tool
 
 A = ApprovalStatus
@@ -91,7 +92,9 @@ def request_approval(
     action: Action, run: Run, actor: str, *, previous: ApprovalRequest | None = None
 ) -> ApprovalRequest | None:
     """Open a request for a held action (inside its transaction); idempotent per action."""
-    open_ = ApprovalRequest.objects.filter(action=action, status=A.PENDING).first()
+    open_ = ApprovalRequest.objects.filter(
+        tenant_check(action.tenant_id), action=action, status=A.PENDING
+    ).first()
     if open_ is not None:
         return open_
     params = _params(action.params)
@@ -116,7 +119,9 @@ def request_approval(
                 rerequest_count=(previous.rerequest_count + 1) if previous else 0,
             )
     except IntegrityError:  # a concurrent holder opened it: the database refused a second
-        return ApprovalRequest.objects.get(action=action, status=A.PENDING)
+        return ApprovalRequest.objects.get(
+            tenant_check(action.tenant_id), action=action, status=A.PENDING
+        )
     record(
         run,
         RunEvent.APPROVAL_REQUESTED,
@@ -143,9 +148,10 @@ def _fallback_policy(tenant_id: int, tool: str) -> ApprovalPolicy:
 
 
 def _close(request: ApprovalRequest, status: str, actor: str, reason: str) -> None:
-    moved = ApprovalRequest.objects.filter(pk=request.pk, status=A.PENDING).update(
-        status=status, decision_reason=reason[:2000], updated_at=Now()
+    pending = ApprovalRequest.objects.filter(
+        tenant_check(request.tenant_id), pk=request.pk, status=A.PENDING
     )
+    moved = pending.update(status=status, decision_reason=reason[:2000], updated_at=Now())
     if moved:
         run = Run(run_id=request.run_id, tenant_id=request.tenant_id)
         record(
@@ -348,12 +354,20 @@ class HoldPoints:
         return policy_for(run.tenant_id, tool.name, params) is not None
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
-        request_approval(action, Run.objects.get(pk=run.pk), actor)
+        request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)
+
+    def may_hold(self, action: Action) -> bool:
+        """The dispatch fast path's question (see `runtime.gates.HoldPoints.may_hold`)."""
+        if get_tool(action.tool).needs_approval(_params(action.params)):
+            return True
+        return may_hold(action.tenant_id, action.tool, action.pk)
 
     def check_dispatch(self, action: Action, actor: str) -> str | None:
         """Re-check at execution: an approval binding this exact action, still valid, by
         deciders who still hold the permission. Anything else: supersede and hold again."""
-        requests = ApprovalRequest.objects.filter(action=action).select_related("policy")
+        requests = ApprovalRequest.objects.filter(
+            tenant_check(action.tenant_id), action=action
+        ).select_related("policy")
         approved = requests.filter(status=A.APPROVED).order_by("-decided_at").first()
         held = (
             requests.exists()
@@ -370,13 +384,16 @@ class HoldPoints:
             refusal = "approval_expired"
         elif not all(
             may_decide(vote.user, approved.policy, escalated=approved.escalated)
-            for vote in approved.votes.filter(decision=Decision.APPROVE)
+            for vote in approved.votes.filter(
+                decision=Decision.APPROVE, request__tenant_id=action.tenant_id
+            ).select_related("user")
         ):
             refusal = "approval_required"
         else:
             return None
         if approved is not None:
-            ApprovalRequest.objects.filter(pk=approved.pk).update(status=A.SUPERSEDED)
+            superseded = ApprovalRequest.objects.filter(pk=approved.pk, tenant_id=action.tenant_id)
+            superseded.update(status=A.SUPERSEDED)
             run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
             record(
                 run,

@@ -12,9 +12,17 @@ import re
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection
 from django.db.models import Q
 
-from approvals.models import ApprovalPolicy, PolicyGroupPermission, PolicyUserPermission
+from approvals.models import (
+    ApprovalPolicy,
+    ApprovalRequest,
+    PolicyGroupPermission,
+    PolicyUserPermission,
+)
+from audit.journal import cursor
+from runtime import statements
 from runtime.models import Membership, Role
 
 DECIDE = "decide_approvalpolicy"
@@ -49,11 +57,49 @@ def _matches(condition: dict[str, Any] | None, params: dict[str, Any], target: s
 def policy_for(
     tenant_id: int, tool: str, params: dict[str, Any], target: str = ""
 ) -> ApprovalPolicy | None:
-    """The first active policy (by priority) of the tenant whose tool and condition match."""
-    for policy in ApprovalPolicy.objects.filter(tenant_id=tenant_id, tool=tool, active=True):
-        if _matches(policy.condition, params, target):
-            return policy if policy.required else None
+    """The first active policy (by priority) of the tenant whose tool and condition match.
+
+    Asked at every prepare: the candidates are read as three columns (usually there are
+    none), and only a policy that holds the action is loaded whole."""
+    candidates = statements.select(
+        ApprovalPolicy,
+        ("id", "condition", "required"),
+        {"tenant_id": tenant_id, "tool": tool, "active": True},
+        order_by=("priority", "name"),
+    )
+    for pk, condition, required in candidates:
+        if _matches(condition, params, target):
+            if not required:
+                return None
+            return ApprovalPolicy.objects.get(pk=pk, tenant_id=tenant_id)
     return None
+
+
+_HOLDS_SQL: dict[str, str] = {}
+
+
+def may_hold(tenant_id: int, tool: str, action_id: Any) -> bool:
+    """One indexed query (dispatch's fast path): does any approval request exist for the
+    action, or any active policy for its tool in its tenant? False means no hold point can
+    apply, whatever the params or target."""
+    sql = _HOLDS_SQL.get(connection.vendor)
+    if sql is None:
+        qn = connection.ops.quote_name
+        requests, policies = ApprovalRequest._meta.db_table, ApprovalPolicy._meta.db_table
+        sql = _HOLDS_SQL[connection.vendor] = (
+            f"SELECT 1 FROM {qn(requests)} WHERE {qn('action_id')} = %s "
+            # the action is the key; the tenant a check (see statements.tenant_check)
+            f"AND ({qn('tenant_id')} + 0) = %s "
+            f"UNION ALL SELECT 1 FROM {qn(policies)} WHERE {qn('tenant_id')} = %s "
+            f"AND {qn('tool')} = %s AND {qn('active')} = %s LIMIT 1"
+        )
+    action_key = ApprovalRequest._meta.get_field("action").get_db_prep_value(
+        action_id, connection, prepared=False
+    )
+    active = ApprovalPolicy._meta.get_field("active").get_db_prep_value(True, connection)
+    cur = cursor(connection)
+    cur.execute(sql, [action_key, tenant_id, tenant_id, tool, active])
+    return cur.fetchone() is not None
 
 
 def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:
@@ -65,12 +111,15 @@ def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: boo
     if not member:
         return False
     groups = Q(group__in=user.groups.all())
+    # The grant tables have no tenant column: they are reached through the policy, whose
+    # tenant is named too (defence in depth).
+    on_policy = Q(content_object=policy, content_object__tenant_id=policy.tenant_id)
     granted = (
         PolicyGroupPermission.objects.filter(
-            groups, content_object=policy, permission__codename=DECIDE
+            groups, on_policy, permission__codename=DECIDE
         ).exists()
         or PolicyUserPermission.objects.filter(
-            user=user, content_object=policy, permission__codename=DECIDE
+            on_policy, user=user, permission__codename=DECIDE
         ).exists()
     )
     if granted:

@@ -6,15 +6,18 @@ so the change and its record commit together or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import DEFAULT_DB_ALIAS, DataError, IntegrityError, connections, transaction
 from django.utils import timezone
 
-from audit.canonical import canonical_bytes, digest, sha256_hex
+from audit.canonical import canonical_bytes, sha256_hex
 from audit.models import GENESIS, JournalEntry, StreamHead
 
 
@@ -62,12 +65,51 @@ def entry_hash(
 
 
 def _link(prev_hash: str, fields: dict[str, Any], payload_sha256: str) -> str:
-    body = canonical_bytes({**fields, "payload_sha256": payload_sha256})
+    body = canonical({**fields, "payload_sha256": payload_sha256})
     return sha256_hex(prev_hash.encode("ascii") + body)
 
 
 def payload_digest(payload: Any) -> str:
-    return digest(payload)
+    return sha256_hex(canonical(payload))
+
+
+_SAFE_INT = 2**53 - 1
+# The entry's columns in the model's order: `append` builds entries positionally (the cheap
+# way through Model.__init__).
+_ENTRY_FIELDS = tuple(f.attname for f in JournalEntry._meta.concrete_fields)
+_DUMPS = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+
+
+def canonical(value: Any) -> bytes:
+    """`audit.canonical.canonical_bytes(value)`, byte for byte, at a fraction of its cost
+    for what is hashed on every step: values with no float. Such a value needs no
+    normalisation, so once it passes the same checks — string keys, no NUL, no lone
+    surrogate, integers within ±2**53 — the same `json.dumps` gives the same bytes. Anything
+    else (a float, a value that fails a check) goes to `canonical_bytes` itself, which
+    normalises it or refuses it with the precise reason."""
+    if _plain(value):
+        try:
+            return _DUMPS(value).encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: let canonical_bytes say where
+            pass
+    return canonical_bytes(value)
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return -_SAFE_INT <= value <= _SAFE_INT
+    if isinstance(value, str):
+        return "\x00" not in value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or "\x00" in key or not _plain(item):
+                return False
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(item) for item in value)
+    return False  # a float (normalised by canonical_bytes) or not JSON at all
 
 
 def stored_payload_digest(entry: JournalEntry) -> str:
@@ -81,12 +123,82 @@ def open_stream(stream: str, tenant_id: int) -> Head:
     """Create a stream's head if missing (idempotent; safe against a concurrent creator)."""
     try:
         with transaction.atomic():
-            head, _ = StreamHead.objects.get_or_create(
-                stream=stream, defaults={"tenant_id": tenant_id}
-            )
-    except IntegrityError:
-        head = StreamHead.objects.get(stream=stream)
+            head, _ = StreamHead.objects.get_or_create(stream=stream, tenant_id=tenant_id)
+    except IntegrityError:  # created meanwhile — or it is another tenant's stream: not found
+        head = StreamHead.objects.get(stream=stream, tenant_id=tenant_id)
     return Head(head.seq, head.hash)
+
+
+# --- the heads a writer holds ---------------------------------------------------------------
+# An executor holding a run's lease is nearly the only writer of the run's stream: it appends
+# several entries per step. It *owns* the stream while it runs (`owning`), and each append
+# remembers the head it wrote, so the next append need not read (and lock) the head row
+# first: the compare-and-swap on the head row — on seq *and* hash — proves nobody appended
+# meanwhile. If somebody did (a reviewer's decision, a rolled-back transaction whose head we
+# remembered), the swap changes no row and the append falls back to locking the head. A
+# remembered head can cost one wasted statement, never a forked or broken chain.
+#
+# Inside `batched(stream)` (one transaction: a step's checkpoint with its ledger writes) the
+# entries are chained and written together when the block ends — one head swap and one
+# multi-row insert for all of them, and on PostgreSQL both in one statement.
+_local = threading.local()
+
+
+def cursor(conn: Any) -> Any:
+    """A cursor of `conn` for the hot path's statements, reused while the database connection
+    (and whether queries are being captured) stays the same: opening a Django cursor costs
+    more than executing a small statement. Statements still go through Django's cursor
+    wrapper — its error translation, `execute_wrapper` hooks and query capture see each one.
+    """
+    raw, logged = conn.connection, conn.queries_logged
+    held = getattr(_local, "cursor", None)
+    if held is None or held[0] is not raw or held[1] != logged or raw is None:
+        fresh = conn.cursor()
+        held = _local.cursor = (conn.connection, logged, fresh)
+    return held[2]
+
+
+def _thread_state() -> Any:
+    if not hasattr(_local, "heads"):
+        _local.heads = {}  # stream -> remembered Head (None: not known yet)
+        _local.depth = {}  # stream -> nesting of `owning`
+        _local.batches = {}  # stream -> entries waiting for the end of `batched`
+    return _local
+
+
+@contextmanager
+def owning(stream: str) -> Iterator[None]:
+    """While inside, this thread's appends to `stream` remember its head (see above)."""
+    state = _thread_state()
+    state.depth[stream] = state.depth.get(stream, 0) + 1
+    state.heads.setdefault(stream, None)
+    try:
+        yield
+    finally:
+        state.depth[stream] -= 1
+        if not state.depth[stream]:
+            del state.depth[stream]
+            state.heads.pop(stream, None)
+
+
+@contextmanager
+def batched(stream: str, *, deferred: bool = False) -> Iterator[list[JournalEntry]]:
+    """Appends to `stream` inside the block are collected (the list yielded) and written when
+    it ends without an exception, together — inside the caller's transaction. `deferred`: not
+    written at all; the caller writes them itself (`write`, or `append_after` for a change
+    made in one statement). An exception discards them with the change."""
+    batches = _thread_state().batches
+    if stream in batches:  # nested: the outermost block writes
+        yield batches[stream]
+        return
+    pending: list[JournalEntry] = []
+    batches[stream] = pending
+    try:
+        yield pending
+    finally:
+        del batches[stream]
+    if pending and not deferred:
+        write(stream, pending[0].tenant_id, pending)
 
 
 def append(
@@ -101,46 +213,253 @@ def append(
 ) -> JournalEntry:
     """Append one entry; returns it. Must be called inside the recorded change's transaction.
 
-    With `expected_head` (a writer that already holds the stream, such as the executor
-    holding a run's lease) the head row is not read first: the conditional update below
-    proves nobody appended meanwhile, else StreamMoved. Without it the head row is locked.
+    With `expected_head` (a writer that already knows the head) the head row is not read
+    first: the conditional update proves nobody appended meanwhile, else StreamMoved. A stream
+    this thread is `owning` uses the head it remembers the same way, but falls back to the
+    locked read instead of raising. Otherwise the head row is locked, then moved. Inside
+    `batched(stream)` the entry (seq, hash) is completed when the batch is written.
     """
-    if not transaction.get_connection().in_atomic_block:
+    state = _thread_state()
+    pending = state.batches.get(stream)
+    if pending is None and not transaction.get_connection().in_atomic_block:
         raise RuntimeError("journal.append() must run inside the change's transaction")
-    payload = payload or {}
-    if expected_head is None:
-        open_stream(stream, tenant_id)
-        row = StreamHead.objects.select_for_update().get(stream=stream)
-        expected_head = Head(row.seq, row.hash)
-    seq = expected_head.seq + 1
-    now = timezone.now()
-    new_hash = entry_hash(
-        expected_head.hash,
-        stream=stream,
-        seq=seq,
-        type=type,
-        actor=actor,
-        object_ref=object_ref,
-        payload=payload,
-        created_at=now,
-    )
-    moved = StreamHead.objects.filter(stream=stream, seq=expected_head.seq).update(
-        seq=seq, hash=new_hash
-    )
-    if moved != 1:
+    values = {
+        "stream": stream,
+        "tenant_id": tenant_id,
+        "type": type,
+        "actor": actor,
+        "object_ref": object_ref,
+        "payload": payload or {},
+        "created_at": timezone.now(),
+        "prev_hash": "",
+        "hash": "",
+        "redacted": False,
+    }
+    entry = JournalEntry(*[values.get(name) for name in _ENTRY_FIELDS])
+    if pending is not None and expected_head is None:
+        pending.append(entry)
+    else:
+        write(stream, tenant_id, [entry], expected_head)
+    return entry
+
+
+def remembered(stream: str) -> Head | None:
+    """The head this thread wrote last to a stream it is `owning` (None if it knows none)."""
+    return _thread_state().heads.get(stream)
+
+
+def write(
+    stream: str, tenant_id: int, entries: list[JournalEntry], expected: Head | None = None
+) -> None:
+    """Inside the change's transaction: chain `entries` onto the stream and store them — from
+    the expected or remembered head if it still is the head, else from the locked head row."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("the journal is written inside the change's transaction")
+    heads = _thread_state().heads
+    owned = stream in heads
+    head = expected or (heads.get(stream) if owned else None)
+    if head is None or not _store(stream, tenant_id, head, entries):
+        if expected is not None:
+            raise StreamMoved(stream)
+        if not _store(stream, tenant_id, _lock_head(stream, tenant_id), entries):
+            raise StreamMoved(stream)  # cannot happen under the row lock
+    if owned:
+        heads[stream] = Head(entries[-1].seq, entries[-1].hash)
+
+
+def _chain(head: Head, entries: list[JournalEntry]) -> None:
+    prev = head
+    for entry in entries:
+        entry.seq, entry.prev_hash = prev.seq + 1, prev.hash
+        entry.hash = entry_hash(
+            prev.hash,
+            stream=entry.stream,
+            seq=entry.seq,
+            type=entry.type,
+            actor=entry.actor,
+            object_ref=entry.object_ref,
+            payload=entry.payload,
+            created_at=entry.created_at,
+        )
+        prev = Head(entry.seq, entry.hash)
+
+
+def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]) -> bool:
+    """Move the head from `head` to the last entry and insert the entries; False (nothing
+    written) if `head` is no longer the head.
+
+    The swap names the head's seq *and* hash: a head remembered from a transaction that
+    rolled back can never match a different entry that later took the same seq."""
+    _chain(head, entries)
+    last = entries[-1]
+    move = [last.seq, last.hash, stream, tenant_id, head.seq, head.hash]
+    conn = connections[DEFAULT_DB_ALIAS]
+    sql = _sql_for(conn, len(entries))
+    rows = [
+        value if value.__class__ is plain else f.get_db_prep_save(value, conn)
+        for entry in entries
+        for f, plain in sql["columns"]
+        for value in (getattr(entry, f.attname),)
+    ]
+    cur = cursor(conn)
+    if conn.vendor == "postgresql":  # one round trip: swap, then insert if swapped
+        cur.execute(sql["move_insert"], move + rows)
+        ids = [row[0] for row in cur.fetchall()]
+        if not ids:
+            return False
+    else:
+        cur.execute(sql["move"], move)
+        if cur.rowcount != 1:
+            return False
+        cur.execute(sql["insert"], rows)
+        first = cur.lastrowid - len(entries) + 1  # one statement: consecutive rowids
+        ids = list(range(first, first + len(entries)))
+    for entry, pk in zip(entries, ids, strict=True):
+        entry.id = pk
+        entry._state.adding = False
+        entry._state.db = conn.alias
+    return True
+
+
+# The entry's str, int and bool columns take such values as they are (what the fields' own
+# get_db_prep_save would return); the payload and the time go through the fields.
+_PLAIN = {"CharField": str, "BigIntegerField": int, "BooleanField": bool}
+
+
+def append_after(
+    stream: str,
+    tenant_id: int,
+    entries: list[JournalEntry],
+    head: Head,
+    lead: list[tuple[str, str, list[Any]]],
+) -> str:
+    """PostgreSQL, outside any transaction: a change and its journal entries as *one*
+    statement — one round trip and its own (implicit, durable) transaction, where the
+    step's BEGIN, statements and COMMIT would be four.
+
+    `lead` is the change as named parts — a compare-and-swap first, then what depends on it
+    (see runtime.statements.update_then_insert_parts). The statement runs the
+    compare-and-swap first (so its row is locked before the stream head, the order every
+    other writer of a run and its stream takes), then locks the stream head and checks it
+    is `head` (seq and hash), then moves it and inserts the entries. All of it is written or
+    none of it: if the swap happened but the head is no longer `head`, the statement fails
+    on purpose and rolls back. Returns "written", "refused" (the swap changed nothing:
+    nothing written) or "moved" (the head moved: nothing written).
+    """
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.vendor != "postgresql" or conn.in_atomic_block:
+        raise RuntimeError("append_after is one autocommit statement on PostgreSQL")
+    _chain(head, entries)
+    last = entries[-1]
+    sql = _sql_for(conn, len(entries))
+    (swap, swap_text, swap_params), rest = lead[0], lead[1:]
+    key = ("after", tuple(text for _, text, _ in lead))
+    text = sql.get(key)
+    if text is None:
+        parts = [f"{swap} AS ({swap_text} RETURNING 1)"]
+        parts.append(sql["locked_head"].format(after=swap))
+        parts += [f"{name} AS ({part} RETURNING 1)" for name, part, _ in rest]
+        parts.append(sql["moved_after"].format(after=lead[-1][0]))
+        parts.append(sql["added_after_moved"])
+        text = sql[key] = (
+            "WITH "
+            + ", ".join(parts)
+            + f" SELECT (SELECT count(*) FROM {swap}), (SELECT count(*) FROM journal_added)"
+            # Swapped but the head moved (nothing added): fail the statement — division by
+            # zero — so that it rolls back as a whole.
+            + f", CASE WHEN (SELECT count(*) FROM {swap}) > 0"
+            " THEN 1 / (SELECT count(*) FROM journal_added) END"
+        )
+    params: list[Any] = [*swap_params, stream, tenant_id, head.seq, head.hash]
+    for _, _, part_params in rest:
+        params += part_params
+    params += [last.seq, last.hash, stream]
+    params += [
+        value if value.__class__ is plain else f.get_db_prep_save(value, conn)
+        for entry in entries
+        for f, plain in sql["columns"]
+        for value in (getattr(entry, f.attname),)
+    ]
+    cur = cursor(conn)
+    try:
+        cur.execute(text, params)
+    except DataError:  # the deliberate failure: the head moved, nothing was written
+        return "moved"
+    changed, added, _ = cur.fetchone()
+    if not changed:
+        return "refused"
+    if added != len(entries):  # cannot happen: the statement fails first
         raise StreamMoved(stream)
-    return JournalEntry.objects.create(
-        stream=stream,
-        seq=seq,
-        tenant_id=tenant_id,
-        type=type,
-        actor=actor,
-        object_ref=object_ref,
-        payload=payload,
-        created_at=now,
-        prev_hash=expected_head.hash,
-        hash=new_hash,
+    for entry in entries:
+        entry._state.adding = False
+        entry._state.db = conn.alias
+    heads = _thread_state().heads
+    if stream in heads:
+        heads[stream] = Head(last.seq, last.hash)
+    return "written"
+
+
+_SQL: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _sql_for(conn: Any, count: int) -> dict[str, Any]:
+    """The statements that append `count` entries, built once from the models' metadata."""
+    key = (conn.vendor, count)
+    found = _SQL.get(key)
+    if found is not None:
+        return found
+    qn = conn.ops.quote_name
+    head_table, entry_table = qn(StreamHead._meta.db_table), qn(JournalEntry._meta.db_table)
+    columns = [f for f in JournalEntry._meta.concrete_fields if f.attname != "id"]
+    names = ", ".join(qn(f.column) for f in columns)
+    # The stream is the key; the tenant a check, kept out of the planner's index choice
+    # (runtime.statements.tenant_check says why).
+    swap = (
+        f"UPDATE {head_table} SET {qn('seq')} = %s, {qn('hash')} = %s WHERE {qn('stream')} = %s"
+        f" AND ({qn('tenant_id')} + 0) = %s AND {qn('seq')} = %s AND {qn('hash')} = %s"
     )
+    plain_row = "(" + ", ".join(["%s"] * len(columns)) + ")"
+    # In a SELECT the values need their column types spelled out (a NULL would be text).
+    typed_row = "(" + ", ".join(f"%s::{f.db_type(conn)}" for f in columns) + ")"
+    found = _SQL[key] = {
+        "columns": [(f, _PLAIN.get(f.get_internal_type())) for f in columns],
+        "move": swap,
+        "insert": f"INSERT INTO {entry_table} ({names}) VALUES " + ", ".join([plain_row] * count),
+        "move_insert": f"WITH moved AS ({swap} RETURNING 1) INSERT INTO {entry_table} ({names}) "
+        f"SELECT v.* FROM (VALUES {', '.join([typed_row] * count)}) AS v, moved "
+        f"RETURNING {qn('id')}",
+        # The parts of append_after's statement (the head row locked and checked first).
+        "locked_head": f"journal_head AS (SELECT 1 FROM {head_table} WHERE {qn('stream')} = %s"
+        f" AND ({qn('tenant_id')} + 0) = %s AND {qn('seq')} = %s AND {qn('hash')} = %s"
+        " AND EXISTS (SELECT 1 FROM {after}) FOR UPDATE)",
+        "moved_after": f"journal_moved AS (UPDATE {head_table} SET {qn('seq')} = %s,"
+        f" {qn('hash')} = %s WHERE {qn('stream')} = %s"
+        " AND EXISTS (SELECT 1 FROM journal_head) AND EXISTS (SELECT 1 FROM {after})"
+        " RETURNING 1)",
+        "added_after_moved": f"journal_added AS (INSERT INTO {entry_table} ({names}) SELECT v.*"
+        f" FROM (VALUES {', '.join([typed_row] * count)}) AS v, journal_moved RETURNING 1)",
+    }
+    return found
+
+
+def _lock_head(stream: str, tenant_id: int) -> Head:
+    conn = connections[DEFAULT_DB_ALIAS]
+    qn = conn.ops.quote_name
+    lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
+    sql = (
+        f"SELECT {qn('seq')}, {qn('hash')} FROM {qn(StreamHead._meta.db_table)} "
+        f"WHERE {qn('stream')} = %s AND ({qn('tenant_id')} + 0) = %s{lock}"
+    )
+    with conn.cursor() as cursor:
+        cursor.execute(sql, [stream, tenant_id])
+        row = cursor.fetchone()
+        if row is None:
+            open_stream(stream, tenant_id)
+            cursor.execute(sql, [stream, tenant_id])
+            row = cursor.fetchone()
+    if row is None:
+        raise RuntimeError(f"stream {stream} belongs to another tenant")
+    return Head(int(row[0]), row[1])
 
 
 def entry_hash_from_digest(prev_hash: str, entry: JournalEntry, payload_sha256: str) -> str:

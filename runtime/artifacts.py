@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from audit.canonical import canonical_bytes, sha256_hex
+from audit.canonical import sha256_hex
+from audit.journal import canonical  # canonical_bytes' very bytes, faster
 
 INLINE_LIMIT = 512
 CHUNK = 32
@@ -28,6 +29,10 @@ class Encoder:
     new: dict[str, str] = field(default_factory=dict)
 
     def encode(self, value: Any) -> Any:
+        if value is None or isinstance(value, bool | int | float):
+            return value  # a few bytes at most; validated with the object that holds it
+        if isinstance(value, str) and 6 * len(value) + 2 <= INLINE_LIMIT:
+            return value  # even fully \u-escaped it stays inline: no need to measure it
         if isinstance(value, dict):
             if REF in value or CHUNKS in value:  # a user value that looks like ours: box it
                 return self._store({"$literal": {k: self.encode(v) for k, v in value.items()}})
@@ -41,13 +46,22 @@ class Encoder:
             encoded = self._list(value)
         else:
             encoded = value
-        return self._store(encoded) if len(canonical_bytes(encoded)) > INLINE_LIMIT else encoded
+        if isinstance(encoded, dict) and _surely_inline(encoded):
+            return encoded  # checked (and refused if it must be) with the checkpoint's digest
+        return self._store(encoded) if len(canonical(encoded)) > INLINE_LIMIT else encoded
+
+    def reference(self, encoded: Any) -> Any:
+        """An encoded value as one reference to its content-addressed blob (stored once):
+        what a checkpoint of an unchanged state keeps instead of a copy of it."""
+        if isinstance(encoded, dict) and REF in encoded and len(encoded) == 1:
+            return encoded
+        return self._store(encoded)
 
     def _list(self, items: list[Any]) -> list[Any]:
         return [self.encode(item) for item in items]
 
     def _store(self, encoded: Any) -> dict[str, str]:
-        text = canonical_bytes(encoded).decode("utf-8")
+        text = canonical(encoded).decode("utf-8")
         digest = sha256_hex(text.encode("utf-8"))
         if digest not in self.known:
             self.new[digest] = text
@@ -57,6 +71,30 @@ class Encoder:
         """The new artifacts were stored: remember them so later steps skip them."""
         self.known.update(self.new)
         self.new = {}
+
+
+def _surely_inline(encoded: dict[str, Any]) -> bool:
+    """An upper bound of the canonical size of a flat object of short values is within
+    INLINE_LIMIT: no need to serialise it to know it stays inline (most states are this)."""
+    size = 2
+    for key, item in encoded.items():
+        kind = type(item)
+        if type(key) is not str:
+            return False
+        size += 6 * len(key) + 4  # "key": and a comma, every character escaped at worst
+        if kind is str:
+            size += 6 * len(item) + 2
+        elif kind is int or kind is bool or item is None:
+            size += 22  # ±2**53 is 16 digits and a sign; true/false/null are shorter
+        elif kind is float:
+            size += 25  # the longest repr of a float
+        elif kind is dict and len(item) == 1 and REF in item:
+            size += 6 * len(item[REF]) + 12
+        else:
+            return False
+        if size > INLINE_LIMIT:
+            return False
+    return True
 
 
 def collect_refs(value: Any, into: set[str]) -> set[str]:

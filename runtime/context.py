@@ -15,9 +15,38 @@ from runtime.errors import InvalidParams
 from runtime.events import RunEvent, record
 from runtime.faults import fault
 from runtime.models import RecordedCall, Run
+from runtime.statements import tenant_check
 
 if TYPE_CHECKING:
     from runtime.leases import Lease
+
+
+class RecordedCalls(dict[str, Any]):
+    """A run's recorded call results, read on first use: a step that records nothing (most
+    steps) never pays for the query."""
+
+    def __init__(self, run_id: Any, tenant_id: int) -> None:
+        super().__init__()
+        self._source: tuple[Any, int] | None = (run_id, tenant_id)
+
+    def _load(self) -> None:
+        if self._source is not None:
+            run_id, tenant_id = self._source
+            self._source = None
+            rows = RecordedCall.objects.filter(tenant_check(tenant_id), run_id=run_id)
+            self.update(rows.values_list("key", "result"))
+
+    def __contains__(self, key: object) -> bool:
+        self._load()
+        return super().__contains__(key)
+
+    def __getitem__(self, key: str) -> Any:
+        self._load()
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._load()
+        super().__setitem__(key, value)
 
 
 @dataclass
@@ -38,6 +67,9 @@ class StepContext:
     calls_made: int = 0
     calls_reused: int = 0
     runner: Any = None  # the executor's ActionRunner
+    # This execution began the step visit (no checkpoint since the visit began): nothing of
+    # it can have been prepared before, so `act` need not look for an earlier action.
+    fresh: bool = False
     _index: int = 0
     _act_index: int = 0
 
@@ -88,7 +120,9 @@ class StepContext:
 
         try:
             with transaction.atomic(durable=True):
-                mine = Run.objects.filter(pk=self.run_id, fence=self.lease.fence)
+                mine = Run.objects.filter(
+                    pk=self.run_id, tenant_id=self.tenant_id, fence=self.lease.fence
+                )
                 if mine.update(updated_at=Now()) != 1:
                     raise _Stale()
                 RecordedCall.objects.create(
@@ -105,7 +139,8 @@ class StepContext:
             refuse_stale(self.lease, f"record {key}")
         except IntegrityError:
             # Recorded meanwhile (same key): the first result stands, for everyone.
-            return RecordedCall.objects.get(run_id=self.run_id, key=key).result
+            found = RecordedCall.objects.get(run_id=self.run_id, tenant_id=self.tenant_id, key=key)
+            return found.result
         return result
 
 

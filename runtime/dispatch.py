@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from runtime import gates, ledger
@@ -22,6 +22,7 @@ from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, St
 from runtime.faults import fault
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
+from runtime.statements import tenant_check
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool
 
 if TYPE_CHECKING:
@@ -110,12 +111,22 @@ class ActionRunner:
         if self.graph.tools and tool.name not in self.graph.tools:
             raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
         tool.validate(params)  # invalid params never reach the service
-        _, fingerprint = ledger.canonical_params(params)
+        canonical = ledger.canonical_params(params)
         run = self.executor.run
-        action = ledger.find_action(run, ctx.step, call_index, fingerprint)
+        # A step visit that began with this execution (no checkpoint since the visit began)
+        # cannot have prepared anything yet: skip the lookup. The unique key still refuses
+        # a second action if that were ever wrong, and the lookup then finds the first.
+        action = None
+        if not ctx.fresh:
+            action = ledger.find_action(run, ctx.step, call_index, canonical[1])
         if action is None:
             fault("before_prepare")
-            action = self.prepare(ctx, tool, params, reason, target, call_index)
+            try:
+                action = self.prepare(ctx, tool, params, reason, target, call_index, canonical)
+            except IntegrityError:
+                action = ledger.find_action(run, ctx.step, call_index, canonical[1])
+                if action is None:
+                    raise
             fault("after_prepare")
         return self.drive(ctx, tool, action)
 
@@ -127,6 +138,7 @@ class ActionRunner:
         reason: str,
         target: str,
         call_index: int,
+        canonical: tuple[str, str],
     ) -> Action:
         run, lease = self.executor.run, self.lease
         approval = gates.needs_approval(tool, params, run)
@@ -145,6 +157,7 @@ class ActionRunner:
                     target=target,
                     actor=lease.actor,
                     needs_approval=approval,
+                    canonical=canonical,
                 )
             )
 
@@ -189,9 +202,8 @@ class ActionRunner:
                 action, self.lease.fence, self.lease.ttl, tool, self.lease.actor
             )
         except (ApprovalRequired, ApprovalExpired) as refused:
-            action.refresh_from_db()
+            ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
-        self.executor.head = None
         fault("after_sent_mark")
         result = tool.call(
             action.params,
@@ -224,16 +236,14 @@ class ActionRunner:
             target, changes = S.UNKNOWN, {"last_error": result.detail[:2000]}
 
         def write() -> None:
-            ledger.transition(action, target, actor, **changes)
+            ledger.transition(action, target, actor, **changes)  # refreshes `action`
 
         if not self.executor.checkpoint_action(action.step, write, allow_moved=True):
             with transaction.atomic(durable=True):
-                ledger.fenced(action.run_id, self.lease.fence)
+                ledger.fenced(action.run_id, self.lease.fence, action.tenant_id)
                 ledger.record_late_result(
                     action, result.outcome, result.result, actor, external_id=result.external_id
                 )
-        action.refresh_from_db()
-        self.executor.head = None
         if target == S.PREPARED:
             raise ToolUnavailable(f"{action.tool}: {result.detail}")
         return action
@@ -241,11 +251,9 @@ class ActionRunner:
     def reconcile(self, action: Action) -> Action:
         """Settle a sent/unknown action by the tool's contract; park the run if we cannot."""
         verdict = reconcile_action(action, self.lease.fence, self.lease.actor)
-        self.executor.head = None
         if verdict.until is not None:
             raise Park("retrying", verdict.reason, until=verdict.until, action=action)
-        action.refresh_from_db()
-        return action
+        return action  # settled: the transition refreshed it
 
 
 @dataclass(frozen=True)
@@ -327,7 +335,7 @@ def _again(action: Action, fence: int, actor: str, detail: str) -> Verdict:
             f"{attempts} reconciliation attempts failed: {detail}",
         )
     with transaction.atomic(durable=True):
-        ledger.fenced(action.run_id, fence)
+        ledger.fenced(action.run_id, fence, action.tenant_id)
         ledger.transition(
             action, S.UNKNOWN, actor, reconcile_attempts=attempts, last_error=detail[:2000]
         )
@@ -343,7 +351,7 @@ def _settle(
     action: Action, fence: int, actor: str, target: str, reason: str, **changes: Any
 ) -> Verdict:
     with transaction.atomic(durable=True):
-        ledger.fenced(action.run_id, fence)
+        ledger.fenced(action.run_id, fence, action.tenant_id)
         if target != S.CONFIRMED:
             changes["last_error"] = reason[:2000]
         ledger.transition(
@@ -359,4 +367,7 @@ def _params(action: Action) -> dict[str, Any]:
 
 
 def unsettled(run: Run) -> list[Action]:
-    return list(Action.objects.filter(run=run, status__in=ledger.UNSETTLED).order_by("created_at"))
+    actions = Action.objects.filter(
+        tenant_check(run.tenant_id), run=run, status__in=ledger.UNSETTLED
+    )
+    return list(actions.order_by("created_at"))

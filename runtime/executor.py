@@ -25,11 +25,12 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit import journal
-from audit.canonical import digest
+from audit.canonical import digest, sha256_hex
 from audit.models import JournalEntry
+from runtime import statements
 from runtime.artifacts import Encoder, resolve
-from runtime.context import StepContext
-from runtime.dispatch import ActionRunner, Park, unsettled
+from runtime.context import RecordedCalls, StepContext
+from runtime.dispatch import ActionRunner, Park
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
@@ -49,7 +50,7 @@ from runtime.leases import (
     release,
     take_lease,
 )
-from runtime.models import Action, ActionStatus, Artifact, Checkpoint, RecordedCall, Run, RunStatus
+from runtime.models import Action, ActionStatus, Artifact, Checkpoint, Run, RunStatus
 
 log = logging.getLogger("holdpoint.executor")
 
@@ -81,16 +82,19 @@ def advance_run(
     """Take the run's lease and execute steps; harmless to call for a run that is not due."""
     owner = owner or worker_id()
     ttl = float(ttl or settings.HOLDPOINT_LEASE_TTL)
-    try:
-        lease = take_lease(run_id, owner, ttl)
-    except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
-        return AdvanceResult("skipped", detail=exc.code)
-    executor = Executor(lease)
-    try:
-        return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
-    except StaleFence as exc:
-        log.warning("run %s: executor %s stopped: %s", run_id, lease.actor, exc)
-        return AdvanceResult("stale", executor.steps, str(exc))
+    # Owning the run's stream from the lease on: the lease's journal entry already gives the
+    # executor the head it carries through its commits (audit.journal.owning).
+    with journal.owning(journal.run_stream(run_id)):
+        try:
+            lease = take_lease(run_id, owner, ttl)
+        except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
+            return AdvanceResult("skipped", detail=exc.code)
+        executor = Executor(lease)
+        try:
+            return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
+        except StaleFence as exc:
+            log.warning("run %s: executor %s stopped: %s", run_id, lease.actor, exc)
+            return AdvanceResult("stale", executor.steps, str(exc))
 
 
 def backoff_seconds(graph: Graph, failures: int) -> float:
@@ -122,18 +126,31 @@ class Executor:
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.steps = 0
-        self.run = Run.objects.get(pk=lease.run_id)
+        self.run = self._fetch(lease.run_id, lease.tenant_id)
+        self.run_key = str(self.run.run_id)
+        self.stream = journal.run_stream(self.run.run_id)
         self.encoder = Encoder()
         self.state: dict[str, Any] = {}
+        # How the committed `state` is stored in its checkpoint (None: not known yet). A
+        # checkpoint around a side effect keeps the same state: it refers to this.
+        self.stored: Any = None
         self.state_goal_rev = self.run.goal_rev
-        self.recorded: dict[str, Any] = {}
-        self.head: journal.Head | None = None
+        self.recorded: dict[str, Any] = RecordedCalls(self.run.run_id, self.run.tenant_id)
+        # When this executor last pushed its lease out (time.monotonic(), taken *before* the
+        # statement, so the estimate errs early); -inf: the first commit extends it.
+        self.extended_at = float("-inf")
         self.calls_made = 0
         self.calls_reused = 0
         self.runner: ActionRunner | None = None
 
     # --- the loop ------------------------------------------------------------------------
     def execute(self, slice_seconds: float) -> AdvanceResult:
+        # While it runs, this executor is the run stream's writer: its appends carry the head
+        # through instead of re-reading it (audit.journal.owning).
+        with journal.owning(self.stream):
+            return self._execute(slice_seconds)
+
+    def _execute(self, slice_seconds: float) -> AdvanceResult:
         graph = self.ensure_compatible()
         if graph is None:
             return AdvanceResult("needs_attention", detail=self.run.attention_reason)
@@ -214,23 +231,22 @@ class Executor:
             metadata=self.run.metadata,
             recorded=self.recorded,
             runner=self.runner,
+            fresh=self.run.checkpoint_rev == self.run.step_rev,
         )
 
     def absorb(self, ctx: StepContext) -> None:
         self.calls_made += ctx.calls_made
         self.calls_reused += ctx.calls_reused
-        if ctx.calls_made:
-            self.head = None  # recording appended to the stream: re-read the head
 
     # --- loading -------------------------------------------------------------------------
     def load(self) -> None:
-        self.recorded = dict(
-            RecordedCall.objects.filter(run_id=self.run.run_id).values_list("key", "result")
-        )
+        self.stored = None
         if self.run.checkpoint_rev == 0:
             self.state, self.state_goal_rev = {}, self.run.goal_rev
             return
-        checkpoint = Checkpoint.objects.get(run_id=self.run.run_id, rev=self.run.checkpoint_rev)
+        checkpoint = Checkpoint.objects.only("state", "goal_rev").get(
+            run_id=self.run.run_id, tenant_id=self.run.tenant_id, rev=self.run.checkpoint_rev
+        )
         cache: dict[str, Any] = {}
         self.state = resolve(self.run.tenant_id, checkpoint.state, cache)
         self.encoder.known.update(cache)
@@ -242,12 +258,22 @@ class Executor:
         Returns a result when the run cannot go on now (a human must look, or the sender of
         an action could still be in flight), else None.
         """
-        if self.run.actions.filter(status=ActionStatus.MANUAL_REVIEW).exists():
+        # One read for both questions, on the partial index of unsettled actions.
+        open_actions = statements.load_all(
+            Action,
+            {
+                "run_id": self.run.run_id,
+                "tenant_id": statements.Check(self.run.tenant_id),
+                "status": (ActionStatus.SENT, ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW),
+            },
+            order_by=("created_at",),
+        )
+        if any(a.status == ActionStatus.MANUAL_REVIEW for a in open_actions):
             return self.park(
                 Park("needs_reconciliation", "an action's outcome needs a human"),
                 self.run.next_step,
             )
-        for action in unsettled(self.run):
+        for action in open_actions:
             try:
                 self.runner.reconcile(action)
             except Park as parked:
@@ -287,16 +313,27 @@ class Executor:
         from runtime.lifecycle import wake_from_approval
 
         still_held = Action.objects.filter(
-            pk=action_id, status=ActionStatus.AWAITING_APPROVAL
+            pk=action_id, tenant_id=self.run.tenant_id, status=ActionStatus.AWAITING_APPROVAL
         ).exists()
         if not still_held:
             with transaction.atomic(durable=True):
-                if wake_from_approval(self.run, self.lease.actor, "decided while parking"):
-                    self.head = None
-            self.run.refresh_from_db()
+                wake_from_approval(self.run, self.lease.actor, "decided while parking")
+            self.refetch()
+
+    @staticmethod
+    def _fetch(run_id: Any, tenant_id: int) -> Run:
+        """The run row, always by id *and* tenant (defence in depth)."""
+        run = statements.load(Run, {"run_id": run_id, "tenant_id": statements.Check(tenant_id)})
+        if run is None:
+            raise Run.DoesNotExist(f"run {run_id} is gone")
+        return run  # type: ignore[return-value]
+
+    def refetch(self) -> None:
+        """Read the run row again."""
+        self.run = self._fetch(self.run.run_id, self.run.tenant_id)
 
     def reload(self) -> None:
-        self.run = Run.objects.get(pk=self.run.run_id)
+        self.refetch()
         if self.run.fence != self.lease.fence:
             refuse_stale(self.lease, "commit")
 
@@ -348,33 +385,30 @@ class Executor:
         """One transaction: run CAS, new artifacts, checkpoint, journal. False if the run moved
         (cancelled, or goal revised) — raises StaleFence if another executor holds it."""
         goal_rev = self.run.goal_rev if goal_rev is None else goal_rev
-        encoded = self.encoder.encode(state)
-        for attempt in range(2):
-            try:
-                entry = self._commit_once(
-                    step,
-                    state,
-                    encoded,
-                    status,
-                    next_step,
-                    changes,
-                    event,
-                    goal_rev,
-                    within,
-                    payload,
-                )
-                break
-            except journal.StreamMoved:
-                self.head = None
-                if attempt:
-                    raise
-            except _Moved:
-                self.reload()
-                return False
+        encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
+        try:
+            self._commit_once(
+                step, state, encoded, status, next_step, changes, event, goal_rev, within, payload
+            )
+        except _Moved:
+            self.reload()
+            return False
         self.encoder.committed()
-        self.state, self.state_goal_rev = state, goal_rev
-        self.head = None if within else journal.Head(entry.seq, entry.hash)
+        if state is not self.state:
+            self.state, self.stored = state, None
+        self.state_goal_rev = goal_rev
         return True
+
+    def unchanged(self) -> Any:
+        """How a checkpoint that keeps the committed state stores it (computed once per state):
+        a state whose inline form is more than a few bytes becomes one reference to its
+        content-addressed blob — stored once — instead of another copy per checkpoint."""
+        if self.stored is None:
+            encoded = self.encoder.encode(self.state)
+            if len(journal.canonical(encoded)) > _UNCHANGED_INLINE:
+                encoded = self.encoder.reference(encoded)
+            self.stored = encoded
+        return self.stored
 
     def _commit_once(
         self,
@@ -388,96 +422,146 @@ class Executor:
         goal_rev: int,
         within: Callable[[], None] | None,
         payload: dict[str, Any],
-    ) -> JournalEntry:
-        rev = self.run.checkpoint_rev + 1
-        lease = self.lease
+    ) -> None:
+        run, lease = self.run, self.lease
+        rev = run.checkpoint_rev + 1
         # A step boundary starts a new step visit; checkpoints around a side effect or a
         # parked step do not (the step will run again from its start).
         new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
-        update: dict[str, Any] = {
-            "checkpoint_rev": rev,
-            "step_rev": rev if new_visit else self.run.step_rev,
+        # Only what changes: the CAS below pins the rest (status running, this fence, rev
+        # and goal_rev), and nobody else writes these columns while the fence holds.
+        update: dict[str, Any] = {"checkpoint_rev": rev, "updated_at": statements.NOW}
+        if new_visit:
+            update["step_rev"] = rev
+        if next_step != run.next_step:
+            update["next_step"] = next_step
+        if status != RunStatus.RUNNING:
+            update["status"] = status
+        if run.consecutive_failures:
+            update["consecutive_failures"] = 0
+        for name, value in changes.items():
+            if value is not None or getattr(run, name, None) is not None:
+                update[name] = value  # (clearing what is already clear is no change)
+        extended = None
+        if status != RunStatus.RUNNING:
+            update.update(lease_owner="", lease_expires_at=None)
+        elif time.monotonic() - self.extended_at > lease.ttl / 3:
+            # A commit is a heartbeat — but only every ttl/3, like the heartbeat thread: a
+            # commit that moves the lease's expiry rewrites the run's sweeper index entry,
+            # one that leaves it can update the row in place. After any commit at least 2/3
+            # of the lease is left.
+            extended = time.monotonic()
+            update["lease_expires_at"] = statements.DbNow(lease.ttl)
+        waits = update.get("waiting_for")
+        body = {
+            "run": self.run_key,
+            "rev": rev,
+            "goal_rev": goal_rev,
+            "step": step,
             "next_step": next_step,
             "status": status,
-            "consecutive_failures": 0,
-            "updated_at": Now(),
-            **changes,
+            "state": encoded,
+            "waits": waits,
+            "fence": lease.fence,
         }
-        if status == RunStatus.RUNNING:
-            update["lease_expires_at"] = db_now_plus(lease.ttl)  # a commit is a heartbeat
+        checkpoint_digest = sha256_hex(journal.canonical(body))
+        checkpoint = {
+            "run_id": run.run_id,
+            "tenant_id": run.tenant_id,
+            "rev": rev,
+            "goal_rev": goal_rev,
+            "step": step,
+            "next_step": next_step,
+            "status": status,
+            "state": encoded,
+            "waits": waits,
+            "created_by": lease.actor,
+            "fence": lease.fence,
+            "digest": checkpoint_digest,
+        }
+        mine = {
+            "run_id": run.run_id,
+            "tenant_id": statements.Check(run.tenant_id),  # the key is the run id
+            "fence": lease.fence,
+            "status": RunStatus.RUNNING,
+            "checkpoint_rev": run.checkpoint_rev,
+            "goal_rev": run.goal_rev,
+        }
+        entry = {
+            "rev": rev,
+            "step": step,
+            "next_step": next_step,
+            "status": status,
+            "digest": checkpoint_digest,
+            **payload,
+        }
+        if (
+            within is None
+            and not self.encoder.new
+            and self.one_statement(update, mine, checkpoint, event, entry)
+        ):
+            pass  # written, in one statement
         else:
-            update.update(lease_owner="", lease_expires_at=None)
-        waits = update.get("waiting_for")
-        with transaction.atomic(durable=True):
-            moved = Run.objects.filter(
-                pk=self.run.run_id,
-                fence=lease.fence,
-                status=RunStatus.RUNNING,
-                checkpoint_rev=self.run.checkpoint_rev,
-                goal_rev=self.run.goal_rev,
-            ).update(**update)
-            if moved != 1:
-                raise _Moved()
-            if self.encoder.new:
-                Artifact.objects.bulk_create(
-                    [
-                        Artifact(
-                            tenant_id=self.run.tenant_id,
-                            digest=d,
-                            content=text,
-                            size=len(text.encode()),
-                        )
-                        for d, text in self.encoder.new.items()
-                    ],
-                    ignore_conflicts=True,
-                )
-            body = {
-                "run": str(self.run.run_id),
-                "rev": rev,
-                "goal_rev": goal_rev,
-                "step": step,
-                "next_step": next_step,
-                "status": status,
-                "state": encoded,
-                "waits": waits,
-                "fence": lease.fence,
-            }
-            checkpoint_digest = digest(body)
-            Checkpoint.objects.create(
-                run_id=self.run.run_id,
-                tenant_id=self.run.tenant_id,
-                rev=rev,
-                goal_rev=goal_rev,
-                step=step,
-                next_step=next_step,
-                status=status,
-                state=encoded,
-                waits=waits,
-                created_by=lease.actor,
-                fence=lease.fence,
-                digest=checkpoint_digest,
-            )
-            entry = record(
-                self.run,
-                event,
-                lease.actor,
-                head=self.head,
-                rev=rev,
-                step=step,
-                next_step=next_step,
-                status=status,
-                digest=checkpoint_digest,
-                **payload,
-            )
-            if within is not None:
-                within()
-        self.run.checkpoint_rev, self.run.next_step, self.run.status = rev, next_step, status
+            # The run CAS first (its row lock orders us before a goal revision, which locks
+            # the run and then its actions), the checkpoint only if it held; the journal
+            # entries of the step and of the ledger writes in `within` go in together at the
+            # end.
+            with transaction.atomic(durable=True), journal.batched(self.stream):
+                if not statements.update_then_insert(Run, update, mine, Checkpoint, checkpoint):
+                    raise _Moved()
+                if self.encoder.new:
+                    Artifact.objects.bulk_create(
+                        [
+                            Artifact(
+                                tenant_id=run.tenant_id,
+                                digest=d,
+                                content=text,
+                                size=len(text.encode()),
+                            )
+                            for d, text in self.encoder.new.items()
+                        ],
+                        ignore_conflicts=True,
+                    )
+                record(run, event, lease.actor, **entry)
+                if within is not None:
+                    within()
+        if extended is not None:
+            self.extended_at = extended
+        run.checkpoint_rev, run.next_step, run.status = rev, next_step, status
+        run.consecutive_failures = 0
         if new_visit:
-            self.run.step_rev = rev
+            run.step_rev = rev
         for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
             if name in changes:
-                setattr(self.run, name, changes[name])
-        return entry
+                setattr(run, name, changes[name])
+
+    def one_statement(
+        self,
+        update: dict[str, Any],
+        mine: dict[str, Any],
+        checkpoint: dict[str, Any],
+        event: RunEvent,
+        entry: dict[str, Any],
+    ) -> bool:
+        """PostgreSQL: a plain commit (no ledger write with it, no new artifact) as a single
+        autocommit statement — the run CAS, the checkpoint, the head swap and the journal
+        entry, all or nothing (audit.journal.append_after) — in one round trip instead of
+        four (BEGIN, two statements, COMMIT). True if written; raises _Moved if the run
+        moved; False if this path does not apply or the journal head moved meanwhile (then
+        nothing was written and the caller takes the transaction path)."""
+        connection = transaction.get_connection()
+        if connection.vendor != "postgresql" or connection.in_atomic_block:
+            return False
+        head = journal.remembered(self.stream)
+        if head is None:
+            return False
+        with journal.batched(self.stream, deferred=True) as pending:
+            record(self.run, event, self.lease.actor, **entry)
+        lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
+        outcome = journal.append_after(self.stream, self.run.tenant_id, pending, head, lead)
+        if outcome == "refused":
+            raise _Moved()
+        return outcome == "written"
 
     # --- failure, escalation -------------------------------------------------------------
     def fail(self, graph: Graph, step: str, exc: BaseException) -> AdvanceResult:
@@ -504,7 +588,10 @@ class Executor:
             update.update(status=status, wake_at=db_now_plus(delay))
         with transaction.atomic(durable=True):
             mine = Run.objects.filter(
-                pk=self.run.run_id, fence=self.lease.fence, status=RunStatus.RUNNING
+                statements.tenant_check(self.run.tenant_id),
+                pk=self.run.run_id,
+                fence=self.lease.fence,
+                status=RunStatus.RUNNING,
             )
             if mine.update(**update) != 1:
                 transaction.set_rollback(True)
@@ -540,12 +627,14 @@ class Executor:
             graph.max_failures,
             error,
         )
-        self.run.refresh_from_db()
+        self.refetch()
         return AdvanceResult(_OUTCOME[status], self.steps, error)
 
     def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
         with transaction.atomic(durable=True):
-            mine = Run.objects.filter(pk=self.run.run_id, fence=self.lease.fence)
+            mine = Run.objects.filter(
+                pk=self.run.run_id, tenant_id=self.run.tenant_id, fence=self.lease.fence
+            )
             changed = mine.exclude(
                 status__in=[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
             ).update(
@@ -566,7 +655,7 @@ class Executor:
         if changed != 1:
             self.reload()
             return
-        self.run.refresh_from_db()
+        self.refetch()
 
     # --- versions and revisions ----------------------------------------------------------
     def ensure_compatible(self) -> Graph | None:
@@ -641,6 +730,7 @@ class Executor:
     def goal_at(self, goal_rev: int) -> Any:
         """The goal as it was at `goal_rev`, from the journal's revision events."""
         revisions = JournalEntry.objects.filter(
+            statements.tenant_check(self.run.tenant_id),
             stream=journal.run_stream(self.run.run_id),
             type=RunEvent.GOAL_REVISED.value,
         ).order_by("seq")
@@ -649,6 +739,9 @@ class Executor:
                 return entry.payload.get("previous_goal")
         return self.run.goal
 
+
+# An unchanged state whose inline form is longer than this is checkpointed as a reference.
+_UNCHANGED_INLINE = 128
 
 _WAIT_STATUS = {
     "input": RunStatus.WAITING_INPUT,

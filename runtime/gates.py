@@ -24,6 +24,11 @@ class HoldPoints(Protocol):
         """Inside the transaction that would mark the action sent (its row locked): None if
         it may go, else the refusal code after superseding what no longer holds."""
 
+    def may_hold(self, action: Action) -> bool:
+        """Inside the dispatch transaction (the run row locked), cheaply: False only when no
+        hold point can apply to the action — no request for it, no policy for its tool, no
+        approval declared by the tool — so `check_dispatch` would certainly return None."""
+
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
         """Actions were cancelled (goal revised, run cancelled): close their requests."""
 
@@ -58,6 +63,16 @@ def hold(action: Action, run: Any, actor: str) -> None:
 
 def dispatch_gate(action: Action, actor: str) -> str | None:
     return _impl.check_dispatch(action, actor) if _impl is not None else None
+
+
+def may_hold(action: Action) -> bool:
+    """Could a hold point apply at dispatch? False lets the ledger skip the full re-check
+    (which would return None). Conservative: an implementation without the cheap question
+    always gets the full one."""
+    if _impl is None:
+        return False  # nothing is installed to hold it: dispatch_gate lets everything go
+    check = getattr(_impl, "may_hold", None)
+    return True if check is None else bool(check(action))
 
 
 def withdrawn(action_ids: list[str], reason: str, actor: str) -> None:

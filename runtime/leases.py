@@ -19,6 +19,8 @@ from django.db import connection, transaction
 from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, Value, When
 from django.db.models.functions import Now
 
+from audit.journal import cursor as shared_cursor
+from runtime import statements
 from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
 from runtime.events import RunEvent, record
 from runtime.models import RUNNABLE, TERMINAL, Run, RunStatus
@@ -57,11 +59,16 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
     `runnable_only` (workers): only runs that are due — queued, running with a dead lease,
     retrying or a timer whose time has come. External executors may lease any unfinished run.
     """
+    if runnable_only:
+        return _take_due(run_id, owner, ttl)
     with transaction.atomic(durable=True):
-        before = Run.objects.filter(pk=run_id).values("lease_owner", "status").first()
+        # The one read by id alone: it is how an executor, knowing a bare run id, learns the
+        # run's tenant. Every later statement names the tenant too (defence in depth).
+        before = Run.objects.filter(pk=run_id).values("lease_owner", "status", "tenant_id").first()
         if before is None:
             raise NotFound()
-        due = Run.objects.filter(pk=run_id).filter(lease_free())
+        tenant_id = before["tenant_id"]
+        due = Run.objects.filter(pk=run_id, tenant_id=tenant_id).filter(lease_free())
         if runnable_only:
             due = due.filter(status__in=RUNNABLE, external=False).filter(
                 Q(wake_at__isnull=True) | Q(wake_at__lte=Now())
@@ -85,8 +92,10 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
                 default=F("status"),
             )
         if due.update(**changes) != 1:
-            _refuse(run_id)
-        run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(pk=run_id)
+            _refuse(run_id, tenant_id)
+        run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(
+            pk=run_id, tenant_id=tenant_id
+        )
         lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at)
         record(
             run,
@@ -102,8 +111,77 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
         return lease
 
 
-def _refuse(run_id: Any) -> None:
-    run = Run.objects.only("status").get(pk=run_id)
+_VIEW: dict[str, str] = {}
+
+
+def _lease_view(run_id: Any) -> tuple[Any, ...] | None:
+    """The run's lease as the database clock sees it, row-locked: (tenant_id, lease_owner,
+    status, external, fence, lease free?, wake time come?). The one read by id alone — how a
+    worker rung with a bare run id learns the run's tenant; every later statement names it."""
+    conn = transaction.get_connection()
+    sql = _VIEW.get(conn.vendor)
+    if sql is None:
+        qn = conn.ops.quote_name
+        now, now_params = statements.clock_sql(Run)
+        assert not now_params, "the clock takes no parameters"
+        lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
+        sql = _VIEW[conn.vendor] = (
+            f"SELECT {qn('tenant_id')}, {qn('lease_owner')}, {qn('status')}, {qn('external')},"
+            f" {qn('fence')},"
+            f" ({qn('lease_expires_at')} IS NULL OR {qn('lease_expires_at')} < {now}),"
+            f" ({qn('wake_at')} IS NULL OR {qn('wake_at')} <= {now})"
+            f" FROM {qn(Run._meta.db_table)} WHERE {qn('run_id')} = %s{lock}"
+        )
+    key = Run._meta.pk.get_db_prep_value(run_id, conn, prepared=False)
+    cursor = shared_cursor(conn)
+    cursor.execute(sql, [key])
+    return cursor.fetchone()
+
+
+def _take_due(run_id: Any, owner: str, ttl: float) -> Lease:
+    """A worker's `take_lease`: the run row read and locked with the database clock's verdict
+    (lease free, wake time come), then the fence bumped by a compare-and-swap on the fence it
+    read — two statements where the general form needs three."""
+    with transaction.atomic(durable=True):
+        row = _lease_view(run_id)
+        if row is None:
+            raise NotFound()
+        tenant_id, previous_owner, status, external, fence, free, due = row
+        if not (free and due and status in RUNNABLE and not external):
+            _refuse(run_id, tenant_id)
+        taken = statements.update(
+            Run,
+            {
+                "lease_owner": owner,
+                "lease_expires_at": statements.DbNow(ttl),
+                "fence": statements.Add(1),
+                "updated_at": statements.NOW,
+                "status": RunStatus.RUNNING,
+                "wake_at": None,
+            },
+            {"run_id": run_id, "tenant_id": statements.Check(tenant_id), "fence": fence},
+            returning=("fence", "lease_expires_at"),
+        )
+        if len(taken) != 1:  # cannot happen under the row lock
+            _refuse(run_id, tenant_id)
+        fence, expires_at = taken[0]
+        lease = Lease(run_id, tenant_id, owner, fence, ttl, expires_at)
+        record(
+            Run(run_id=run_id, tenant_id=tenant_id),
+            RunEvent.LEASE_TAKEN,
+            lease.actor,
+            owner=owner,
+            fence=fence,
+            expires_at=expires_at.isoformat(),
+            previous_owner=previous_owner,
+            takeover=bool(previous_owner) and previous_owner != owner,
+            status=RunStatus.RUNNING,
+        )
+        return lease
+
+
+def _refuse(run_id: Any, tenant_id: int) -> None:
+    run = Run.objects.only("status").get(pk=run_id, tenant_id=tenant_id)
     if run.status == RunStatus.COMPLETED:
         raise AlreadyCompleted()
     if run.status in TERMINAL:
@@ -113,20 +191,29 @@ def _refuse(run_id: Any) -> None:
 
 def heartbeat(lease: Lease) -> datetime:
     """Extend the lease from now; StaleFence if another executor took the run."""
-    updated = Run.objects.filter(pk=lease.run_id, fence=lease.fence, lease_owner=lease.owner)
+    updated = Run.objects.filter(
+        pk=lease.run_id, tenant_id=lease.tenant_id, fence=lease.fence, lease_owner=lease.owner
+    )
     if updated.update(lease_expires_at=db_now_plus(lease.ttl)) != 1:
         refuse_stale(lease, "heartbeat")
-    return Run.objects.values_list("lease_expires_at", flat=True).get(pk=lease.run_id)
+    return Run.objects.values_list("lease_expires_at", flat=True).get(
+        pk=lease.run_id, tenant_id=lease.tenant_id
+    )
 
 
 def release(lease: Lease, *, requeue: bool = False) -> None:
     """Give the lease up (graceful stop). A running run goes back to queued for the next one."""
     with transaction.atomic(durable=True):
-        mine = Run.objects.filter(pk=lease.run_id, fence=lease.fence, lease_owner=lease.owner)
+        mine = Run.objects.filter(
+            statements.tenant_check(lease.tenant_id),
+            pk=lease.run_id,
+            fence=lease.fence,
+            lease_owner=lease.owner,
+        )
         changes: dict[str, Any] = {"lease_owner": "", "lease_expires_at": None}
         requeued = mine.filter(status=RunStatus.RUNNING).update(status=RunStatus.QUEUED, **changes)
         if requeued:
-            run = Run.objects.get(pk=lease.run_id)
+            run = Run.objects.get(pk=lease.run_id, tenant_id=lease.tenant_id)
             record(
                 run,
                 RunEvent.LEASE_RELEASED,
@@ -145,7 +232,7 @@ def release(lease: Lease, *, requeue: bool = False) -> None:
 
 def refuse_stale(lease: Lease, what: str) -> None:
     """Journal the refused write (outside the failed transaction), then raise StaleFence."""
-    run = Run.objects.filter(pk=lease.run_id).first()
+    run = Run.objects.filter(pk=lease.run_id, tenant_id=lease.tenant_id).first()
     if run is not None:
         with transaction.atomic():
             record(

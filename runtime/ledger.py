@@ -9,6 +9,7 @@ Network calls live in `runtime.dispatch`; this module only writes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
@@ -18,7 +19,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
-from runtime import gates
+from runtime import gates, statements
 from runtime.errors import (
     ActionCancelled,
     ApprovalExpired,
@@ -30,8 +31,7 @@ from runtime.errors import (
     StaleGoalRev,
 )
 from runtime.events import RunEvent, record
-from runtime.leases import db_now_plus
-from runtime.models import UNSENT, Action, ActionStatus, Run, RunStatus
+from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
 from runtime.tools import Tool
 
 S = ActionStatus
@@ -75,23 +75,51 @@ def journal_params(tool: Tool, params: dict[str, Any]) -> dict[str, Any]:
     return {k: ({"sha256": digest(v)} if k in tool.sensitive else v) for k, v in params.items()}
 
 
-def fenced(run_id: Any, fence: int) -> None:
+@dataclass(frozen=True)
+class RunRef:
+    """What a journal record needs of a run — its id and its tenant — without a model."""
+
+    run_id: Any
+    tenant_id: int
+
+
+def fenced(run_id: Any, fence: int, tenant_id: int | None = None) -> None:
     """Inside a transaction: proceed only if `fence` still owns the run (row-locking it)."""
-    if Run.objects.filter(pk=run_id, fence=fence).update(updated_at=Now()) != 1:
+    where: dict[str, Any] = {"run_id": run_id, "fence": fence}
+    if tenant_id is not None:
+        where["tenant_id"] = statements.Check(tenant_id)
+    if statements.update(Run, {"updated_at": statements.NOW}, where) != 1:
         raise StaleFence(f"fence {fence} no longer owns run {run_id}")
 
 
-def transition(action: Action, target: str, actor: str, **changes: Any) -> Action:
-    """Compare-and-swap the action into `target` from any status allowed to reach it."""
-    moved = Action.objects.filter(pk=action.pk, status__in=sources(target)).update(
-        status=target, updated_at=Now(), **changes
+def _absorb(action: Action, row: list[Any]) -> Action:
+    """The row as the database now holds it, written onto the instance (a refresh)."""
+    action.__dict__.update(zip(statements.attnames(Action), row, strict=True))
+    return action
+
+
+def _move(action: Action, target: str, changes: dict[str, Any], **where: Any) -> bool:
+    """The compare-and-swap itself; on success the instance holds the row as stored."""
+    rows = statements.update(
+        Action,
+        {"status": target, "updated_at": statements.NOW, **changes},
+        {
+            "action_id": action.pk,
+            "tenant_id": statements.Check(action.tenant_id),
+            "status": sources(target),
+            **where,
+        },
+        returning=statements.attnames(Action),
     )
-    if moved != 1:
-        current = Action.objects.filter(pk=action.pk).values_list("status", flat=True).first()
-        raise InvalidTransition(f"action is {current}, cannot become {target}")
-    run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
+    if len(rows) != 1:
+        return False
+    _absorb(action, rows[0])
+    return True
+
+
+def _record_outcome(action: Action, target: str, actor: str, changes: dict[str, Any]) -> None:
     record(
-        run,
+        RunRef(action.run_id, action.tenant_id),
         RunEvent.ACTION_OUTCOME,
         actor,
         action_id=str(action.action_id),
@@ -100,7 +128,21 @@ def transition(action: Action, target: str, actor: str, **changes: Any) -> Actio
         action_status=target,
         **{k: v for k, v in changes.items() if k in ("external_id", "last_error")},
     )
-    action.refresh_from_db()
+
+
+def transition(action: Action, target: str, actor: str, **changes: Any) -> Action:
+    """Compare-and-swap the action into `target` from any status allowed to reach it.
+
+    Database-time values are `statements.NOW` / `statements.DbNow(seconds)`. The instance is
+    refreshed from the updated row itself (no second read)."""
+    if not _move(action, target, changes):
+        current = (
+            Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id)
+            .values_list("status", flat=True)
+            .first()
+        )
+        raise InvalidTransition(f"action is {current}, cannot become {target}")
+    _record_outcome(action, target, actor, changes)
     return action
 
 
@@ -116,13 +158,17 @@ def create_action(
     target: str,
     actor: str,
     needs_approval: bool,
+    canonical: tuple[str, str] | None = None,
 ) -> Action:
-    """Insert a prepared action (inside the step's checkpoint transaction)."""
-    text, fingerprint = canonical_params(params)
+    """Insert a prepared action (inside the step's checkpoint transaction).
+
+    `canonical`: the (text, fingerprint) the caller already computed from `params`."""
+    text, fingerprint = canonical or canonical_params(params)
     key = idempotency_key(run, step, call_index)
-    action = Action.objects.create(
+    now = timezone.now()
+    action = Action(
         tenant_id=run.tenant_id,
-        run=run,
+        run_id=run.run_id,
         idempotency_key=key,
         tool=tool.name,
         tool_version=tool.version,
@@ -136,7 +182,13 @@ def create_action(
         target=target[:300],
         status=S.AWAITING_APPROVAL if needs_approval else S.PREPARED,
         requested_fingerprint=fingerprint,
+        created_at=now,
+        updated_at=now,
     )
+    names = statements.attnames(Action)
+    statements.insert(Action, [{name: action.__dict__[name] for name in names}])
+    action._state.adding = False
+    action._state.db = transaction.get_connection().alias
     record(
         run,
         RunEvent.ACTION_PREPARED,
@@ -167,7 +219,7 @@ def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Actio
     return action
 
 
-def check_dispatchable(action_id: Any, fence: int) -> Action:
+def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None) -> Action:
     """Refuse to send an action whose revision is stale or whose run moved to another fence.
 
     Locks the action and run rows so a concurrent goal revision cannot slip in between the
@@ -175,11 +227,12 @@ def check_dispatchable(action_id: Any, fence: int) -> Action:
     """
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("check_dispatchable must run inside the dispatch transaction")
+    scope = {} if tenant_id is None else {"tenant_id": tenant_id}
     # Lock order run → action, the same as a goal revision's (run, then its actions):
     # the opposite order deadlocks against a concurrent revision.
-    run_id = Action.objects.values_list("run_id", flat=True).get(pk=action_id)
-    run = Run.objects.select_for_update().get(pk=run_id)
-    action = Action.objects.select_for_update().get(pk=action_id)
+    run_id = Action.objects.values_list("run_id", flat=True).get(pk=action_id, **scope)
+    run = Run.objects.select_for_update().get(pk=run_id, **scope)
+    action = Action.objects.select_for_update().get(pk=action_id, **scope)
     if action.status == S.CANCELLED:
         raise ActionCancelled("the action was cancelled")
     finished = run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
@@ -194,27 +247,60 @@ def check_dispatchable(action_id: Any, fence: int) -> Action:
     return action
 
 
+def _unheld_goal_rev(action: Action, fence: int) -> int | None:
+    """The fast path's checks, under the run's row lock: the run's goal_rev if the action may
+    be marked sent without consulting a hold point, else None (take the full path).
+
+    The same refusals as `check_dispatchable` (finished run, stale revision or fence), and
+    the hold-point question asked the cheap way first: does any approval request exist for
+    this action, or any active policy for its tool in its tenant? Only when neither does —
+    and the tool declares no approval itself — is the full re-check certain to let it go.
+    The action's status is checked by the compare-and-swap that marks it.
+    """
+    rows = statements.select(
+        Run,
+        ("fence", "goal_rev", "status"),
+        {"run_id": action.run_id, "tenant_id": statements.Check(action.tenant_id)},
+        for_update=True,
+    )
+    if not rows:
+        return None
+    run_fence, goal_rev, status = rows[0]
+    if run_fence != fence or goal_rev != action.goal_rev:
+        return None
+    if status in TERMINAL and action.step != "standalone":
+        return None
+    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action):
+        return None
+    return int(goal_rev)
+
+
 def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
     """Commit `sent` before the request leaves. Until `in_flight_until` (this sender's lease
     plus the tool's longest request) nobody may conclude the request did not arrive.
 
-    The hold-point re-check runs in the same transaction, with the action row locked: an
+    The hold-point re-check runs in the same transaction, with the run row locked: an
     approval that no longer binds this exact action (hash, expiry, the decider's permission)
-    is superseded and a new request raised — committed — and the send is refused.
+    is superseded and a new request raised — committed — and the send is refused. When no
+    hold point can apply (no request for the action, no policy for its tool) a cheap check
+    says so and the action is swapped to `sent` directly; anything else takes the full path
+    with the action row locked too.
     """
+    changes: dict[str, Any] = {
+        "sent_fence": fence,
+        "sent_at": statements.NOW,
+        "in_flight_until": statements.DbNow(ttl + tool.timeout),
+        "attempts": statements.Add(1),
+    }
     with transaction.atomic(durable=True):
-        action = check_dispatchable(action.action_id, fence)
+        goal_rev = _unheld_goal_rev(action, fence)
+        if goal_rev is not None and _move(action, S.SENT, changes, goal_rev=goal_rev):
+            _record_outcome(action, S.SENT, actor, changes)
+            return action
+        action = check_dispatchable(action.action_id, fence, action.tenant_id)
         refusal = gates.dispatch_gate(action, actor)
         if refusal is None:
-            return transition(
-                action,
-                S.SENT,
-                actor,
-                sent_fence=fence,
-                sent_at=Now(),
-                in_flight_until=db_now_plus(ttl + tool.timeout),
-                attempts=action.attempts + 1,
-            )
+            return transition(action, S.SENT, actor, **changes)
     raise (ApprovalExpired if refusal == ApprovalExpired.code else ApprovalRequired)(
         f"{action.tool} cannot be sent: {refusal.replace('_', ' ')}"
     )
@@ -223,7 +309,7 @@ def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) ->
 def hold_again(action: Action, actor: str) -> Action:
     """Back to awaiting_approval (an approval stopped binding); a new request is raised."""
     action = transition(action, S.AWAITING_APPROVAL, actor)
-    gates.hold(action, Run.objects.get(pk=action.run_id), actor)
+    gates.hold(action, Run.objects.get(pk=action.run_id, tenant_id=action.tenant_id), actor)
     return action
 
 
@@ -279,12 +365,13 @@ def record_late_result(
     result belongs to the old goal, so it never advances the new revision's steps.
     """
     with transaction.atomic():
-        run = Run.objects.select_for_update().get(pk=action.run_id)
+        run = Run.objects.select_for_update().get(pk=action.run_id, tenant_id=action.tenant_id)
         changes: dict[str, Any] = {"result": result}
         target = {"applied": S.CONFIRMED, "confirmed": S.CONFIRMED}.get(outcome)
         if target and external_id and action.status in sources(target):
             changes.update(status=target, external_id=external_id)
-        Action.objects.filter(pk=action.pk).update(**changes, updated_at=Now())
+        mine = Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id)
+        mine.update(**changes, updated_at=Now())
         record(
             run,
             RunEvent.LATE_RESULT_IGNORED,
@@ -294,8 +381,20 @@ def record_late_result(
             action_goal_rev=action.goal_rev,
             run_goal_rev=run.goal_rev,
         )
-    action.refresh_from_db()
-    return action
+    return reload(action)
+
+
+def reload(action: Action) -> Action:
+    """`refresh_from_db`, by id *and* tenant (defence in depth: a worker reads nothing of
+    another tenant even by a wrong id)."""
+    row = statements.select(
+        Action,
+        statements.attnames(Action),
+        {"action_id": action.pk, "tenant_id": statements.Check(action.tenant_id)},
+    )
+    if not row:
+        raise Action.DoesNotExist(f"action {action.pk} is gone")
+    return _absorb(action, row[0])
 
 
 def resolve(

@@ -28,6 +28,7 @@ from runtime.graphs import registry
 from runtime.ledger import cancel_older_revisions
 from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.queue import ring
+from runtime.statements import tenant_check
 
 # What `resume_run` wakes besides a timer wait; pages use it to decide whether to offer it.
 RESUMABLE = frozenset({RunStatus.NEEDS_ATTENTION, RunStatus.RETRYING})
@@ -101,7 +102,7 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
     """Stop a run for good; unsent actions are withdrawn, an executor's next write is refused."""
     with transaction.atomic(durable=True):
         changed = (
-            Run.objects.filter(pk=run.pk)
+            Run.objects.filter(pk=run.pk, tenant_id=run.tenant_id)
             .exclude(status__in=TERMINAL)
             .update(
                 status=RunStatus.CANCELLED,
@@ -115,7 +116,7 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
         run.refresh_from_db()
         if changed != 1:
             raise RunFinished(f"the run is {run.status}")
-        withdrawn = Action.objects.filter(run=run, status__in=UNSENT)
+        withdrawn = Action.objects.filter(tenant_check(run.tenant_id), run=run, status__in=UNSENT)
         ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
         withdrawn.update(status=ActionStatus.CANCELLED, last_error="run cancelled")
         gates.withdrawn(ids, "run cancelled", actor)
@@ -135,7 +136,10 @@ def provide_input(run: Run, data: Any, expected_rev: int, *, actor: str) -> Run:
     _json_value(data, "data")
     with transaction.atomic(durable=True):
         changed = Run.objects.filter(
-            pk=run.pk, status=RunStatus.WAITING_INPUT, checkpoint_rev=expected_rev
+            tenant_check(run.tenant_id),
+            pk=run.pk,
+            status=RunStatus.WAITING_INPUT,
+            checkpoint_rev=expected_rev,
         ).update(status=RunStatus.QUEUED, pending_input=data, waiting_for=None, updated_at=Now())
         run.refresh_from_db()
         if changed != 1:
@@ -153,12 +157,12 @@ def resume_run(run: Run, *, actor: str, expected_rev: int | None = None) -> Run:
     A completed run answers AlreadyCompleted — it never starts a second execution.
     """
     with transaction.atomic(durable=True):
-        current = Run.objects.select_for_update().get(pk=run.pk)
+        current = Run.objects.select_for_update().get(pk=run.pk, tenant_id=run.tenant_id)
         _finished(current)
         if expected_rev is not None and current.checkpoint_rev != expected_rev:
             raise VersionConflict(f"checkpoint_rev is {current.checkpoint_rev}")
         wakeable = Q(status__in=RESUMABLE) | Q(status=RunStatus.QUEUED, wake_at__isnull=False)
-        changed = Run.objects.filter(wakeable, pk=run.pk).update(
+        changed = Run.objects.filter(wakeable, tenant_check(run.tenant_id), pk=run.pk).update(
             status=RunStatus.QUEUED,
             wake_at=None,
             consecutive_failures=0,
@@ -188,7 +192,7 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
     """
     _json_value(goal, "goal")
     with transaction.atomic(durable=True):
-        current = Run.objects.select_for_update().get(pk=run.pk)
+        current = Run.objects.select_for_update().get(pk=run.pk, tenant_id=run.tenant_id)
         if current.status in TERMINAL:
             raise RunFinished(f"the run is {current.status}")
         if current.goal_rev != expected_goal_rev:
@@ -200,7 +204,9 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
             changes.update(
                 status=RunStatus.QUEUED, waiting_for=None, wake_at=None, pending_input=None
             )
-        Run.objects.filter(pk=run.pk, goal_rev=expected_goal_rev).update(**changes)
+        Run.objects.filter(pk=run.pk, tenant_id=run.tenant_id, goal_rev=expected_goal_rev).update(
+            **changes
+        )
         record(
             current,
             RunEvent.GOAL_REVISED,
@@ -224,9 +230,10 @@ def wake_from_approval(run: Run, actor: str, reason: str = "approval decided") -
     second sees the other's change, so a decision made while the run was still parking can
     never leave it waiting forever.
     """
-    woken = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
-        status=RunStatus.QUEUED, waiting_for=None, updated_at=Now()
+    waiting = Run.objects.filter(
+        tenant_check(run.tenant_id), pk=run.pk, status=RunStatus.WAITING_APPROVAL
     )
+    woken = waiting.update(status=RunStatus.QUEUED, waiting_for=None, updated_at=Now())
     if woken:
         record(run, RunEvent.WOKEN, actor, reason=reason, status=RunStatus.QUEUED)
         ring(run.pk)

@@ -1,0 +1,510 @@
+"""What a durable step and a side effect cost the database — counted, so a regression fails —
+and proof that the shortcuts behind those numbers keep every guarantee.
+
+Counts are marginal (a longer run minus a shorter one), so they measure the steady state of
+a step or an action, not the lease taken once per run. Statements are what Django sends
+(BEGIN excluded: SQLite sends it as a statement, PostgreSQL's driver does not); durable
+transactions are commits of the database connection.
+
+The shortcuts: the executor carries the journal head through its own appends instead of
+re-reading it; a step visit that just began does not look for an earlier action; `sent` is
+marked without the full hold-point re-check when a cheap indexed question says no hold
+point can apply; checkpoints keep an unchanged state as one reference. Each has a test here
+that tries to break what it must not break.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from approvals.models import ApprovalPolicy, ApprovalRequest
+from audit import journal
+from audit.canonical import CanonicalError, canonical_bytes
+from audit.models import JournalEntry
+from runtime import ledger
+from runtime.artifacts import INLINE_LIMIT, Encoder, resolve
+from runtime.context import StepContext
+from runtime.errors import StaleFence
+from runtime.events import RunEvent, record
+from runtime.executor import advance_run
+from runtime.graphs import Complete, Graph, Next, Outcome, register
+from runtime.leases import take_lease
+from runtime.lifecycle import create_run, revise_goal
+from runtime.models import Action, ActionStatus, Checkpoint, Run, RunStatus, Tenant
+from runtime.tools import CallResult, Tool, register_tool
+from tests.runtime.helpers import expire_lease
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# --- graphs and a local tool ------------------------------------------------------------------
+
+tick = Graph("perf-tick", version="1")
+
+
+@tick.step(start=True)
+def count(ctx: StepContext) -> Outcome:
+    i = ctx.state.get("i", 0) + 1
+    if i >= int(ctx.goal["steps"]):
+        return Complete(update={"i": i})
+    return Next("count", update={"i": i})
+
+
+register(tick)
+
+CALLS: list[str] = []  # idempotency keys the local tool was called with
+BEFORE_SEND: list[Callable[[], None]] = []  # run once, at the seam before `sent` is marked
+
+
+def _before_send(params: dict[str, Any]) -> None:
+    while BEFORE_SEND:
+        BEFORE_SEND.pop(0)()
+
+
+class Ledgered(Tool):
+    """Applies at once with a synthetic id; counts its calls (the oracle for 'sent?')."""
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        CALLS.append(key)
+        return CallResult("applied", external_id=f"x-{key}", result={"ok": True})
+
+
+register_tool(Ledgered(name="perf.effect", schema={"type": "object"}, precheck=_before_send))
+
+MAX_ACTS = 20
+acts = Graph("perf-acts", version="1", tools=("perf.effect",))
+
+
+def act_once(ctx: StepContext) -> Outcome:
+    i = ctx.state.get("i", 0) + 1
+    ctx.act("perf.effect", {"n": i, "pad": ctx.goal.get("pad", "")}, reason="perf")
+    update = {"i": i, "pad": ctx.goal["pad"]} if ctx.goal.get("pad") else {"i": i}
+    if i >= int(ctx.goal["steps"]):
+        return Complete(update=update)
+    return Next(f"act_{i + 1}", update=update)
+
+
+for _k in range(1, MAX_ACTS + 1):  # each visit its own step: the bench-act shape
+    acts.step(act_once, name=f"act_{_k}", start=_k == 1)
+register(acts)
+
+
+@pytest.fixture(autouse=True)
+def _clean_seams() -> Iterator[None]:
+    CALLS.clear()
+    BEFORE_SEND.clear()
+    yield
+    BEFORE_SEND.clear()
+
+
+# --- counting -----------------------------------------------------------------------------
+
+
+# Transaction control, logged as queries on SQLite only: counted as commits instead.
+_NOT_STATEMENTS = ("BEGIN", "COMMIT", "ROLLBACK")
+
+
+@contextmanager
+def counted() -> Iterator[dict[str, Any]]:
+    """Statements Django sends (transaction control excluded) and durable transactions — the
+    commits of the connection, and each statement that writes outside a transaction (its
+    own implicit one), while the block runs."""
+    seen: dict[str, Any] = {"commits": 0}
+    real = connection.commit
+
+    def commit() -> None:
+        seen["commits"] += 1
+        real()
+
+    def autocommit_writes(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not connection.in_atomic_block and _WRITES.match(sql):
+            seen["commits"] += 1
+        return execute(sql, params, many, context)
+
+    connection.commit = commit  # a spy: the commit still happens
+    try:
+        with CaptureQueriesContext(connection) as captured:
+            with connection.execute_wrapper(autocommit_writes):
+                yield seen
+    finally:
+        del connection.commit
+    seen["sql"] = [
+        q["sql"] for q in captured.captured_queries if not q["sql"].startswith(_NOT_STATEMENTS)
+    ]
+
+
+_WRITES = re.compile(r"\s*(INSERT|UPDATE|DELETE|WITH\b.*\b(INSERT|UPDATE|DELETE)\b)", re.S)
+
+
+def cost(tenant: Tenant, graph: str, steps: int, **goal: Any) -> dict[str, Any]:
+    run = create_run(tenant, graph, {"steps": steps, **goal}, actor="t")
+    with counted() as seen:
+        result = advance_run(run.run_id, "w", slice_seconds=600)
+    assert result.outcome == "completed", result
+    return seen
+
+
+def marginal(tenant: Tenant, graph: str, short: int, long: int) -> dict[str, float]:
+    a, b = cost(tenant, graph, short), cost(tenant, graph, long)
+    n = long - short
+    return {
+        "statements": (len(b["sql"]) - len(a["sql"])) / n,
+        "commits": (b["commits"] - a["commits"]) / n,
+        "head_reads": (_head_reads(b["sql"]) - _head_reads(a["sql"])) / n,
+    }
+
+
+def _head_reads(statements: list[str]) -> int:
+    return sum(1 for s in statements if s.startswith("SELECT") and "audit_streamhead" in s)
+
+
+# SQLite: the run CAS, the checkpoint, the head swap, the journal entry. PostgreSQL: all four
+# in one statement, its own transaction (audit.journal.append_after).
+STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
+# An action: the prepare-time policy read; the prepare checkpoint (run CAS + checkpoint, the
+# action, head swap + entries); `sent` (run lock, hold-point question, the action's CAS, head
+# swap + entry); the outcome checkpoint (run CAS + checkpoint, the action's CAS, head swap +
+# entries); the step commit. PostgreSQL sends each "+" as one statement.
+ACTION_STATEMENTS = {"postgresql": 12, "sqlite": 20}
+
+
+def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
+    per_step = marginal(tenant_a, "perf-tick", 5, 25)
+    assert per_step["commits"] == 1
+    assert per_step["statements"] <= STEP_STATEMENTS[connection.vendor], per_step
+    assert per_step["head_reads"] == 0  # the executor carries the head through
+
+
+def test_an_action_is_four_transactions_and_reads_no_journal_head(
+    tenant_a: Tenant,
+) -> None:
+    per_action = marginal(tenant_a, "perf-acts", 2, 8)
+    # prepare, sent (required before the request leaves), outcome (required), step commit
+    assert per_action["commits"] == 4
+    assert per_action["statements"] <= ACTION_STATEMENTS[connection.vendor], per_action
+    assert per_action["head_reads"] == 0
+
+
+def test_every_statement_of_a_step_names_the_run_and_its_fence(tenant_a: Tenant) -> None:
+    """The cheaper statements are still the fenced compare-and-swap: a stale executor's
+    step commit changes nothing (asserted on the SQL the commit sends)."""
+    seen = cost(tenant_a, "perf-tick", 3)
+    cas = [s for s in seen["sql"] if "UPDATE" in s and "runtime_run" in s and "checkpoint_rev" in s]
+    assert cas and all('"fence" = ' in s and '"checkpoint_rev" = ' in s for s in cas)
+
+
+# --- the journal head the executor carries -------------------------------------------------
+
+
+def _append(stream: str, tenant: Tenant, label: str) -> None:
+    with transaction.atomic():
+        journal.append(stream, "note", tenant_id=tenant.id, actor=label, payload={"n": label})
+
+
+def _in_other_thread(work: Callable[[], None]) -> None:
+    def run() -> None:
+        try:
+            work()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_remembered_head_that_moved_falls_back_to_the_locked_head(tenant_a: Tenant) -> None:
+    stream = "perf:moved"
+    with journal.owning(stream):
+        _append(stream, tenant_a, "mine-1")  # remembered: seq 1
+        _in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # seq 2, elsewhere
+        _append(stream, tenant_a, "mine-2")  # the remembered head is stale: must not fork
+    entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
+    assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
+    assert journal.verify_stream(stream) is None
+
+
+def test_a_head_remembered_from_a_rolled_back_transaction_never_matches(
+    tenant_a: Tenant,
+) -> None:
+    """The swap names seq *and* hash: after a rollback another writer takes the same seq;
+    a swap on seq alone would chain the next entry onto an entry that does not exist."""
+    stream = "perf:rolled-back"
+    with journal.owning(stream):
+        _append(stream, tenant_a, "mine-1")
+        with transaction.atomic():
+            journal.append(stream, "note", tenant_id=tenant_a.id, actor="lost", payload={})
+            transaction.set_rollback(True)  # remembered seq 2 "lost" never committed
+        _in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # takes seq 2
+        _append(stream, tenant_a, "mine-2")
+    entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
+    assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
+    assert journal.verify_stream(stream) is None
+
+
+def test_a_batch_is_chained_and_written_together(tenant_a: Tenant) -> None:
+    stream = "perf:batch"
+    with transaction.atomic(), journal.batched(stream):
+        for n in range(3):
+            journal.append(stream, "note", tenant_id=tenant_a.id, actor=f"a{n}", payload={})
+        assert not JournalEntry.objects.filter(stream=stream).exists()  # not yet
+    assert list(
+        JournalEntry.objects.filter(stream=stream).order_by("seq").values_list("actor", "seq")
+    ) == [("a0", 1), ("a1", 2), ("a2", 3)]
+    assert journal.verify_stream(stream) is None
+
+
+def test_a_batch_that_fails_writes_nothing(tenant_a: Tenant) -> None:
+    stream = "perf:batch-fails"
+    with pytest.raises(RuntimeError), transaction.atomic(), journal.batched(stream):
+        journal.append(stream, "note", tenant_id=tenant_a.id, actor="a", payload={})
+        raise RuntimeError("the change failed")
+    assert not JournalEntry.objects.filter(stream=stream).exists()
+    _append(stream, tenant_a, "after")
+    assert journal.verify_stream(stream) is None
+
+
+def test_an_executor_and_a_reviewer_interleave_on_a_run_stream(tenant_a: Tenant) -> None:
+    """Someone else appends to the run's stream between two of the executor's steps (as a
+    decision does): the executor's next commit must chain after it."""
+    run = create_run(tenant_a, "perf-tick", {"steps": 4}, actor="t")
+    appended = threading.Event()
+
+    def interleave() -> None:
+        def other() -> None:
+            with transaction.atomic():
+                record(Run.objects.get(pk=run.pk), RunEvent.WOKEN, "user:r", reason="x")
+            appended.set()
+
+        _in_other_thread(other)
+
+    original = tick.steps["count"]
+
+    def step(ctx: StepContext) -> Outcome:
+        if ctx.state.get("i") == 1 and not appended.is_set():
+            interleave()
+        return original(ctx)
+
+    tick.steps["count"] = step
+    try:
+        assert advance_run(run.run_id, "w", slice_seconds=60).outcome == "completed"
+    finally:
+        tick.steps["count"] = original
+    assert appended.is_set()
+    assert journal.verify_stream(journal.run_stream(run.run_id)) is None
+
+
+# --- a fresh step visit does not look for an earlier action ---------------------------------
+
+
+def test_an_action_of_this_visit_that_exists_after_all_is_found_not_duplicated(
+    tenant_a: Tenant,
+) -> None:
+    """The lookup is skipped for a visit that just began; if an action with its key exists
+    anyway, the unique key refuses a second one and the step gets the first one's result —
+    and the tool is not called again."""
+    run = create_run(tenant_a, "perf-acts", {"steps": 1}, actor="t")
+    text, fingerprint = ledger.canonical_params({"n": 1, "pad": ""})
+    Action.objects.create(
+        tenant=tenant_a,
+        run=run,
+        idempotency_key=ledger.idempotency_key(run, "act_1", 1),
+        tool="perf.effect",
+        params=text,
+        fingerprint=fingerprint,
+        requested_fingerprint=fingerprint,
+        goal_rev=1,
+        fence=0,
+        step="act_1",
+        call_index=1,
+        status=ActionStatus.CONFIRMED,
+        external_id="earlier",
+    )
+    assert advance_run(run.run_id, "w", slice_seconds=60).outcome == "completed"
+    assert CALLS == []
+    assert Action.objects.filter(run=run).count() == 1
+
+
+# --- `sent` without the full re-check only when nothing can hold the action -----------------
+
+
+def _one_action_run(tenant: Tenant) -> Run:
+    return create_run(tenant, "perf-acts", {"steps": 1}, actor="t")
+
+
+def test_a_policy_added_between_prepare_and_send_still_holds_the_action(
+    tenant_a: Tenant,
+) -> None:
+    BEFORE_SEND.append(
+        lambda: ApprovalPolicy.objects.create(tenant=tenant_a, name="hold", tool="perf.effect")
+    )
+    run = _one_action_run(tenant_a)
+    result = advance_run(run.run_id, "w", slice_seconds=60)
+    run.refresh_from_db()
+    action = Action.objects.get(run=run)
+    assert (result.outcome, run.status) == ("waiting", RunStatus.WAITING_APPROVAL)
+    assert action.status == ActionStatus.AWAITING_APPROVAL
+    assert ApprovalRequest.objects.filter(action=action, status="pending").exists()
+    assert CALLS == []
+
+
+def test_a_policy_of_another_tenant_does_not_hold_the_action(
+    tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    ApprovalPolicy.objects.create(tenant=tenant_b, name="hold", tool="perf.effect")
+    run = _one_action_run(tenant_a)
+    assert advance_run(run.run_id, "w", slice_seconds=60).outcome == "completed"
+    assert len(CALLS) == 1
+
+
+def test_a_takeover_between_prepare_and_send_stops_the_old_executor(tenant_a: Tenant) -> None:
+    run = _one_action_run(tenant_a)
+
+    def take_over() -> None:
+        def other() -> None:
+            expire_lease(run)
+            take_lease(run.run_id, "w2", ttl=30)
+
+        _in_other_thread(other)
+
+    BEFORE_SEND.append(take_over)
+    result = advance_run(run.run_id, "w1", slice_seconds=60)
+    assert result.outcome == "stale"
+    assert CALLS == []
+    assert Action.objects.get(run=run).status == ActionStatus.PREPARED
+
+
+def test_a_goal_revision_between_prepare_and_send_sends_nothing(tenant_a: Tenant) -> None:
+    run = _one_action_run(tenant_a)
+
+    def revise() -> None:
+        _in_other_thread(
+            lambda: revise_goal(Run.objects.get(pk=run.pk), {"steps": 1}, 1, actor="user:t")
+        )
+
+    BEFORE_SEND.append(revise)
+    advance_run(run.run_id, "w1", slice_seconds=60)
+    first = Action.objects.filter(run=run, goal_rev=1).get()
+    assert first.status == ActionStatus.CANCELLED
+    assert all(not key.split(":")[1] == "1" for key in CALLS)  # nothing of goal_rev 1 sent
+
+
+def test_a_stale_fence_is_refused_by_mark_sent_itself(tenant_a: Tenant) -> None:
+    """The ledger function on its own (no executor): the fast path must refuse as the full
+    one does."""
+    run = _one_action_run(tenant_a)
+    lease = take_lease(run.run_id, "w1", ttl=30)
+    text, fingerprint = ledger.canonical_params({"n": 1})
+    action = Action.objects.create(
+        tenant=tenant_a,
+        run=run,
+        idempotency_key="k-stale",
+        tool="perf.effect",
+        params=text,
+        fingerprint=fingerprint,
+        goal_rev=1,
+        fence=lease.fence,
+        step="act_1",
+        call_index=1,
+    )
+    expire_lease(run)
+    take_lease(run.run_id, "w2", ttl=30)
+    with pytest.raises(StaleFence):
+        ledger.mark_sent(action, lease.fence, 30, Ledgered(name="x"), lease.actor)
+    action.refresh_from_db()
+    assert action.status == ActionStatus.PREPARED and action.attempts == 0
+
+
+# --- an unchanged state is checkpointed as one reference -------------------------------------
+
+
+def test_checkpoints_around_an_action_refer_to_the_unchanged_state(tenant_a: Tenant) -> None:
+    """A state of a few hundred bytes stays inline in a step's checkpoint; the checkpoints
+    around the next step's action keep it as one reference to its blob, which decodes to
+    the same state."""
+    pad = "p" * 300
+    run = create_run(tenant_a, "perf-acts", {"steps": 2, "pad": pad}, actor="t")
+    assert advance_run(run.run_id, "w", slice_seconds=60).outcome == "completed"
+    by_step = {}
+    for c in Checkpoint.objects.filter(run=run).order_by("rev"):
+        by_step.setdefault(c.step, []).append(c)
+    step_commit, *_ = [c for c in by_step["act_1"] if c.next_step == "act_2"]
+    assert step_commit.state == {"i": 1, "pad": pad}  # a new state: inline
+    around = [c for c in by_step["act_2"] if c.next_step == "act_2"]
+    assert len(around) == 2  # prepare and outcome
+    for checkpoint in around:
+        assert set(checkpoint.state) == {"$ref"}
+        assert resolve(tenant_a.id, checkpoint.state) == {"i": 1, "pad": pad}
+
+
+# --- the faster canonical forms are the same bytes -------------------------------------------
+
+_valid = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
+_scalars = st.one_of(
+    st.text(),
+    st.integers(min_value=-(2**60), max_value=2**60),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+_json = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@pytest.mark.django_db(transaction=False)
+@settings(max_examples=500, deadline=None)
+@given(_json)
+def test_the_fast_canonical_form_is_canonical_bytes(value: Any) -> None:
+    """Journal hashes, checkpoint digests and artifact addresses go through a shortcut; it
+    must give the very bytes of `canonical_bytes` — or refuse exactly what it refuses (NUL,
+    lone surrogates, ints beyond ±2**53, NaN), else a chain written today fails to verify
+    tomorrow and an artifact is stored under another address."""
+    try:
+        expected: bytes | type[CanonicalError] = canonical_bytes(value)
+    except CanonicalError:
+        expected = CanonicalError
+    try:
+        got: bytes | type[CanonicalError] = journal.canonical(value)
+    except CanonicalError:
+        got = CanonicalError
+    assert got == expected
+
+
+@pytest.mark.django_db(transaction=False)
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        # (a user key that looks like the encoder's own is boxed, always: not this property)
+        st.text(_valid, max_size=40).filter(lambda k: k not in ("$ref", "$chunks")),
+        st.one_of(
+            st.text(_valid, max_size=120),
+            st.integers(-(2**53) + 1, 2**53 - 1),
+            st.booleans(),
+            st.none(),
+        ),
+        max_size=12,
+    )
+)
+def test_a_state_is_inline_exactly_when_it_is_small(state: dict[str, Any]) -> None:
+    """The encoder skips measuring objects it can bound: the result is still inline only
+    when the canonical form fits INLINE_LIMIT, and a reference otherwise."""
+    encoded = Encoder().encode(state)
+    if len(canonical_bytes(state)) <= INLINE_LIMIT:
+        assert encoded == state
+    else:
+        assert set(encoded) == {"$ref"}
