@@ -328,6 +328,9 @@ HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
 # Heartbeat from a side thread during long steps (every TTL/3). Tests that run the executor
 # inside pytest's open transaction switch it off: the side connection would wait on it.
 HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)
+# PostgreSQL: the worker's hot-path statements are bound on the server and prepared once per
+# connection (audit.journal.cursor). Turn off behind a pooler in transaction mode.
+HOLDPOINT_PG_PREPARE = env_bool("HOLDPOINT_PG_PREPARE", True)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
