@@ -16,10 +16,14 @@ HOLDPOINT_SWEEP_INTERVAL seconds ×U(0.75, 1.25), exactly the loop of `sweep_for
 scheduled task runs; the django-q2 schedules in the bench database are pushed a day ahead
 so nothing else sweeps.
 
+The clusters of these samples run without their worker processes' own sweeper loops
+(HOLDPOINT_SWEEP_THREAD=0), so the bench's loop is the only sweeper.
+
 **As deployed** (one sample, `as_deployed=True`): the same kill, but nobody sweeps except
-the new cluster's own django-q2 scheduler, with the sweeper schedule due. django-q2 calls
-its scheduler 30 s after a cluster starts and every 30 s after that; the schedule is once
-a minute and `sweep_for` ticks for HOLDPOINT_SWEEP_WINDOW seconds of it.
+the new cluster itself: each of its worker processes runs a sweeper loop (every
+HOLDPOINT_SWEEP_INTERVAL, taking turns with the others through `SweeperTurn`), and its
+django-q2 scheduler has the sweeper schedule due (django-q2 calls its scheduler 30 s after
+a cluster starts and every 30 s after that: before the loops, that was the recovery time).
 
 **Storm.** 2,000 runs across 20 tenants are inserted in bulk as a crashed fleet leaves them:
 `running`, leased by one of 8 dead workers with the lease expired 30–90 s ago, fence 1,
@@ -87,7 +91,10 @@ class RecoveryBench:
         self.logs: list[Path] = []
 
     # --- clusters ------------------------------------------------------------------------
-    def start_cluster(self) -> Any:
+    def start_cluster(self, as_deployed: bool = False) -> Any:
+        """A cluster; unless `as_deployed`, without its worker processes' own sweeper loops
+        (HOLDPOINT_SWEEP_THREAD=0): the bench process is then the only sweeper, at the
+        configured pace, and counts its ticks and doorbells."""
         self.clusters += 1
         path = self.var_dir / f"qcluster-{self.clusters}.log"
         self.logs.append(path)
@@ -95,6 +102,7 @@ class RecoveryBench:
             self.database_url,
             str(self.var_dir),
             HOLDPOINT_LEASE_TTL=str(LEASE_TTL),
+            HOLDPOINT_SWEEP_THREAD="1" if as_deployed else "0",
             LOG_LEVEL="WARNING",
         )
         return start_process(
@@ -182,9 +190,9 @@ class RecoveryBench:
                 time.sleep(random.uniform(0, STEP_SLEEP * 2))  # anywhere in a step
                 killed_at = time.time()
                 kill_group(cluster)
-                if last:  # as deployed: the schedule is due, nobody else sweeps
+                if last:  # as deployed: the cluster's own sweeping, nobody else's
                     self.quiet_schedules(due_sweeper=True)
-                cluster = self.start_cluster()
+                cluster = self.start_cluster(as_deployed=last)
                 state = Run.objects.values("lease_expires_at", "fence").get(pk=run_id)
                 assert state["fence"] == fence, "the run moved on after the kill"
                 last_commit = (

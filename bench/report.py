@@ -131,7 +131,7 @@ def build(
             if rec.get("as_deployed"):
                 v = rec["as_deployed"]["recovery_seconds"]
                 target(
-                    "same, as deployed: only django-q2's own sweeper schedule (s)",
+                    "same, as deployed: only the new cluster's own sweeping (s)",
                     name,
                     v,
                     f"≤ {rec['target_seconds']}",
@@ -445,7 +445,9 @@ def recovery_section(doc: dict[str, Any]) -> list[str]:
             f"middle of a long run; a new one is started at once. Lease TTL **{ttl} s** "
             f"(HOLDPOINT_LEASE_TTL); the sweeper ticks every {interval} s ×U(0.75, 1.25) "
             "(HOLDPOINT_SWEEP_INTERVAL, the loop of `sweep_for`). Seconds from the kill; "
-            '"as deployed": nobody sweeps but the new cluster\'s own django-q2 schedule.',
+            '"as deployed": nobody sweeps but the new cluster itself (its worker processes\' '
+            "sweeper loops, taking turns, and its django-q2 schedule); in the other samples "
+            "and the storm the bench process is the only sweeper.",
             "",
             "| backend | sample | kill → next committed step | kill → lease expiry "
             "| expiry → takeover | takeover → commit |",

@@ -343,6 +343,10 @@ HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
 # runs); with a short queue every tick rings every due run (runtime/sweeper.py).
 HOLDPOINT_SWEEP_REDRIVE = env_int("HOLDPOINT_SWEEP_REDRIVE", 60, minimum=0)
 HOLDPOINT_SWEEP_WINDOW = env_int("HOLDPOINT_SWEEP_WINDOW", 20, minimum=0)
+# Each worker process also runs a sweeper loop (every INTERVAL, taking turns with the rest of
+# the fleet), so a crashed worker's run resumes within TTL + INTERVAL of the crash even right
+# after a cluster starts (django-q2's scheduler first fires 30 s after start).
+HOLDPOINT_SWEEP_THREAD = env_bool("HOLDPOINT_SWEEP_THREAD", True)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
 
 # --- Notifications ----------------------------------------------------------------------

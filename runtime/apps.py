@@ -16,3 +16,9 @@ class RuntimeConfig(AppConfig):
         from runtime import accounts
 
         accounts.connect()
+        from django_q.signals import post_spawn
+
+        from runtime.sweeper import start_in_worker
+
+        # Each django-q2 worker process runs a sweeper loop; they take turns (SweeperTurn).
+        post_spawn.connect(start_in_worker, dispatch_uid="holdpoint-sweeper-thread")

@@ -18,19 +18,22 @@ pusher holds messages its frozen workers never run) and ringing again is what re
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import DateTimeField, ExpressionWrapper, Q, Value
 from django.db.models.functions import Now
 
 from runtime import gates
 from runtime.leases import lease_free
-from runtime.models import RUNNABLE, Run
+from runtime.models import RUNNABLE, Run, SweeperTurn
 from runtime.queue import _enqueue
 
 
@@ -43,6 +46,7 @@ class SweepResult:
 # run_id -> (when this process rang it, the run's (fence, checkpoint_rev, status) then)
 _rung: dict[str, tuple[float, tuple[Any, ...]]] = {}
 clock = time.monotonic  # module attributes so tests can move them
+log = logging.getLogger("holdpoint.sweeper")
 
 
 def queue_backlog() -> int:
@@ -109,17 +113,96 @@ def sweep_once(
     return SweepResult(rung=len(chosen), due=len(found))
 
 
-def sweep_for(seconds: float, interval: float) -> int:
+TURN = "sweeper"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def take_turn(interval: float, holder: str = "") -> bool:
+    """True if this tick is the fleet's sweep: it moved the turn's `next_at` from the past
+    to about `interval` from now (database clock: hosts' clocks may disagree). 0.8 of the
+    interval, so that the next jittered tick (at least 0.75 of it later) of any process
+    finds the turn free: the fleet sweeps about once per interval."""
+    later = ExpressionWrapper(
+        Now() + Value(timedelta(seconds=interval * 0.8)), output_field=DateTimeField()
+    )
+    for _ in range(2):
+        moved = SweeperTurn.objects.filter(name=TURN, next_at__lte=Now()).update(
+            next_at=later, holder=holder[:200]
+        )
+        if moved:
+            return True
+        _, created = SweeperTurn.objects.get_or_create(name=TURN, defaults={"next_at": _EPOCH})
+        if not created:
+            return False
+    return False
+
+
+def sweep_turn(interval: float, holder: str = "") -> SweepResult | None:
+    """A sweep if it is this process's turn, else None."""
+    if not take_turn(interval, holder):
+        return None
+    return sweep_once()
+
+
+class SweeperThread(threading.Thread):
+    """The sweeper loop inside a worker process: tick every interval (jittered), sweep when
+    it is this process's turn (`take_turn`). Started for each django-q2 worker process
+    (`start_in_worker`), so recovery does not wait for the scheduler; the scheduled task
+    takes turns the same way and is only the fallback."""
+
+    def __init__(self, interval: float, holder: str) -> None:
+        super().__init__(name="holdpoint-sweeper", daemon=True)
+        self.interval = interval
+        self.holder = holder
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from django.db import close_old_connections, connection
+
+        try:
+            while not self.stop.wait(self.interval * random.uniform(0.75, 1.25)):
+                try:
+                    close_old_connections()
+                    sweep_turn(self.interval, self.holder)
+                except Exception:  # noqa: BLE001 - the loop must outlive a bad tick
+                    log.exception("sweeper tick failed; trying again next tick")
+                    connection.close()
+        finally:
+            connection.close()
+
+
+_thread: SweeperThread | None = None
+
+
+def start_in_worker(**_: Any) -> None:
+    """django-q2's post_spawn (sent in each new worker process): start its sweeper loop."""
+    global _thread
+    if not settings.HOLDPOINT_SWEEP_THREAD or (_thread is not None and _thread.is_alive()):
+        return
+    from runtime.executor import worker_id
+
+    _thread = SweeperThread(settings.HOLDPOINT_SWEEP_INTERVAL, f"sweeper:{worker_id()}")
+    _thread.start()
+
+
+def sweep_for(seconds: float, interval: float, *, turns: bool = False) -> int:
     """Tick every `interval` (with jitter) for about `seconds`; returns how many were rung.
 
     django-q2 schedules have minute granularity; a crashed worker's run must be picked up
     within seconds of its lease expiring, so the scheduled task keeps ticking for most of
     the minute instead of ticking once. The window stays well under the minute because a
     cluster's graceful stop waits for running tasks: a long window would delay redeploys.
+    With `turns`, a tick sweeps only on the fleet's turn (`take_turn`): the worker
+    processes' own sweeper loops then do not sweep a second time beside it.
     """
     deadline = time.monotonic() + seconds
-    rung = sweep_once().rung
+
+    def tick() -> int:
+        result = sweep_turn(interval, "sweeper:scheduled") if turns else sweep_once()
+        return result.rung if result is not None else 0
+
+    rung = tick()
     while time.monotonic() + interval < deadline:
         time.sleep(interval * random.uniform(0.75, 1.25))
-        rung += sweep_once().rung
+        rung += tick()
     return rung

@@ -12,7 +12,9 @@ def advance(run_id: str) -> str:
 
 
 def sweep() -> int:
-    return sweeper.sweep_for(settings.HOLDPOINT_SWEEP_WINDOW, settings.HOLDPOINT_SWEEP_INTERVAL)
+    return sweeper.sweep_for(
+        settings.HOLDPOINT_SWEEP_WINDOW, settings.HOLDPOINT_SWEEP_INTERVAL, turns=True
+    )
 
 
 def dispatch_standalone(action_id: str) -> str:

@@ -12,6 +12,7 @@ from runtime.models.runs import (
     RunStatus,
 )
 from runtime.models.secrets import ToolCredential
+from runtime.models.sweeps import SweeperTurn
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
 from runtime.models.tokens import AgentToken, TokenStatus
 
@@ -31,6 +32,7 @@ __all__ = [
     "Role",
     "Run",
     "RunStatus",
+    "SweeperTurn",
     "Tenant",
     "TokenStatus",
     "ToolCredential",
