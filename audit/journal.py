@@ -78,7 +78,22 @@ _SAFE_INT = 2**53 - 1
 # The entry's columns in the model's order: `append` builds entries positionally (the cheap
 # way through Model.__init__).
 _ENTRY_FIELDS = tuple(f.attname for f in JournalEntry._meta.concrete_fields)
-_DUMPS = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_DUMPS = _ENCODER.encode
+# How json escapes a string with ensure_ascii off (the C function when there is one).
+_ESCAPE = json.encoder.encode_basestring
+if json.encoder.c_make_encoder is not None:
+    # `_DUMPS`, minus what each call of it sets up again: the C encoder it builds per call,
+    # built once. Same arguments, but no circular-reference markers: it only encodes values
+    # `_plain` accepted — and `_plain` never returns for a value that contains itself.
+    _ONE_SHOT = json.encoder.c_make_encoder(
+        None, _ENCODER.default, _ESCAPE, None, ":", ",", True, False, True
+    )
+
+    def _encode(value: Any) -> str:
+        return "".join(_ONE_SHOT(value, 0))
+else:  # pragma: no cover - CPython always has the C encoder
+    _encode = _DUMPS
 
 
 def canonical(value: Any) -> bytes:
@@ -90,13 +105,35 @@ def canonical(value: Any) -> bytes:
     normalises it or refuses it with the precise reason."""
     if _plain(value):
         try:
-            return _DUMPS(value).encode("utf-8")
+            return _encode(value).encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: let canonical_bytes say where
             pass
     return canonical_bytes(value)
 
 
 def _plain(value: Any) -> bool:
+    """`_plain_any(value)`, with the common case — an object of str/int/None values, as every
+    step hashes several of — checked in one loop instead of one call per value. Only values
+    of exactly these classes take the shortcut; anything else (a str or int subclass, a
+    nested value) gets `_plain_any`, so the answer is the same."""
+    if value.__class__ is not dict:
+        return _plain_any(value)
+    for key, item in value.items():
+        if not isinstance(key, str) or "\x00" in key:
+            return False
+        cls = item.__class__
+        if cls is str:
+            if "\x00" in item:
+                return False
+        elif cls is int:
+            if not -_SAFE_INT <= item <= _SAFE_INT:
+                return False
+        elif item is not None and not _plain(item):
+            return False
+    return True
+
+
+def _plain_any(value: Any) -> bool:
     if value is None or isinstance(value, bool):
         return True
     if isinstance(value, int):
@@ -154,7 +191,12 @@ def cursor(conn: Any) -> Any:
     raw, logged = conn.connection, conn.queries_logged
     held = getattr(_local, "cursor", None)
     if held is None or held[0] is not raw or held[1] != logged or raw is None:
-        fresh = _prepared_cursor(conn) if conn.vendor == "postgresql" else None
+        if conn.vendor == "postgresql":
+            fresh = _prepared_cursor(conn)
+        elif conn.vendor == "sqlite":
+            fresh = _qmark_cursor(conn)
+        else:
+            fresh = None
         if fresh is None:
             fresh = conn.cursor()
         held = _local.cursor = (conn.connection, logged, fresh)
@@ -191,6 +233,41 @@ def _prepared_cursor(conn: Any) -> Any:
 
         register_tzloader(conn.timezone, raw_cursor)
     return conn._prepare_cursor(raw_cursor)
+
+
+def _qmark_cursor(conn: Any) -> Any:
+    """SQLite: Django's cursor, but it rewrites each statement's `%s` placeholders to `?`
+    once, not on every execute. Django's SQLiteCursorWrapper runs a regular expression over
+    the text of every statement it executes; the hot path executes the same few texts (each
+    built once and cached: runtime.statements, `_sql_for`) several times per step. The
+    rewrite is Django's own `convert_query`, so the text sent is the same; and the cursor is
+    still wrapped by `_prepare_cursor`, like `conn.cursor()`, so hooks and capture see it."""
+    from django.db.backends.sqlite3.base import SQLiteCursorWrapper
+
+    global _QmarkCursor
+    if _QmarkCursor is None:
+
+        class QmarkCursor(SQLiteCursorWrapper):
+            def convert_query(self, query: str, *, param_names: Any = None) -> str:
+                if param_names is not None:  # "pyformat" (named) style: as Django does it
+                    return super().convert_query(query, param_names=param_names)
+                converted = _QMARK.get(query)
+                if converted is None:
+                    if len(_QMARK) >= _QMARK_MAX:  # shapes are few; never grow without end
+                        _QMARK.clear()
+                    converted = _QMARK[query] = super().convert_query(query)
+                return converted
+
+        _QmarkCursor = QmarkCursor
+    conn.close_if_health_check_failed()
+    conn.ensure_connection()
+    with conn.wrap_database_errors:
+        return conn._prepare_cursor(conn.connection.cursor(factory=_QmarkCursor))
+
+
+_QmarkCursor: Any = None
+_QMARK: dict[str, str] = {}  # statement text -> with `?` placeholders (any thread: str -> str)
+_QMARK_MAX = 1024
 
 
 def _thread_state() -> Any:
@@ -330,12 +407,7 @@ def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry])
     move = [last.seq, last.hash, stream, tenant_id, head.seq, head.hash]
     conn = connections[DEFAULT_DB_ALIAS]
     sql = _sql_for(conn, len(entries))
-    rows = [
-        value if value.__class__ is plain else f.get_db_prep_save(value, conn)
-        for entry in entries
-        for f, plain in sql["columns"]
-        for value in (getattr(entry, f.attname),)
-    ]
+    rows = [prep(getattr(entry, name), conn) for entry in entries for name, prep in sql["columns"]]
     cur = cursor(conn)
     if conn.vendor == "postgresql":  # one round trip: swap, then insert if swapped
         cur.execute(sql["move_insert"], move + rows)
@@ -356,9 +428,71 @@ def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry])
     return True
 
 
-# The entry's str, int and bool columns take such values as they are (what the fields' own
-# get_db_prep_save would return); the payload and the time go through the fields.
-_PLAIN = {"CharField": str, "BigIntegerField": int, "BooleanField": bool}
+# Field types whose get_db_prep_save / get_db_prep_value return a value of exactly this
+# Python class unchanged.
+_UNCHANGED = {
+    "CharField": str,
+    "TextField": str,
+    "IntegerField": int,
+    "BigIntegerField": int,
+    "SmallIntegerField": int,
+    "PositiveIntegerField": int,
+    "PositiveBigIntegerField": int,
+    "PositiveSmallIntegerField": int,
+    "BooleanField": bool,
+    "AutoField": int,
+    "BigAutoField": int,
+}
+
+
+def _django_field(field: Any) -> bool:
+    return field is not None and type(field).__module__.startswith("django.db.models.")
+
+
+def field_prep(field: Any, vendor: str, prep: Any) -> Any:
+    """`prep(value, conn)` — the field's own get_db_prep_save, or get_db_prep_value — with a
+    shortcut for the values the hot path sends on every step, giving what it would return:
+
+    - str, int and bool values of a column of that type: returned unchanged by the field;
+    - an aware `datetime` (timezone.now(), or a value read back) of a DateTimeField: Django's
+      get_prep_value returns it unchanged; PostgreSQL's `adapt_datetimefield_value` too
+      (psycopg adapts it), SQLite's turns it into the connection's time zone, drops the
+      zone and takes `str()` — which, when it already is in that zone (the same tzinfo
+      object: UTC from timezone.now(), or the zone read values are given), is
+      `str(value.replace(tzinfo=None))`.
+
+    Any other value — None, an expression, a naive datetime (Django warns), another zone —
+    goes to `prep` itself."""
+    target = getattr(field, "target_field", None) if field.is_relation else field
+    if not _django_field(field) or not _django_field(target):
+        return prep  # a custom field may prepare any value its own way
+    kind = _UNCHANGED.get(target.get_internal_type())
+    if kind is not None:
+
+        def plain(value: Any, conn: Any) -> Any:
+            return value if value.__class__ is kind else prep(value, conn)
+
+        return plain
+    if field.get_internal_type() != "DateTimeField":
+        return prep
+    if vendor == "postgresql":
+
+        def aware(value: Any, conn: Any) -> Any:
+            if value.__class__ is datetime and value.tzinfo is not None:
+                return value
+            return prep(value, conn)
+
+        return aware
+    if vendor == "sqlite":
+
+        def naive_text(value: Any, conn: Any) -> Any:
+            if value.__class__ is datetime and value.tzinfo is not None:
+                if value.tzinfo is conn.timezone:
+                    return str(value.replace(tzinfo=None))
+            return prep(value, conn)
+
+        return naive_text
+    return prep
 
 
 def append_after(
@@ -409,12 +543,8 @@ def append_after(
     for _, _, part_params in rest:
         params += part_params
     params += [last.seq, last.hash, stream]
-    params += [
-        value if value.__class__ is plain else f.get_db_prep_save(value, conn)
-        for entry in entries
-        for f, plain in sql["columns"]
-        for value in (getattr(entry, f.attname),)
-    ]
+    columns = sql["columns"]
+    params += [prep(getattr(entry, name), conn) for entry in entries for name, prep in columns]
     cur = cursor(conn)
     try:
         cur.execute(text, params)
@@ -457,7 +587,7 @@ def _sql_for(conn: Any, count: int) -> dict[str, Any]:
     # In a SELECT the values need their column types spelled out (a NULL would be text).
     typed_row = "(" + ", ".join(f"%s::{f.db_type(conn)}" for f in columns) + ")"
     found = _SQL[key] = {
-        "columns": [(f, _PLAIN.get(f.get_internal_type())) for f in columns],
+        "columns": [(f.attname, field_prep(f, conn.vendor, f.get_db_prep_save)) for f in columns],
         "move": swap,
         "insert": f"INSERT INTO {entry_table} ({names}) VALUES " + ", ".join([plain_row] * count),
         "move_insert": f"WITH moved AS ({swap} RETURNING 1) INSERT INTO {entry_table} ({names}) "

@@ -32,6 +32,7 @@ from django.db.models.sql import Query
 from django.utils import timezone
 
 from audit.journal import cursor as _cursor
+from audit.journal import field_prep
 
 
 @dataclass(frozen=True)
@@ -68,42 +69,19 @@ def tenant_check(tenant_id: int) -> Exact:
 
 
 Prep = Callable[[Any, BaseDatabaseWrapper], Any]
-# Field types whose prep functions return a value of exactly this Python type unchanged.
-_UNCHANGED = {
-    "CharField": str,
-    "TextField": str,
-    "IntegerField": int,
-    "BigIntegerField": int,
-    "SmallIntegerField": int,
-    "PositiveIntegerField": int,
-    "PositiveBigIntegerField": int,
-    "PositiveSmallIntegerField": int,
-    "BooleanField": bool,
-    "AutoField": int,
-    "BigAutoField": int,
-}
 
 
-def _preps(field: models.Field) -> tuple[Prep, Prep]:
+def _preps(field: models.Field, vendor: str) -> tuple[Prep, Prep]:
     """(for saving, for a lookup) — the field's own functions, short-circuited for values
-    they would return unchanged."""
-    save = field.get_db_prep_save
+    they would return unchanged or adapt trivially (audit.journal.field_prep)."""
 
     def lookup(value: Any, conn: BaseDatabaseWrapper) -> Any:
         return field.get_db_prep_value(value, conn, prepared=False)
 
-    target = field.target_field if isinstance(field, models.ForeignKey) else field
-    kind = _UNCHANGED.get(target.get_internal_type())
-    if kind is None:
-        return save, lookup
-
-    def save_fast(value: Any, conn: BaseDatabaseWrapper) -> Any:
-        return value if value.__class__ is kind else save(value, conn)
-
-    def lookup_fast(value: Any, conn: BaseDatabaseWrapper) -> Any:
-        return value if value.__class__ is kind else lookup(value, conn)
-
-    return save_fast, lookup_fast
+    return (
+        field_prep(field, vendor, field.get_db_prep_save),
+        field_prep(field, vendor, lookup),
+    )
 
 
 class _Table:
@@ -117,8 +95,8 @@ class _Table:
         self.fields = {f.attname: f for f in meta.concrete_fields}
         self.fields.update({f.name: f for f in meta.concrete_fields})
         self.column = {name: qn(f.column) for name, f in self.fields.items()}
-        self.save = {name: _preps(f)[0] for name, f in self.fields.items()}
-        self.lookup = {name: _preps(f)[1] for name, f in self.fields.items()}
+        self.save = {name: _preps(f, conn.vendor)[0] for name, f in self.fields.items()}
+        self.lookup = {name: _preps(f, conn.vendor)[1] for name, f in self.fields.items()}
         self.attnames = tuple(f.attname for f in meta.concrete_fields)
         self.insert_fields = [
             f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
