@@ -141,7 +141,22 @@ def sweep_turn(interval: float, holder: str = "") -> SweepResult | None:
     """A sweep if it is this process's turn, else None."""
     if not take_turn(interval, holder):
         return None
-    return sweep_once()
+    result = sweep_once()
+    prune_task_history(settings.HOLDPOINT_QUEUE_HISTORY)
+    return result
+
+
+def prune_task_history(keep: int) -> int:
+    """Forget successful queue tasks beyond the newest `keep` (django-q2's own pruning is
+    turned off: settings.Q_CLUSTER says why). Returns how many were deleted."""
+    from django_q.models import Success
+
+    newest = Success.objects.order_by("-stopped").values_list("stopped", flat=True)
+    cutoff = list(newest[keep : keep + 1])
+    if not cutoff:
+        return 0
+    deleted, _ = Success.objects.filter(stopped__lte=cutoff[0]).delete()
+    return deleted
 
 
 class SweeperThread(threading.Thread):

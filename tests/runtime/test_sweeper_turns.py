@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 from django_q.models import Schedule, Success
 
 from runtime.models import Run, RunStatus, SweeperTurn, Tenant
-from runtime.sweeper import TURN, take_turn
+from runtime.sweeper import TURN, prune_task_history, take_turn
 from tests import procs
 from tests.runtime.test_workers import _crash_at, _lines
 
@@ -89,10 +90,36 @@ def test_a_fresh_cluster_alone_resumes_a_crashed_workers_run(
     # The lease (5 s in tests) had to run out first; then a sweep tick (every 2 s) rang it.
     # django-q2's scheduler would not have fired before 30 s, and it had nothing to fire.
     assert took < 25, f"resumed {took:.1f} s after the crash"
-    assert not Success.objects.filter(func="runtime.tasks.sweep").exists()
     assert SweeperTurn.objects.get(name=TURN).holder.startswith("sweeper:")
     rid = str(run.run_id)
     assert _lines(counter) == {  # step 1 committed before the crash: nothing done twice
         **{(rid, f"step {i}"): 1 for i in range(1, 6)},
         **{(rid, f"call {i}"): 1 for i in range(1, 6)},
     }
+
+
+def test_the_queue_keeps_only_the_newest_successful_tasks() -> None:
+    """django-q2's own pruning is off (it reads every kept result per task); the sweeper's
+    turn prunes instead, keeping failures and the newest successes."""
+    from django_q.models import Task
+
+    now = timezone.now()
+
+    def task(n: int, success: bool) -> Task:
+        at = now - timedelta(seconds=1000 - n)
+        return Task(
+            id=f"{n:032x}",
+            name=f"t{n}",
+            func="runtime.tasks.advance",
+            started=at,
+            stopped=at,
+            success=success,
+        )
+
+    Task.objects.bulk_create([task(n, success=n % 10 != 0) for n in range(300)])
+    assert prune_task_history(100) == 270 - 100
+    kept = set(Success.objects.values_list("name", flat=True))
+    assert kept == {f"t{n}" for n in range(300) if n % 10 and n >= 300 - 111}
+    assert len(kept) == 100
+    assert Task.objects.filter(success=False).count() == 30  # failures are all kept
+    assert prune_task_history(100) == 0
