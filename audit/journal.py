@@ -217,14 +217,21 @@ def _prepared_cursor(conn: Any) -> Any:
     from psycopg.postgres import types
     from psycopg.pq import Format
 
+    # Prepare every statement this cursor runs, the first time — unless queries are being
+    # logged (DEBUG, CaptureQueriesContext): psycopg keeps no query text for the execution
+    # of a prepared statement, so Django's log would record None for each.
+    prepare = not conn.queries_logged
+
     class PreparedCursor(ServerBindingCursor):
-        # Django turns psycopg's automatic preparation off for the connection (a pooler
-        # may be in front of it), so ask for it per statement.
         def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-            kwargs.setdefault("prepare", True)
+            kwargs.setdefault("prepare", prepare)
             return super().execute(query, params, **kwargs)
 
     conn.ensure_connection()
+    # Django opens the connection with prepare_threshold None, which makes psycopg ignore
+    # even prepare=True. Turning it on changes nothing for Django's own cursors: they bind
+    # on the client, and psycopg never prepares for those.
+    conn.connection.prepare_threshold = 0
     raw_cursor = PreparedCursor(conn.connection)
     timestamptz = types["timestamptz"].oid
     loader = conn.connection.adapters.get_loader(timestamptz, Format.TEXT)

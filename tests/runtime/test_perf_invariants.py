@@ -194,6 +194,41 @@ def test_an_action_is_four_transactions_and_reads_no_journal_head(
     assert per_action["head_reads"] == 0
 
 
+def _prepared_on_this_connection() -> list[tuple[str, int]]:
+    with connection.cursor() as cur:
+        cur.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements")
+        return list(cur.fetchall())
+
+
+def test_postgresql_prepares_the_step_statement_once_and_reuses_it(tenant_a: Tenant) -> None:
+    """Planning a step's one statement took as long as running it; the hot path's cursor
+    prepares it on the first step and every later step only executes it. Turned off
+    (HOLDPOINT_PG_PREPARE=0, for poolers in transaction mode) nothing is prepared."""
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    connection.close()  # a fresh connection: nothing prepared yet
+    run = create_run(tenant_a, "perf-tick", {"steps": 12}, actor="t")
+    assert advance_run(run.run_id, "t").outcome == "completed"
+    step = [
+        uses
+        for text, uses in _prepared_on_this_connection()
+        if text.startswith('WITH changed AS (UPDATE "runtime_run"')
+    ]
+    # Every one of the 12 step commits executed a prepared statement; the steady shape
+    # (neither the first step, which also extends the lease, nor the last) was prepared
+    # once and executed 10 times.
+    assert sum(step) == 12 and max(step) == 10, _prepared_on_this_connection()
+
+    from django.test import override_settings
+
+    connection.close()
+    with override_settings(HOLDPOINT_PG_PREPARE=False):
+        run = create_run(tenant_a, "perf-tick", {"steps": 5}, actor="t")
+        assert advance_run(run.run_id, "t").outcome == "completed"
+        assert _prepared_on_this_connection() == []
+    connection.close()
+
+
 def test_every_statement_of_a_step_names_the_run_and_its_fence(tenant_a: Tenant) -> None:
     """The cheaper statements are still the fenced compare-and-swap: a stale executor's
     step commit changes nothing (asserted on the SQL the commit sends)."""
