@@ -271,12 +271,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(check: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
+def wait_for(
+    check: Callable[[], Any],
+    timeout: float,
+    every: float = 0.05,
+    what: str = "condition not met",
+) -> Any:
+    """Poll `check` until it returns something truthy; TimeoutError("<what> within Ns")."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout:.0f}s")
+            raise TimeoutError(f"{what} within {timeout:.0f}s")
         time.sleep(every)

@@ -19,7 +19,6 @@ act run's tasks must be exactly its confirmed actions (keys and ids); anything e
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bench.common import ROOT, fmt, log, profile_call, spread, statement_kinds, summary
+from bench.common import (
+    ROOT,
+    fmt,
+    free_port,
+    log,
+    profile_call,
+    spread,
+    statement_kinds,
+    summary,
+)
 
 if TYPE_CHECKING:
     from bench.run import Bench
@@ -48,12 +56,6 @@ METHOD = (
 
 
 # --- the sandbox task service ----------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def sandbox(var_dir: Path) -> Iterator[str]:
     """`manage.py sandbox_tasks` on a free port with its own data file; yields its URL and

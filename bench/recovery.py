@@ -48,7 +48,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, bench_env, kill_group, log, start_process, summary
+from bench.common import ROOT, bench_env, kill_group, log, start_process, summary, wait_for
 
 LEASE_TTL = 5
 STEP_SLEEP = 0.05
@@ -142,10 +142,10 @@ class RecoveryBench:
         return found, tracebacks
 
     def wait(self, check: Any, timeout: float, what: str) -> Any:
-        """_wait, and on a timeout the clusters' first traceback in the error (the engine
-        under test may have raised in the worker)."""
+        """bench.common.wait_for, and on a timeout the clusters' first traceback in the error
+        (the engine under test may have raised in the worker)."""
         try:
-            return _wait(check, timeout, what)
+            return wait_for(check, timeout, what=what)
         except TimeoutError as exc:
             _lines, tracebacks = self.log_errors(self.logs)
             if tracebacks:
@@ -341,30 +341,18 @@ class RecoveryBench:
                 ),
             ]
             for seq, (kind, actor, payload) in enumerate(events, 1):
-                at = created + timedelta(milliseconds=seq)
-                digest = entry_hash(
-                    prev,
-                    stream=stream,
-                    seq=seq,
-                    type=kind,
-                    actor=actor,
-                    object_ref=stream,
-                    payload=payload,
-                    created_at=at,
-                )
+                fields: dict[str, Any] = {
+                    "stream": stream,
+                    "seq": seq,
+                    "type": kind,
+                    "actor": actor,
+                    "object_ref": stream,
+                    "payload": payload,
+                    "created_at": created + timedelta(milliseconds=seq),
+                }
+                digest = entry_hash(prev, **fields)
                 entries.append(
-                    JournalEntry(
-                        stream=stream,
-                        seq=seq,
-                        tenant_id=tenant.pk,
-                        type=kind,
-                        actor=actor,
-                        object_ref=stream,
-                        payload=payload,
-                        created_at=at,
-                        prev_hash=prev,
-                        hash=digest,
-                    )
+                    JournalEntry(**fields, tenant_id=tenant.pk, prev_hash=prev, hash=digest)
                 )
                 prev = digest
             heads.append(StreamHead(stream=stream, tenant_id=tenant.pk, seq=2, hash=prev))
@@ -480,14 +468,3 @@ class RecoveryBench:
             f"{sweeper.rung} doorbells, {errors} errors"
         )
         return out
-
-
-def _wait(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:.0f}s")
-        time.sleep(0.05)
