@@ -452,31 +452,23 @@ class Executor:
             # of the lease is left.
             extended = time.monotonic()
             update["lease_expires_at"] = statements.DbNow(lease.ttl)
-        waits = update.get("waiting_for")
-        body = {
-            "run": self.run_key,
+        # What the checkpoint's digest covers, and the checkpoint row: the same fields.
+        fields = {
             "rev": rev,
             "goal_rev": goal_rev,
             "step": step,
             "next_step": next_step,
             "status": status,
             "state": encoded,
-            "waits": waits,
+            "waits": update.get("waiting_for"),
             "fence": lease.fence,
         }
-        checkpoint_digest = sha256_hex(journal.canonical(body))
+        checkpoint_digest = sha256_hex(journal.canonical({"run": self.run_key, **fields}))
         checkpoint = {
+            **fields,
             "run_id": run.run_id,
             "tenant_id": run.tenant_id,
-            "rev": rev,
-            "goal_rev": goal_rev,
-            "step": step,
-            "next_step": next_step,
-            "status": status,
-            "state": encoded,
-            "waits": waits,
             "created_by": lease.actor,
-            "fence": lease.fence,
             "digest": checkpoint_digest,
         }
         mine = {

@@ -95,8 +95,9 @@ class _Table:
         self.fields = {f.attname: f for f in meta.concrete_fields}
         self.fields.update({f.name: f for f in meta.concrete_fields})
         self.column = {name: qn(f.column) for name, f in self.fields.items()}
-        self.save = {name: _preps(f, conn.vendor)[0] for name, f in self.fields.items()}
-        self.lookup = {name: _preps(f, conn.vendor)[1] for name, f in self.fields.items()}
+        preps = {name: _preps(f, conn.vendor) for name, f in self.fields.items()}
+        self.save = {name: save for name, (save, _) in preps.items()}
+        self.lookup = {name: lookup for name, (_, lookup) in preps.items()}
         self.attnames = tuple(f.attname for f in meta.concrete_fields)
         self.insert_fields = [
             f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
