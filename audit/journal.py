@@ -213,26 +213,16 @@ def _prepared_cursor(conn: Any) -> Any:
     prepared statement may not be on the next server connection)."""
     if not getattr(settings, "HOLDPOINT_PG_PREPARE", True):
         return None
-    from django.db.backends.postgresql.base import ServerBindingCursor
     from psycopg.postgres import types
     from psycopg.pq import Format
 
-    # Prepare every statement this cursor runs, the first time — unless queries are being
-    # logged (DEBUG, CaptureQueriesContext): psycopg keeps no query text for the execution
-    # of a prepared statement, so Django's log would record None for each.
-    prepare = not conn.queries_logged
-
-    class PreparedCursor(ServerBindingCursor):
-        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-            kwargs.setdefault("prepare", prepare)
-            return super().execute(query, params, **kwargs)
-
     conn.ensure_connection()
-    # Django opens the connection with prepare_threshold None, which makes psycopg ignore
-    # even prepare=True. Turning it on changes nothing for Django's own cursors: they bind
-    # on the client, and psycopg never prepares for those.
-    conn.connection.prepare_threshold = 0
-    raw_cursor = PreparedCursor(conn.connection)
+    # Prepare every statement this cursor runs, the first time (the connection's
+    # prepare_threshold is 0: config/settings.py) — unless queries are being logged
+    # (DEBUG, CaptureQueriesContext): psycopg keeps no query text for the execution of a
+    # prepared statement, so Django's log would record None for each.
+    raw_cursor = _prepared_cursor_class()(conn.connection)
+    raw_cursor.prepare = not conn.queries_logged
     timestamptz = types["timestamptz"].oid
     loader = conn.connection.adapters.get_loader(timestamptz, Format.TEXT)
     if conn.timezone != getattr(loader, "timezone", conn.timezone):
@@ -240,6 +230,25 @@ def _prepared_cursor(conn: Any) -> Any:
 
         register_tzloader(conn.timezone, raw_cursor)
     return conn._prepare_cursor(raw_cursor)
+
+
+def _prepared_cursor_class() -> Any:
+    global _PreparedCursor
+    if _PreparedCursor is None:
+        from django.db.backends.postgresql.base import ServerBindingCursor
+
+        class PreparedCursor(ServerBindingCursor):
+            prepare = True
+
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                kwargs.setdefault("prepare", self.prepare)
+                return super().execute(query, params, **kwargs)
+
+        _PreparedCursor = PreparedCursor
+    return _PreparedCursor
+
+
+_PreparedCursor: Any = None
 
 
 def _qmark_cursor(conn: Any) -> Any:

@@ -117,6 +117,12 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-holdpoint-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_HEALTH_CHECKS"] = True
+    # Django opens connections with psycopg's prepare_threshold None, and then psycopg
+    # ignores even an explicit prepare=True. 0 lets the worker's hot-path cursor prepare
+    # (audit.journal.cursor; HOLDPOINT_PG_PREPARE below); Django's own cursors bind on the
+    # client and are never prepared, whatever the threshold.
+    if env_bool("HOLDPOINT_PG_PREPARE", True):
+        _db.setdefault("OPTIONS", {})["prepare_threshold"] = 0
 DATABASES = {"default": _db}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
