@@ -7,7 +7,7 @@ class ApprovalsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from approvals.decisions import HoldPoints
+        from approvals.holdpoints import HoldPoints
         from runtime import gates
 
         gates.install(HoldPoints())

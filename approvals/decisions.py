@@ -1,30 +1,25 @@
-"""Hold points at work: raising requests, deciding them once, re-checking at dispatch.
+"""Deciding hold points: a reviewer's decision applies once, to the action they were shown.
 
 Every state change here is one named function, a compare-and-swap under row locks, with its
 journal entries (the run's stream and the tenant's) in the same transaction. Pages and the
-API only call these.
+API only call these. Opening, closing and waking are `approvals.requests`; the dispatch
+re-check is `approvals.holdpoints`.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from approvals.hashing import action_hash, same_hash
-from approvals.models import (
-    ApprovalPolicy,
-    ApprovalRequest,
-    ApprovalStatus,
-    ApprovalVote,
-    Decision,
-)
-from approvals.policies import may_decide, may_hold, policy_for
+from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
+from approvals.policies import may_decide
+from approvals.requests import close_request, request_approval, wake_run
 from audit import journal
 from runtime import ledger
 from runtime.errors import (
@@ -36,9 +31,7 @@ from runtime.errors import (
     NotPermitted,
 )
 from runtime.events import RunEvent, record
-from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, ActionStatus, Run
-from runtime.statements import tenant_check
 from runtime.tools import get_tool
 
 A = ApprovalStatus
@@ -55,113 +48,10 @@ def _params(text: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _title(action: Action) -> str:
-    verb = {"tasks.create": "Create task", "tasks.close": "Close task"}.get(
-        action.tool, f"Run {action.tool}"
-    )
-    params = _params(action.params)
-    subject = params.get("title") or params.get("task_id") or action.target
-    return f"{verb}: {subject}"[:300] if subject else verb
-
-
-def _shown(action: Action, run: Run, policy: ApprovalPolicy) -> dict[str, Any]:
-    tool = get_tool(action.tool)
-    return {
-        "tool": action.tool,
-        "tool_version": action.tool_version,
-        "params": _params(action.params),
-        "schema": tool.schema,
-        "editable": list(tool.editable),
-        "target": action.target,
-        "reason": action.reason,
-        "impact": tool.effect,
-        "initiator": run.created_by,
-        "graph": f"{run.graph}@{run.graph_version}",
-        "goal_rev": action.goal_rev,
-        "policy": policy.name,
-    }
-
-
 def _tenant_event(tenant_id: int, type: str, actor: str, **payload: Any) -> None:
     journal.append(
         journal.tenant_stream(tenant_id), type, tenant_id=tenant_id, actor=actor, payload=payload
     )
-
-
-def request_approval(
-    action: Action, run: Run, actor: str, *, previous: ApprovalRequest | None = None
-) -> ApprovalRequest | None:
-    """Open a request for a held action (inside its transaction); idempotent per action."""
-    open_ = ApprovalRequest.objects.filter(
-        tenant_check(action.tenant_id), action=action, status=A.PENDING
-    ).first()
-    if open_ is not None:
-        return open_
-    params = _params(action.params)
-    policy = policy_for(run.tenant_id, action.tool, params, action.target)
-    if policy is None:
-        policy = _fallback_policy(run.tenant_id, action.tool)
-    try:
-        with transaction.atomic():
-            request = ApprovalRequest.objects.create(
-                tenant_id=run.tenant_id,
-                run=run,
-                action=action,
-                policy=policy,
-                action_hash=action_hash(action),
-                title=_title(action),
-                shown=_shown(action, run, policy),
-                params=action.params,
-                quorum=policy.quorum,
-                expires_at=timezone.now() + timedelta(seconds=policy.expiry_seconds),
-                checkpoint_rev=run.checkpoint_rev,
-                previous=previous,
-                rerequest_count=(previous.rerequest_count + 1) if previous else 0,
-            )
-    except IntegrityError:  # a concurrent holder opened it: the database refused a second
-        return ApprovalRequest.objects.get(
-            tenant_check(action.tenant_id), action=action, status=A.PENDING
-        )
-    record(
-        run,
-        RunEvent.APPROVAL_REQUESTED,
-        actor,
-        approval_id=str(request.id),
-        action_id=str(action.action_id),
-        action_hash=request.action_hash,
-        policy=policy.name,
-        expires_at=request.expires_at.isoformat(),
-    )
-    from approvals.notify import notify_requested
-
-    notify_requested(request)
-    return request
-
-
-def _fallback_policy(tenant_id: int, tool: str) -> ApprovalPolicy:
-    """A tool that declares approval itself, with no tenant policy: nobody is granted yet,
-    so the tenant admin sees the request and must grant a group (never auto-approve)."""
-    policy, _ = ApprovalPolicy.objects.get_or_create(
-        tenant_id=tenant_id, name=f"{tool} (declared by the tool)", defaults={"tool": tool}
-    )
-    return policy
-
-
-def _close(request: ApprovalRequest, status: str, actor: str, reason: str) -> None:
-    pending = ApprovalRequest.objects.filter(
-        tenant_check(request.tenant_id), pk=request.pk, status=A.PENDING
-    )
-    moved = pending.update(status=status, decision_reason=reason[:2000], updated_at=Now())
-    if moved:
-        run = Run(run_id=request.run_id, tenant_id=request.tenant_id)
-        record(
-            run,
-            RunEvent.APPROVAL_CLOSED,
-            actor,
-            approval_id=str(request.id),
-            approval_status=status,
-            reason=reason,
-        )
 
 
 def decide(
@@ -208,7 +98,7 @@ def decide(
         if not same_hash(action_hash(action), request.action_hash):
             # The action changed under the request: it can never be decided as shown. Close it
             # and raise a request for what the action is now — committed — then refuse.
-            _close(request, A.SUPERSEDED, label, "the action changed after it was requested")
+            close_request(request, A.SUPERSEDED, label, "the action changed after it was requested")
             if action.status == ActionStatus.AWAITING_APPROVAL:
                 request_approval(action, run, label, previous=request)
             changed = True
@@ -336,83 +226,4 @@ def _finalise(
             actor,
             last_error=f"rejected by {user.get_username()}: {reason}"[:2000],
         )
-    _wake(run, actor)
-
-
-def _wake(run: Run, actor: str) -> None:
-    """The decision is made: the waiting run goes on (its step sees approved or rejected)."""
-    wake_from_approval(run, actor)
-
-
-# --- the runtime's hold-point interface ----------------------------------------------------
-
-
-class HoldPoints:
-    """Installed into `runtime.gates` at start-up (the executor's one narrow function)."""
-
-    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any) -> bool:
-        return policy_for(run.tenant_id, tool.name, params) is not None
-
-    def hold(self, action: Action, run: Any, actor: str) -> None:
-        request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)
-
-    def may_hold(self, action: Action) -> bool:
-        """The dispatch fast path's question (see `runtime.gates.HoldPoints.may_hold`)."""
-        if get_tool(action.tool).needs_approval(_params(action.params)):
-            return True
-        return may_hold(action.tenant_id, action.tool, action.pk)
-
-    def check_dispatch(self, action: Action, actor: str) -> str | None:
-        """Re-check at execution: an approval binding this exact action, still valid, by
-        deciders who still hold the permission. Anything else: supersede and hold again."""
-        requests = ApprovalRequest.objects.filter(
-            tenant_check(action.tenant_id), action=action
-        ).select_related("policy")
-        approved = requests.filter(status=A.APPROVED).order_by("-decided_at").first()
-        held = (
-            requests.exists()
-            or policy_for(action.tenant_id, action.tool, _params(action.params), action.target)
-            is not None
-        )
-        if approved is None:
-            if not held and not get_tool(action.tool).needs_approval(_params(action.params)):
-                return None
-            refusal = "approval_required"
-        elif not same_hash(action_hash(action), approved.action_hash):
-            refusal = "approval_required"
-        elif timezone.now() >= approved.expires_at:
-            refusal = "approval_expired"
-        elif not all(
-            may_decide(vote.user, approved.policy, escalated=approved.escalated)
-            for vote in approved.votes.filter(
-                decision=Decision.APPROVE, request__tenant_id=action.tenant_id
-            ).select_related("user")
-        ):
-            refusal = "approval_required"
-        else:
-            return None
-        if approved is not None:
-            superseded = ApprovalRequest.objects.filter(pk=approved.pk, tenant_id=action.tenant_id)
-            superseded.update(status=A.SUPERSEDED)
-            run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
-            record(
-                run,
-                RunEvent.APPROVAL_CLOSED,
-                actor,
-                approval_id=str(approved.id),
-                approval_status=A.SUPERSEDED,
-                reason=refusal,
-            )
-        if action.status != ActionStatus.AWAITING_APPROVAL:
-            ledger.hold_again(action, actor)
-        return refusal
-
-    def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
-        status = A.SUPERSEDED if reason == "goal revised" else A.CANCELLED
-        for request in ApprovalRequest.objects.filter(action_id__in=action_ids, status=A.PENDING):
-            _close(request, status, actor, reason)
-
-    def sweep(self) -> int:
-        from approvals.expiry import sweep_approvals
-
-        return sweep_approvals()
+    wake_run(run, actor)

@@ -13,8 +13,8 @@ from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from approvals.decisions import _close, _wake, request_approval
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
+from approvals.requests import close_request, request_approval, wake_run
 from runtime import ledger
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run, RunStatus
@@ -55,9 +55,9 @@ def expire(request_id: object) -> int:
                 expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
             )
             ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
-            _wake(run, SYSTEM)
+            wake_run(run, SYSTEM)
             return 1
-        _close(request, A.EXPIRED, SYSTEM, "nobody decided before expiry")
+        close_request(request, A.EXPIRED, SYSTEM, "nobody decided before expiry")
         if policy.on_expiry == OnExpiry.REJECT:
             ledger.transition(
                 action,
@@ -65,7 +65,7 @@ def expire(request_id: object) -> int:
                 SYSTEM,
                 last_error="rejected at expiry: nobody decided in time",
             )
-            _wake(run, SYSTEM)
+            wake_run(run, SYSTEM)
         elif request.rerequest_count < 1:
             request_approval(action, run, SYSTEM, previous=request)
         else:

@@ -21,8 +21,8 @@ from approvals.models import (
     PolicyGroupPermission,
     PolicyUserPermission,
 )
-from audit.journal import cursor
-from runtime import statements
+from fastsql import statements
+from fastsql.cursor import cursor
 from runtime.models import Membership, Role
 
 DECIDE = "decide_approvalpolicy"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from django.db import models
 
-GENESIS = "0" * 64
+from audit.chain import GENESIS, payload_digest
 
 
 class StreamHead(models.Model):
@@ -44,8 +44,6 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
         The hash of each entry covers the payload's digest, not the payload, so the chain
         verifies after redaction exactly as before.
         """
-        from audit.journal import payload_digest
-
         if not PurgeGate.objects.exists():
             raise AppendOnly("redaction needs the purge gate open in this transaction")
         done = 0

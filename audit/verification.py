@@ -1,5 +1,8 @@
 """Proving the journal untampered: walking chains, and anchoring heads outside the database.
 
+All checking of history is here (the hash it recomputes is audit.chain's); nothing here
+writes history except `alert`, which appends the break it found through audit.journal.
+
 A chain alone catches an edited, deleted, inserted or reordered entry. It cannot catch an
 attacker who rewrites a stream's tail and recomputes every later hash, or who truncates the
 tail: for those, stream heads are exported (signed) to a file kept outside the database, and
@@ -21,11 +24,55 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import journal
-from audit.journal import Break
+from audit.chain import GENESIS, entry_hash_from_digest, stored_payload_digest
 from audit.models import JournalEntry, StreamHead
 
 log = logging.getLogger("holdpoint.audit")
 ANCHOR_SALT = "holdpoint.audit.anchor"
+
+
+@dataclass(frozen=True)
+class Break:
+    """Where a stream's chain stops proving its history, and how."""
+
+    stream: str
+    seq: int
+    problem: str
+
+
+def verify_entries(stream: str, entries: Iterable[JournalEntry]) -> Break | None:
+    """The first broken link of a stream's entries (in seq order), or None if intact."""
+    prev, expected_seq = GENESIS, 1
+    for entry in entries:
+        if entry.seq != expected_seq:
+            return Break(
+                stream, expected_seq, f"missing or reordered entry (found seq {entry.seq})"
+            )
+        if entry.prev_hash != prev:
+            return Break(stream, entry.seq, "prev_hash does not match the previous entry")
+        recomputed = entry_hash_from_digest(prev, entry, stored_payload_digest(entry))
+        if recomputed != entry.hash:
+            return Break(stream, entry.seq, "entry content does not match its hash")
+        prev, expected_seq = entry.hash, expected_seq + 1
+    return None
+
+
+def verify_stream(stream: str) -> Break | None:
+    entries = JournalEntry.objects.filter(stream=stream).order_by("seq").iterator()
+    found = verify_entries(stream, entries)
+    if found is not None:
+        return found
+    last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
+    return head_break(stream, last)
+
+
+def head_break(stream: str, last: JournalEntry | None) -> Break | None:
+    """Entries cut off at the end leave an intact chain; the stream head still knows."""
+    head = StreamHead.objects.filter(stream=stream).first()
+    last_seq, last_hash = (last.seq, last.hash) if last is not None else (0, GENESIS)
+    if head is None or (head.seq, head.hash) == (last_seq, last_hash):
+        return None
+    return Break(stream, last_seq + 1, "entries missing after the last one")
 
 
 def streams(
@@ -48,7 +95,7 @@ def verify_all(
     checked, breaks = 0, []
     for name in streams(tenant_id, stream, since):
         checked += 1
-        found = journal.verify_stream(name)
+        found = verify_stream(name)
         if found is not None:
             breaks.append(found)
     return checked, breaks

@@ -8,7 +8,7 @@
 In a scratch database `holdpoint_bench_audit_<pid>` (created, migrated, dropped at the end;
 your database is never touched) it writes N journal entries across 20 tenants with one
 INSERT … SELECT generate_series, VACUUM ANALYZEs the table, then asks the real view
-(`runtime.audit_pages.audit_log`) through Django's test Client — the whole request path,
+(`runtime.pages.audit.audit_log`) through Django's test Client — the whole request path,
 middleware, session, tenant lookup, query, template, without a network — for each filter
 kind and for page 2 via `?before=`, as a reviewer of the largest tenant and, interleaved
 (A B A B …), as a reviewer of an almost empty tenant: the baseline. Reported: median, p90 and
@@ -33,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
-from bench.common import RESULTS, fmt, log
+from bench.common import (
+    RESULTS,
+    fmt,
+    git_state,
+    log,
+    postgres_admin_url,
+    setup_django,
+    with_dbname,
+)
 
 TENANTS = 20
 BIG, BASELINE = 1, 20  # tenant numbers: the largest (a quarter of all entries), almost empty
@@ -257,7 +265,7 @@ def prepare(entries: int) -> dict[str, Any]:
 def cursor_for(user: Any, params: dict[str, str]) -> str | None:
     """?before= for page 2: the last id on page 1, from the view's own function (None when
     page 1 is empty, as it can be for the baseline tenant)."""
-    from runtime.audit_pages import log_page, parse_filters
+    from runtime.pages.audit import log_page, parse_filters
     from runtime.tenancy import principal_for
 
     principal = principal_for(user)
@@ -278,7 +286,7 @@ def _query(params: dict[str, str]) -> Any:
 
 def explain(user: Any, params: dict[str, str]) -> dict[str, Any]:
     """EXPLAIN (ANALYZE, BUFFERS) of the page's main query, and what the plan scans."""
-    from runtime.audit_pages import log_query, parse_before, parse_filters
+    from runtime.pages.audit import log_query, parse_before, parse_filters
     from runtime.tenancy import principal_for
 
     principal = principal_for(user)
@@ -413,8 +421,6 @@ def environment() -> dict[str, Any]:
     import psycopg
     from django.db import connection
 
-    from bench.run import git_state
-
     env: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -435,8 +441,6 @@ def environment() -> dict[str, Any]:
 def run(entries: int, repeat: int) -> dict[str, Any]:
     import psycopg
     from psycopg import sql
-
-    from bench.run import postgres_admin_url, setup_django, with_dbname
 
     admin_url = postgres_admin_url()
     if not admin_url:
@@ -469,7 +473,7 @@ def run(entries: int, repeat: int) -> dict[str, Any]:
                 )
                 results = measure(setup, repeat)
                 return {
-                    "benchmark": "the tenant audit log page (runtime.audit_pages.audit_log) on "
+                    "benchmark": "the tenant audit log page (runtime.pages.audit.audit_log) on "
                     f"{entries:,} journal entries in PostgreSQL",
                     "method": "Django test Client GET of the real view (server time: middleware, "
                     "session, tenant, query, template; no network), as a reviewer of the "

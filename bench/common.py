@@ -1,6 +1,8 @@
 """Helpers every benchmark module uses: summaries, scratch databases, Django set-up for a
-scratch database, and child processes that are always stopped (finally blocks, atexit and
-SIGTERM all end in `stop_all()`)."""
+scratch database, the state of the checkout measured, what a benchmark part needs of the run
+it is part of (`BenchHost`), and child processes that are always stopped (finally blocks,
+atexit and SIGTERM all end in `stop_all()`). It imports no other bench module, so every one of
+them may import it."""
 
 from __future__ import annotations
 
@@ -17,11 +19,30 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+
+
+class BenchHost(Protocol):
+    """What a benchmark part (bench.ledger's LedgerBench) needs of the run it is part of —
+    bench.run.Bench: its tenant and backend, and the PostgreSQL counters it reads around each
+    measured piece of work. A protocol, so that the part need not import the runner that
+    imports it."""
+
+    backend: str
+    pg: bool
+    tenant: Any
+
+    def counters(self, dbname: str | None = None) -> dict[str, int]: ...
+
+    def delta(self, before: dict[str, int], after: dict[str, int]) -> dict[str, int]: ...
+
+    def per_step(self, delta: dict[str, int], overhead: dict[str, float], n: int) -> dict: ...
+
+    def statements(self, work: Callable[[], Any]) -> list[str]: ...
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -286,3 +307,19 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout:.0f}s")
         time.sleep(every)
+
+
+def git_state() -> dict[str, Any]:
+    """The commit, and the files changed in the working tree (read-only git commands)."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line[3:]]
+    return {
+        "git_head": git("rev-parse", "--short", "HEAD").strip(),
+        "git_changed_files": [f for f in changed if not f.startswith("bench/")],
+    }

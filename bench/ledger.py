@@ -25,12 +25,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from bench.common import (
     ROOT,
+    BenchHost,
     fmt,
     free_port,
     log,
@@ -39,9 +40,6 @@ from bench.common import (
     statement_kinds,
     summary,
 )
-
-if TYPE_CHECKING:
-    from bench.run import Bench
 
 SANDBOX_MODE = "key"
 BENCHMARK = (
@@ -106,9 +104,9 @@ def wait_until_up(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> No
 
 # --- the benchmark ---------------------------------------------------------------------------
 class LedgerBench:
-    """Rounds of (act, bare) on top of a prepared `Bench` (tenant, counters, connection)."""
+    """Rounds of (act, bare) on top of a prepared `Bench` (tenant, counters: `BenchHost`)."""
 
-    def __init__(self, bench: Bench, url: str, actions: int) -> None:
+    def __init__(self, bench: BenchHost, url: str, actions: int) -> None:
         from audit.canonical import canonical_bytes
         from runtime.tools import get_tool
 

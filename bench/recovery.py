@@ -279,8 +279,8 @@ class RecoveryBench:
         from django.db import transaction
         from django.utils import timezone
 
-        from audit.journal import entry_hash
-        from audit.models import GENESIS, JournalEntry, StreamHead
+        from audit.chain import GENESIS, entry_hash
+        from audit.models import JournalEntry, StreamHead
         from runtime.graphs import registry
         from runtime.models import Run, RunStatus, Tenant
 

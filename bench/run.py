@@ -46,6 +46,7 @@ from bench.common import (  # noqa: E402
     RESULTS,
     ROOT,
     counters_pg,
+    git_state,
     install_cleanup,
     log,
     postgres_admin_url,
@@ -56,11 +57,8 @@ from bench.common import (  # noqa: E402
     statement_kinds,
     stop_all,
     summary,
-    with_dbname,
 )
 from bench.ledger import SANDBOX_MODE, LedgerBench, sandbox  # noqa: E402
-
-__all__ = ["postgres_admin_url", "setup_django", "with_dbname", "git_state"]  # audit_log.py
 
 PAYLOAD_BYTES = 100
 PARTS = ("throughput", "ledger", "storage", "scaling", "recovery", "storm", "pages")
@@ -511,22 +509,6 @@ def run_child(args: argparse.Namespace, parts: set[str], url: str, var_dir: str)
 
 
 # --- driver ----------------------------------------------------------------------------------
-def git_state() -> dict[str, Any]:
-    """The commit, and the files changed in the working tree (read-only git commands)."""
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-        except OSError:
-            return ""
-
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line[3:]]
-    return {
-        "git_head": git("rev-parse", "--short", "HEAD").strip(),
-        "git_changed_files": [f for f in changed if not f.startswith("bench/")],
-    }
-
-
 def run_subprocess(cmd: list[str]) -> int:
     """A child in this process group (Ctrl-C reaches it too); waited for, killed if we are
     interrupted."""

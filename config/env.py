@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
+from pathlib import Path
 
 
 class EnvError(RuntimeError):
@@ -86,3 +88,56 @@ def env_fernet_keys(name: str, *, derive_from: str | None = None) -> list[str]:
                 f"{name}: key #{position} is not a Fernet key (32 url-safe base64-encoded bytes)"
             )
     return keys
+
+
+# --- The local settings file -----------------------------------------------------------
+# `make run` writes VAR_DIR/local.env once (DEBUG=1 and a generated SECRET_KEY, mode 600), so
+# every README `manage.py` line works in a new shell with no variable to guess. Only
+# manage.py reads it — never config.settings itself (the test suite and gunicorn import
+# that) — and only for variables the environment does not set.
+
+LOCAL_ENV = "local.env"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def local_env_path(base_dir: Path) -> Path:
+    """VAR_DIR/local.env; VAR_DIR comes from the environment alone (the file cannot move
+    itself)."""
+    return Path(os.environ.get("HOLDPOINT_VAR_DIR") or base_dir / "var") / LOCAL_ENV
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """`NAME=value` lines, as a shell would source them without quoting; blank lines and
+    `#` comments are skipped. Anything else stops the process with the file and line."""
+    values: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not _NAME.fullmatch(name):
+            raise EnvError(f"{path}:{number}: expected NAME=value, got {raw!r}")
+        values[name] = value.strip()
+    return values
+
+
+def load_local_env(path: Path) -> list[str]:
+    """Fill in, from `path`, the variables the environment does not set; the names set.
+
+    Nothing is read when the file is missing, or when the environment sets DEBUG off: a
+    process started as production takes its secrets from its environment only, so a
+    developer's file in a deployed checkout can neither switch DEBUG on nor lend its
+    SECRET_KEY, and a production start without real secrets still fails.
+    """
+    debug = os.environ.get("DEBUG")
+    if debug is not None and debug.strip().lower() in _FALSE:
+        return []
+    try:
+        values = read_env_file(path)
+    except FileNotFoundError:
+        return []
+    added = [name for name in values if name not in os.environ]
+    for name in added:
+        os.environ[name] = values[name]
+    return added

@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "audit",
     "runtime",
     "approvals",
+    "chaos",  # only for `manage.py chaos` (the soak harness above both apps)
 ]
 
 MIDDLEWARE = [
@@ -119,7 +120,7 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_HEALTH_CHECKS"] = True
     # Django opens connections with psycopg's prepare_threshold None, and then psycopg
     # ignores even an explicit prepare=True. 0 lets the worker's hot-path cursor prepare
-    # (audit.journal.cursor; HOLDPOINT_PG_PREPARE below); Django's own cursors bind on the
+    # (fastsql.cursor; HOLDPOINT_PG_PREPARE below); Django's own cursors bind on the
     # client and are never prepared, whatever the threshold.
     if env_bool("HOLDPOINT_PG_PREPARE", True):
         _db.setdefault("OPTIONS", {})["prepare_threshold"] = 0
@@ -339,7 +340,7 @@ HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
 # inside pytest's open transaction switch it off: the side connection would wait on it.
 HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)
 # PostgreSQL: the worker's hot-path statements are bound on the server and prepared once per
-# connection (audit.journal.cursor). Turn off behind a pooler in transaction mode.
+# connection (fastsql.cursor). Turn off behind a pooler in transaction mode.
 HOLDPOINT_PG_PREPARE = env_bool("HOLDPOINT_PG_PREPARE", True)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
@@ -360,6 +361,8 @@ HOLDPOINT_SWEEP_THREAD = env_bool("HOLDPOINT_SWEEP_THREAD", True)
 # Successful queue tasks kept for the admin's "Successful tasks" (failures are all kept).
 HOLDPOINT_QUEUE_HISTORY = env_int("HOLDPOINT_QUEUE_HISTORY", 250, minimum=0)
 HOLDPOINT_GRAPH_MODULES = env_list("HOLDPOINT_GRAPH_MODULES", ["runtime.agents.api_review.graph"])
+# Bearer tokens the sandbox tracker requires; seed_demo stores the first for tenant demo.
+HOLDPOINT_SANDBOX_TOKENS = env_list("HOLDPOINT_SANDBOX_TOKENS", [])
 
 # --- Notifications ----------------------------------------------------------------------
 # Email through Django's backend: printed to the console in development, SMTP otherwise.
@@ -398,5 +401,7 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    # Django's own console handler (DEBUG only) would print every django.* line a second
+    # time beside the root's: in `make run` each refused request showed two tracebacks.
+    "loggers": {"django": {"handlers": []}, "django.db.backends": {"level": "INFO"}},
 }

@@ -6,7 +6,11 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from approvals import views as approval_views
-from runtime import audit_pages, health, pages, reconcile_pages, web
+from runtime import health
+from runtime.pages import audit as audit_pages
+from runtime.pages import reconcile as reconcile_pages
+from runtime.pages import runs as pages
+from runtime.pages import tenant
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
@@ -38,7 +42,7 @@ urlpatterns = [
         approval_views.decide_page,
         name="approval-page-decide",
     ),
-    path("tenant/switch/", web.switch_tenant_view, name="switch-tenant"),
+    path("tenant/switch/", tenant.switch_tenant_view, name="switch-tenant"),
     path("runs/", pages.runs_page, name="runs"),
     path("runs/<uuid:run_id>/", pages.run_page, name="run"),
     path("runs/<uuid:run_id>/live/", pages.run_live, name="run-live"),
@@ -65,7 +69,9 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),
     path("api/v1/", include("runtime.api.urls")),
+    path("api/v1/", include("approvals.api_urls")),
 ]
 
+handler403 = "runtime.api.problems.permission_denied"
 handler404 = "runtime.api.problems.not_found"
 handler500 = "runtime.api.problems.server_error"

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from audit.canonical import sha256_hex
-from audit.journal import canonical  # canonical_bytes' very bytes, faster
+from audit.canonical import canonical, sha256_hex
 
 INLINE_LIMIT = 512
 CHUNK = 32

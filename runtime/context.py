@@ -11,11 +11,11 @@ from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
+from fastsql.statements import tenant_check
 from runtime.errors import InvalidParams
 from runtime.events import RunEvent, record
-from runtime.faults import fault
+from runtime.faults import FaultPoint, fault
 from runtime.models import RecordedCall, Run
-from runtime.statements import tenant_check
 
 if TYPE_CHECKING:
     from runtime.leases import Lease
@@ -92,7 +92,7 @@ class StepContext:
         stored = self._store(key, result)
         self.calls_made += 1
         self.recorded[key] = stored
-        fault("after_record")
+        fault(FaultPoint.AFTER_RECORD)
         return stored
 
     def model(self, name: str, call: Callable[[], Any], *, key: str | None = None) -> Any:

@@ -9,25 +9,26 @@ the tool's dedup contract: replay with the same key, look up by key, or ask a hu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from fastsql.statements import tenant_check
 from runtime import gates, ledger
 from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
-from runtime.faults import fault
+from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
-from runtime.statements import tenant_check
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool
 
 if TYPE_CHECKING:
     from runtime.context import StepContext
-    from runtime.executor import Executor
+    from runtime.leases import Lease
 
 log = logging.getLogger("holdpoint.dispatch")
 S = ActionStatus
@@ -86,16 +87,29 @@ class ActionResult:
     result: Any
 
 
+class ActionHost(Protocol):
+    """What an `ActionRunner` needs of the executor it runs for — and no more: the run it
+    holds, its lease, and a checkpoint around a side effect (the same state, the same step,
+    plus the ledger write `within`, in one commit; False if the run moved and `allow_moved`)."""
+
+    run: Run
+    lease: Lease
+
+    def checkpoint_action(
+        self, step: str, within: Callable[[], None], allow_moved: bool = False
+    ) -> bool: ...
+
+
 class ActionRunner:
     """Runs `ctx.act` for one executor: find-or-prepare, send, record, reconcile."""
 
-    def __init__(self, executor: Executor, graph: Graph) -> None:
-        self.executor = executor
+    def __init__(self, host: ActionHost, graph: Graph) -> None:
+        self.host = host
         self.graph = graph
 
     @property
-    def lease(self) -> Any:
-        return self.executor.lease
+    def lease(self) -> Lease:
+        return self.host.lease
 
     def act(
         self,
@@ -112,7 +126,7 @@ class ActionRunner:
             raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
         tool.validate(params)  # invalid params never reach the service
         canonical = ledger.canonical_params(params)
-        run = self.executor.run
+        run = self.host.run
         # A step visit that began with this execution (no checkpoint since the visit began)
         # cannot have prepared anything yet: skip the lookup. The unique key still refuses
         # a second action if that were ever wrong, and the lookup then finds the first.
@@ -120,14 +134,14 @@ class ActionRunner:
         if not ctx.fresh:
             action = ledger.find_action(run, ctx.step, call_index, canonical[1])
         if action is None:
-            fault("before_prepare")
+            fault(FaultPoint.BEFORE_PREPARE)
             try:
                 action = self.prepare(ctx, tool, params, reason, target, call_index, canonical)
             except IntegrityError:
                 action = ledger.find_action(run, ctx.step, call_index, canonical[1])
                 if action is None:
                     raise
-            fault("after_prepare")
+            fault(FaultPoint.AFTER_PREPARE)
         return self.drive(ctx, tool, action)
 
     def prepare(
@@ -140,7 +154,7 @@ class ActionRunner:
         call_index: int,
         canonical: tuple[str, str],
     ) -> Action:
-        run, lease = self.executor.run, self.lease
+        run, lease = self.host.run, self.lease
         approval = gates.needs_approval(tool, params, run)
         created: list[Action] = []
 
@@ -163,7 +177,7 @@ class ActionRunner:
 
         # Checkpointed around the side effect: the same state, the same step, and the
         # prepared action — in one transaction.
-        self.executor.checkpoint_action(ctx.step, insert)
+        self.host.checkpoint_action(ctx.step, insert)
         return created[0]
 
     def drive(self, ctx: StepContext, tool: Tool, action: Action) -> ActionResult:
@@ -178,7 +192,7 @@ class ActionRunner:
                 raise ActionFailed(f"{action.tool} is {status}: {action.last_error}".strip(": "))
             if status == S.AWAITING_APPROVAL:
                 with transaction.atomic(durable=True):
-                    gates.hold(action, self.executor.run, self.lease.actor)  # idempotent
+                    gates.hold(action, self.host.run, self.lease.actor)  # idempotent
                 raise Park("waiting_approval", f"{action.tool} needs approval", action=action)
             if status == S.MANUAL_REVIEW:
                 raise Park(
@@ -204,7 +218,7 @@ class ActionRunner:
         except (ApprovalRequired, ApprovalExpired) as refused:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
-        fault("after_sent_mark")
+        fault(FaultPoint.AFTER_SENT_MARK)
         result = tool.call(
             action.params,
             key=action.idempotency_key,
@@ -212,9 +226,9 @@ class ActionRunner:
             run_id=str(action.run_id),
         )
         tool.breaker.record(result.outcome == "applied")
-        fault("after_tool_response")
+        fault(FaultPoint.AFTER_TOOL_RESPONSE)
         action = self.record(action, result)
-        fault("after_confirm")
+        fault(FaultPoint.AFTER_CONFIRM)
         return action
 
     def record(self, action: Action, result: CallResult) -> Action:
@@ -238,7 +252,7 @@ class ActionRunner:
         def write() -> None:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`
 
-        if not self.executor.checkpoint_action(action.step, write, allow_moved=True):
+        if not self.host.checkpoint_action(action.step, write, allow_moved=True):
             with transaction.atomic(durable=True):
                 ledger.fenced(action.run_id, self.lease.fence, action.tenant_id)
                 ledger.record_late_result(
@@ -287,7 +301,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         result = tool.call(
             action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
         )
-        fault("during_reconcile")
+        fault(FaultPoint.DURING_RECONCILE)
         if result.outcome == "applied":
             return _settle(
                 action,
@@ -304,7 +318,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
             return _settle(action, fence, actor, S.FAILED, result.detail)
         return _again(action, fence, actor, result.detail)
     found = tool.lookup(action.idempotency_key)
-    fault("during_reconcile")
+    fault(FaultPoint.DURING_RECONCILE)
     if found.found:
         return _settle(
             action,

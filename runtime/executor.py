@@ -3,7 +3,8 @@
 Recovery, step by step (DESIGN.md): take the lease (fence += 1), check the graph version
 (migrate or escalate), reconcile the ledger, then continue from the last committed step.
 Every write is conditional on the fence; a refused write stops the executor at once.
-One step's commit is one short transaction: run row CAS + artifacts + checkpoint + journal.
+One step's commit — run row CAS + artifacts + checkpoint + journal, all or nothing — is
+`runtime.stepcommit`'s, shared with external executors (`runtime.protocol`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from audit import journal
-from audit.canonical import digest, sha256_hex
+from audit.canonical import canonical, digest
 from audit.models import JournalEntry
-from runtime import statements
+from fastsql import statements
+from runtime import stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Park
@@ -40,7 +42,7 @@ from runtime.errors import (
     StaleFence,
 )
 from runtime.events import RunEvent, record
-from runtime.faults import fault
+from runtime.faults import FaultPoint, fault
 from runtime.graphs import Complete, Fail, Graph, Next, Outcome, Wait, registry
 from runtime.leases import (
     Heartbeater,
@@ -50,7 +52,8 @@ from runtime.leases import (
     release,
     take_lease,
 )
-from runtime.models import Action, ActionStatus, Artifact, Checkpoint, Run, RunStatus
+from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
+from runtime.stepcommit import StepCommit
 
 log = logging.getLogger("holdpoint.executor")
 
@@ -127,7 +130,6 @@ class Executor:
         self.lease = lease
         self.steps = 0
         self.run = self._fetch(lease.run_id, lease.tenant_id)
-        self.run_key = str(self.run.run_id)
         self.stream = journal.run_stream(self.run.run_id)
         self.encoder = Encoder()
         self.state: dict[str, Any] = {}
@@ -203,7 +205,7 @@ class Executor:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
             self.steps += 1
-            fault("after_checkpoint")
+            fault(FaultPoint.AFTER_CHECKPOINT)
             if self.run.status != RunStatus.RUNNING:
                 return AdvanceResult(_OUTCOME[self.run.status], self.steps)
             if time.monotonic() > deadline:
@@ -378,25 +380,44 @@ class Executor:
         changes: dict[str, Any],
         event: RunEvent,
         *,
-        goal_rev: int | None = None,
         within: Callable[[], None] | None = None,
         **payload: Any,
     ) -> bool:
-        """One transaction: run CAS, new artifacts, checkpoint, journal. False if the run moved
-        (cancelled, or goal revised) — raises StaleFence if another executor holds it."""
-        goal_rev = self.run.goal_rev if goal_rev is None else goal_rev
+        """One step commit (runtime.stepcommit): run CAS, new artifacts, checkpoint, journal.
+        False if the run moved (cancelled, or goal revised) — raises StaleFence if another
+        executor holds it."""
         encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
+        # A step boundary starts a new step visit; checkpoints around a side effect or a
+        # parked step do not (the step will run again from its start).
+        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
+        update, extended = self.run_changes(status, next_step, changes, new_visit)
         try:
-            self._commit_once(
-                step, state, encoded, status, next_step, changes, event, goal_rev, within, payload
+            stepcommit.write(
+                StepCommit(
+                    run=self.run,
+                    actor=self.lease.actor,
+                    fence=self.lease.fence,
+                    step=step,
+                    next_step=next_step,
+                    status=status,
+                    state=encoded,
+                    changes=update,
+                    expect_status=RunStatus.RUNNING,
+                    event=event,
+                    payload=payload,
+                    artifacts=self.encoder.new,
+                    within=within,
+                )
             )
-        except _Moved:
+        except stepcommit.Moved:
             self.reload()
             return False
-        self.encoder.committed()
+        if extended is not None:
+            self.extended_at = extended
+        self.committed(status, next_step, changes, new_visit)
         if state is not self.state:
             self.state, self.stored = state, None
-        self.state_goal_rev = goal_rev
+        self.state_goal_rev = self.run.goal_rev
         return True
 
     def unchanged(self) -> Any:
@@ -405,32 +426,19 @@ class Executor:
         content-addressed blob — stored once — instead of another copy per checkpoint."""
         if self.stored is None:
             encoded = self.encoder.encode(self.state)
-            if len(journal.canonical(encoded)) > _UNCHANGED_INLINE:
+            if len(canonical(encoded)) > _UNCHANGED_INLINE:
                 encoded = self.encoder.reference(encoded)
             self.stored = encoded
         return self.stored
 
-    def _commit_once(
-        self,
-        step: str,
-        state: dict[str, Any],
-        encoded: Any,
-        status: str,
-        next_step: str,
-        changes: dict[str, Any],
-        event: RunEvent,
-        goal_rev: int,
-        within: Callable[[], None] | None,
-        payload: dict[str, Any],
-    ) -> None:
-        run, lease = self.run, self.lease
-        rev = run.checkpoint_rev + 1
-        # A step boundary starts a new step visit; checkpoints around a side effect or a
-        # parked step do not (the step will run again from its start).
-        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
-        # Only what changes: the CAS below pins the rest (status running, this fence, rev
-        # and goal_rev), and nobody else writes these columns while the fence holds.
-        update: dict[str, Any] = {"checkpoint_rev": rev, "updated_at": statements.NOW}
+    def run_changes(
+        self, status: str, next_step: str, changes: dict[str, Any], new_visit: bool
+    ) -> tuple[dict[str, Any], float | None]:
+        """The run columns a commit sets besides its rev — only what changes: the CAS pins the
+        rest (status running, this fence, rev and goal_rev), and nobody else writes these
+        columns while the fence holds — and when the lease was extended (None: it was not)."""
+        run, rev = self.run, self.run.checkpoint_rev + 1
+        update: dict[str, Any] = {}
         if new_visit:
             update["step_rev"] = rev
         if next_step != run.next_step:
@@ -445,115 +453,28 @@ class Executor:
         extended = None
         if status != RunStatus.RUNNING:
             update.update(lease_owner="", lease_expires_at=None)
-        elif time.monotonic() - self.extended_at > lease.ttl / 3:
+        elif time.monotonic() - self.extended_at > self.lease.ttl / 3:
             # A commit is a heartbeat — but only every ttl/3, like the heartbeat thread: a
             # commit that moves the lease's expiry rewrites the run's sweeper index entry,
             # one that leaves it can update the row in place. After any commit at least 2/3
-            # of the lease is left.
+            # of the lease is left. (The time is taken before the statement: it errs early.)
             extended = time.monotonic()
-            update["lease_expires_at"] = statements.DbNow(lease.ttl)
-        # What the checkpoint's digest covers, and the checkpoint row: the same fields.
-        fields = {
-            "rev": rev,
-            "goal_rev": goal_rev,
-            "step": step,
-            "next_step": next_step,
-            "status": status,
-            "state": encoded,
-            "waits": update.get("waiting_for"),
-            "fence": lease.fence,
-        }
-        checkpoint_digest = sha256_hex(journal.canonical({"run": self.run_key, **fields}))
-        checkpoint = {
-            **fields,
-            "run_id": run.run_id,
-            "tenant_id": run.tenant_id,
-            "created_by": lease.actor,
-            "digest": checkpoint_digest,
-        }
-        mine = {
-            "run_id": run.run_id,
-            "tenant_id": statements.Check(run.tenant_id),  # the key is the run id
-            "fence": lease.fence,
-            "status": RunStatus.RUNNING,
-            "checkpoint_rev": run.checkpoint_rev,
-            "goal_rev": run.goal_rev,
-        }
-        entry = {
-            "rev": rev,
-            "step": step,
-            "next_step": next_step,
-            "status": status,
-            "digest": checkpoint_digest,
-            **payload,
-        }
-        if (
-            within is None
-            and not self.encoder.new
-            and self.one_statement(update, mine, checkpoint, event, entry)
-        ):
-            pass  # written, in one statement
-        else:
-            # The run CAS first (its row lock orders us before a goal revision, which locks
-            # the run and then its actions), the checkpoint only if it held; the journal
-            # entries of the step and of the ledger writes in `within` go in together at the
-            # end.
-            with transaction.atomic(durable=True), journal.batched(self.stream):
-                if not statements.update_then_insert(Run, update, mine, Checkpoint, checkpoint):
-                    raise _Moved()
-                if self.encoder.new:
-                    Artifact.objects.bulk_create(
-                        [
-                            Artifact(
-                                tenant_id=run.tenant_id,
-                                digest=d,
-                                content=text,
-                                size=len(text.encode()),
-                            )
-                            for d, text in self.encoder.new.items()
-                        ],
-                        ignore_conflicts=True,
-                    )
-                record(run, event, lease.actor, **entry)
-                if within is not None:
-                    within()
-        if extended is not None:
-            self.extended_at = extended
-        run.checkpoint_rev, run.next_step, run.status = rev, next_step, status
+            update["lease_expires_at"] = statements.DbNow(self.lease.ttl)
+        return update, extended
+
+    def committed(
+        self, status: str, next_step: str, changes: dict[str, Any], new_visit: bool
+    ) -> None:
+        """Bring this executor's copy of the run row up to the commit it just made."""
+        run = self.run
+        run.checkpoint_rev, run.next_step, run.status = run.checkpoint_rev + 1, next_step, status
         run.consecutive_failures = 0
         if new_visit:
-            run.step_rev = rev
+            run.step_rev = run.checkpoint_rev
         for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
             if name in changes:
                 setattr(run, name, changes[name])
-
-    def one_statement(
-        self,
-        update: dict[str, Any],
-        mine: dict[str, Any],
-        checkpoint: dict[str, Any],
-        event: RunEvent,
-        entry: dict[str, Any],
-    ) -> bool:
-        """PostgreSQL: a plain commit (no ledger write with it, no new artifact) as a single
-        autocommit statement — the run CAS, the checkpoint, the head swap and the journal
-        entry, all or nothing (audit.journal.append_after) — in one round trip instead of
-        four (BEGIN, two statements, COMMIT). True if written; raises _Moved if the run
-        moved; False if this path does not apply or the journal head moved meanwhile (then
-        nothing was written and the caller takes the transaction path)."""
-        connection = transaction.get_connection()
-        if connection.vendor != "postgresql" or connection.in_atomic_block:
-            return False
-        head = journal.remembered(self.stream)
-        if head is None:
-            return False
-        with journal.batched(self.stream, deferred=True) as pending:
-            record(self.run, event, self.lease.actor, **entry)
-        lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
-        outcome = journal.append_after(self.stream, self.run.tenant_id, pending, head, lead)
-        if outcome == "refused":
-            raise _Moved()
-        return outcome == "written"
+        self.encoder.committed()
 
     # --- failure, escalation -------------------------------------------------------------
     def fail(self, graph: Graph, step: str, exc: BaseException) -> AdvanceResult:
@@ -567,49 +488,26 @@ class Executor:
             "consecutive_failures": failures,
             "attempts": F("attempts") + 1,
             "last_error": error,
-            "lease_owner": "",
-            "lease_expires_at": None,
-            "updated_at": Now(),
         }
         if escalate:
             status = RunStatus.NEEDS_ATTENTION
-            reason = f"{failures} consecutive failure(s) at step {step}: {error}"
-            update.update(status=status, attention_reason=reason[:2000], wake_at=None)
+            reason = f"{failures} consecutive failure(s) at step {step}: {error}"[:2000]
+            update.update(status=status, attention_reason=reason, wake_at=None)
         else:
             status = RunStatus.RETRYING
             update.update(status=status, wake_at=db_now_plus(delay))
-        with transaction.atomic(durable=True):
-            mine = Run.objects.filter(
-                statements.tenant_check(self.run.tenant_id),
-                pk=self.run.run_id,
-                fence=self.lease.fence,
-                status=RunStatus.RUNNING,
-            )
-            if mine.update(**update) != 1:
-                transaction.set_rollback(True)
-                moved = True
-            else:
-                moved = False
-                record(
-                    self.run,
-                    RunEvent.STEP_FAILED,
-                    self.lease.actor,
-                    step=step,
-                    error=error,
-                    failures=failures,
-                    status=status,
-                    retry_in_seconds=round(delay, 3) if not escalate else None,
-                )
-                if escalate:
-                    record(
-                        self.run,
-                        RunEvent.ESCALATED,
-                        self.lease.actor,
-                        reason=update["attention_reason"],
-                        status=status,
-                    )
-        if moved:
-            self.reload()
+        failed = (
+            RunEvent.STEP_FAILED,
+            {
+                "step": step,
+                "error": error,
+                "failures": failures,
+                "status": status,
+                "retry_in_seconds": round(delay, 3) if not escalate else None,
+            },
+        )
+        escalated = [(RunEvent.ESCALATED, {"reason": reason, "status": status})] if escalate else []
+        if not self.end_turn(Q(status=RunStatus.RUNNING), update, failed, *escalated):
             return self.stopped()
         log.info(
             "run %s step %s failed (%s/%s): %s",
@@ -619,35 +517,37 @@ class Executor:
             graph.max_failures,
             error,
         )
-        self.refetch()
         return AdvanceResult(_OUTCOME[status], self.steps, error)
 
     def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
+        update = {"status": RunStatus.NEEDS_ATTENTION, "attention_reason": reason[:2000]}
+        entry = {"reason": reason, "status": RunStatus.NEEDS_ATTENTION}
+        self.end_turn(~Q(status__in=TERMINAL), update, (event, entry))
+
+    def end_turn(
+        self, status: Q, update: dict[str, Any], *entries: tuple[RunEvent, dict[str, Any]]
+    ) -> bool:
+        """The fenced compare-and-swap that takes the run out of this executor's hands (a
+        failure to retry, an escalation): its status and the lease given up, with the journal
+        entries that say why, in one transaction. False if the run had moved (then reloaded:
+        StaleFence if another executor holds it); True with the run row read again."""
         with transaction.atomic(durable=True):
             mine = Run.objects.filter(
-                pk=self.run.run_id, tenant_id=self.run.tenant_id, fence=self.lease.fence
+                status,
+                statements.tenant_check(self.run.tenant_id),
+                pk=self.run.run_id,
+                fence=self.lease.fence,
             )
-            changed = mine.exclude(
-                status__in=[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
-            ).update(
-                status=RunStatus.NEEDS_ATTENTION,
-                attention_reason=reason[:2000],
-                lease_owner="",
-                lease_expires_at=None,
-                updated_at=Now(),
-            )
-            if changed == 1:
-                record(
-                    self.run,
-                    event,
-                    self.lease.actor,
-                    reason=reason,
-                    status=RunStatus.NEEDS_ATTENTION,
-                )
-        if changed != 1:
+            changes = {"lease_owner": "", "lease_expires_at": None, "updated_at": Now()}
+            done = mine.update(**update, **changes) == 1
+            if done:
+                for event, payload in entries:
+                    record(self.run, event, self.lease.actor, **payload)
+        if not done:
             self.reload()
-            return
+            return False
         self.refetch()
+        return True
 
     # --- versions and revisions ----------------------------------------------------------
     def ensure_compatible(self) -> Graph | None:
@@ -752,10 +652,6 @@ _OUTCOME = {
     RunStatus.RUNNING: "yielded",
     RunStatus.NEEDS_RECONCILIATION: "waiting",
 }
-
-
-class _Moved(Exception):
-    pass
 
 
 class _Aborted(Exception):

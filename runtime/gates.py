@@ -7,9 +7,32 @@ counts and nothing can approve (actions needing approval simply wait).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runtime.models import Action
+from django.db.models import QuerySet
+
+from runtime.models import Action, Run
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The hold point's answer at dispatch: the re-check only reads, the ledger acts on it.
+
+    `refusal` empty: the action may be sent. Otherwise it is the error code the sender gets
+    (`approval_required`, `approval_expired`), the action goes back to awaiting approval,
+    and `stale` names the approval that no longer binds it (to supersede), if there was one.
+    """
+
+    refusal: str = ""
+    stale: Any = None
+
+    @property
+    def go(self) -> bool:
+        return not self.refusal
+
+
+GO = Verdict()
 
 
 class HoldPoints(Protocol):
@@ -20,20 +43,28 @@ class HoldPoints(Protocol):
         """The action waits (awaiting_approval): make sure an open request exists for it.
         Called inside the transaction that prepared (or re-held) the action."""
 
-    def check_dispatch(self, action: Action, actor: str) -> str | None:
-        """Inside the transaction that would mark the action sent (its row locked): None if
-        it may go, else the refusal code after superseding what no longer holds."""
+    def check_dispatch(self, action: Action) -> Verdict:
+        """Inside the transaction that would mark the action sent (its row locked): whether
+        it may go, else why not and which approval no longer binds. Writes nothing."""
+
+    def supersede(self, approval: Any, action: Action, reason: str, actor: str) -> None:
+        """The approval a verdict named stale stops counting (a compare-and-swap on its
+        approved state, journaled); called by the ledger in the same transaction."""
 
     def may_hold(self, action: Action) -> bool:
         """Inside the dispatch transaction (the run row locked), cheaply: False only when no
         hold point can apply to the action — no request for it, no policy for its tool, no
-        approval declared by the tool — so `check_dispatch` would certainly return None."""
+        approval declared by the tool — so `check_dispatch` would certainly say go."""
 
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
         """Actions were cancelled (goal revised, run cancelled): close their requests."""
 
     def sweep(self) -> int:
         """Periodic work (expiry, reminders, escalation); returns how much was done."""
+
+    def purgeable(self, runs: QuerySet[Run]) -> QuerySet[Run]:
+        """`runs` without those a hold point still needs (an open request): retention may
+        remove the rest, and their requests go with them (they cascade from the run)."""
 
 
 _impl: HoldPoints | None = None
@@ -61,13 +92,18 @@ def hold(action: Action, run: Any, actor: str) -> None:
         _impl.hold(action, run, actor)
 
 
-def dispatch_gate(action: Action, actor: str) -> str | None:
-    return _impl.check_dispatch(action, actor) if _impl is not None else None
+def dispatch_gate(action: Action) -> Verdict:
+    return _impl.check_dispatch(action) if _impl is not None else GO
+
+
+def supersede(approval: Any, action: Action, reason: str, actor: str) -> None:
+    if _impl is not None:
+        _impl.supersede(approval, action, reason, actor)
 
 
 def may_hold(action: Action) -> bool:
     """Could a hold point apply at dispatch? False lets the ledger skip the full re-check
-    (which would return None). Conservative: an implementation without the cheap question
+    (which would say go). Conservative: an implementation without the cheap question
     always gets the full one."""
     if _impl is None:
         return False  # nothing is installed to hold it: dispatch_gate lets everything go
@@ -82,3 +118,7 @@ def withdrawn(action_ids: list[str], reason: str, actor: str) -> None:
 
 def sweep() -> int:
     return _impl.sweep() if _impl is not None else 0
+
+
+def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
+    return _impl.purgeable(runs) if _impl is not None else runs

@@ -19,8 +19,7 @@ from django.db import connection, transaction
 from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, Value, When
 from django.db.models.functions import Now
 
-from audit.journal import cursor as shared_cursor
-from runtime import statements
+from fastsql import statements
 from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
 from runtime.events import RunEvent, record
 from runtime.models import RUNNABLE, TERMINAL, Run, RunStatus
@@ -30,16 +29,37 @@ log = logging.getLogger("holdpoint.leases")
 
 @dataclass(frozen=True)
 class Lease:
+    """A lease as its holder knows it. Every check of it names the run, its tenant, the
+    fence and the owner — for a worker and for an external executor alike."""
+
     run_id: Any
     tenant_id: int
     owner: str
     fence: int
     ttl: float
-    expires_at: datetime
+    expires_at: datetime | None
+    # Who acts under the lease, for the journal: a worker is its owner; an external
+    # executor is the API account that calls (runtime.protocol).
+    by: str = ""
 
     @property
     def actor(self) -> str:
-        return f"worker:{self.owner}#{self.fence}"
+        return f"{self.by or 'worker:' + self.owner}#{self.fence}"
+
+
+def _held(lease: Lease) -> Any:
+    """The run row while `lease` holds it: this run, this tenant, this fence, this owner — and
+    an owner at all (a released lease is not revived by its old fence), the run unfinished."""
+    return (
+        Run.objects.filter(
+            statements.tenant_check(lease.tenant_id),
+            pk=lease.run_id,
+            fence=lease.fence,
+            lease_owner=lease.owner,
+        )
+        .exclude(lease_owner="")
+        .exclude(status__in=TERMINAL)
+    )
 
 
 def db_now_plus(seconds: float) -> ExpressionWrapper:
@@ -111,31 +131,25 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
         return lease
 
 
-_VIEW: dict[str, str] = {}
-
-
-def _lease_view(run_id: Any) -> tuple[Any, ...] | None:
+def _lease_view(run_id: Any) -> list[Any] | None:
     """The run's lease as the database clock sees it, row-locked: (tenant_id, lease_owner,
     status, external, fence, lease free?, wake time come?). The one read by id alone — how a
     worker rung with a bare run id learns the run's tenant; every later statement names it."""
-    conn = transaction.get_connection()
-    sql = _VIEW.get(conn.vendor)
-    if sql is None:
-        qn = conn.ops.quote_name
-        now, now_params = statements.clock_sql(Run)
-        assert not now_params, "the clock takes no parameters"
-        lock = " FOR UPDATE" if conn.features.has_select_for_update else ""
-        sql = _VIEW[conn.vendor] = (
-            f"SELECT {qn('tenant_id')}, {qn('lease_owner')}, {qn('status')}, {qn('external')},"
-            f" {qn('fence')},"
-            f" ({qn('lease_expires_at')} IS NULL OR {qn('lease_expires_at')} < {now}),"
-            f" ({qn('wake_at')} IS NULL OR {qn('wake_at')} <= {now})"
-            f" FROM {qn(Run._meta.db_table)} WHERE {qn('run_id')} = %s{lock}"
-        )
-    key = Run._meta.pk.get_db_prep_value(run_id, conn, prepared=False)
-    cursor = shared_cursor(conn)
-    cursor.execute(sql, [key])
-    return cursor.fetchone()
+    rows = statements.select(
+        Run,
+        (
+            "tenant_id",
+            "lease_owner",
+            "status",
+            "external",
+            "fence",
+            statements.Elapsed("lease_expires_at"),
+            statements.Elapsed("wake_at", inclusive=True),
+        ),
+        {"run_id": run_id},
+        for_update=True,
+    )
+    return rows[0] if rows else None
 
 
 def _take_due(run_id: Any, owner: str, ttl: float) -> Lease:
@@ -191,41 +205,33 @@ def _refuse(run_id: Any, tenant_id: int) -> None:
 
 def heartbeat(lease: Lease) -> datetime:
     """Extend the lease from now; StaleFence if another executor took the run."""
-    updated = Run.objects.filter(
-        pk=lease.run_id, tenant_id=lease.tenant_id, fence=lease.fence, lease_owner=lease.owner
-    )
-    if updated.update(lease_expires_at=db_now_plus(lease.ttl)) != 1:
+    if _held(lease).update(lease_expires_at=db_now_plus(lease.ttl)) != 1:
         refuse_stale(lease, "heartbeat")
-    return Run.objects.values_list("lease_expires_at", flat=True).get(
+    expires_at: datetime = Run.objects.values_list("lease_expires_at", flat=True).get(
         pk=lease.run_id, tenant_id=lease.tenant_id
     )
+    return expires_at
 
 
 def release(lease: Lease, *, requeue: bool = False) -> None:
-    """Give the lease up (graceful stop). A running run goes back to queued for the next one."""
+    """Give the lease up (graceful stop), journalled. A running run goes back to queued for
+    the next one (`requeue`: and its doorbell rings); a waiting one keeps waiting."""
     with transaction.atomic(durable=True):
-        mine = Run.objects.filter(
-            statements.tenant_check(lease.tenant_id),
-            pk=lease.run_id,
-            fence=lease.fence,
-            lease_owner=lease.owner,
-        )
+        mine = _held(lease)
         changes: dict[str, Any] = {"lease_owner": "", "lease_expires_at": None}
-        requeued = mine.filter(status=RunStatus.RUNNING).update(status=RunStatus.QUEUED, **changes)
-        if requeued:
-            run = Run.objects.get(pk=lease.run_id, tenant_id=lease.tenant_id)
-            record(
-                run,
-                RunEvent.LEASE_RELEASED,
-                lease.actor,
-                fence=lease.fence,
-                status=RunStatus.QUEUED,
-            )
-            if requeue:
+        entry: dict[str, Any] = {"fence": lease.fence}
+        released = mine.filter(status=RunStatus.RUNNING).update(status=RunStatus.QUEUED, **changes)
+        if released:
+            entry["status"] = RunStatus.QUEUED
+        else:
+            released = mine.update(**changes)
+        if released:
+            run = Run(run_id=lease.run_id, tenant_id=lease.tenant_id)
+            record(run, RunEvent.LEASE_RELEASED, lease.actor, **entry)
+            if requeue and entry.get("status") == RunStatus.QUEUED:
                 from runtime.queue import ring
 
                 ring(lease.run_id)
-        released = requeued or mine.update(**changes)
     if not released:
         refuse_stale(lease, "release")
 

@@ -9,6 +9,7 @@ Network calls live in `runtime.dispatch`; this module only writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,8 @@ from django.utils import timezone
 
 from audit import journal
 from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
-from runtime import gates, statements
+from fastsql import statements
+from runtime import gates
 from runtime.errors import (
     ActionCancelled,
     ApprovalExpired,
@@ -55,8 +57,14 @@ def sources(target: str) -> list[str]:
 def idempotency_key(run: Run, step: str, call_index: int) -> str:
     """Stable across retries and processes: the same call of the same step visit gets the same
     key. The visit is named by the checkpoint rev it began at (`step_rev`), so a step that
-    loops to itself acts anew on each visit, while a re-run after a crash finds its action."""
-    return f"{run.run_id}:{run.goal_rev}:{step}@{run.step_rev}:{call_index}"
+    loops to itself acts anew on each visit, while a re-run after a crash finds its action.
+    The one spelling of a derived key, for a worker's steps and an external executor's alike."""
+    return f"{visit_prefix(run, step)}{call_index}"
+
+
+def visit_prefix(run: Run, step: str) -> str:
+    """What every key of one visit of `step` begins with (the call index follows)."""
+    return f"{run.run_id}:{run.goal_rev}:{step}@{run.step_rev}:"
 
 
 def canonical_params(params: Any) -> tuple[str, str]:
@@ -159,12 +167,15 @@ def create_action(
     actor: str,
     needs_approval: bool,
     canonical: tuple[str, str] | None = None,
+    key: str | None = None,
 ) -> Action:
-    """Insert a prepared action (inside the step's checkpoint transaction).
+    """Insert a prepared action (inside the transaction that fences it: a worker's step
+    checkpoint, an external executor's prepare) — the one Action constructor.
 
-    `canonical`: the (text, fingerprint) the caller already computed from `params`."""
+    `canonical`: the (text, fingerprint) the caller already computed from `params`. `key`: an
+    idempotency key the client chose; else the one derived from the step visit's call."""
     text, fingerprint = canonical or canonical_params(params)
-    key = idempotency_key(run, step, call_index)
+    key = key or idempotency_key(run, step, call_index)
     now = timezone.now()
     action = Action(
         tenant_id=run.tenant_id,
@@ -206,17 +217,43 @@ def create_action(
     return action
 
 
+def same_request(action: Action, fingerprint: str) -> bool:
+    """Whether `fingerprint` is what the action was asked for — before any reviewer edit, so
+    a retried or re-executed call still matches an action whose params a reviewer changed."""
+    return (action.requested_fingerprint or action.fingerprint) == fingerprint
+
+
+def by_key(tenant_id: int, key: str) -> Action | None:
+    """The tenant's action with this idempotency key (keys are unique per tenant)."""
+    return Action.objects.filter(tenant_id=tenant_id, idempotency_key=key).first()
+
+
 def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Action | None:
     """The action this call of this step prepared before, if any; refuses different params."""
-    key = idempotency_key(run, step, call_index)
-    action = Action.objects.filter(tenant_id=run.tenant_id, idempotency_key=key).first()
-    if action is not None and (action.requested_fingerprint or action.fingerprint) != fingerprint:
+    action = by_key(run.tenant_id, idempotency_key(run, step, call_index))
+    if action is not None and not same_request(action, fingerprint):
         raise InvalidParams(
             f"step {step} asked for call {call_index} with different params under the same "
             "idempotency key; refusing to send something other than what was prepared",
             errors={"params": ["differs from the prepared action with this key"]},
         )
     return action
+
+
+def visit_actions(run: Run, step: str) -> dict[int, Action]:
+    """The actions of this visit of `step` under their derived keys, by call index (an
+    external executor names no call index: it asks which calls of the visit were made)."""
+    prefix = visit_prefix(run, step)
+    calls: dict[int, Action] = {}
+    candidates = Action.objects.filter(
+        tenant_id=run.tenant_id, run_id=run.run_id, step=step, goal_rev=run.goal_rev
+    )
+    for action in candidates:
+        key = action.idempotency_key
+        # Compared here, not by LIKE: SQLite's LIKE ignores case.
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():
+            calls[int(key[len(prefix) :])] = action
+    return calls
 
 
 def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None) -> Action:
@@ -275,16 +312,26 @@ def _unheld_goal_rev(action: Action, fence: int) -> int | None:
     return int(goal_rev)
 
 
-def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+def mark_sent(
+    action: Action,
+    fence: int,
+    ttl: float,
+    tool: Tool,
+    actor: str,
+    *,
+    then: Callable[[Action], None] | None = None,
+) -> Action:
     """Commit `sent` before the request leaves. Until `in_flight_until` (this sender's lease
-    plus the tool's longest request) nobody may conclude the request did not arrive.
+    plus the tool's longest request) nobody may conclude the request did not arrive. `then`:
+    a write that must commit with the mark (it gets the sent action, the run row locked).
 
-    The hold-point re-check runs in the same transaction, with the run row locked: an
-    approval that no longer binds this exact action (hash, expiry, the decider's permission)
-    is superseded and a new request raised — committed — and the send is refused. When no
+    The hold-point re-check runs in the same transaction, with the run row locked: when no
     hold point can apply (no request for the action, no policy for its tool) a cheap check
     says so and the action is swapped to `sent` directly; anything else takes the full path
-    with the action row locked too.
+    with the action row locked too. There the hold point only gives its verdict; an
+    approval that no longer binds this exact action (hash, expiry, the decider's
+    permission) makes the ledger hold the action again (`hold_again`) — committed — and
+    refuse the send.
     """
     changes: dict[str, Any] = {
         "sent_fence": fence,
@@ -296,18 +343,28 @@ def mark_sent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) ->
         goal_rev = _unheld_goal_rev(action, fence)
         if goal_rev is not None and _move(action, S.SENT, changes, goal_rev=goal_rev):
             _record_outcome(action, S.SENT, actor, changes)
+            if then is not None:
+                then(action)
             return action
         action = check_dispatchable(action.action_id, fence, action.tenant_id)
-        refusal = gates.dispatch_gate(action, actor)
-        if refusal is None:
-            return transition(action, S.SENT, actor, **changes)
-    raise (ApprovalExpired if refusal == ApprovalExpired.code else ApprovalRequired)(
-        f"{action.tool} cannot be sent: {refusal.replace('_', ' ')}"
+        verdict = gates.dispatch_gate(action)
+        if verdict.go:
+            sent = transition(action, S.SENT, actor, **changes)
+            if then is not None:
+                then(sent)
+            return sent
+        hold_again(action, actor, verdict)
+    raise (ApprovalExpired if verdict.refusal == ApprovalExpired.code else ApprovalRequired)(
+        f"{action.tool} cannot be sent: {verdict.refusal.replace('_', ' ')}"
     )
 
 
-def hold_again(action: Action, actor: str) -> Action:
-    """Back to awaiting_approval (an approval stopped binding); a new request is raised."""
+def hold_again(action: Action, actor: str, verdict: gates.Verdict) -> Action:
+    """Back to awaiting_approval, in the dispatch transaction: the approval the verdict names
+    stopped binding (it is superseded, through the port) or there never was one; a new
+    request is raised."""
+    if verdict.stale is not None:
+        gates.supersede(verdict.stale, action, verdict.refusal, actor)
     action = transition(action, S.AWAITING_APPROVAL, actor)
     gates.hold(action, Run.objects.get(pk=action.run_id, tenant_id=action.tenant_id), actor)
     return action

@@ -14,6 +14,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
+from fastsql.statements import tenant_check
 from runtime import gates
 from runtime.errors import (
     AlreadyCompleted,
@@ -28,7 +29,6 @@ from runtime.graphs import registry
 from runtime.ledger import cancel_older_revisions
 from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.queue import ring
-from runtime.statements import tenant_check
 
 # What `resume_run` wakes besides a timer wait; pages use it to decide whether to offer it.
 RESUMABLE = frozenset({RunStatus.NEEDS_ATTENTION, RunStatus.RETRYING})

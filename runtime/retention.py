@@ -4,6 +4,8 @@ Runs past their tenant's retention lose their checkpoints, recorded calls, actio
 approvals and unreferenced artifacts; their journal entries stay, with payloads replaced by
 digests (the chain hashes cover digests, so it verifies as before). Never purged: a run that
 is not finished, has an open approval, or has an action whose outcome is not settled.
+Approvals are the hold points' business: `gates.purgeable` leaves out the runs they still
+need, and their rows cascade from the run's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.models import JournalEntry, PurgeGate
+from runtime import gates
 from runtime.artifacts import collect_refs
 from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
 
@@ -36,12 +39,7 @@ def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
     """Finished runs with nothing open: no pending approval, no unsettled action."""
     open_actions = Action.objects.filter(status__in=KEEP_ACTIONS).values("run_id")
     runs = runs.filter(status__in=TERMINAL).exclude(run_id__in=open_actions)
-    try:
-        from approvals.models import ApprovalRequest
-    except ImportError:  # pragma: no cover - approvals is always installed in this project
-        return runs
-    open_requests = ApprovalRequest.objects.filter(status="pending").values("run_id")
-    return runs.exclude(run_id__in=open_requests)
+    return gates.purgeable(runs)  # hold points keep a run with an open request
 
 
 def due_runs(tenant: Tenant, now: datetime) -> QuerySet[Run]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -93,6 +94,9 @@ class Breaker:
                 self.opened_at = time.monotonic()
 
 
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
 @dataclass
 class Tool:
     name: str
@@ -114,6 +118,10 @@ class Tool:
     breaker: Breaker = field(default_factory=Breaker)
     # The tenant's ToolCredential (by service name) this tool sends, if any.
     credential: str = ""
+    # How a reviewer's card names one action, verb first: a template over the params and
+    # `{target}`, e.g. "Create task: {title}". Plain `{name}` placeholders only (no format
+    # mini-language: a template may one day come from tool data, not code).
+    title: str = ""
 
     def validate(self, params: Any) -> None:
         """Refuse params that do not fit the schema, with field errors, before preparing."""
@@ -130,6 +138,29 @@ class Tool:
 
     def needs_approval(self, params: dict[str, Any]) -> bool:
         return self.approval(params) if callable(self.approval) else bool(self.approval)
+
+    def title_for(self, params: dict[str, Any], target: str = "") -> str:
+        """The verb-first title a reviewer reads for one action ("Create task: Fix login").
+
+        A placeholder the action leaves empty drops the subject and keeps the verb (the
+        template up to its first placeholder). Without a template: "Run <name>: <target>".
+        """
+        template = self.title or f"Run {self.name}: {{target}}"
+        values = {**params, "target": target}
+        missing = False
+
+        def fill(match: re.Match[str]) -> str:
+            nonlocal missing
+            value = values.get(match.group(1))
+            if value is None or value == "":
+                missing = True
+                return ""
+            return str(value)
+
+        text = _PLACEHOLDER.sub(fill, template)
+        if missing:
+            text = template.split("{", 1)[0].rstrip(": ")
+        return text[:300]
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         raise NotImplementedError
@@ -321,6 +352,7 @@ register_tool(
         accepts_fence=True,
         compensation="tasks.close",
         credential="tasks",
+        title="Create task: {title}",
     )
 )
 register_tool(
@@ -340,5 +372,6 @@ register_tool(
         timeout=3.0,
         accepts_fence=True,
         credential="tasks",
+        title="Close task: {task_id}",
     )
 )

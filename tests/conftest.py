@@ -74,7 +74,7 @@ def viewer_a(tenant_a: Tenant) -> Persona:
 @pytest.fixture
 def admin_a(tenant_a: Tenant) -> Persona:
     """Tenant A's admin: staff, not superuser."""
-    from runtime.management.commands.seed_demo import Command
+    from approvals.management.commands.seed_demo import Command
 
     persona = make_persona(tenant_a, "ada", Role.ADMIN, is_staff=True)
     persona.user.groups.add(Command()._tenant_admin_group())
@@ -118,7 +118,8 @@ def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
     yield
     if db_fixture is None or request.node.get_closest_marker("tampers_journal"):
         return
-    from audit.journal import run_stream, verify_stream
+    from audit.journal import run_stream
+    from audit.verification import verify_stream
     from runtime.events import rebuild_status
     from runtime.models import Run
 

@@ -22,6 +22,7 @@ from runtime.api.parsers import MalformedBody
 from runtime.errors import HoldpointError
 
 log = logging.getLogger("holdpoint.api")
+request_log = logging.getLogger("django.request")  # where Django logs refused requests
 TYPE_BASE = "https://holdpoint.dev/problems/"
 CONTENT_TYPE = "application/problem+json"
 
@@ -170,17 +171,52 @@ def problem_response(request: HttpRequest, status: int, code: str, title: str) -
     return JsonResponse(problem(status, code, title), status=status, content_type=CONTENT_TYPE)
 
 
+def _is_api(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/")
+
+
 def not_found(request: HttpRequest, exception: Exception | None = None) -> Any:
-    """API paths answer in the problem format; pages keep Django's own 404 page."""
-    if request.path.startswith("/api/"):
+    """API paths answer in the problem format; pages get templates/404.html (the site's
+    layout and where to go next)."""
+    if _is_api(request):
         return problem_response(request, 404, "not_found", "Not found")
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
 
 
+def permission_denied(request: HttpRequest, exception: Exception | None = None) -> Any:
+    """A refusal outside DRF (a viewer posting a page's form): problem+json under /api/,
+    templates/403.html for pages.
+
+    A 403 is an ordinary answer, not a fault: it is logged as one warning line with the
+    reason, and Django's own log line — which carries the exception's traceback — is
+    skipped (it logs a response only once, and this one is marked as logged).
+    """
+    if _is_api(request):
+        response = problem_response(request, 403, "not_permitted", "Not permitted")
+    else:
+        from django.views.defaults import permission_denied as page_denied
+
+        response = page_denied(request, exception)
+    user = getattr(request, "user", None)
+    who = user.get_username() if user is not None and user.is_authenticated else "anonymous"
+    request_log.warning(
+        "Forbidden: %s %s by %s: %s",
+        request.method,
+        request.path,
+        who,
+        exception or "permission denied",
+        extra={"status_code": 403, "request": request},
+    )
+    response._has_been_logged = True  # django.utils.log.log_response's own marker
+    return response
+
+
 def server_error(request: HttpRequest) -> Any:
-    if request.path.startswith("/api/"):
+    """API paths answer in the problem format; pages get templates/500.html (rendered
+    without the request: nothing on it may need the database)."""
+    if _is_api(request):
         return problem_response(request, 500, "server_error", "Internal error")
     from django.views.defaults import server_error as page_error
 

@@ -164,7 +164,16 @@ class FenceIn(serializers.Serializer):
     fence = StrictInt(min_value=1)
 
 
-class HeartbeatIn(FenceIn):
+class ReleaseIn(FenceIn):
+    owner = serializers.CharField(
+        max_length=200,
+        required=False,
+        help_text="The owner the lease was taken by; when given, a lease held by another "
+        "owner is refused (409 stale_fence) as a stale fence is.",
+    )
+
+
+class HeartbeatIn(ReleaseIn):
     ttl_seconds = StrictInt(
         min_value=2,
         max_value=3600,

@@ -1,10 +1,10 @@
-"""/api/v1/ — the agent-facing contract (API.md)."""
+"""/api/v1/ — the agent-facing contract (API.md); the approvals routes are the approvals
+app's own (`approvals.api_urls`, mounted beside these by `config.urls`)."""
 
 from csp.decorators import csp_update
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
-from approvals import api as approvals_api
 from runtime.api import views
 
 urlpatterns = [
@@ -30,15 +30,6 @@ urlpatterns = [
     path("actions/<uuid:action_id>/dispatch/", views.Dispatch.as_view(), name="api-dispatch"),
     path("actions/<uuid:action_id>/outcome/", views.Outcome.as_view(), name="api-outcome"),
     path("actions/<uuid:action_id>/resolve/", views.Resolve.as_view(), name="api-resolve"),
-    path("approvals/", approvals_api.Approvals.as_view(), name="api-approvals"),
-    path(
-        "approvals/<uuid:approval_id>/", approvals_api.ApprovalDetail.as_view(), name="api-approval"
-    ),
-    path(
-        "approvals/<uuid:approval_id>/decision/",
-        approvals_api.Decision.as_view(),
-        name="api-decision",
-    ),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The split view serves its init script as a file (strict CSP); Swagger UI's stylesheet
     # draws its icons from data: URLs, so this page alone allows data: images.

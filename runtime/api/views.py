@@ -270,16 +270,22 @@ class Heartbeat(RunLever):
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
         data = _valid(s.HeartbeatIn, request.data)
-        expires = protocol.heartbeat(run, data["fence"], data["ttl_seconds"])
+        expires = protocol.heartbeat(
+            run,
+            data["fence"],
+            data["ttl_seconds"],
+            who=self.actor(request),
+            owner=data.get("owner"),
+        )
         return Response({"expires_at": expires, "fence": data["fence"]})
 
 
 class Release(RunLever):
-    @extend_schema(request=s.FenceIn, responses=s.ReleaseOut)
+    @extend_schema(request=s.ReleaseIn, responses=s.ReleaseOut)
     def post(self, request: Request, run_id: str) -> Response:
         run = self.run(request, run_id)
-        data = _valid(s.FenceIn, request.data)
-        protocol.release(run, data["fence"], self.actor(request))
+        data = _valid(s.ReleaseIn, request.data)
+        protocol.release(run, data["fence"], self.actor(request), owner=data.get("owner"))
         return Response({"released": True, "fence": data["fence"]})
 
 

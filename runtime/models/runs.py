@@ -29,6 +29,8 @@ class RunStatus(models.TextChoices):
 
 
 TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+# The same, in a fixed order (a constraint's definition must not vary between processes).
+FINISHED = [RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
 # Statuses an executor may pick a run up in (the lease CAS admits nothing else).
 # needs_reconciliation is not among them: a human resolves the action first.
 RUNNABLE = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING})
@@ -78,6 +80,28 @@ class Run(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(fence__gte=0) & Q(goal_rev__gte=1), name="runtime_run_counters"
+            ),
+            # What a status implies, refused by the database rather than trusted to every
+            # writer (executor, leases, lifecycle, protocol, approvals' expiry):
+            # a lease is one thing — owner and expiry are set together or cleared together.
+            # (lease_free() reads only the expiry, heartbeats match only the owner: half a
+            # lease would be held by nobody, or free to everyone while someone writes.)
+            models.CheckConstraint(
+                condition=Q(lease_owner="", lease_expires_at__isnull=True)
+                | (~Q(lease_owner="") & Q(lease_expires_at__isnull=False)),
+                name="runtime_run_lease_both_or_neither",
+            ),
+            # A finished run holds no lease: terminal states never change again, so nobody
+            # may be executing it.
+            models.CheckConstraint(
+                condition=~Q(status__in=FINISHED)
+                | Q(lease_owner="", lease_expires_at__isnull=True),
+                name="runtime_run_finished_no_lease",
+            ),
+            # A run waiting for a person says why: the reason is what that person reads.
+            models.CheckConstraint(
+                condition=~Q(status=RunStatus.NEEDS_ATTENTION) | ~Q(attention_reason=""),
+                name="runtime_run_attention_has_reason",
             ),
         ]
         indexes = [

@@ -16,7 +16,8 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
-from audit.journal import run_stream, verify_stream
+from audit.journal import run_stream
+from audit.verification import verify_stream
 from runtime.auth import revoke_token
 from runtime.models import AgentToken, Run
 from tests.api import (

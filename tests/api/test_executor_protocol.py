@@ -144,6 +144,53 @@ def test_a_heartbeat_after_release_is_409_and_the_run_stays_free(agent_a: Person
     assert take_lease(client, run_id, owner="p2") == fence + 1
 
 
+def test_heartbeat_and_release_naming_another_owner_are_409_stale_fence(
+    agent_a: Persona,
+) -> None:
+    """The lease's owner is checked as a worker's is (runtime.leases): a call that names
+    another owner than the one the lease was taken by changes nothing."""
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, owner="p1")
+    before = Run.objects.get(pk=run_id)
+    for path in ("heartbeat", "release"):
+        body = {"fence": fence, "owner": "intruder"}
+        problem(post(client, f"runs/{run_id}/lease/{path}/", body), 409, "stale_fence")
+    stored = Run.objects.get(pk=run_id)
+    assert (stored.lease_owner, stored.fence) == ("p1", fence)
+    assert stored.lease_expires_at == before.lease_expires_at
+    body = {"fence": fence, "owner": "p1"}
+    ok(post(client, f"runs/{run_id}/lease/heartbeat/", body))
+    ok(post(client, f"runs/{run_id}/lease/release/", body))
+    assert Run.objects.get(pk=run_id).lease_owner == ""
+
+
+def test_heartbeat_and_release_of_another_tenants_lease_are_404(
+    agent_a: Persona, agent_b: Persona
+) -> None:
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, owner="p1")
+    before = Run.objects.get(pk=run_id)
+    intruder = agent_b.api()
+    for path in ("heartbeat", "release"):
+        response = post(intruder, f"runs/{run_id}/lease/{path}/", {"fence": fence})
+        assert response.status_code == 404, response.content[:300]
+    stored = Run.objects.get(pk=run_id)
+    assert (stored.lease_owner, stored.fence) == ("p1", fence)
+    assert stored.lease_expires_at == before.lease_expires_at
+
+
+def test_a_second_release_of_the_same_lease_is_409(agent_a: Persona) -> None:
+    """Released is released: the old fence no longer holds anything (as for a worker)."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}))
+    problem(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}), 409, "stale_fence")
+    released = JournalEntry.objects.filter(stream=f"run:{run_id}", type="lease_released")
+    assert released.count() == 1
+
+
 # --- POST runs/{id}/checkpoints/ -------------------------------------------------------------
 
 
@@ -264,6 +311,49 @@ def test_prepare_with_a_reused_idempotency_key(agent_a: Persona) -> None:
     problem(response, 422, "idempotency_key_reused")
     assert Action.objects.filter(run_id=run_id).count() == 1
     assert Action.objects.get(pk=first["action_id"]).params == '{"title":"A"}'
+
+
+def test_the_same_prepare_again_in_one_step_is_the_same_action(agent_a: Persona) -> None:
+    """A retry of a prepare (its answer was lost) must not mint a second action: without an
+    idempotency_key the key is the step visit's, and the same tool and params in the same
+    visit are the same call. Other params are another call; a new checkpoint a new visit."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    first = ok(prepare(client, run_id, fence, params={"title": "A"}), 201)
+    again = ok(prepare(client, run_id, fence, params={"title": "A"}))
+    assert again["action_id"] == first["action_id"]
+    other = ok(prepare(client, run_id, fence, params={"title": "B"}), 201)
+    assert other["action_id"] != first["action_id"]
+    assert other["idempotency_key"] != first["idempotency_key"]
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "again"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", body), 201)
+    later = ok(prepare(client, run_id, fence, params={"title": "A"}), 201)
+    assert later["action_id"] not in (first["action_id"], other["action_id"])
+    assert Action.objects.filter(run_id=run_id).count() == 3
+
+
+def test_an_idempotency_key_of_another_run_is_422(agent_a: Persona) -> None:
+    """The key names one request of one run: another run's action is never answered."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    ok(prepare(client, run_id, fence, idempotency_key="k-run"), 201)
+    other_run, other_fence = leased(client)
+    response = prepare(client, other_run, other_fence, idempotency_key="k-run")
+    problem(response, 422, "idempotency_key_reused")
+    assert not Action.objects.filter(run_id=other_run).exists()
+
+
+def test_a_step_key_already_taken_is_a_clean_409_version_conflict(agent_a: Persona) -> None:
+    """The unique key is the last word: if the visit's next key is taken all the same (here
+    by a client key of another run spelled like it), the prepare is refused cleanly."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    other_run, other_fence = leased(client)
+    spelled = f"{run_id}:1:api@0:1"  # what run_id's first call would be keyed
+    ok(prepare(client, other_run, other_fence, idempotency_key=spelled), 201)
+    before = row_counts()
+    problem(prepare(client, run_id, fence, params={"title": "mine"}), 409, "version_conflict")
+    assert row_counts() == before
 
 
 # --- POST actions/{id}/dispatch/ --------------------------------------------------------------
@@ -556,6 +646,37 @@ def test_revision_racing_dispatch_never_sends_under_an_old_rev(agent_a: Persona)
             assert sent.json()["code"] in ("stale_goal_rev", "action_cancelled")
         outcomes[f"dispatch {sent.status_code} / revision {revised.status_code}"] += 1
     print(f"\nB5 outcomes over {ROUNDS} races: {dict(outcomes)}")
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("keyed", [False, True], ids=["step-key", "client-key"])
+def test_concurrent_prepares_of_one_step_get_one_action(agent_a: Persona, keyed: bool) -> None:
+    """Two prepares of the same call of one step at once, each on its own connection: both
+    answer the same action, or the second a clean 409 version_conflict — never a second
+    action, never idempotency_key_reused for what is the same request."""
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrency tests run on PostgreSQL")
+    outcomes: Counter[str] = Counter()
+    for round_ in range(10):
+        client = agent_a.api()
+        run_id, fence = leased(client)
+        fields = {"idempotency_key": f"race-{round_}"} if keyed else {}
+
+        def same_prepare(r: str = run_id, f: int = fence, k: dict = fields) -> Any:
+            return prepare(agent_a.api(), r, f, params={"title": "A"}, **k)
+
+        first, second = _race([same_prepare, same_prepare])
+        answered = [r for r in (first, second) if r.status_code in (200, 201)]
+        for response in (first, second):
+            if response.status_code not in (200, 201):
+                problem(response, 409, "version_conflict")
+        assert answered, (first.content[:300], second.content[:300])
+        assert len({r.json()["action_id"] for r in answered}) == 1
+        assert sorted(r.status_code for r in answered)[-1] == 201
+        assert Action.objects.filter(run_id=run_id).count() == 1
+        outcomes[f"{first.status_code}/{second.status_code}"] += 1
+    print(f"\nconcurrent prepares ({'client' if keyed else 'step'} key): {dict(outcomes)}")
 
 
 ROUNDS = 20

@@ -39,8 +39,9 @@ from hypothesis.stateful import (
 )
 from rest_framework.test import APIClient
 
-from audit.journal import run_stream, verify_stream
+from audit.journal import run_stream
 from audit.models import JournalEntry
+from audit.verification import verify_stream
 from runtime.ledger import sources
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run
 from tests.api import (
@@ -154,7 +155,7 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             if fence is None:
                 return
             response = self.call(p, f"runs/{run.pk}/lease/release/", {"fence": fence})
-            if fence != run.fence:
+            if fence != run.fence or not run.lease_owner:  # released (or ended) is not held
                 self.refused(response, "stale_fence")
             else:
                 self.accepted(response)

@@ -33,7 +33,7 @@ from approvals.models import (
     OnExpiry,
 )
 from approvals.policies import grant
-from approvals.views import duration, expiry_of
+from approvals.wording import duration, expiry_of
 from runtime import ledger
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run, revise_goal

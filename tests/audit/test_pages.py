@@ -25,12 +25,13 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from audit.journal import run_stream, tenant_stream, verify_stream
+from audit.journal import run_stream, tenant_stream
 from audit.models import JournalEntry
-from runtime.audit_pages import PAGE_SIZE
+from audit.verification import verify_stream
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, Tenant
+from runtime.pages.audit import PAGE_SIZE
 from tests.audit.tamper import tampering
 from tests.conftest import Persona
 
@@ -588,7 +589,7 @@ def test_trail_notices_entries_cut_off_at_the_end(client: Client, reviewer_a: Pe
 def test_trail_pages_a_long_story(
     client: Client, reviewer_a: Persona, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("runtime.audit_pages.TRAIL_PAGE", 3)
+    monkeypatch.setattr("runtime.pages.audit.TRAIL_PAGE", 3)
     run = make_run(reviewer_a.tenant, steps=4)
     total = JournalEntry.objects.filter(stream=run_stream(run.run_id)).count()
     login(client, reviewer_a)
@@ -693,8 +694,8 @@ def test_admin_changelist_filters_and_searches_exactly(
 def test_admin_changelist_never_counts_or_sorts_the_whole_journal(
     client: Client, journal_viewer: Persona, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("audit.admin.COUNT_CAP", 5)
-    monkeypatch.setattr("audit.admin.JournalEntryAdmin.list_per_page", 3)
+    monkeypatch.setattr("runtime.admin.COUNT_CAP", 5)
+    monkeypatch.setattr("runtime.admin.JournalEntryAdmin.list_per_page", 3)
     make_run(journal_viewer.tenant, steps=3)
     login(client, journal_viewer)
     newest_first_ids = newest_first(JournalEntry.objects.filter(tenant_id=journal_viewer.tenant.pk))

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.models import JournalEntry
+from audit.verification import verify_stream
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Artifact, Checkpoint, RecordedCall, Run, Tenant
@@ -53,7 +54,7 @@ def test_purge_removes_expired_runs_and_chains_still_verify(tenant_a: Tenant) ->
     stream = journal.run_stream(old.run_id)
     entries = JournalEntry.objects.filter(stream=stream)
     assert entries.exists() and all(e.redacted for e in entries)
-    assert journal.verify_stream(stream) is None
+    assert verify_stream(stream) is None
     purged = JournalEntry.objects.get(
         stream=journal.tenant_stream(tenant_a.pk), type="retention_purged"
     )
@@ -133,4 +134,4 @@ def test_tenant_stream_records_human_and_admin_acts(
     assert kinds()[-3:] == ["admin_added", "token_created", "token_revoked"]
     added: Any = JournalEntry.objects.filter(stream=tenant_stream, type="admin_added").last()
     assert added.actor == "user:ada" and added.payload["model"] == "runtime.AgentAccount"
-    assert journal.verify_stream(tenant_stream) is None
+    assert verify_stream(tenant_stream) is None

@@ -12,6 +12,7 @@ from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, transaction
 
 from audit import journal
+from audit.chain import entry_hash
 from audit.models import AppendOnly, JournalEntry, StreamHead
 from audit.verification import anchor, check_anchor, verify_recent
 from runtime.executor import advance_run
@@ -71,7 +72,7 @@ def test_raw_sql_tampering_is_caught_naming_the_entry(tenant_a: Tenant, attack: 
             )
         else:  # a forged entry appended after the last, with a correctly computed hash
             last = rows[-1]
-            forged = journal.entry_hash(
+            forged = entry_hash(
                 last.hash,
                 stream=stream,
                 seq=last.seq + 1,

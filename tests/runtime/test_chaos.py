@@ -10,8 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command, get_commands
+from django.core.management.base import CommandError
 
-from runtime.chaos import ChaosConfig, ChaosReport, run_chaos, table, tally
+from chaos.accounting import ChaosReport, table, tally
+from chaos.config import ChaosConfig
+from chaos.driver import run_chaos
 from runtime.models import Run, RunStatus
 from tests import procs
 
@@ -57,6 +61,15 @@ def test_the_accounting_sees_duplicates_false_completions_and_lost_runs() -> Non
         "lost",
         "unexpected_task",
     }
+
+
+def test_the_command_is_found_and_checks_its_options_before_starting_anything() -> None:
+    """`manage.py chaos` comes from the chaos app; a bad option stops it before any process."""
+    assert get_commands()["chaos"] == "chaos"
+    with pytest.raises(CommandError, match="runs and workers must be at least 1"):
+        call_command("chaos", "--runs", "0", "--kill-every", "1")
+    with pytest.raises(CommandError, match="kill_every must be positive"):
+        call_command("chaos", "--runs", "1", "--kill-every", "0")
 
 
 def test_a_clean_tally_is_ok() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from runtime.faults import FaultPoint
 from runtime.ledger import resolve
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
@@ -32,21 +33,19 @@ GOAL = {
     "scope": ["/orders", "/users"],
     "create_review_task": True,
 }
-POINTS = [
-    "before_prepare",
-    "after_prepare",
-    "after_sent_mark",
-    "after_tool_response",
-    "after_confirm",
-    "after_checkpoint",
-    "during_reconcile",
-]
+# Every point around a side effect; after_record (a paid call recorded, its step not yet
+# committed) is crashed at in test_workers.py.
+POINTS = [p for p in FaultPoint if p != FaultPoint.AFTER_RECORD]
 # Where the request may have left: mode none cannot know, a human must say.
-AMBIGUOUS = {"after_sent_mark", "after_tool_response", "during_reconcile"}
+AMBIGUOUS = {
+    FaultPoint.AFTER_SENT_MARK,
+    FaultPoint.AFTER_TOOL_RESPONSE,
+    FaultPoint.DURING_RECONCILE,
+}
 REPORT = Path(__file__).resolve().parents[2] / "var" / "test" / "crash-matrix.jsonl"
 
 
-def _worker(box: Sandbox, log: Path, faults: str = "") -> Any:
+def _worker(box: Sandbox, log: Path, faults: FaultPoint | str = "") -> Any:
     env = procs.child_env(**box.env(), HOLDPOINT_FAULTS=faults)
     return procs.start(["qcluster"], env, log=log)
 
@@ -67,7 +66,12 @@ def _after_crash(run: Run) -> None:
 
 
 def _crash(
-    box: Sandbox, run_ref: list[Run], tmp_path: Path, faults: str, name: str, start: bool = False
+    box: Sandbox,
+    run_ref: list[Run],
+    tmp_path: Path,
+    faults: FaultPoint,
+    name: str,
+    start: bool = False,
 ) -> bool:
     """Run one worker armed with `faults`; True if it died at the point."""
     worker = _worker(box, tmp_path / f"{name}.log", faults)
@@ -96,7 +100,7 @@ def _crash(
 @pytest.mark.parametrize("mode", ["key", "lookup", "none"])
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_at_point(
-    point: str,
+    point: FaultPoint,
     mode: str,
     tenant_a: Tenant,
     tmp_path: Path,
@@ -105,8 +109,8 @@ def test_crash_at_point(
     box = sandbox_factory(mode)
     ref: list[Any] = [tenant_a]
     started = timezone.now()
-    if point == "during_reconcile":  # something to reconcile first: the reply is lost
-        assert _crash(box, ref, tmp_path, "after_tool_response", "w0", start=True)
+    if point == FaultPoint.DURING_RECONCILE:  # something to reconcile first: the reply is lost
+        assert _crash(box, ref, tmp_path, FaultPoint.AFTER_TOOL_RESPONSE, "w0", start=True)
         died = _crash(box, ref, tmp_path, point, "w1")
         assert died == (mode != "none")  # mode none never calls the service to reconcile
     else:

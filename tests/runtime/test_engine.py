@@ -10,7 +10,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from audit.journal import run_stream, verify_stream
+from audit.journal import run_stream
+from audit.verification import verify_stream
 from runtime.artifacts import resolve
 from runtime.errors import (
     AlreadyCompleted,

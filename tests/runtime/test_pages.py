@@ -26,7 +26,8 @@ from runtime.errors import InvalidParams
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, RunStatus, Tenant
-from runtime.pages import parse_json, summarise
+from runtime.pages.display import summarise
+from runtime.pages.runs import parse_json
 from tests.audit.tamper import tampering
 from tests.conftest import Persona
 

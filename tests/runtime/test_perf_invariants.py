@@ -29,8 +29,9 @@ from hypothesis import strategies as st
 
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit import journal
-from audit.canonical import CanonicalError, canonical_bytes
+from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
+from audit.verification import verify_stream
 from runtime import ledger
 from runtime.artifacts import INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
@@ -266,7 +267,7 @@ def test_a_remembered_head_that_moved_falls_back_to_the_locked_head(tenant_a: Te
         _append(stream, tenant_a, "mine-2")  # the remembered head is stale: must not fork
     entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
     assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
-    assert journal.verify_stream(stream) is None
+    assert verify_stream(stream) is None
 
 
 def test_a_head_remembered_from_a_rolled_back_transaction_never_matches(
@@ -284,7 +285,7 @@ def test_a_head_remembered_from_a_rolled_back_transaction_never_matches(
         _append(stream, tenant_a, "mine-2")
     entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
     assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
-    assert journal.verify_stream(stream) is None
+    assert verify_stream(stream) is None
 
 
 def test_a_batch_is_chained_and_written_together(tenant_a: Tenant) -> None:
@@ -296,7 +297,7 @@ def test_a_batch_is_chained_and_written_together(tenant_a: Tenant) -> None:
     assert list(
         JournalEntry.objects.filter(stream=stream).order_by("seq").values_list("actor", "seq")
     ) == [("a0", 1), ("a1", 2), ("a2", 3)]
-    assert journal.verify_stream(stream) is None
+    assert verify_stream(stream) is None
 
 
 def test_a_batch_that_fails_writes_nothing(tenant_a: Tenant) -> None:
@@ -306,7 +307,7 @@ def test_a_batch_that_fails_writes_nothing(tenant_a: Tenant) -> None:
         raise RuntimeError("the change failed")
     assert not JournalEntry.objects.filter(stream=stream).exists()
     _append(stream, tenant_a, "after")
-    assert journal.verify_stream(stream) is None
+    assert verify_stream(stream) is None
 
 
 def test_an_executor_and_a_reviewer_interleave_on_a_run_stream(tenant_a: Tenant) -> None:
@@ -336,7 +337,7 @@ def test_an_executor_and_a_reviewer_interleave_on_a_run_stream(tenant_a: Tenant)
     finally:
         tick.steps["count"] = original
     assert appended.is_set()
-    assert journal.verify_stream(journal.run_stream(run.run_id)) is None
+    assert verify_stream(journal.run_stream(run.run_id)) is None
 
 
 # --- a fresh step visit does not look for an earlier action ---------------------------------
@@ -514,7 +515,7 @@ def test_the_fast_canonical_form_is_canonical_bytes(value: Any) -> None:
     except CanonicalError:
         expected = CanonicalError
     try:
-        got: bytes | type[CanonicalError] = journal.canonical(value)
+        got: bytes | type[CanonicalError] = canonical(value)
     except CanonicalError:
         got = CanonicalError
     assert got == expected

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.faults import FaultPoint
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.sweeper import sweep_once
@@ -46,7 +47,9 @@ def test_paused_sender_cannot_duplicate_after_takeover(
     box = sandbox_factory(mode)
     log_a = tmp_path / "a.log"
     a = procs.start(
-        ["qcluster"], procs.child_env(**box.env(), HOLDPOINT_PAUSE="after_sent_mark"), log=log_a
+        ["qcluster"],
+        procs.child_env(**box.env(), HOLDPOINT_PAUSE=FaultPoint.AFTER_SENT_MARK),
+        log=log_a,
     )
     b = None
     paused_pid = 0

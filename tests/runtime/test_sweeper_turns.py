@@ -16,6 +16,7 @@ from django.db import connection
 from django.utils import timezone
 from django_q.models import Schedule, Success
 
+from runtime.faults import FaultPoint
 from runtime.models import Run, RunStatus, SweeperTurn, Tenant
 from runtime.sweeper import TURN, prune_task_history, take_turn
 from tests import procs
@@ -71,7 +72,7 @@ def test_a_fresh_cluster_alone_resumes_a_crashed_workers_run(
 ) -> None:
     # Nobody but the new cluster: no scheduled sweep task at all, no sweep from the test.
     Schedule.objects.filter(func="runtime.tasks.sweep").delete()
-    run, counter = _crash_at("after_checkpoint", tenant_a, tmp_path)
+    run, counter = _crash_at(FaultPoint.AFTER_CHECKPOINT, tenant_a, tmp_path)
     run.refresh_from_db()
     assert run.status == RunStatus.RUNNING and run.lease_owner  # died holding its lease
     crashed_at = time.monotonic()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from runtime.faults import FaultPoint
 from runtime.lifecycle import create_run
 from runtime.models import Checkpoint, Run, RunStatus, Tenant
 from runtime.queue import _enqueue
@@ -44,7 +45,9 @@ def _finish_with_fresh_worker(run: Run, log: Path, timeout: float = 90) -> None:
         procs.kill(worker)
 
 
-def _crash_at(point: str, tenant: Tenant, tmp_path: Path, steps: int = 5) -> tuple[Run, Path]:
+def _crash_at(
+    point: FaultPoint, tenant: Tenant, tmp_path: Path, steps: int = 5
+) -> tuple[Run, Path]:
     counter = tmp_path / "executions.log"
     crashing = procs.start(
         ["qcluster"], procs.child_env(HOLDPOINT_FAULTS=point), log=tmp_path / "crashing.log"
@@ -62,7 +65,7 @@ def _crash_at(point: str, tenant: Tenant, tmp_path: Path, steps: int = 5) -> tup
 def test_sigkill_after_checkpoint_another_worker_finishes_without_redoing(
     tenant_a: Tenant, tmp_path: Path
 ) -> None:
-    run, counter = _crash_at("after_checkpoint", tenant_a, tmp_path)
+    run, counter = _crash_at(FaultPoint.AFTER_CHECKPOINT, tenant_a, tmp_path)
     run.refresh_from_db()
     assert run.checkpoint_rev == 1 and run.status == RunStatus.RUNNING
     assert run.lease_owner  # died holding the lease: no cleanup, no release
@@ -84,7 +87,7 @@ def test_sigkill_after_checkpoint_another_worker_finishes_without_redoing(
 
 
 def test_sigkill_after_paid_call_reuses_it_on_recovery(tenant_a: Tenant, tmp_path: Path) -> None:
-    run, counter = _crash_at("after_record", tenant_a, tmp_path)
+    run, counter = _crash_at(FaultPoint.AFTER_RECORD, tenant_a, tmp_path)
     run.refresh_from_db()
     assert run.checkpoint_rev == 0  # died inside step 1, after paying for its call
 

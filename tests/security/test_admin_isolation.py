@@ -124,7 +124,7 @@ def _replace(text: str, replace: dict[str, str]) -> str:
 @pytest.fixture
 def admin_ctx(worlds: tuple[World, World], admin_a: Persona) -> AdminCtx:
     a, b = worlds
-    from runtime.management.commands.seed_demo import Command
+    from approvals.management.commands.seed_demo import Command
 
     admin_b = make_persona(b.tenant, "bea", Role.ADMIN, is_staff=True)
     admin_b.user.groups.add(Command()._tenant_admin_group())

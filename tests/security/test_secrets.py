@@ -325,14 +325,12 @@ def test_the_admin_replaces_a_secret_only_when_one_is_typed(
 
 
 @pytest.mark.django_db
-def test_seed_demo_stores_the_sandbox_token_as_the_demo_credential(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_seed_demo_stores_the_sandbox_token_as_the_demo_credential(settings: Any) -> None:
     """`HOLDPOINT_SANDBOX_TOKENS=… make run`: the sandbox requires the first token and the
     demo tenants send it, with no other step."""
     call_command("seed_demo", stdout=StringIO())
     assert not ToolCredential.objects.exists()  # an open sandbox needs none
-    monkeypatch.setenv("HOLDPOINT_SANDBOX_TOKENS", "demo-tracker-token,spare")
+    settings.HOLDPOINT_SANDBOX_TOKENS = ["demo-tracker-token", "spare"]
     call_command("seed_demo", stdout=StringIO())
     stored = {c.tenant.slug: c for c in ToolCredential.objects.select_related("tenant")}
     assert set(stored) == {"demo", "other"}

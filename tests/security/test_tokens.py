@@ -20,8 +20,9 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from audit.journal import tenant_stream, verify_stream
+from audit.journal import tenant_stream
 from audit.models import JournalEntry
+from audit.verification import verify_stream
 from runtime.auth import issue_token, revoke_token, rotate_tokens
 from runtime.lifecycle import create_run
 from runtime.models import AgentToken, Membership, Role, Tenant

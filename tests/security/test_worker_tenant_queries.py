@@ -74,7 +74,7 @@ def tenant_tables() -> set[str]:
 
 _TABLE = re.compile(r'(?:FROM|JOIN|INTO|UPDATE)\s+"?(\w+)"?', re.IGNORECASE)
 # `tenant_id = %s`, `tenant_id IN (%s, …)`, and `(tenant_id + 0) = %s` / `+ %s) = %s`: the
-# form that names the tenant beside a more selective key (runtime.statements.tenant_check).
+# form that names the tenant beside a more selective key (fastsql.statements.tenant_check).
 _CONDITION = re.compile(
     r'tenant_id"?(?P<plus>\s*\+\s*(?:0|%s)\s*\))?\s*(?:=\s*%s|IN\s*\(((?:%s,?\s*)+)\))',
     re.IGNORECASE,

@@ -34,8 +34,6 @@ from urllib.parse import parse_qs, urlparse
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from config.env import env_list
-
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tasks (
         id TEXT PRIMARY KEY, seq INTEGER, idem_key TEXT, run_id TEXT, fence INTEGER,
@@ -275,7 +273,7 @@ class Command(BaseCommand):
         store.faults["delay"] = options["delay"]
         for fault in FAULTS:
             store.faults[fault] = options[fault]
-        tokens = tuple(options["require_token"] or env_list("HOLDPOINT_SANDBOX_TOKENS", []))
+        tokens = tuple(options["require_token"] or settings.HOLDPOINT_SANDBOX_TOKENS)
         handler = make_handler(store, options["mode"], tokens)
         server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
         server.daemon_threads = True

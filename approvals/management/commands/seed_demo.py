@@ -2,6 +2,8 @@
 
 Running it twice changes nothing and prints no passwords the second time unless
 HOLDPOINT_DEMO_PASSWORD is set: generated passwords are shown once, when the user is created.
+It lives in the approvals app because it sets up both apps' demo rows (tenants and accounts,
+and the hold point with its reviewer group); runtime does not import approvals.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from django.contrib.auth.models import Group, Permission
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from config.env import env_list
+from approvals.models import ApprovalPolicy
+from approvals.policies import grant
 from runtime.crypto import SecretUnreadable
 from runtime.models import Membership, Role, Tenant, ToolCredential
 
@@ -130,7 +133,7 @@ class Command(BaseCommand):
         """When the sandbox tracker requires a token (HOLDPOINT_SANDBOX_TOKENS, read by
         `sandbox_tasks` too), each demo tenant's `tasks` credential is its first one, so
         `make run` keeps working with one variable set for both. Stored encrypted."""
-        tokens = env_list("HOLDPOINT_SANDBOX_TOKENS", [])
+        tokens = settings.HOLDPOINT_SANDBOX_TOKENS
         if not tokens:
             return
         credential = ToolCredential.objects.filter(tenant=tenant, service="tasks").first()
@@ -145,9 +148,6 @@ class Command(BaseCommand):
 
     def _demo_policy(self, tenant: Tenant) -> None:
         """tasks.create in the demo tenant waits for a demo reviewer (a hold point)."""
-        from approvals.models import ApprovalPolicy
-        from approvals.policies import grant
-
         policy, _ = ApprovalPolicy.objects.get_or_create(
             tenant=tenant,
             name="Review tasks before they are created",

@@ -17,20 +17,18 @@ from typing import Any
 from uuid import UUID
 
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_http_methods
 
 from audit.journal import run_stream
-from runtime.errors import HoldpointError, NotFound
+from runtime.errors import HoldpointError
 from runtime.ledger import resolve
 from runtime.models import Action, ActionStatus
-from runtime.pages import TimelineRow, _principal, pretty, summarise
-from runtime.tenancy import Principal, actions_for, get_scoped, journal_for
+from runtime.pages.access import require_may_act, reviewer_page, scoped_or_404
+from runtime.pages.display import TimelineRow, pretty, timeline_row
+from runtime.tenancy import Principal, actions_for, journal_for
 
 PAGE_SIZE = 50
 # The journal rows of one action shown on its page: a run retrying for days must not make
@@ -61,38 +59,27 @@ SAID = {
 # --- access -----------------------------------------------------------------------------
 
 
-def _scoped_action(principal: Principal | None, action_id: UUID) -> Action:
+def _scoped_action(principal: Principal, action_id: UUID) -> Action:
     """The action if it is the principal's tenant's; any other case is the same plain 404."""
-    if principal is None:
-        raise Http404()
-    try:
-        action: Action = get_scoped(
-            actions_for(principal).select_related("run"), principal, action_id=action_id
-        )
-    except NotFound:
-        raise Http404() from None
+    action: Action = scoped_or_404(
+        actions_for(principal).select_related("run"), principal, action_id=action_id
+    )
     return action
 
 
-def _acting_on(request: HttpRequest, action_id: UUID) -> tuple[Principal, Action]:
+def _acting_on(principal: Principal, action_id: UUID) -> Action:
     """Look the action up first, so a viewer probing another tenant's id still gets 404."""
-    principal = _principal(request)
     action = _scoped_action(principal, action_id)
-    if principal is None or not principal.may_act:
-        raise PermissionDenied("Viewers may look, not resolve.")
-    return principal, action
+    require_may_act(principal, "Viewers may look, not resolve.")
+    return action
 
 
 # --- the list ---------------------------------------------------------------------------
 
 
-@login_required
-@require_http_methods(["GET"])
-def reconcile_list(request: HttpRequest) -> HttpResponse:
+@reviewer_page(no_tenant="runtime/reconcile_list.html")
+def reconcile_list(request: HttpRequest, principal: Principal) -> HttpResponse:
     """The tenant's actions waiting for a human to say whether they happened, newest first."""
-    principal = _principal(request)
-    if principal is None:
-        return render(request, "runtime/reconcile_list.html", {})
     actions = (
         actions_for(principal)
         .filter(status=ActionStatus.MANUAL_REVIEW)
@@ -117,7 +104,7 @@ def _history(principal: Principal, action: Action) -> list[TimelineRow]:
         .filter(stream=run_stream(action.run_id), payload__action_id=str(action.action_id))
         .order_by("-seq")[:HISTORY_LIMIT]
     )
-    return [TimelineRow(e, summarise(e.payload), pretty(e.payload)) for e in entries]
+    return [timeline_row(e) for e in entries]
 
 
 def _detail_context(principal: Principal, action: Action) -> dict[str, Any]:
@@ -137,22 +124,17 @@ def _detail_context(principal: Principal, action: Action) -> dict[str, Any]:
     }
 
 
-@login_required
-@require_http_methods(["GET"])
-def reconcile_detail(request: HttpRequest, action_id: UUID) -> HttpResponse:
+@reviewer_page(no_tenant="runtime/reconcile_detail.html")
+def reconcile_detail(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
     """Everything known about one action, and the two answers a reviewer may give."""
-    principal = _principal(request)
-    if principal is None:
-        return render(request, "runtime/reconcile_detail.html", {})
     action = _scoped_action(principal, action_id)
     return render(request, "runtime/reconcile_detail.html", _detail_context(principal, action))
 
 
-@login_required
-@require_http_methods(["POST"])
-def reconcile_resolve(request: HttpRequest, action_id: UUID) -> HttpResponse:
+@reviewer_page(methods=("POST",))
+def reconcile_resolve(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
     """Hand the reviewer's answer to `resolve`; its refusal is a message, never a 500."""
-    principal, action = _acting_on(request, action_id)
+    action = _acting_on(principal, action_id)
     outcome = request.POST.get("outcome", "")
     try:
         resolve(

@@ -1,4 +1,9 @@
-"""Reviewer-facing pages of the runtime: tenant switching (runs pages arrive with runs)."""
+"""Switching the session's current tenant (the menu every page shows).
+
+Not a `reviewer_page`: it acts on the user's memberships, not inside one tenant, so there is
+no principal to load yet — `switch_tenant` checks the membership, and a tenant the user is
+not a member of is the same 404 as one that does not exist.
+"""
 
 from __future__ import annotations
 

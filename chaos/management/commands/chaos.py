@@ -1,8 +1,8 @@
 """`manage.py chaos`: the random-kill soak against real workers (TEST-MATRIX.md, A2).
 
-A thin wrapper: the work is in runtime.chaos. Operators point it at their own staging task
-service with --tasks-url; we run it as our soak test. Exit status 1 when the accounting
-finds a duplicate, a false completion or a lost run.
+A thin wrapper: the work is in the `chaos` package (`chaos.driver.run_chaos`). Operators
+point it at their own staging task service with --tasks-url; we run it as our soak test.
+Exit status 1 when the accounting finds a duplicate, a false completion or a lost run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runtime.chaos import MODES, ChaosAborted, ChaosConfig, run_chaos, table
+from chaos.accounting import table
+from chaos.config import MODES, ChaosAborted, ChaosConfig
+from chaos.driver import run_chaos
 
 
 class Command(BaseCommand):

@@ -1,6 +1,7 @@
 """Reviewer pages for runs: the list, starting one, one run's story, and the human levers.
 
-The views translate HTTP into calls of `runtime.lifecycle` and back. They never decide
+The views translate HTTP into calls of `runtime.lifecycle` and back (`reviewer_page` in
+`runtime.pages.access` has already checked who is asking). They never decide
 whether a transition is allowed: the lifecycle function's compare-and-swap does, and its
 refusal (a HoldpointError) becomes a message on the page rather than a 500. Every read goes
 through the tenancy helpers, so another tenant's run is a 404 exactly like a run that does
@@ -9,29 +10,23 @@ not exist (DESIGN.md, invariant 9).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 from uuid import UUID
 
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse, QueryDict
+from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.cache import patch_vary_headers
-from django.views.decorators.http import require_http_methods
-from django_htmx.middleware import HtmxDetails
 
 from audit.canonical import CanonicalError, parse_strict
-from audit.journal import Break, run_stream, verify_stream
-from audit.models import JournalEntry
+from audit.journal import run_stream
+from audit.verification import Break, verify_stream
 from runtime.artifacts import resolve
-from runtime.errors import HoldpointError, InvalidParams, NotFound, UnknownGraph
+from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
 from runtime.lifecycle import (
     RESUMABLE,
@@ -42,11 +37,17 @@ from runtime.lifecycle import (
     revise_goal,
 )
 from runtime.models import Run, RunStatus
+from runtime.pages.access import (
+    HtmxHttpRequest,
+    require_may_act,
+    reviewer_page,
+    scoped_or_404,
+)
+from runtime.pages.display import pretty, timeline_row
 from runtime.tenancy import (
     Principal,
     actions_for,
     checkpoints_for,
-    get_scoped,
     journal_for,
     runs_for,
 )
@@ -55,7 +56,6 @@ PAGE_SIZE = 50
 # A long run's page is re-rendered every 2 s while it is live: bound what one poll renders.
 TIMELINE_LIMIT = 100
 ACTION_LIMIT = 50
-SUMMARY_LIMIT = 160
 DEFAULT_GRAPH = "api-review"
 # The list renders only these, so a large goal or state is never loaded for a list row.
 LIST_FIELDS = (
@@ -70,81 +70,22 @@ LIST_FIELDS = (
     "created_at",
     "updated_at",
 )
-# Payload keys worth a glance in the timeline, in this order; the full payload is one click
-# away. Digests and whole goals are noise in a one-line summary.
-SUMMARY_KEYS = (
-    "status",
-    "step",
-    "next_step",
-    "rev",
-    "goal_rev",
-    "from_rev",
-    "to_rev",
-    "previous_status",
-    "tool",
-    "owner",
-    "graph",
-    "graph_version",
-    "from_version",
-    "to_version",
-    "fence",
-    "failures",
-    "retry_in_seconds",
-    "reason",
-    "error",
-)
-SUMMARY_SKIP = frozenset(
-    {"digest", "before_digest", "after_digest", "fingerprint", "goal", "previous_goal"}
-)
-
-
-class HtmxHttpRequest(HttpRequest):
-    """What the middlewares add to a request (for type checkers only)."""
-
-    htmx: HtmxDetails
-    principal: Principal | None
-
-
-@dataclass(frozen=True)
-class TimelineRow:
-    entry: JournalEntry
-    summary: str
-    payload_json: str
 
 
 # --- access -----------------------------------------------------------------------------
 
 
-def _principal(request: HttpRequest) -> Principal | None:
-    """The session's principal; None when the user belongs to no active tenant."""
-    principal: Principal | None = getattr(request, "principal", None)
-    if principal is not None and principal.is_agent:
-        # An agent account acts through the API with its token, never through pages.
-        raise PermissionDenied("Agents use the API.")
-    return principal
-
-
-def _can_act(principal: Principal | None) -> bool:
-    return principal is not None and principal.may_act
-
-
-def _scoped_run(principal: Principal | None, run_id: UUID) -> Run:
+def scoped_run(principal: Principal, run_id: UUID) -> Run:
     """The run if it is the principal's tenant's; any other case is the same plain 404."""
-    if principal is None:
-        raise Http404()
-    try:
-        return get_scoped(runs_for(principal), principal, run_id=run_id)
-    except NotFound:
-        raise Http404() from None
+    run: Run = scoped_or_404(runs_for(principal), principal, run_id=run_id)
+    return run
 
 
-def _acting_on(request: HttpRequest, run_id: UUID) -> tuple[Principal, Run]:
+def _acting_on(principal: Principal, run_id: UUID) -> Run:
     """Look the run up first, so a viewer probing another tenant's id still gets 404."""
-    principal = _principal(request)
-    run = _scoped_run(principal, run_id)
-    if principal is None or not _can_act(principal):
-        raise PermissionDenied("Viewers may look, not act.")
-    return principal, run
+    run = scoped_run(principal, run_id)
+    require_may_act(principal, "Viewers may look, not act.")
+    return run
 
 
 # --- small translations -----------------------------------------------------------------
@@ -168,32 +109,6 @@ def _parse_rev(value: str | None, field: str) -> int:
         return int(value or "")
     except ValueError:
         raise InvalidParams(f"{field} is missing or not a number") from None
-
-
-def pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False)
-
-
-def summarise(payload: Any) -> str:
-    """One line telling what an event did; the full payload stays one click away."""
-    if not isinstance(payload, dict):
-        return _clip(json.dumps(payload, ensure_ascii=False), SUMMARY_LIMIT)
-    keys = [k for k in SUMMARY_KEYS if k in payload]
-    keys += sorted(k for k in payload if k not in SUMMARY_KEYS and k not in SUMMARY_SKIP)
-    parts = []
-    for key in keys:
-        value = payload[key]
-        if value is None or value == "" or value == []:
-            continue
-        if isinstance(value, dict | list):
-            parts.append(f"{key}=({len(value)} items)")
-        else:
-            parts.append(f"{key}={_clip(str(value), 60)}")
-    return _clip(" · ".join(parts), SUMMARY_LIMIT)
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _seen_token(run: Run) -> str:
@@ -232,14 +147,12 @@ def _graph_choices() -> list[dict[str, str]]:
 
 def _render_runs(
     request: HttpRequest,
-    principal: Principal | None,
+    principal: Principal,
     form: dict[str, str] | None = None,
     *,
     error: str = "",
     status: int = 200,
 ) -> HttpResponse:
-    if principal is None:
-        return render(request, "runtime/runs.html", {}, status=status)
     filters = _list_filters(request.GET)
     runs = (
         runs_for(principal)
@@ -258,7 +171,7 @@ def _render_runs(
         "statuses": RunStatus.values,
         "graphs": graphs,
         "filter_graphs": graph_names,
-        "can_act": _can_act(principal),
+        "can_act": principal.may_act,
         "form": form or {"graph": DEFAULT_GRAPH, "goal": _default_goal_text(), "thread_id": ""},
         "error": error,
         "thread_id_max": Run._meta.get_field("thread_id").max_length,
@@ -291,14 +204,11 @@ def _start_run(request: HttpRequest, principal: Principal) -> HttpResponse:
     return redirect("run", run_id=run.run_id)
 
 
-@login_required
-@require_http_methods(["GET", "POST"])
-def runs_page(request: HttpRequest) -> HttpResponse:
+@reviewer_page(methods=("GET", "POST"), no_tenant="runtime/runs.html")
+def runs_page(request: HttpRequest, principal: Principal) -> HttpResponse:
     """The tenant's runs, newest first, filterable; POST starts a run (not for viewers)."""
-    principal = _principal(request)
     if request.method == "POST":
-        if principal is None or not _can_act(principal):
-            raise PermissionDenied("Viewers may look, not start runs.")
+        require_may_act(principal, "Viewers may look, not start runs.")
         return _start_run(request, principal)
     return _render_runs(request, principal)
 
@@ -321,7 +231,7 @@ def _live_context(principal: Principal, run: Run, seen: str) -> dict[str, Any]:
         "run": run,
         "goal_json": pretty(run.goal),
         "waiting_json": pretty(run.waiting_for) if run.waiting_for else "",
-        "timeline": [TimelineRow(e, summarise(e.payload), pretty(e.payload)) for e in entries],
+        "timeline": [timeline_row(e) for e in entries],
         # Seqs count from 1 without gaps (the chain check proves it), so the newest is the
         # total: no COUNT query per poll.
         "timeline_total": entries[0].seq if entries else 0,
@@ -361,7 +271,7 @@ def _render_run(
         **_live_context(principal, run, _seen_token(run)),
         "state_json": pretty(state) if not state_error else "",
         "state_error": state_error,
-        "can_act": _can_act(principal) and not run.is_terminal,
+        "can_act": principal.may_act and not run.is_terminal,
         "resumable": run.status in RESUMABLE
         or (run.status == RunStatus.QUEUED and run.wake_at is not None),
         "goal_draft": drafts.get("goal", pretty(run.goal)),
@@ -373,27 +283,20 @@ def _render_run(
     return response
 
 
-@login_required
-@require_http_methods(["GET"])
-def run_page(request: HttpRequest, run_id: UUID) -> HttpResponse:
+@reviewer_page(no_tenant="runtime/run.html")
+def run_page(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
     """One run: header, state, actions, timeline, and the levers for reviewers."""
-    principal = _principal(request)
-    if principal is None:
-        return render(request, "runtime/run.html", {})
-    return _render_run(request, principal, _scoped_run(principal, run_id))
+    return _render_run(request, principal, scoped_run(principal, run_id))
 
 
-@login_required
-@require_http_methods(["GET"])
-def run_live(request: HtmxHttpRequest, run_id: UUID) -> HttpResponse:
+@reviewer_page()
+def run_live(request: HtmxHttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
     """The part of the run page htmx polls; rendered without the poll once the run ended.
 
     Opened directly (not by htmx) it answers the whole page, so the URL is never a bare
     fragment in a browser tab.
     """
-    principal = _principal(request)
-    run = _scoped_run(principal, run_id)
-    assert principal is not None  # _scoped_run raised 404 otherwise
+    run = scoped_run(principal, run_id)
     if not request.htmx:
         return _render_run(request, principal, run)
     seen = request.GET.get("seen", "")
@@ -433,10 +336,9 @@ def _json_draft_or_page(
         return None, page
 
 
-@login_required
-@require_http_methods(["POST"])
-def run_cancel(request: HttpRequest, run_id: UUID) -> HttpResponse:
-    principal, run = _acting_on(request, run_id)
+@reviewer_page(methods=("POST",))
+def run_cancel(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
+    run = _acting_on(principal, run_id)
     reason = request.POST.get("reason", "").strip()
 
     def lever() -> str:
@@ -446,10 +348,9 @@ def run_cancel(request: HttpRequest, run_id: UUID) -> HttpResponse:
     return _pull(request, run, lever)
 
 
-@login_required
-@require_http_methods(["POST"])
-def run_resume(request: HttpRequest, run_id: UUID) -> HttpResponse:
-    principal, run = _acting_on(request, run_id)
+@reviewer_page(methods=("POST",))
+def run_resume(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
+    run = _acting_on(principal, run_id)
     before = run.status
 
     def lever() -> str:
@@ -466,10 +367,9 @@ def run_resume(request: HttpRequest, run_id: UUID) -> HttpResponse:
     return _pull(request, run, lever)
 
 
-@login_required
-@require_http_methods(["POST"])
-def run_input(request: HttpRequest, run_id: UUID) -> HttpResponse:
-    principal, run = _acting_on(request, run_id)
+@reviewer_page(methods=("POST",))
+def run_input(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
+    run = _acting_on(principal, run_id)
     data, page = _json_draft_or_page(request, principal, run, "input")
     if page is not None:
         return page
@@ -482,10 +382,9 @@ def run_input(request: HttpRequest, run_id: UUID) -> HttpResponse:
     return _pull(request, run, lever)
 
 
-@login_required
-@require_http_methods(["POST"])
-def run_revise(request: HttpRequest, run_id: UUID) -> HttpResponse:
-    principal, run = _acting_on(request, run_id)
+@reviewer_page(methods=("POST",))
+def run_revise(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
+    run = _acting_on(principal, run_id)
     goal, page = _json_draft_or_page(request, principal, run, "goal")
     if page is not None:
         return page

@@ -1,10 +1,10 @@
 """Audit pages: the tenant's journal (filters, keyset paging, export) and one run's trail.
 
-They live in `runtime` because pages need the principal; `audit` itself stays free of
-runtime imports (DESIGN.md, layering). Every read goes through `journal_for(principal)`, so
-another tenant's entries are never in a queryset and another tenant's run is the same 404
-as a run that does not exist (invariant 9). Nothing here writes history except the record
-that an export happened (invariant 8: the journal is append-only).
+They live in `runtime` because pages need the principal (`runtime.pages.access`); `audit`
+itself stays free of runtime imports (DESIGN.md, layering). Every read goes through
+`journal_for(principal)`, so another tenant's entries are never in a queryset and another
+tenant's run is the same 404 as a run that does not exist (invariant 9). Nothing here writes
+history except the record that an export happened (invariant 8: the journal is append-only).
 
 The log is meant to stay fast on millions of entries: every filter is an equality (or a
 range on `created_at`) that one of JournalEntry's indexes serves in the order the page
@@ -24,26 +24,27 @@ from typing import Any
 from urllib.parse import urlencode
 from uuid import UUID
 
-from django.contrib.auth.decorators import login_required
 from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.http import (
-    Http404,
     HttpRequest,
     HttpResponse,
     QueryDict,
     StreamingHttpResponse,
 )
+from django.http.response import HttpResponseBase
 from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_http_methods
 
 from audit import journal
-from audit.journal import Break, head_break, run_stream, verify_entries
+from audit.journal import run_stream
 from audit.models import JournalEntry
+from audit.verification import Break, head_break, verify_entries
 from runtime.events import RunEvent
-from runtime.pages import _principal, _scoped_run, pretty, summarise
+from runtime.pages.access import reviewer_page
+from runtime.pages.display import pretty, summarise
+from runtime.pages.runs import scoped_run
 from runtime.tenancy import Principal, journal_for
 
 PAGE_SIZE = 50
@@ -302,13 +303,9 @@ def log_page(principal: Principal, filters: AuditFilters, before: int | None) ->
     return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None)
 
 
-@login_required
-@require_http_methods(["GET"])
-def audit_log(request: HttpRequest) -> HttpResponse:
+@reviewer_page(no_tenant="audit/log.html")
+def audit_log(request: HttpRequest, principal: Principal) -> HttpResponse:
     """The tenant's journal, every stream, newest first, filterable and exportable."""
-    principal = _principal(request)
-    if principal is None:
-        return render(request, "audit/log.html", {})
     filters, problems = parse_filters(request.GET)
     page = LogPage([], None)
     if not problems:
@@ -366,7 +363,10 @@ def export_rows(principal: Principal, filters: AuditFilters) -> Iterator[dict[st
     entries = filtered(journal_for(principal), filters).order_by(
         *ordering(filters, newest_first=False)
     )
-    return entries.values(*EXPORT_FIELDS).iterator(chunk_size=EXPORT_CHUNK_ROWS)
+    rows: Iterator[dict[str, Any]] = entries.values(*EXPORT_FIELDS).iterator(
+        chunk_size=EXPORT_CHUNK_ROWS
+    )
+    return rows
 
 
 def _cell(name: str, value: Any) -> Any:
@@ -420,10 +420,7 @@ FORMATS = {
 }
 
 
-def _export(request: HttpRequest, format: str) -> HttpResponse:
-    principal = _principal(request)
-    if principal is None:
-        raise Http404()
+def _export(request: HttpRequest, principal: Principal, format: str) -> HttpResponseBase:
     filters, problems = parse_filters(request.GET)
     if problems:
         return HttpResponse(
@@ -440,16 +437,14 @@ def _export(request: HttpRequest, format: str) -> HttpResponse:
     return response
 
 
-@login_required
-@require_http_methods(["GET"])
-def export_csv(request: HttpRequest) -> HttpResponse:
-    return _export(request, "csv")
+@reviewer_page()
+def export_csv(request: HttpRequest, principal: Principal) -> HttpResponseBase:
+    return _export(request, principal, "csv")
 
 
-@login_required
-@require_http_methods(["GET"])
-def export_jsonl(request: HttpRequest) -> HttpResponse:
-    return _export(request, "jsonl")
+@reviewer_page()
+def export_jsonl(request: HttpRequest, principal: Principal) -> HttpResponseBase:
+    return _export(request, principal, "jsonl")
 
 
 # --- a run's trail ------------------------------------------------------------------------
@@ -511,13 +506,10 @@ def walk_trail(principal: Principal, run_id: UUID, after: int = 0) -> Trail:
     return Trail(rows, found, total, rows[-1].entry.seq if more else None)
 
 
-@login_required
-@require_http_methods(["GET"])
-def run_trail(request: HttpRequest, run_id: UUID) -> HttpResponse:
+@reviewer_page()
+def run_trail(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
     """A run's whole story from its stream, oldest first, each entry's link checked."""
-    principal = _principal(request)
-    run = _scoped_run(principal, run_id)
-    assert principal is not None  # _scoped_run raised 404 otherwise
+    run = scoped_run(principal, run_id)
     try:
         after = max(0, min(int(request.GET.get("after") or 0), MAX_BIGINT))
     except ValueError:

@@ -1,0 +1,91 @@
+"""The approvals app's side of `runtime.gates`: the port's adapter, installed at start-up.
+
+The runtime asks (does this action wait? may it go now?) and acts on the answers itself;
+this adapter only reads, or writes approvals' own rows through `approvals.requests`. It
+never calls back into the ledger: at dispatch it returns a `Verdict`, and the ledger moves
+the action and asks, through the port, for the stale approval to be superseded.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from approvals.expiry import sweep_approvals
+from approvals.hashing import action_hash, same_hash
+from approvals.models import ApprovalRequest, ApprovalStatus, Decision
+from approvals.policies import may_decide, may_hold, policy_for
+from approvals.requests import close_request, request_approval, supersede_approval
+from fastsql.statements import tenant_check
+from runtime.gates import GO, Verdict
+from runtime.models import Action, Run
+from runtime.tools import get_tool
+
+A = ApprovalStatus
+
+
+class HoldPoints:
+    """Installed into `runtime.gates` by `ApprovalsConfig.ready`."""
+
+    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any) -> bool:
+        return policy_for(run.tenant_id, tool.name, params) is not None
+
+    def hold(self, action: Action, run: Any, actor: str) -> None:
+        request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)
+
+    def may_hold(self, action: Action) -> bool:
+        """The dispatch fast path's question (see `runtime.gates.HoldPoints.may_hold`)."""
+        if get_tool(action.tool).needs_approval(json.loads(action.params)):
+            return True
+        return may_hold(action.tenant_id, action.tool, action.pk)
+
+    def check_dispatch(self, action: Action) -> Verdict:
+        """Re-check at execution: an approval binding this exact action, still valid, by
+        deciders who still hold the permission. Anything else: refused, and the approval
+        that no longer binds is named for the ledger to supersede."""
+        params = json.loads(action.params)
+        requests = ApprovalRequest.objects.filter(
+            tenant_check(action.tenant_id), action=action
+        ).select_related("policy")
+        approved = requests.filter(status=A.APPROVED).order_by("-decided_at").first()
+        if approved is None:
+            held = (
+                requests.exists()
+                or policy_for(action.tenant_id, action.tool, params, action.target) is not None
+                or get_tool(action.tool).needs_approval(params)
+            )
+            return Verdict("approval_required") if held else GO
+        refusal = _no_longer_binds(approved, action)
+        return Verdict(refusal, stale=approved.pk) if refusal else GO
+
+    def supersede(self, approval: Any, action: Action, reason: str, actor: str) -> None:
+        supersede_approval(approval, action, actor, reason)
+
+    def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
+        status = A.SUPERSEDED if reason == "goal revised" else A.CANCELLED
+        for request in ApprovalRequest.objects.filter(action_id__in=action_ids, status=A.PENDING):
+            close_request(request, status, actor, reason)
+
+    def sweep(self) -> int:
+        return sweep_approvals()
+
+    def purgeable(self, runs: QuerySet[Run]) -> QuerySet[Run]:
+        open_requests = ApprovalRequest.objects.filter(status=A.PENDING).values("run_id")
+        return runs.exclude(run_id__in=open_requests)
+
+
+def _no_longer_binds(approved: ApprovalRequest, action: Action) -> str:
+    """Why an approved request does not let this action go now ("" if it does)."""
+    if not same_hash(action_hash(action), approved.action_hash):
+        return "approval_required"
+    if timezone.now() >= approved.expires_at:
+        return "approval_expired"
+    votes = approved.votes.filter(
+        decision=Decision.APPROVE, request__tenant_id=action.tenant_id
+    ).select_related("user")
+    if not all(may_decide(v.user, approved.policy, escalated=approved.escalated) for v in votes):
+        return "approval_required"
+    return ""

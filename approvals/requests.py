@@ -1,0 +1,156 @@
+"""An approval request's life outside a decision: opened, closed, and the run woken.
+
+Decisions (`approvals.decisions`), expiry (`approvals.expiry`) and the dispatch re-check
+(`approvals.holdpoints`) all open, close and wake the same way, so each of those is one
+named function here that they import (and not each other). Every one runs inside its
+caller's transaction and writes its journal entry there.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from approvals.hashing import action_hash
+from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
+from approvals.policies import policy_for
+from fastsql.statements import tenant_check
+from runtime.events import RunEvent, record
+from runtime.lifecycle import wake_from_approval
+from runtime.models import Action, Run
+from runtime.tools import get_tool
+
+A = ApprovalStatus
+
+
+def _shown(
+    action: Action, params: dict[str, Any], run: Run, policy: ApprovalPolicy
+) -> dict[str, Any]:
+    """What the reviewer is shown, frozen at request time (a later change supersedes it)."""
+    tool = get_tool(action.tool)
+    return {
+        "tool": action.tool,
+        "tool_version": action.tool_version,
+        "params": params,
+        "schema": tool.schema,
+        "editable": list(tool.editable),
+        "target": action.target,
+        "reason": action.reason,
+        "impact": tool.effect,
+        "initiator": run.created_by,
+        "graph": f"{run.graph}@{run.graph_version}",
+        "goal_rev": action.goal_rev,
+        "policy": policy.name,
+    }
+
+
+def request_approval(
+    action: Action, run: Run, actor: str, *, previous: ApprovalRequest | None = None
+) -> ApprovalRequest | None:
+    """Open a request for a held action (inside its transaction); idempotent per action."""
+    open_ = ApprovalRequest.objects.filter(
+        tenant_check(action.tenant_id), action=action, status=A.PENDING
+    ).first()
+    if open_ is not None:
+        return open_
+    params = json.loads(action.params)
+    policy = policy_for(run.tenant_id, action.tool, params, action.target)
+    if policy is None:
+        policy = _fallback_policy(run.tenant_id, action.tool)
+    try:
+        with transaction.atomic():
+            request = ApprovalRequest.objects.create(
+                tenant_id=run.tenant_id,
+                run=run,
+                action=action,
+                policy=policy,
+                action_hash=action_hash(action),
+                title=get_tool(action.tool).title_for(params, action.target),
+                shown=_shown(action, params, run, policy),
+                params=action.params,
+                quorum=policy.quorum,
+                expires_at=timezone.now() + timedelta(seconds=policy.expiry_seconds),
+                checkpoint_rev=run.checkpoint_rev,
+                previous=previous,
+                rerequest_count=(previous.rerequest_count + 1) if previous else 0,
+            )
+    except IntegrityError:  # a concurrent holder opened it: the database refused a second
+        return ApprovalRequest.objects.get(
+            tenant_check(action.tenant_id), action=action, status=A.PENDING
+        )
+    record(
+        run,
+        RunEvent.APPROVAL_REQUESTED,
+        actor,
+        approval_id=str(request.id),
+        action_id=str(action.action_id),
+        action_hash=request.action_hash,
+        policy=policy.name,
+        expires_at=request.expires_at.isoformat(),
+    )
+    from approvals.notify import notify_requested
+
+    notify_requested(request)
+    return request
+
+
+def _fallback_policy(tenant_id: int, tool: str) -> ApprovalPolicy:
+    """A tool that declares approval itself, with no tenant policy: nobody is granted yet,
+    so the tenant admin sees the request and must grant a group (never auto-approve)."""
+    policy, _ = ApprovalPolicy.objects.get_or_create(
+        tenant_id=tenant_id, name=f"{tool} (declared by the tool)", defaults={"tool": tool}
+    )
+    return policy
+
+
+def close_request(request: ApprovalRequest, status: str, actor: str, reason: str) -> bool:
+    """A pending request ends undecided (`status`: expired, superseded, cancelled).
+
+    A compare-and-swap on `pending`, so a request a reviewer decided a moment earlier keeps
+    its decision; the journal says so only when this call closed it. True if it did."""
+    pending = ApprovalRequest.objects.filter(
+        tenant_check(request.tenant_id), pk=request.pk, status=A.PENDING
+    )
+    moved = pending.update(status=status, decision_reason=reason[:2000], updated_at=Now())
+    if moved:
+        _record_closed(request.pk, request.run_id, request.tenant_id, status, actor, reason)
+    return moved == 1
+
+
+def supersede_approval(approval_id: Any, action: Action, actor: str, reason: str) -> bool:
+    """An approval stopped binding its action at dispatch (changed hash, expired, a decider
+    lost the permission): approved → superseded, with its journal entry.
+
+    A compare-and-swap on `approved`: a request something else already moved (superseded by
+    another dispatch, closed) is left as it is, and journaled once, by whoever moved it. The
+    reviewer's reason stays on the row. True if this call superseded it."""
+    approved = ApprovalRequest.objects.filter(
+        tenant_check(action.tenant_id), pk=approval_id, action=action, status=A.APPROVED
+    )
+    moved = approved.update(status=A.SUPERSEDED, updated_at=Now())
+    if moved:
+        _record_closed(approval_id, action.run_id, action.tenant_id, A.SUPERSEDED, actor, reason)
+    return moved == 1
+
+
+def _record_closed(
+    approval_id: Any, run_id: Any, tenant_id: int, status: str, actor: str, reason: str
+) -> None:
+    record(
+        Run(run_id=run_id, tenant_id=tenant_id),
+        RunEvent.APPROVAL_CLOSED,
+        actor,
+        approval_id=str(approval_id),
+        approval_status=status,
+        reason=reason,
+    )
+
+
+def wake_run(run: Run, actor: str) -> None:
+    """The decision is made: the waiting run goes on (its step sees approved or rejected)."""
+    wake_from_approval(run, actor)

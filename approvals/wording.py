@@ -1,0 +1,91 @@
+"""What reviewers read: expiry in words, what happens at expiry, and how a decision went.
+
+Display only. What expiry *does* is `approvals.expiry`'s (the policy's choice); these words
+describe it, so a change there changes `then_phrase` here. The views and templates only
+show these strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
+from runtime.errors import AlreadyDecided, Expired, HashMismatch, HoldpointError, NotPermitted
+
+A = ApprovalStatus
+# What the expirer does at expiry, by policy (the default, re-request, depends on the count).
+THEN = {
+    OnExpiry.REJECT: "then it is rejected automatically",
+    OnExpiry.APPROVE: "then it is approved automatically (the policy says so explicitly)",
+}
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """A countdown in words; `soon` (under an hour) and `overdue` pick its style."""
+
+    text: str
+    soon: bool
+    overdue: bool
+
+
+def duration(seconds: float) -> str:
+    """'3 h 12 min', '2 d 4 h', '45 min', 'under a minute' — what a reviewer reads."""
+    if seconds < 60:
+        return "under a minute"
+    minutes = int(seconds // 60)
+    days, rest = divmod(minutes, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h" if hours else f"{days} d"
+    if hours:
+        return f"{hours} h {mins} min" if mins else f"{hours} h"
+    return f"{mins} min"
+
+
+def then_phrase(on_expiry: str, rerequest_count: int) -> str:
+    """What the expirer will do (approvals.expiry): the policy's choice, in words."""
+    if on_expiry in THEN:
+        return THEN[on_expiry]
+    if rerequest_count < 1:
+        return "then re-requested once, then the run needs attention"
+    return "then the run needs attention (it was already re-requested once)"
+
+
+def expiry_of(expires_at: datetime, on_expiry: str, rerequest_count: int, now: datetime) -> Expiry:
+    then = then_phrase(on_expiry, rerequest_count)
+    left = (expires_at - now).total_seconds()
+    if left <= 0:
+        return Expiry(f"expired {duration(-left)} ago — {then} at the next sweep", True, True)
+    return Expiry(f"expires in {duration(left)} — {then}", left < 3600, False)
+
+
+def refusal_text(exc: HoldpointError, found: ApprovalRequest) -> str:
+    """What a reviewer is told when `decide` refused; nothing was recorded in every case."""
+    if isinstance(exc, HashMismatch):
+        return (
+            "This request changed since you opened it — here is the current version. "
+            f"Nothing was recorded; check it again before you decide ({exc.detail})."
+        )
+    if isinstance(exc, AlreadyDecided):
+        return f"Nothing was recorded: {exc.detail}."
+    if isinstance(exc, Expired):
+        then = then_phrase(found.policy.on_expiry, found.rerequest_count)
+        return f"Nothing was recorded: this request {exc.detail} — {then}."
+    if isinstance(exc, NotPermitted):
+        return f"Not permitted: {exc.detail}. Nothing was recorded."
+    return exc.detail
+
+
+def done_text(found: ApprovalRequest, decision: str, edits: dict[str, Any] | None) -> str:
+    """What a reviewer is told after `decide` applied their decision (or their vote)."""
+    if found.status == A.PENDING:
+        given = found.votes.filter(decision=Decision.APPROVE).count()
+        return f"Your approval is recorded ({given} of {found.quorum} needed): {found.title}."
+    if decision == Decision.REJECT:
+        return f"Rejected: {found.title}. The run goes on without it."
+    if edits:
+        return f"Approved with your edits ({', '.join(sorted(edits))}): {found.title}."
+    return f"Approved: {found.title}. The run is queued to send it."

@@ -1,0 +1,138 @@
+"""The fast path's cursor: one per thread and connection, reused, and cheaper per statement.
+
+Opening a Django cursor costs more than executing one of the hot path's small statements, and
+Django's own cursors redo per statement what the hot path's few fixed texts need done once:
+SQLite's wrapper rewrites every text's `%s` placeholders to `?` with a regular expression,
+PostgreSQL's binds on the client and so plans every statement again. The cursors here keep
+Django's wrapper around the driver's cursor — its error translation, `execute_wrapper` hooks
+and query capture see every statement — and change only those two costs.
+
+This is the one module that subclasses Django's database backend classes and calls their
+underscore methods (`_prepare_cursor`); each use says what it relies on. A Django upgrade
+that changes them breaks here, and tests/runtime/test_perf_invariants.py says so.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from django.conf import settings
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+_local = threading.local()
+
+
+def cursor(conn: BaseDatabaseWrapper) -> Any:
+    """A cursor of `conn` for the hot path's statements, reused while the database connection
+    (and whether queries are being captured) stays the same. Statements still go through
+    Django's cursor wrapper — its error translation, `execute_wrapper` hooks and query
+    capture see each one."""
+    raw, logged = conn.connection, conn.queries_logged
+    held = getattr(_local, "cursor", None)
+    if held is None or held[0] is not raw or held[1] != logged or raw is None:
+        if conn.vendor == "postgresql":
+            fresh = _prepared_cursor(conn)
+        elif conn.vendor == "sqlite":
+            fresh = _qmark_cursor(conn)
+        else:
+            fresh = None
+        if fresh is None:
+            fresh = conn.cursor()
+        held = _local.cursor = (conn.connection, logged, fresh)
+    return held[2]
+
+
+def _prepared_cursor(conn: Any) -> Any:
+    """PostgreSQL: a cursor that binds parameters on the server and prepares each statement
+    the first time the connection runs it, then only executes it. The hot path repeats a
+    handful of statements (a step's single statement among them) thousands of times per
+    connection, and planning that statement took as long as running it (≈ 0.3 ms each,
+    EXPLAIN ANALYZE; bench/README.md). Django's own queries keep client-side binding. None
+    when turned off (HOLDPOINT_PG_PREPARE=0: behind a pooler in transaction mode, where a
+    prepared statement may not be on the next server connection)."""
+    if not getattr(settings, "HOLDPOINT_PG_PREPARE", True):
+        return None
+    from psycopg.postgres import types
+    from psycopg.pq import Format
+
+    conn.ensure_connection()
+    # Prepare every statement this cursor runs, the first time (the connection's
+    # prepare_threshold is 0: config/settings.py) — unless queries are being logged
+    # (DEBUG, CaptureQueriesContext): psycopg keeps no query text for the execution of a
+    # prepared statement, so Django's log would record None for each.
+    raw_cursor = _prepared_cursor_class()(conn.connection)
+    raw_cursor.prepare = not conn.queries_logged
+    # Django registers its time-zone loader on each cursor it creates (psycopg_any's
+    # register_tzloader, in DatabaseWrapper.create_cursor); a cursor made here without
+    # conn.cursor() must do the same, or timestamps read through it come back in the wrong
+    # zone.
+    timestamptz = types["timestamptz"].oid
+    loader = conn.connection.adapters.get_loader(timestamptz, Format.TEXT)
+    if conn.timezone != getattr(loader, "timezone", conn.timezone):
+        from django.db.backends.postgresql.psycopg_any import register_tzloader
+
+        register_tzloader(conn.timezone, raw_cursor)
+    # Django internals: `_prepare_cursor` is what conn.cursor() wraps a new driver cursor
+    # with (CursorWrapper or CursorDebugWrapper, the hooks, the validation of the thread).
+    return conn._prepare_cursor(raw_cursor)
+
+
+def _prepared_cursor_class() -> Any:
+    """Django internals: psycopg's server-binding cursor as Django's PostgreSQL backend
+    subclasses it (its time-zone handling), made to prepare — built on first use, so that
+    importing this module does not import psycopg."""
+    global _PreparedCursor
+    if _PreparedCursor is None:
+        from django.db.backends.postgresql.base import ServerBindingCursor
+
+        class PreparedCursor(ServerBindingCursor):
+            prepare = True
+
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                kwargs.setdefault("prepare", self.prepare)
+                return super().execute(query, params, **kwargs)
+
+        _PreparedCursor = PreparedCursor
+    return _PreparedCursor
+
+
+_PreparedCursor: Any = None
+
+
+def _qmark_cursor(conn: Any) -> Any:
+    """SQLite: Django's cursor, but it rewrites each statement's `%s` placeholders to `?`
+    once, not on every execute. Django's SQLiteCursorWrapper runs a regular expression over
+    the text of every statement it executes; the hot path executes the same few texts (each
+    built once and cached: fastsql.statements) several times per step. The rewrite is
+    Django's own `convert_query`, so the text sent is the same; and the cursor is still
+    wrapped by `_prepare_cursor`, like `conn.cursor()`, so hooks and capture see it."""
+    # Django internals: SQLiteCursorWrapper.convert_query is the one place Django turns
+    # `%s` into `?`; the steps below are what DatabaseWrapper.create_cursor and
+    # BaseDatabaseWrapper._cursor do around it.
+    from django.db.backends.sqlite3.base import SQLiteCursorWrapper
+
+    global _QmarkCursor
+    if _QmarkCursor is None:
+
+        class QmarkCursor(SQLiteCursorWrapper):
+            def convert_query(self, query: str, *, param_names: Any = None) -> str:
+                if param_names is not None:  # "pyformat" (named) style: as Django does it
+                    return super().convert_query(query, param_names=param_names)
+                converted = _QMARK.get(query)
+                if converted is None:
+                    if len(_QMARK) >= _QMARK_MAX:  # shapes are few; never grow without end
+                        _QMARK.clear()
+                    converted = _QMARK[query] = super().convert_query(query)
+                return converted
+
+        _QmarkCursor = QmarkCursor
+    conn.close_if_health_check_failed()
+    conn.ensure_connection()
+    with conn.wrap_database_errors:
+        return conn._prepare_cursor(conn.connection.cursor(factory=_QmarkCursor))
+
+
+_QmarkCursor: Any = None
+_QMARK: dict[str, str] = {}  # statement text -> with `?` placeholders (any thread: str -> str)
+_QMARK_MAX = 1024

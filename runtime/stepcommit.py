@@ -1,0 +1,164 @@
+"""One step's commit, whoever executes the run: the run's compare-and-swap, the checkpoint row
+and its digest, the new artifacts and the journal entry — all of it or nothing.
+
+Holdpoint's worker (`runtime.executor`) and an external agent (`runtime.protocol`) both commit
+through `write`, so a checkpoint is the same row with the same digest over the same fields, and
+the same journal entry, whichever of them wrote it. A commit is described by one `StepCommit`.
+
+How it is sent:
+
+- PostgreSQL, nothing else with it (no ledger write, no new artifact) and a writer that
+  carries the run stream's head (`audit.journal.owning`): one autocommit statement — the run
+  CAS, the checkpoint, the head swap and the journal entry (`audit.journal.append_after`) — one
+  round trip instead of four (BEGIN, two statements, COMMIT).
+- Otherwise one short transaction: the run CAS first (its row lock orders the commit before a
+  goal revision, which locks the run and then its actions), the checkpoint only if it held, the
+  artifacts, then the journal entries of the step and of the ledger writes that go with it
+  (`within`), written together at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import transaction
+
+from audit import journal
+from audit.canonical import canonical, sha256_hex
+from fastsql import statements
+from runtime.events import RunEvent, record
+from runtime.models import Artifact, Checkpoint, Run
+
+
+class Moved(Exception):
+    """The run is no longer where the commit expected it (its fence, status, checkpoint rev
+    or goal rev moved): nothing was written."""
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """What one commit writes, and what the run row must still say for it to be written.
+
+    `run` is the run as the writer last saw it: the commit is checkpoint `run.checkpoint_rev +
+    1` under `run.goal_rev`, conditional on both being unchanged, on `fence` and on the run's
+    status being `expect_status` (one status, or any of several).
+    """
+
+    run: Run
+    actor: str
+    fence: int
+    step: str  # the step that ran ("" for an external executor's checkpoint)
+    next_step: str
+    status: str  # the run's status after the commit
+    state: Any  # the state as the checkpoint stores it (runtime.artifacts.Encoder's output)
+    changes: Mapping[str, Any]  # run columns to set besides checkpoint_rev and updated_at
+    expect_status: str | tuple[str, ...]
+    event: RunEvent
+    payload: Mapping[str, Any] = field(default_factory=dict)  # more for the journal entry
+    artifacts: Mapping[str, str] = field(default_factory=dict)  # new blobs: digest → content
+    within: Callable[[], None] | None = None  # ledger writes that commit with the step
+
+    @property
+    def rev(self) -> int:
+        return self.run.checkpoint_rev + 1
+
+
+def checkpoint_fields(commit: StepCommit) -> dict[str, Any]:
+    """What a checkpoint's digest covers — and, with the run and its creator, its row. The
+    same fields for every writer: verification recomputes the digest from them."""
+    return {
+        "rev": commit.rev,
+        "goal_rev": commit.run.goal_rev,
+        "step": commit.step,
+        "next_step": commit.next_step,
+        "status": commit.status,
+        "state": commit.state,
+        "waits": commit.changes.get("waiting_for"),
+        "fence": commit.fence,
+    }
+
+
+def checkpoint_digest(run_id: Any, fields: Mapping[str, Any]) -> str:
+    """sha256 of the canonical form of the run's id and the checkpoint's fields."""
+    return sha256_hex(canonical({"run": str(run_id), **fields}))
+
+
+def write(commit: StepCommit) -> None:
+    """Send the commit (see the module docstring); raises Moved if the run moved."""
+    run = commit.run
+    rev = commit.rev
+    fields = checkpoint_fields(commit)
+    digest = checkpoint_digest(run.run_id, fields)
+    update = {"checkpoint_rev": rev, "updated_at": statements.NOW, **commit.changes}
+    mine = {
+        "run_id": run.run_id,
+        "tenant_id": statements.Check(run.tenant_id),  # the key is the run id
+        "fence": commit.fence,
+        "status": commit.expect_status,
+        "checkpoint_rev": run.checkpoint_rev,
+        "goal_rev": run.goal_rev,
+    }
+    checkpoint = {
+        **fields,
+        "run_id": run.run_id,
+        "tenant_id": run.tenant_id,
+        "created_by": commit.actor,
+        "digest": digest,
+    }
+    entry = {
+        "rev": rev,
+        "step": commit.step,
+        "next_step": commit.next_step,
+        "status": commit.status,
+        "digest": digest,
+        **commit.payload,
+    }
+    stream = journal.run_stream(run.run_id)
+    if commit.within is None and not commit.artifacts:
+        if _one_statement(commit, stream, update, mine, checkpoint, entry):
+            return
+    with transaction.atomic(durable=True), journal.batched(stream):
+        if not statements.update_then_insert(Run, update, mine, Checkpoint, checkpoint):
+            raise Moved()
+        if commit.artifacts:
+            Artifact.objects.bulk_create(
+                [
+                    Artifact(
+                        tenant_id=run.tenant_id, digest=d, content=text, size=len(text.encode())
+                    )
+                    for d, text in commit.artifacts.items()
+                ],
+                ignore_conflicts=True,
+            )
+        record(run, commit.event, commit.actor, **entry)
+        if commit.within is not None:
+            commit.within()
+
+
+def _one_statement(
+    commit: StepCommit,
+    stream: str,
+    update: dict[str, Any],
+    mine: dict[str, Any],
+    checkpoint: dict[str, Any],
+    entry: dict[str, Any],
+) -> bool:
+    """PostgreSQL, for a writer that carries the stream head: the whole commit as a single
+    autocommit statement. True if written; raises Moved if the run moved; False if this path
+    does not apply or the journal head moved meanwhile (then nothing was written and the
+    caller takes the transaction path)."""
+    connection = transaction.get_connection()
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return False
+    head = journal.remembered(stream)
+    if head is None:
+        return False
+    with journal.batched(stream, deferred=True) as pending:
+        record(commit.run, commit.event, commit.actor, **entry)
+    lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
+    outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead)
+    if outcome == "refused":
+        raise Moved()
+    return outcome == "written"
