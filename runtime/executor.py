@@ -387,9 +387,11 @@ class Executor:
         False if the run moved (cancelled, or goal revised) — raises StaleFence if another
         executor holds it."""
         encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
-        # A step boundary starts a new step visit; checkpoints around a side effect or a
-        # parked step do not (the step will run again from its start).
-        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
+        # A step boundary (or a revision's jump) starts a new step visit; checkpoints around a
+        # side effect, a parked step and a graph migration do not: the step runs again from
+        # its start in the same visit, so it derives the same idempotency keys and finds what
+        # it prepared, sent or confirmed before — on the old version too (DESIGN.md).
+        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED)
         update, extended = self.run_changes(status, next_step, changes, new_visit)
         try:
             stepcommit.write(
