@@ -266,6 +266,7 @@ class Executor:
             recorded=self.recorded,
             runner=self.runner,
             fresh=self.run.checkpoint_rev == self.run.step_rev,
+            visit_rev=self.run.step_rev,
         )
 
     def absorb(self, ctx: StepContext) -> None:

@@ -137,3 +137,28 @@ def test_a_real_worker_counts_each_failure(
     finally:
         procs.kill(worker)
     _assert_escalated(run, how, reviewer_a)
+
+
+def test_a_migration_to_a_state_that_is_not_json_half_applies_nothing(tenant_a: Tenant) -> None:
+    from datetime import date
+
+    from runtime.graphs import registry
+    from runtime.lifecycle import provide_input
+    from tests.graphs import evolving
+
+    registry.register(evolving("1"))
+    try:
+        run = create_run(tenant_a, "evolving", {}, actor="t")
+        advance_run(run.run_id, "w1")  # waits for input on version 1
+        registry.unregister("evolving", "1")
+        registry.register(evolving("2"))
+        registry.register_migration("evolving", "1", "2", lambda s: {**s, "since": date.today()})
+        provide_input(run, {}, expected_rev=1, actor="t")
+        assert advance_run(run.run_id, "w1").outcome == "needs_attention"
+    finally:
+        for version in ("1", "2"):
+            registry.unregister("evolving", version)
+        registry.migrations.pop(("evolving", "1"), None)
+    run.refresh_from_db()
+    assert run.graph_version == "1" and run.checkpoint_rev == 1
+    assert "migration from 1 failed: $.since: date is not a JSON value" in run.attention_reason
