@@ -18,6 +18,10 @@ INLINE_LIMIT = 512
 CHUNK = 32
 REF = "$ref"
 CHUNKS = "$chunks"
+# A user object that uses any of the encoder's keys is stored boxed, `{"$literal": {…}}`:
+# its keys taken as they are, its values encoded. So every JSON state reads back exactly,
+# whatever keys it uses (SECURITY.md, L4).
+LITERAL = "$literal"
 
 
 @dataclass
@@ -33,9 +37,9 @@ class Encoder:
         if isinstance(value, str) and 6 * len(value) + 2 <= INLINE_LIMIT:
             return value  # even fully \u-escaped it stays inline: no need to measure it
         if isinstance(value, dict):
-            if REF in value or CHUNKS in value:  # a user value that looks like ours: box it
-                return self._store({"$literal": {k: self.encode(v) for k, v in value.items()}})
             encoded: Any = {k: self.encode(v) for k, v in value.items()}
+            if REF in value or CHUNKS in value or LITERAL in value:  # looks like ours: box it
+                encoded = {LITERAL: encoded}
         elif isinstance(value, list) and len(value) > CHUNK:
             chunks = [
                 self._store(self._list(value[i : i + CHUNK])) for i in range(0, len(value), CHUNK)
@@ -87,8 +91,8 @@ def _surely_inline(encoded: dict[str, Any]) -> bool:
             size += 22  # ±2**53 is 16 digits and a sign; true/false/null are shorter
         elif kind is float:
             size += 25  # the longest repr of a float
-        elif kind is dict and len(item) == 1 and REF in item:
-            size += 6 * len(item[REF]) + 12
+        elif kind is dict and len(item) == 1 and type(item.get(REF)) is str:
+            size += 6 * len(item[REF]) + 12  # (a box's object may hold a user's `$ref`)
         else:
             return False
         if size > INLINE_LIMIT:
@@ -97,9 +101,13 @@ def _surely_inline(encoded: dict[str, Any]) -> bool:
 
 
 def collect_refs(value: Any, into: set[str]) -> set[str]:
+    """Every artifact digest an encoded value refers to directly (not through artifacts)."""
     if isinstance(value, dict):
         if REF in value and len(value) == 1:
             into.add(value[REF])
+        elif _boxed(value):  # a user object: its keys are data, only its values can refer
+            for item in value[LITERAL].values():
+                collect_refs(item, into)
         else:
             for item in value.values():
                 collect_refs(item, into)
@@ -119,12 +127,18 @@ def decode(value: Any, load: dict[str, Any]) -> Any:
             for chunk in value[CHUNKS]:
                 out.extend(decode(chunk, load))
             return out
-        if "$literal" in value and len(value) == 1:
-            return {k: decode(v, load) for k, v in value["$literal"].items()}
+        if _boxed(value):
+            return {k: decode(v, load) for k, v in value[LITERAL].items()}
         return {k: decode(v, load) for k, v in value.items()}
     if isinstance(value, list):
         return [decode(item, load) for item in value]
     return value
+
+
+def _boxed(value: dict[str, Any]) -> bool:
+    """A boxed user object. (Checkpoints written before every reserved key was boxed may
+    hold a user's `{"$literal": 5}` as is: not a box, read as written.)"""
+    return len(value) == 1 and isinstance(value.get(LITERAL), dict)
 
 
 def resolve(tenant_id: int, encoded: Any, cache: dict[str, Any] | None = None) -> Any:

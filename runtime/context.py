@@ -70,6 +70,10 @@ class StepContext:
     # This execution began the step visit (no checkpoint since the visit began): nothing of
     # it can have been prepared before, so `act` need not look for an earlier action.
     fresh: bool = False
+    # The checkpoint rev the step visit began at (the run's step_rev): re-executions of one
+    # visit — after a side-effect checkpoint, a retry, a crash or a graph migration — share
+    # it, so a call recorded under the default key is found again, never paid twice.
+    visit_rev: int | None = None
     _index: int = 0
     _act_index: int = 0
 
@@ -77,10 +81,11 @@ class StepContext:
         """Return the recorded result for `key`, or make the call once and record it.
 
         Use a key that names the evidence ("spec:shop-v1") to reuse it across goal
-        revisions; with None the key is this step's position, reused only on re-execution.
+        revisions; with None the key is its position in this step visit, reused whenever the
+        visit runs again (after a side-effect checkpoint, a retry, a crash, a migration).
         """
         self._index += 1
-        key = key or f"{self.step}@{self.checkpoint_rev}#{self._index}"
+        key = key or f"{self.step}@{self._visit}#{self._index}"
         if key in self.recorded:
             self.calls_reused += 1
             return self.recorded[key]
@@ -97,7 +102,11 @@ class StepContext:
 
     def model(self, name: str, call: Callable[[], Any], *, key: str | None = None) -> Any:
         """A paid model call: recorded like any other call, under `model:<name>`."""
-        return self.record(key or f"model:{name}@{self.step}@{self.checkpoint_rev}", call)
+        return self.record(key or f"model:{name}@{self.step}@{self._visit}", call)
+
+    @property
+    def _visit(self) -> int:
+        return self.checkpoint_rev if self.visit_rev is None else self.visit_rev
 
     def act(self, tool: str, params: dict[str, Any], *, reason: str = "", target: str = "") -> Any:
         """Perform a side effect through the ledger, exactly once, and return its proof.

@@ -26,7 +26,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from audit import journal
-from audit.canonical import canonical, digest
+from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
 from audit.models import JournalEntry
 from fastsql import statements
 from runtime import stepcommit
@@ -60,6 +60,32 @@ log = logging.getLogger("holdpoint.executor")
 
 class StepTimeout(Exception):
     """A step ran longer than its graph allows."""
+
+
+class NotStorable(ValueError):
+    """What a step returned cannot be stored: it names where (`$.when: datetime is not a JSON
+    value`). A step failure like any other — counted, retried, then escalated — since a step
+    may return something else the next time."""
+
+
+def unstorable(outcome: Outcome, exc: Exception) -> Exception:
+    """The error to report for an outcome whose commit failed: where its first value that
+    is not JSON is, if that is why (the encoder saw the value alone, not where it was), else
+    the commit's own error."""
+    if not isinstance(exc, CanonicalError):
+        return exc
+    parts: list[tuple[str, Any]] = [("$", outcome.update)]
+    if isinstance(outcome, Wait):
+        parts.append(("waiting_for", {"prompt": outcome.prompt, **outcome.detail}))
+    for name, value in parts:
+        try:
+            canonical_bytes(value)
+        except CanonicalError as found:
+            reason = str(found).partition(": ")[2] or str(found)
+            where = "" if found.path == "$" else found.path
+            joint = "" if not where or where.startswith("[") else "."
+            return NotStorable(f"{name}{joint}{where}: {reason}")
+    return NotStorable(f"the step's result cannot be stored: {exc}")
 
 
 @dataclass(frozen=True)
@@ -200,7 +226,13 @@ class Executor:
                 return self.fail(graph, ctx.step, exc)
             self.absorb(ctx)
             self.check_lease(beater)
-            if not self.commit_outcome(ctx, outcome):
+            try:
+                committed = self.commit_outcome(ctx, outcome)
+            except StaleFence:
+                raise
+            except Exception as exc:  # a result that cannot be committed is a step failure
+                return self.fail(graph, ctx.step, unstorable(outcome, exc))
+            if not committed:
                 if self.run.status != RunStatus.RUNNING:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
@@ -234,6 +266,7 @@ class Executor:
             recorded=self.recorded,
             runner=self.runner,
             fresh=self.run.checkpoint_rev == self.run.step_rev,
+            visit_rev=self.run.step_rev,
         )
 
     def absorb(self, ctx: StepContext) -> None:
@@ -387,9 +420,11 @@ class Executor:
         False if the run moved (cancelled, or goal revised) — raises StaleFence if another
         executor holds it."""
         encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
-        # A step boundary starts a new step visit; checkpoints around a side effect or a
-        # parked step do not (the step will run again from its start).
-        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED, RunEvent.MIGRATED)
+        # A step boundary (or a revision's jump) starts a new step visit; checkpoints around a
+        # side effect, a parked step and a graph migration do not: the step runs again from
+        # its start in the same visit, so it derives the same idempotency keys and finds what
+        # it prepared, sent or confirmed before — on the old version too (DESIGN.md).
+        new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED)
         update, extended = self.run_changes(status, next_step, changes, new_visit)
         try:
             stepcommit.write(
@@ -569,15 +604,16 @@ class Executor:
         try:
             for _, _, migrate in path:
                 state = migrate(dict(state))
+            after = digest(self.encoder.encode(state))  # refuses a state that is not JSON
         except Exception as exc:  # a failing migration must not half-apply
             self.escalate(
-                f"migration from {run.graph_version} failed: {exc}", RunEvent.INCOMPATIBLE
+                f"migration from {run.graph_version} failed: {unstorable(Next('', state), exc)}",
+                RunEvent.INCOMPATIBLE,
             )
             return None
         target = path[-1][1]
         graph = registry.get(run.graph, target)
         assert graph is not None
-        after = digest(self.encoder.encode(state))
         self.encoder.new = {}
         ok = self.commit(
             "(migration)",
@@ -599,13 +635,10 @@ class Executor:
     def apply_revision(self, graph: Graph) -> bool:
         """Let the graph keep the evidence still valid for the new goal; continue from there."""
         old_goal = self.goal_at(self.state_goal_rev)
+        state: dict[str, Any] = {}
         try:
             state, next_step = graph.revise(dict(self.state), old_goal, self.run.goal)
-        except Exception as exc:
-            self.escalate(f"revision hook failed: {exc}")
-            return False
-        return (
-            self.commit(
+            applied = self.commit(
                 "(revision)",
                 state,
                 RunStatus.RUNNING,
@@ -616,8 +649,12 @@ class Executor:
                 to_rev=self.run.goal_rev,
                 kept=sorted(state),
             )
-            or self.run.status == RunStatus.RUNNING
-        )
+        except StaleFence:
+            raise
+        except Exception as exc:  # the hook, or a kept state that cannot be stored
+            self.escalate(f"revision hook failed: {unstorable(Next('', state), exc)}")
+            return False
+        return applied or self.run.status == RunStatus.RUNNING
 
     def goal_at(self, goal_rev: int) -> Any:
         """The goal as it was at `goal_rev`, from the journal's revision events."""

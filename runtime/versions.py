@@ -7,7 +7,19 @@ from dataclasses import dataclass
 
 from runtime.artifacts import resolve
 from runtime.graphs import registry
-from runtime.models import TERMINAL, Checkpoint, Run
+from runtime.ledger import visit_actions
+from runtime.models import TERMINAL, ActionStatus, Checkpoint, Run
+
+# An action in one of these has an outcome nobody needs to wait for: a step that runs again
+# gets its proof (or its refusal) back. Any other status is an action in the middle.
+SETTLED = frozenset(
+    {
+        ActionStatus.CONFIRMED,
+        ActionStatus.FAILED,
+        ActionStatus.CANCELLED,
+        ActionStatus.COMPENSATED,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -17,13 +29,16 @@ class Verdict:
     version: str
     ok: bool
     detail: str
+    # The unsettled actions of the step visit the migration lands in ("tasks.create sent"):
+    # the migrated step must ask for the same calls with the same params to find them.
+    mid_action: tuple[str, ...] = ()
 
 
 def check_run(run: Run) -> Verdict:
     """What resuming this run on the registered graphs would do, without writing anything."""
 
-    def verdict(ok: bool, detail: str) -> Verdict:
-        return Verdict(str(run.run_id), run.graph, run.graph_version, ok, detail)
+    def verdict(ok: bool, detail: str, mid_action: tuple[str, ...] = ()) -> Verdict:
+        return Verdict(str(run.run_id), run.graph, run.graph_version, ok, detail, mid_action)
 
     if registry.get(run.graph, run.graph_version) is not None:
         return verdict(True, "pinned version is registered")
@@ -44,7 +59,30 @@ def check_run(run: Run) -> Verdict:
     if run.next_step and run.next_step not in target.steps:
         return verdict(False, f"version {target.version} has no step {run.next_step!r}")
     chain = " → ".join([run.graph_version] + [to for _, to, _ in path])
+    pending = unsettled_in_visit(run)
+    if pending:
+        return verdict(
+            True,
+            f"would migrate {chain}, landing mid-action in step {run.next_step!r} "
+            f"({', '.join(pending)}): version {target.version}'s step must ask for the "
+            "same call(s) with the same params",
+            pending,
+        )
     return verdict(True, f"would migrate {chain}")
+
+
+def unsettled_in_visit(run: Run) -> tuple[str, ...]:
+    """The actions of the run's current step visit whose outcome is not settled, as
+    "call 1: tasks.create sent" — what a migration keeps in the middle (the visit is kept,
+    so the migrated step finds them by their keys)."""
+    if not run.next_step:
+        return ()
+    calls = visit_actions(run, run.next_step)
+    return tuple(
+        f"call {index}: {action.tool} {action.status}"
+        for index, action in sorted(calls.items())
+        if action.status not in SETTLED
+    )
 
 
 def parked_runs(tenant_slug: str | None = None) -> Iterator[Run]:
