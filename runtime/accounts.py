@@ -17,6 +17,7 @@ happens. django-axes counts failed logins; `locked_out` is the page it answers w
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -267,7 +268,10 @@ def _to_login(response: HttpResponse) -> bool:
 def client_ip(request: HttpRequest) -> str:
     """The address failed logins are counted by. REMOTE_ADDR unless HOLDPOINT_PROXY_COUNT
     proxies stand in front; then the address the outermost of them saw (the entry that many
-    places from the end of X-Forwarded-For) — entries before it are the client's to forge."""
+    places from the end of X-Forwarded-For) — entries before it are the client's to forge.
+    An entry that is no IP address (more proxies configured than there are, so the client
+    wrote it) counts as REMOTE_ADDR: django-axes stores the address in an address column,
+    and PostgreSQL refused the junk with a 500."""
     remote = str(request.META.get("REMOTE_ADDR", ""))
     hops = settings.HOLDPOINT_PROXY_COUNT
     if hops:
@@ -276,9 +280,17 @@ def client_ip(request: HttpRequest) -> str:
             for part in str(request.META.get("HTTP_X_FORWARDED_FOR", "")).split(",")
             if part.strip()
         ]
-        if len(forwarded) >= hops:
+        if len(forwarded) >= hops and _is_address(forwarded[-hops]):
             return forwarded[-hops]
     return remote
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def locked_out(

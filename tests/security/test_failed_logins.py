@@ -119,6 +119,20 @@ def test_a_nul_in_the_username_is_no_500(reviewer_a: Persona) -> None:
     assert failures(reviewer_a.tenant) == []  # no account has that name
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("forwarded", ["not-an-ip", "1.2.3.4, evil\x00", "x" * 300])
+def test_a_forwarded_entry_that_is_no_address_counts_as_the_peer(
+    reviewer_a: Persona, settings: Any, forwarded: str
+) -> None:
+    """One proxy configured, but the entry it would have appended is the client's junk (no
+    proxy there): the peer's address is counted and journalled, not a 500."""
+    settings.HOLDPOINT_PROXY_COUNT = 1
+    peer = {"REMOTE_ADDR": "10.0.0.1", "HTTP_X_FORWARDED_FOR": forwarded}
+    assert fail(Client(), **peer) == 200
+    (entry,) = failures(reviewer_a.tenant)
+    assert entry.payload["ip"] == "10.0.0.1"
+
+
 @contextmanager
 def journal_writes_fail() -> Iterator[None]:
     """The database refuses every write to the journal (a full disk, a lost privilege)."""
