@@ -114,6 +114,29 @@ def test_other_control_characters_and_over_long_agents_are_escaped_and_cut(
 
 
 @pytest.mark.django_db
+def test_a_nul_in_the_accept_header_is_no_500(reviewer_a: Persona) -> None:
+    """django-axes stores the Accept header of a failed login too."""
+    assert fail(Client(), HTTP_ACCEPT="text/html\x00") == 200
+    assert [e.payload["count"] for e in failures(reviewer_a.tenant)] == [1]
+
+
+@pytest.mark.django_db
+def test_a_control_character_in_an_idempotency_key_is_still_refused(agent_a: Persona) -> None:
+    """Only descriptive headers are escaped: a key with a control character stays invalid."""
+    from rest_framework.test import APIClient
+
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {agent_a.token}")
+    answer = api.post(
+        "/api/v1/runs/",
+        {"graph": "api-review", "goal": {}},
+        format="json",
+        HTTP_IDEMPOTENCY_KEY="key\x01",
+    )
+    assert answer.status_code == 422 and "Idempotency-Key" in answer.json()["errors"]
+
+
+@pytest.mark.django_db
 def test_a_nul_in_the_username_is_no_500(reviewer_a: Persona) -> None:
     assert fail(Client(), "ali\x00ce") == 200
     assert failures(reviewer_a.tenant) == []  # no account has that name
