@@ -230,3 +230,18 @@ def test_an_old_rule_entry_after_a_new_one_is_a_break(tenant_a: Tenant) -> None:
         )
     found = verify_stream(stream)
     assert found is not None and found.seq == 3 and "older rule" in found.problem
+
+
+def test_the_hourly_check_alerts_on_a_row_moved_between_tenants(
+    tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    from audit.verification import verify_recent
+
+    run = make_run(tenant_a)
+    victim = JournalEntry.objects.get(stream=journal.run_stream(run.run_id), seq=2)
+    change_column("tenant", victim, tenant_b)
+    assert verify_recent() == 1
+    alert = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
+    )
+    assert alert.payload["stream"] == journal.run_stream(run.run_id) and alert.payload["seq"] == 2

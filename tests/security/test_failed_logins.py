@@ -257,3 +257,23 @@ def test_windows_are_per_person_and_tenant(reviewer_a: Persona, tenant_b: Tenant
     assert len(failures(reviewer_a.tenant)) == 2  # alice's first, victor's first
     assert len(failures(tenant_b)) == 1
     assert FailedLoginWindow.objects.get(user=reviewer_a.user, tenant=tenant_b).unrecorded == 1
+
+
+@pytest.mark.django_db
+def test_the_flush_is_scheduled_and_its_task_closes_ended_windows(reviewer_a: Persona) -> None:
+    from django_q.models import Schedule
+
+    from runtime import tasks
+
+    schedule = Schedule.objects.get(name="holdpoint-failed-logins")
+    assert (schedule.func, schedule.schedule_type, schedule.minutes) == (
+        "runtime.tasks.close_failed_logins",
+        Schedule.MINUTES,
+        15,
+    )
+    with time_machine.travel(START, tick=False) as clock:
+        fail(Client())
+        fail(Client())
+        clock.shift(WINDOW)
+        assert tasks.close_failed_logins() == 1
+    assert [e.payload["count"] for e in failures(reviewer_a.tenant)] == [1, 1]
