@@ -186,6 +186,7 @@ def _chain(head: Head, entries: list[JournalEntry]) -> None:
             prev.hash,
             stream=entry.stream,
             seq=entry.seq,
+            tenant_id=entry.tenant_id,
             type=entry.type,
             actor=entry.actor,
             object_ref=entry.object_ref,

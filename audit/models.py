@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from audit.chain import GENESIS, payload_digest
+from audit.chain import GENESIS, payload_digest, redacted_payload
 
 
 class StreamHead(models.Model):
@@ -51,7 +51,7 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
             digest = payload_digest(entry.payload)
             done += models.QuerySet.update(
                 JournalEntry.objects.filter(pk=entry.pk),
-                payload={"redacted": True, "sha256": digest},
+                payload=redacted_payload(digest),
                 redacted=True,
             )
         return done

@@ -11,9 +11,10 @@ verification checks that every anchored head is still in its chain (Crosby–Wal
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -24,7 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import journal
-from audit.chain import GENESIS, entry_hash_from_digest, stored_payload_digest
+from audit.chain import GENESIS, RULE, entry_hash_from_digest, stored_payload_digest
 from audit.models import JournalEntry, StreamHead
 
 log = logging.getLogger("holdpoint.audit")
@@ -40,9 +41,17 @@ class Break:
     problem: str
 
 
-def verify_entries(stream: str, entries: Iterable[JournalEntry]) -> Break | None:
-    """The first broken link of a stream's entries (in seq order), or None if intact."""
-    prev, expected_seq = GENESIS, 1
+def verify_entries(
+    stream: str, entries: Iterable[JournalEntry], tenant_id: int | None = None
+) -> Break | None:
+    """The first broken link of a stream's entries (in seq order), or None if intact.
+
+    `tenant_id` is the stream's owner by its head; without it, a tenant stream's owner is
+    the one its name gives, a run stream's the first entry's. Every entry must belong to it:
+    the hash of entries written under rule 1 does not cover their tenant (audit.chain).
+    """
+    prev, expected_seq, newer_rule_seen = GENESIS, 1, False
+    owner = tenant_id if tenant_id is not None else _named_owner(stream)
     for entry in entries:
         if entry.seq != expected_seq:
             return Break(
@@ -50,43 +59,89 @@ def verify_entries(stream: str, entries: Iterable[JournalEntry]) -> Break | None
             )
         if entry.prev_hash != prev:
             return Break(stream, entry.seq, "prev_hash does not match the previous entry")
-        recomputed = entry_hash_from_digest(prev, entry, stored_payload_digest(entry))
-        if recomputed != entry.hash:
+        owner = entry.tenant_id if owner is None else owner
+        if entry.tenant_id != owner:
+            return Break(stream, entry.seq, "tenant_id is not its stream's tenant")
+        digest = stored_payload_digest(entry)
+        if digest is None:
+            return Break(stream, entry.seq, "redaction flag does not match the payload")
+        rule = _rule_of(prev, entry, digest)
+        if rule is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
+        if rule < RULE and newer_rule_seen:
+            return Break(stream, entry.seq, "entry hashed under an older rule than earlier ones")
+        newer_rule_seen = newer_rule_seen or rule == RULE
         prev, expected_seq = entry.hash, expected_seq + 1
     return None
 
 
+def _rule_of(prev: str, entry: JournalEntry, digest: str) -> int | None:
+    """The hash rule the stored hash matches (the current one first), or None."""
+    for rule in range(RULE, 0, -1):
+        if hmac.compare_digest(entry_hash_from_digest(prev, entry, digest, rule=rule), entry.hash):
+            return rule
+    return None
+
+
+def _named_owner(stream: str) -> int | None:
+    """The tenant a stream's name gives (`tenant:<id>`); run streams name none."""
+    kind, _, rest = stream.partition(":")
+    return int(rest) if kind == "tenant" and rest.isascii() and rest.isdigit() else None
+
+
 def verify_stream(stream: str) -> Break | None:
+    head = StreamHead.objects.filter(stream=stream).first()
+    named = _named_owner(stream)
+    if head is not None and named is not None and head.tenant_id != named:
+        return Break(stream, head.seq, "the stream head names another tenant")
+    owner = head.tenant_id if head is not None else named
     entries = JournalEntry.objects.filter(stream=stream).order_by("seq").iterator()
-    found = verify_entries(stream, entries)
+    found = verify_entries(stream, entries, owner)
     if found is not None:
         return found
     last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
-    return head_break(stream, last)
+    return _head_break(stream, head, last)
 
 
 def head_break(stream: str, last: JournalEntry | None) -> Break | None:
     """Entries cut off at the end leave an intact chain; the stream head still knows."""
-    head = StreamHead.objects.filter(stream=stream).first()
+    return _head_break(stream, StreamHead.objects.filter(stream=stream).first(), last)
+
+
+def _head_break(stream: str, head: StreamHead | None, last: JournalEntry | None) -> Break | None:
     last_seq, last_hash = (last.seq, last.hash) if last is not None else (0, GENESIS)
-    if head is None or (head.seq, head.hash) == (last_seq, last_hash):
+    if head is None:
+        if last is None:
+            return None
+        return Break(stream, last_seq, "entries without a stream head")
+    if (head.seq, head.hash) == (last_seq, last_hash):
         return None
     return Break(stream, last_seq + 1, "entries missing after the last one")
 
 
 def streams(
     tenant_id: int | None = None, stream: str | None = None, since: datetime | None = None
-) -> Iterable[str]:
+) -> Iterator[str]:
+    """The streams to check: those whose head is the tenant's, then those holding an entry
+    of the tenant under another tenant's head or none (a row moved between tenants, a head
+    deleted) — so a moved row is named whichever tenant is checked."""
     heads = StreamHead.objects.order_by("stream")
+    entries = JournalEntry.objects.all()
     if tenant_id is not None:
-        heads = heads.filter(tenant_id=tenant_id)
+        heads, entries = heads.filter(tenant_id=tenant_id), entries.filter(tenant_id=tenant_id)
     if stream:
-        heads = heads.filter(stream=stream)
+        heads, entries = heads.filter(stream=stream), entries.filter(stream=stream)
     if since is not None:
-        recent = JournalEntry.objects.filter(created_at__gte=since).values("stream")
-        heads = heads.filter(stream__in=recent)
-    return heads.values_list("stream", flat=True).iterator()
+        entries = entries.filter(created_at__gte=since)
+        heads = heads.filter(stream__in=entries.values("stream"))
+    yield from heads.values_list("stream", flat=True).iterator()
+    strays = (
+        entries.exclude(stream__in=heads.values("stream"))
+        .order_by("stream")
+        .values_list("stream", flat=True)
+        .distinct()
+    )
+    yield from strays.iterator()
 
 
 def verify_all(

@@ -344,6 +344,7 @@ class RecoveryBench:
                 fields: dict[str, Any] = {
                     "stream": stream,
                     "seq": seq,
+                    "tenant_id": tenant.pk,
                     "type": kind,
                     "actor": actor,
                     "object_ref": stream,
@@ -351,9 +352,7 @@ class RecoveryBench:
                     "created_at": created + timedelta(milliseconds=seq),
                 }
                 digest = entry_hash(prev, **fields)
-                entries.append(
-                    JournalEntry(**fields, tenant_id=tenant.pk, prev_hash=prev, hash=digest)
-                )
+                entries.append(JournalEntry(**fields, prev_hash=prev, hash=digest))
                 prev = digest
             heads.append(StreamHead(stream=stream, tenant_id=tenant.pk, seq=2, hash=prev))
         with transaction.atomic():

@@ -59,6 +59,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "runtime.middleware.ClientHeaders",  # first: nothing stores a control character
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -66,6 +67,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "runtime.middleware.NoStore",
     "runtime.accounts.SessionTimeoutMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -164,6 +166,10 @@ AXES_HTTP_RESPONSE_CODE = 429
 AXES_LOCKOUT_CALLABLE = "runtime.accounts.locked_out"
 AXES_CLIENT_IP_CALLABLE = "runtime.accounts.client_ip"
 AXES_ENABLE_ADMIN = False  # attempts span tenants; `manage.py axes_reset_username` unlocks
+# Failed logins of one person are journalled once per window with a count (runtime/accounts.py).
+HOLDPOINT_LOGIN_FAILURE_WINDOW = timedelta(
+    minutes=env_int("HOLDPOINT_LOGIN_FAILURE_WINDOW_MINUTES", 15, minimum=1)
+)
 # Decisions one reviewer may post on the request pages (the API has HOLDPOINT_API_RATE).
 HOLDPOINT_DECISION_RATE = env_str("HOLDPOINT_DECISION_RATE", "60/minute")
 if not re.fullmatch(r"[1-9]\d*/(second|minute|hour|day)", HOLDPOINT_DECISION_RATE):

@@ -17,9 +17,11 @@ happens. django-axes counts failed logins; `locked_out` is the page it answers w
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import time
 from collections.abc import Callable
-from functools import wraps
+from functools import partial, wraps
 from typing import Any
 
 from django.conf import settings
@@ -28,10 +30,13 @@ from django.contrib.auth.signals import user_logged_in, user_login_failed
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render, resolve_url
+from django.utils import timezone
 from rest_framework.throttling import SimpleRateThrottle
 
 from audit import journal
-from runtime.models import Membership
+from runtime.models import FailedLoginWindow, Membership
+
+log = logging.getLogger("holdpoint.accounts")
 
 
 def record_tenant_act(tenant_id: int, type: str, actor: str, **payload: Any) -> None:
@@ -45,6 +50,14 @@ def record_tenant_act(tenant_id: int, type: str, actor: str, **payload: Any) -> 
         )
 
 
+def printable(value: object, limit: int) -> str:
+    """A client-sent value as the journal keeps it: control and other unprintable characters
+    escaped (ASVS 16.4.1 — PostgreSQL cannot store a NUL at all, and a log reader must not
+    be fooled by a newline or an escape sequence), then cut to `limit` characters."""
+    text = str(value)[: limit * 2]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)[:limit]
+
+
 def _tenants_of(user: Any) -> list[int]:
     return list(Membership.objects.filter(user=user).values_list("tenant_id", flat=True))
 
@@ -53,31 +66,145 @@ def _client(request: HttpRequest | None) -> dict[str, str]:
     if request is None:
         return {}
     return {
-        "ip": client_ip(request),  # the address lockouts count by, proxies considered
-        "user_agent": request.META.get("HTTP_USER_AGENT", "")[:200],
+        # the address lockouts count by, proxies considered
+        "ip": printable(client_ip(request), 100),
+        "user_agent": printable(request.META.get("HTTP_USER_AGENT", ""), 200),
     }
+
+
+def _recorded_or_logged(what: str, tenant_id: int, write: Callable[[], None]) -> None:
+    """Run a journal write of a signal handler. Django's login and the admin's call the
+    handlers inside their own request: an exception here would answer 500 for a login
+    whose outcome is already decided. So a failed write never propagates — and it is never
+    silent either: it is logged as an error, with the traceback, for the operator."""
+    try:
+        write()
+    except Exception:  # noqa: BLE001 — see above: the request must still be answered
+        log.exception(
+            "could not journal %s in tenant %s; the request was answered", what, tenant_id
+        )
 
 
 def on_login(sender: Any, request: HttpRequest | None, user: Any, **kwargs: Any) -> None:
     if request is not None and hasattr(request, "session"):
         request.session[LOGGED_IN_AT] = int(time.time())
+    actor = f"user:{user.get_username()}"
+    client = _client(request)
+
+    def write(tenant_id: int) -> None:
+        with transaction.atomic():
+            close_failed_logins(user, tenant_id)
+            record_tenant_act(tenant_id, "login", actor, **client)
+
     for tenant_id in _tenants_of(user):
-        record_tenant_act(tenant_id, "login", f"user:{user.get_username()}", **_client(request))
+        _recorded_or_logged("login", tenant_id, partial(write, tenant_id))
 
 
 def on_login_failed(
     sender: Any, credentials: dict[str, Any], request: HttpRequest | None = None, **kwargs: Any
 ) -> None:
-    username = str(credentials.get("username", ""))[:150]
+    username = str(credentials.get("username", ""))
+    if not username or len(username) > 150 or not username.isprintable():
+        return  # no account can have that name (and PostgreSQL could not even look for it)
     user = get_user_model().objects.filter(username=username).first()
     if user is None:
         return  # no tenant to tell; the web server's log has it
     # django-axes' handler ran first (its app is listed before ours) and flagged a lockout.
-    locked = {"locked_out": True} if getattr(request, "axes_locked_out", False) else {}
+    locked = bool(getattr(request, "axes_locked_out", False))
+    client = _client(request)
     for tenant_id in _tenants_of(user):
-        record_tenant_act(
-            tenant_id, "login_failed", f"user:{username}", **_client(request), **locked
+        _recorded_or_logged(
+            "login_failed",
+            tenant_id,
+            partial(record_failed_login, user, tenant_id, client, locked_out=locked),
         )
+
+
+# --- failed logins: one window, one count (runtime/models/logins.py) ----------------------
+
+
+def record_failed_login(
+    user: Any, tenant_id: int, client: dict[str, str], *, locked_out: bool = False
+) -> None:
+    """The first failure of a window is journalled now, with the client's address and
+    agent; later ones in the window are only counted, until the window is closed."""
+    now = timezone.now()
+    with transaction.atomic():
+        row, created = FailedLoginWindow.objects.select_for_update().get_or_create(
+            user=user, tenant_id=tenant_id, defaults={"started_at": now, "last_at": now}
+        )
+        if not created and now - row.started_at < settings.HOLDPOINT_LOGIN_FAILURE_WINDOW:
+            _count(row, now, client, locked_out)
+            return
+        if not created:
+            _close(row, user)
+            FailedLoginWindow.objects.create(
+                user=user, tenant_id=tenant_id, started_at=now, last_at=now
+            )
+        locked = {"locked_out": True} if locked_out else {}
+        record_tenant_act(
+            tenant_id, "login_failed", f"user:{user.get_username()}", count=1, **client, **locked
+        )
+
+
+def _count(row: FailedLoginWindow, now: Any, client: dict[str, str], locked_out: bool) -> None:
+    row.unrecorded += 1
+    row.last_at = now
+    row.locked_out = row.locked_out or locked_out
+    ip = client.get("ip", "")
+    if ip and ip not in row.ips and len(row.ips) < FailedLoginWindow.MAX_ADDRESSES:
+        row.ips = [*row.ips, ip]
+    row.user_agent = client.get("user_agent", "")
+    row.save(update_fields=["unrecorded", "last_at", "locked_out", "ips", "user_agent"])
+
+
+def _close(row: FailedLoginWindow, user: Any) -> None:
+    """Journal what the window counted but did not record yet, and forget the window."""
+    if row.unrecorded:
+        locked = {"locked_out": True} if row.locked_out else {}
+        record_tenant_act(
+            row.tenant_id,
+            "login_failed",
+            f"user:{user.get_username()}",
+            count=row.unrecorded,
+            since=row.started_at.isoformat(),
+            until=row.last_at.isoformat(),
+            ips=row.ips,
+            user_agent=row.user_agent,
+            **locked,
+        )
+    row.delete()
+
+
+def close_failed_logins(user: Any, tenant_id: int) -> None:
+    """At a login: the failures before it are journalled before the login itself."""
+    with transaction.atomic():
+        row = (
+            FailedLoginWindow.objects.select_for_update()
+            .filter(user=user, tenant_id=tenant_id)
+            .first()
+        )
+        if row is not None:
+            _close(row, user)
+
+
+def close_ended_failed_login_windows() -> int:
+    """The periodic flush: every window past its length gets its count journalled, so a
+    count never waits for the person's next attempt. Returns how many were closed."""
+    ended = timezone.now() - settings.HOLDPOINT_LOGIN_FAILURE_WINDOW
+    closed = 0
+    for pk in FailedLoginWindow.objects.filter(started_at__lte=ended).values_list("pk", flat=True):
+        with transaction.atomic():
+            row = (
+                FailedLoginWindow.objects.select_for_update()
+                .select_related("user")
+                .filter(pk=pk, started_at__lte=ended)
+                .first()
+            )
+            if row is not None:
+                _close(row, row.user)
+                closed += 1
+    return closed
 
 
 def connect() -> None:
@@ -141,7 +268,10 @@ def _to_login(response: HttpResponse) -> bool:
 def client_ip(request: HttpRequest) -> str:
     """The address failed logins are counted by. REMOTE_ADDR unless HOLDPOINT_PROXY_COUNT
     proxies stand in front; then the address the outermost of them saw (the entry that many
-    places from the end of X-Forwarded-For) — entries before it are the client's to forge."""
+    places from the end of X-Forwarded-For) — entries before it are the client's to forge.
+    An entry that is no IP address (more proxies configured than there are, so the client
+    wrote it) counts as REMOTE_ADDR: django-axes stores the address in an address column,
+    and PostgreSQL refused the junk with a 500."""
     remote = str(request.META.get("REMOTE_ADDR", ""))
     hops = settings.HOLDPOINT_PROXY_COUNT
     if hops:
@@ -150,9 +280,17 @@ def client_ip(request: HttpRequest) -> str:
             for part in str(request.META.get("HTTP_X_FORWARDED_FOR", "")).split(",")
             if part.strip()
         ]
-        if len(forwarded) >= hops:
+        if len(forwarded) >= hops and _is_address(forwarded[-hops]):
             return forwarded[-hops]
     return remote
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def locked_out(

@@ -221,7 +221,7 @@ def _actor(request: HttpRequest) -> str:
 
 def _agents_of(request: HttpRequest) -> QuerySet[Any]:
     """Agent accounts a token may be issued to from the admin: those of the admin's tenants
-    (a person's script token is issued with `manage.py agent_token --tenant`)."""
+    (people get none: API tokens are for agent accounts only)."""
     return User.objects.filter(
         memberships__tenant__in=admin_tenants(request), memberships__role=Role.AGENT
     ).distinct()
@@ -277,9 +277,11 @@ class AgentTokenAdmin(TenantScopedAdmin):
     def formfield_for_foreignkey(
         self, db_field: ForeignKey, request: HttpRequest, **kwargs: Any
     ) -> ModelChoiceField | None:
-        if db_field.name == "user":
-            kwargs["queryset"] = _agents_of(request)
-        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+        field = super().formfield_for_foreignkey(db_field, request, **kwargs)
+        # After the tenant scoping above, which would offer every member: people get no token.
+        if db_field.name == "user" and field is not None:
+            field.queryset = _agents_of(request)
+        return field
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # revoke instead: the row stays, and so does what it did

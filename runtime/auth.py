@@ -28,7 +28,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
 from runtime.accounts import record_tenant_act
-from runtime.models import AgentToken, Membership, Tenant
+from runtime.models import AgentToken, Membership, Role, Tenant
 from runtime.models.tokens import PREFIX_LENGTH, hash_key, new_key
 
 KEYWORD = "Token"
@@ -85,16 +85,21 @@ class Issued:
 
 
 def token_tenant(user: AbstractBaseUser, tenant: Tenant | None = None) -> Tenant:
-    """The tenant a new token of `user` acts in: an agent's only tenant, or the given one
-    (a person in several tenants must say which). ValueError if not a member."""
+    """The tenant a new token of `user` acts in: the agent account's one tenant. ValueError
+    for a person: API tokens are for agent accounts only (issue 15, part 5) — a reviewer
+    decides on the pages, where the session, CSRF and the separation of duties apply, never
+    with a key a script can hold."""
     memberships = Membership.objects.filter(user=user).select_related("tenant")
     if tenant is not None:
         memberships = memberships.filter(tenant=tenant)
     found = list(memberships[:2])
     if not found:
         raise ValueError(f"{user.get_username()} is not a member of that tenant")
-    if len(found) > 1:  # only people: an agent account belongs to exactly one tenant
-        raise ValueError(f"{user.get_username()} is in several tenants: name one")
+    if any(m.role != Role.AGENT for m in found):
+        raise ValueError(
+            f"{user.get_username()} is a person, not an agent account: "
+            "API tokens are for agent accounts only"
+        )
     return found[0].tenant
 
 

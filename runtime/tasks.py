@@ -21,3 +21,9 @@ def dispatch_standalone(action_id: str) -> str:
     from runtime.compensation import dispatch_standalone as dispatch
 
     return dispatch(action_id).status
+
+
+def close_failed_logins() -> int:
+    from runtime.accounts import close_ended_failed_login_windows
+
+    return close_ended_failed_login_windows()

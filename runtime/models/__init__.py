@@ -2,6 +2,7 @@
 
 from runtime.models.actions import UNSENT, Action, ActionStatus
 from runtime.models.idempotency import IdempotencyRecord
+from runtime.models.logins import FailedLoginWindow
 from runtime.models.runs import (
     RUNNABLE,
     TERMINAL,
@@ -26,6 +27,7 @@ __all__ = [
     "AgentToken",
     "Artifact",
     "Checkpoint",
+    "FailedLoginWindow",
     "IdempotencyRecord",
     "Membership",
     "RecordedCall",

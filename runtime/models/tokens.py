@@ -1,4 +1,4 @@
-"""API tokens: how agent accounts (and scripts of members) authenticate to the API.
+"""API tokens: how agent accounts authenticate to the API (people use the pages).
 
 Only a hash of each key is stored. The key is `hpt_` + 43 url-safe characters from
 `secrets.token_urlsafe(32)` (256 bits), so an unsalted sha256 is enough: nobody can guess
@@ -24,7 +24,7 @@ from django.db import models
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from runtime.models.tenancy import Membership, Tenant
+from runtime.models.tenancy import Membership, Role, Tenant
 
 KEY_PREFIX = "hpt_"
 PREFIX_LENGTH = len(KEY_PREFIX) + 8
@@ -53,8 +53,11 @@ class TokenStatus(models.TextChoices):
 class AgentTokenQuerySet(models.QuerySet["AgentToken"]):
     def usable(self, now: datetime) -> AgentTokenQuerySet:
         """Tokens that authenticate at `now`: not revoked, not expired, user active, tenant
-        active, and the user still a member of the token's tenant."""
-        member = Membership.objects.filter(user=OuterRef("user"), tenant=OuterRef("tenant"))
+        active, and the user still an agent account of the token's tenant (a person's token,
+        issued before tokens were for agents only, never authenticates)."""
+        member = Membership.objects.filter(
+            user=OuterRef("user"), tenant=OuterRef("tenant"), role=Role.AGENT
+        )
         return self.filter(
             Q(expires_at__isnull=True) | Q(expires_at__gt=now),
             Exists(member),

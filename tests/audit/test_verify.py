@@ -76,6 +76,7 @@ def test_raw_sql_tampering_is_caught_naming_the_entry(tenant_a: Tenant, attack: 
                 last.hash,
                 stream=stream,
                 seq=last.seq + 1,
+                tenant_id=tenant_a.pk,
                 type="step_committed",
                 actor="mallory",
                 object_ref="",

@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.cache import caches
+from django.test import Client as DjangoClient
 
 import holdpoint_client.errors as errors
 from approvals.models import ApprovalPolicy
@@ -127,7 +129,20 @@ def api(
 
 @pytest.fixture
 def reviewer_api(live_server: Any, reviewer_a: Persona) -> Iterator[Client]:
-    client = connect(live_server.url, reviewer_a)
+    """The client on the reviewer's browser session: API tokens are for agent accounts only
+    (issue 15, part 5), so a person calls the API with their session cookie and CSRF token,
+    as the pages' own scripts do."""
+    browser = DjangoClient()
+    browser.force_login(reviewer_a.user)
+    csrf = httpx.get(live_server.url + "/login/").cookies["csrftoken"]
+    client = Client(live_server.url, "", backoff=0.01)
+    http = client._http
+    del http.headers["Authorization"]
+    http.headers["X-CSRFToken"] = csrf
+    http.cookies.set(
+        settings.SESSION_COOKIE_NAME, browser.cookies[settings.SESSION_COOKIE_NAME].value
+    )
+    http.cookies.set(settings.CSRF_COOKIE_NAME, csrf)
     yield client
     client.close()
 

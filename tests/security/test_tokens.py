@@ -15,6 +15,7 @@ import time_machine
 from django.apps import apps
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
@@ -24,9 +25,10 @@ from audit.journal import tenant_stream
 from audit.models import JournalEntry
 from audit.verification import verify_stream
 from runtime.auth import issue_token, revoke_token, rotate_tokens
-from runtime.lifecycle import create_run
 from runtime.models import AgentToken, Membership, Role, Tenant
+from runtime.models.tokens import PREFIX_LENGTH, hash_key, new_key
 from tests.api import problem
+from tests.approvals.conftest import held, policy  # noqa: F401 — fixtures
 from tests.conftest import Persona, make_persona
 
 User = get_user_model()
@@ -208,19 +210,86 @@ def test_command_issues_lists_and_revokes_without_ever_printing_a_hash(agent_a: 
     assert verify_stream(tenant_stream(agent_a.tenant.pk)) is None
 
 
-def test_a_person_in_two_tenants_must_name_the_tenant(
-    reviewer_a: Persona, tenant_b: Tenant
-) -> None:
-    Membership.objects.create(tenant=tenant_b, user=reviewer_a.user, role=Role.VIEWER)
-    with pytest.raises(ValueError, match="several tenants"):
+# --- tokens are for agent accounts only (issue 15, part 5) -------------------------------
+
+
+def test_a_person_gets_no_token_from_the_command_or_the_function(reviewer_a: Persona) -> None:
+    for action in ("issue", "rotate"):
+        with pytest.raises(CommandError, match="API tokens are for agent accounts only"):
+            call_command("agent_token", action, "alice", stdout=StringIO())
+    with pytest.raises(ValueError, match="agent accounts only"):
         issue_token(reviewer_a.user, actor="t")
-    issued = issue_token(reviewer_a.user, actor="t", tenant=tenant_b)
-    assert issued.token.tenant == tenant_b
-    # It acts in tenant B only, though the person's first tenant (by slug) is A.
-    create_run(reviewer_a.tenant, "api-review", {}, actor="t")
-    theirs = create_run(tenant_b, "api-review", {}, actor="t")
-    listed = call(issued.key).json()["results"]
-    assert [r["run_id"] for r in listed] == [str(theirs.run_id)]
+    with pytest.raises(ValueError, match="agent accounts only"):
+        rotate_tokens(reviewer_a.user, actor="t", tenant=reviewer_a.tenant)
+    assert not AgentToken.objects.filter(user=reviewer_a.user).exists()
+    stream = JournalEntry.objects.filter(stream=tenant_stream(reviewer_a.tenant.pk))
+    assert not stream.filter(type__in=["token_created", "token_rotated"]).exists()
+
+
+def test_the_admin_offers_and_accepts_no_person(
+    client: Client, admin_a: Persona, reviewer_a: Persona, agent_a: Persona
+) -> None:
+    _admin(client, admin_a)
+    form = client.get("/admin/runtime/agenttoken/add/").content.decode()
+    assert f'value="{agent_a.user.pk}"' in form
+    assert f'value="{reviewer_a.user.pk}"' not in form and f'value="{admin_a.user.pk}"' not in form
+    for person in (reviewer_a, admin_a):
+        page = client.post("/admin/runtime/agenttoken/add/", {"user": person.user.pk})
+        assert page.status_code == 200 and "Select a valid choice" in page.content.decode()
+        assert not AgentToken.objects.filter(user=person.user).exists()
+
+
+def _persons_token(persona: Persona) -> tuple[AgentToken, str]:
+    """A token of a person, as one issued before the rule (written directly: nothing issues
+    one any more)."""
+    key = new_key()
+    token = AgentToken.objects.create(
+        tenant=persona.tenant,
+        user=persona.user,
+        prefix=key[:PREFIX_LENGTH],
+        key_hash=hash_key(key),
+        created_by="user:ada",
+    )
+    return token, key
+
+
+def test_a_persons_existing_token_cannot_decide_over_the_api(
+    reviewer_a: Persona, request: pytest.FixtureRequest
+) -> None:
+    _, pending, box = request.getfixturevalue("held")
+    _, key = _persons_token(reviewer_a)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
+    answer = client.post(
+        f"/api/v1/approvals/{pending.pk}/decision/",
+        {"decision": "approve", "action_hash": pending.action_hash},
+        format="json",
+    )
+    refused(answer)
+    refused(call(key))
+    pending.refresh_from_db()
+    assert pending.status == "pending" and box.tasks() == []
+
+
+def test_the_migration_revokes_persons_tokens_and_journals_it(
+    reviewer_a: Persona, agent_a: Persona
+) -> None:
+    from importlib import import_module
+
+    migration = import_module("runtime.migrations.0016_revoke_human_tokens")
+    theirs, _ = _persons_token(reviewer_a)
+    migration.revoke(apps, SimpleNamespace(connection=connection))
+    theirs.refresh_from_db()
+    assert theirs.revoked_at is not None
+    assert call(agent_a.token or "").status_code == 200  # agents' tokens are untouched
+    assert AgentToken.objects.get(user=agent_a.user).revoked_at is None
+    stream = tenant_stream(reviewer_a.tenant.pk)
+    (entry,) = JournalEntry.objects.filter(stream=stream, type="token_revoked")
+    assert entry.actor == "system:migration runtime.0016"
+    assert entry.payload["token_prefix"] == theirs.prefix and entry.payload["agent"] == "alice"
+    assert verify_stream(stream) is None
+    migration.revoke(apps, SimpleNamespace(connection=connection))  # again: nothing more
+    assert JournalEntry.objects.filter(stream=stream, type="token_revoked").count() == 1
 
 
 # --- the admin ------------------------------------------------------------------------

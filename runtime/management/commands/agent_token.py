@@ -43,8 +43,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("action", choices=["issue", "rotate", "revoke", "list"])
-        parser.add_argument("username", help="the agent account (or a member, with --tenant)")
-        parser.add_argument("--tenant", help="tenant slug (people in several tenants)")
+        parser.add_argument("username", help="the agent account (tokens are for agents only)")
+        parser.add_argument("--tenant", help="tenant slug (checked against the agent's)")
         parser.add_argument("--name", default=None, help="what the token is for")
         parser.add_argument("--expires-in", default=None, help="issue: e.g. 90d (default never)")
         parser.add_argument(
