@@ -306,7 +306,7 @@ def test_request_page_shows_everything_and_a_form_from_the_schema(
     assert '<textarea id="param-body"' in text  # long text gets a textarea
     assert "Not set by the agent." in text  # assignee
     # The hash in every form is the server's, rendered from the stored request.
-    assert hidden_hashes(text) == [request.action_hash] * 3
+    assert hidden_hashes(text) == [request.action_hash] * 2  # approve (with the params), reject
     assert request.action_hash[:12] in text
     assert "expires in 23 h 59 min — then re-requested once, then the run needs attention" in text
     assert reverse("run", args=[run.run_id]) + "#timeline-title" in text
@@ -681,14 +681,13 @@ def test_self_approval_is_not_permitted(
     login(client, sam)
     page = client.get(page_url(request))
     assert hidden_hashes(page.content.decode()) == []
-    assert "You started this run" in page.content.decode()
+    assert "You shaped this action" in page.content.decode()
     response = client.post(
-        decide_url(request),
-        {"decision": "approve", "action_hash": request.action_hash},
-        follow=True,
+        decide_url(request), {"decision": "approve", "action_hash": request.action_hash}
     )
+    assert response.status_code == 403
     assert any(
-        m.startswith("Not permitted: whoever started the run") for m in messages_of(response)
+        m.startswith("Not permitted: whoever shaped this action") for m in messages_of(response)
     )
     assert not ApprovalVote.objects.exists()
 
