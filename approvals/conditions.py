@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import re2
+import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 
 from audit.canonical import CanonicalError, canonical_bytes
 

@@ -6,11 +6,13 @@ or on the page; someone else's approval works. Shapers are recorded by the write
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.apps import apps
 from django.test import Client
 from django.urls import reverse
 
@@ -213,3 +215,25 @@ def test_a_repeated_vote_on_a_pending_quorum_request_is_a_replay(
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
     assert Action.objects.get(pk=request.action_id).status == ActionStatus.CONFIRMED
     assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_the_migration_backfills_shapers_of_unfinished_runs(
+    held: Any, beth: Persona, tenant_a: Tenant
+) -> None:
+    """Runs in flight at the upgrade keep their shapers: the migration reads the starter
+    from the run and revisions and input from its journal (finished runs get none)."""
+    run, request, box = held
+    beth.api().post(
+        f"/api/v1/runs/{run.run_id}/revisions/",
+        {"goal": {**GOAL, "scope": ["/orders"]}, "expected_goal_rev": 1},
+        format="json",
+    )
+    finished = create_run(tenant_a, "chain", {"steps": 1}, actor="user:beth")
+    assert advance_run(finished.run_id, "w1").outcome == "completed"
+    written = sorted(RunShaper.objects.filter(run=run).values_list("actor", "kind", "goal_rev"))
+    RunShaper.objects.all().delete()  # as before the upgrade
+    migration = importlib.import_module("runtime.migrations.0015_run_shapers")
+    migration.backfill(apps, None)
+    assert sorted(RunShaper.objects.values_list("actor", "kind", "goal_rev")) == written
+    assert written == [("agent:agent-a", "started", 1), ("user:beth", "revised", 2)]
+    assert not RunShaper.objects.filter(run=finished).exists()
