@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
-from approvals.policies import may_decide
+from approvals.policies import may_decide, shaped_by
 from approvals.requests import close_request, request_approval, wake_run
 from audit import journal
 from runtime import ledger
@@ -88,8 +88,15 @@ def decide(
         if request.status != A.PENDING:
             return _repeat_or_refuse(request, user, decision, seen_hash, edits)
         run = Run.objects.select_for_update().get(pk=request.run_id)
-        if request.policy.separation_of_duties and run.created_by == label:
-            raise NotPermitted("whoever started the run cannot approve its actions")
+        shapers = shaped_by(request, run) if request.policy.separation_of_duties else set()
+        if label in shapers:
+            raise NotPermitted(
+                "whoever shaped this action (started the run, revised its goal, or gave it "
+                "input since its last decision) cannot decide it: someone else must"
+            )
+        vote = ApprovalVote.objects.filter(request=request, user=user).first()
+        if vote is not None:
+            return _repeat_vote(request, vote, decision, seen_hash)
         if timezone.now() >= request.expires_at:
             raise Expired(f"expired at {request.expires_at.isoformat()}")
         action = Action.objects.select_for_update().get(pk=request.action_id)
@@ -103,7 +110,7 @@ def decide(
                 request_approval(action, run, label, previous=request)
             changed = True
         else:
-            _vote(request, action, run, user, decision, seen_hash, reason, edits, label)
+            _vote(request, action, run, user, decision, seen_hash, reason, edits, label, shapers)
     if changed:
         raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()
@@ -120,10 +127,12 @@ def _vote(
     reason: str,
     edits: dict[str, Any] | None,
     label: str,
+    shapers: set[str],
 ) -> None:
-    """Record one reviewer's vote; the last one the quorum needs decides the request."""
-    if ApprovalVote.objects.filter(request=request, user=user).exists():
-        raise AlreadyDecided("you already voted on this request")
+    """Record one reviewer's vote; the last one the quorum needs decides the request.
+
+    The quorum counts only approvals by people who did not shape the action (`shapers`):
+    a vote cast before its voter shaped the run does not count towards it."""
     if edits and decision == Decision.APPROVE:
         action = _apply_edits(request, action, edits, label)
     ApprovalVote.objects.create(
@@ -133,7 +142,8 @@ def _vote(
         action_hash=seen_hash,
         reason=reason[:2000],
     )
-    approvals = request.votes.filter(decision=Decision.APPROVE).count()
+    approvers = request.votes.filter(decision=Decision.APPROVE).select_related("user")
+    approvals = sum(1 for v in approvers if f"user:{v.user.get_username()}" not in shapers)
     final = decision == Decision.REJECT or approvals >= request.quorum
     payload = {
         "approval_id": str(request.id),
@@ -153,6 +163,19 @@ def _vote(
         from approvals.notify import notify_decided
 
         notify_decided(request)
+
+
+def _repeat_vote(
+    request: ApprovalRequest, vote: ApprovalVote, decision: str, seen_hash: str
+) -> ApprovalRequest:
+    """A reviewer who already voted on a request that still waits for more votes (quorum):
+    the same vote again (a double click, a network retry) answers the request as it is, as
+    API.md has a repeated decision do; a different one is refused. Nothing is written."""
+    if vote.decision == decision and same_hash(seen_hash, vote.action_hash):
+        return request
+    raise AlreadyDecided(
+        f"you already voted {vote.decision} on this request; it waits for more approvals"
+    )
 
 
 def _repeat_or_refuse(

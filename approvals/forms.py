@@ -191,6 +191,48 @@ def edits_from(
     return edits, drafts
 
 
+# The request page's approve form carries this marker beside the params the reviewer sees,
+# so the server knows the post holds what they typed (a post without it has no params).
+TYPED_MARKER = "params-typed"
+WITH_EDITS = "edit"
+
+
+class UnsentEdits(InvalidParams):
+    """The page's plain Approve was pressed with changed fields (a page refusal, not an
+    API error: the API's decision carries its edits explicitly)."""
+
+    code = "unsent_edits"
+    status = 409
+    title = "Edits not sent"
+
+
+def typed_edits(
+    post: QueryDict, shown: dict[str, Any], params: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The edits an approval from the request page carries, or a refusal.
+
+    Both Approve buttons post the params form as the reviewer left it (issue 15.4: an edit
+    is never dropped silently). "Approve with my edits" (`mode=edit`) sends the changed
+    fields as edits. The plain Approve button approves the action as shown only if nothing
+    was changed; with changed fields it is refused — nothing decided, the typed values kept
+    on the page — because approving the original would silently drop what the reviewer
+    typed, and sending edits from a button that does not say so would surprise them.
+    """
+    if post.get(TYPED_MARKER) != "1" and post.get("mode") != WITH_EDITS:
+        return None, {}  # a post that carries no params (not the page's form): no edits
+    edits, drafts = edits_from(post, shown, params)
+    if edits and post.get("mode") != WITH_EDITS:
+        changed = ", ".join(sorted(edits))
+        raise UnsentEdits(
+            f"you changed {changed}: Approve would approve the original action without your "
+            "edits — press “Approve with my edits” to approve the edited action, or undo the "
+            "changes to approve it as shown",
+            errors={name: ["changed — not sent by Approve"] for name in edits},
+            drafts=drafts,
+        )
+    return edits or None, drafts
+
+
 @dataclass(frozen=True)
 class DiffRow:
     name: str

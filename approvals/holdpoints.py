@@ -30,8 +30,8 @@ A = ApprovalStatus
 class HoldPoints:
     """Installed into `runtime.gates` by `ApprovalsConfig.ready`."""
 
-    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any) -> bool:
-        return policy_for(run.tenant_id, tool.name, params) is not None
+    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any, target: str = "") -> bool:
+        return policy_for(run.tenant_id, tool.name, params, target) is not None
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
         request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)

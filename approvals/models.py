@@ -11,10 +11,12 @@ import uuid
 
 from django.conf import settings
 from django.contrib.auth.models import Group
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
+from approvals.conditions import check
 from runtime.models import Action, Run, Tenant
 
 
@@ -38,7 +40,11 @@ class ApprovalPolicy(models.Model):
     )
     quorum = models.PositiveSmallIntegerField(default=1)
     separation_of_duties = models.BooleanField(
-        default=True, help_text="Whoever started the run cannot approve its actions."
+        default=True,
+        help_text=(
+            "Whoever shaped an action (started the run, revised its goal, or gave it input "
+            "since its last decision) cannot decide it."
+        ),
     )
     remind_before_seconds = models.PositiveIntegerField(default=3600)
     escalate_after_seconds = models.PositiveIntegerField(null=True, blank=True)
@@ -60,6 +66,15 @@ class ApprovalPolicy(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.slug}: {self.name} ({self.tool})"
+
+    def clean(self) -> None:
+        """Refuse, when it is saved, a condition the hold-point code could not evaluate
+        (it would hold every action of the tool) or a pattern RE2 cannot run."""
+        if self.condition in ("", {}):
+            self.condition = None
+        problem = check(self.condition)
+        if problem:
+            raise ValidationError({"condition": problem})
 
 
 class PolicyUserPermission(UserObjectPermissionBase):
@@ -208,7 +223,6 @@ class TenantWebhook(models.Model):
         return f"{self.tenant.slug}: {self.url}"
 
     def clean(self) -> None:
-        from django.core.exceptions import ValidationError
 
         if not isinstance(self.event_types, list) or not set(self.event_types) <= set(
             WEBHOOK_EVENTS

@@ -43,7 +43,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus, TenantWebhook, WebhookDelivery
-from approvals.policies import deciders
+from approvals.policies import deciders, shaped_by
 from runtime.queue import on_commit_task
 
 if TYPE_CHECKING:
@@ -140,18 +140,18 @@ def run_url(request: ApprovalRequest) -> str:
 
 
 def recipients(kind: str, request: ApprovalRequest) -> list[AbstractBaseUser]:
-    """Who may decide now and has an address: not the run's initiator when the policy
-    separates duties, not whoever already voted. An escalation reaches the escalation
+    """Who may decide now and has an address: not whoever shaped the action when the policy
+    separates duties (`shaped_by`), not whoever already voted. An escalation reaches the escalation
     group and, so nobody decides twice, the reviewers who were already asked."""
     escalated = request.escalated or kind == "escalated"
     voted = set(request.votes.values_list("user_id", flat=True))
-    initiator = request.run.created_by if request.policy.separation_of_duties else None
+    shapers = shaped_by(request, request.run) if request.policy.separation_of_duties else set()
     return [
         user
         for user in deciders(request.policy, escalated=escalated)
         if getattr(user, "email", "")
         and user.pk not in voted
-        and f"user:{user.get_username()}" != initiator
+        and f"user:{user.get_username()}" not in shapers
     ]
 
 

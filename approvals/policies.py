@@ -8,13 +8,13 @@ with a deciding role. Global perms and superusers would leak across tenants.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Max, Q
 
+from approvals.conditions import exempts, holds
 from approvals.models import (
     ApprovalPolicy,
     ApprovalRequest,
@@ -23,41 +23,22 @@ from approvals.models import (
 )
 from fastsql import statements
 from fastsql.cursor import cursor
-from runtime.models import Membership, Role
+from fastsql.statements import tenant_check
+from runtime.models import Membership, Role, Run
+from runtime.shapers import shapers_of
 
 DECIDE = "decide_approvalpolicy"
 DECIDING_ROLES = (Role.ADMIN, Role.REVIEWER)
-
-
-def _matches(condition: dict[str, Any] | None, params: dict[str, Any], target: str) -> bool:
-    if not condition:
-        return True
-    if "target_matches" in condition:
-        try:
-            return re.search(str(condition["target_matches"]), target or "") is not None
-        except re.error:
-            return True  # a broken condition holds the action rather than lets it go
-    value = params.get(condition.get("param", ""))
-    expected, op = condition.get("value"), condition.get("op", "eq")
-    try:
-        return {
-            "eq": lambda: value == expected,
-            "ne": lambda: value != expected,
-            "gt": lambda: value is not None and value > expected,
-            "gte": lambda: value is not None and value >= expected,
-            "lt": lambda: value is not None and value < expected,
-            "lte": lambda: value is not None and value <= expected,
-            "contains": lambda: expected in (value or ""),
-            "matches": lambda: re.search(str(expected), str(value or "")) is not None,
-        }[op]()
-    except (KeyError, TypeError, re.error):
-        return True  # a condition we cannot evaluate holds the action rather than lets it go
 
 
 def policy_for(
     tenant_id: int, tool: str, params: dict[str, Any], target: str = ""
 ) -> ApprovalPolicy | None:
     """The first active policy (by priority) of the tenant whose tool and condition match.
+
+    Fail closed both ways: a hold policy whose condition cannot be evaluated holds the
+    action, and an exemption (`required=False`) whose condition cannot be evaluated does not
+    exempt it.
 
     Asked at every prepare: the candidates are read as three columns (usually there are
     none), and only a policy that holds the action is loaded whole."""
@@ -68,9 +49,10 @@ def policy_for(
         order_by=("priority", "name"),
     )
     for pk, condition, required in candidates:
-        if _matches(condition, params, target):
-            if not required:
+        if not required:
+            if exempts(condition, params, target):
                 return None
+        elif holds(condition, params, target):
             return ApprovalPolicy.objects.get(pk=pk, tenant_id=tenant_id)
     return None
 
@@ -100,6 +82,19 @@ def may_hold(tenant_id: int, tool: str, action_id: Any) -> bool:
     cur = cursor(connection)
     cur.execute(sql, [action_key, tenant_id, tenant_id, tool, active])
     return cur.fetchone() is not None
+
+
+def shaped_by(request: ApprovalRequest, run: Run) -> set[str]:
+    """The actor labels of whoever shaped the request's action (separation of duties): the
+    run's starter, the author of the goal revision the action was prepared under, and
+    whoever revised the goal or gave the run input since its last decision (an earlier
+    request of the run decided by a person or by its policy at expiry)."""
+    earlier = ApprovalRequest.objects.filter(
+        tenant_check(run.tenant_id), run_id=run.pk, decided_at__isnull=False
+    ).exclude(pk=request.pk)
+    last = earlier.aggregate(last=Max("decided_at"))["last"]
+    goal_rev = (request.shown or {}).get("goal_rev") or run.goal_rev
+    return shapers_of(run, int(goal_rev), last)
 
 
 def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:

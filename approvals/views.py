@@ -32,7 +32,7 @@ from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 
 from approvals.decisions import PRESET_REJECT_REASONS, decide
-from approvals.forms import diff_rows, edits_from, param_fields, property_order
+from approvals.forms import diff_rows, param_fields, property_order, typed_edits
 from approvals.hashing import action_hash, same_hash
 from approvals.inbox import (
     Filters,
@@ -45,11 +45,11 @@ from approvals.inbox import (
     similar_decisions,
 )
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision
-from approvals.policies import may_decide
+from approvals.policies import may_decide, shaped_by
 from approvals.scoping import approvals_for
 from approvals.wording import done_text, expiry_of, refusal_text
 from runtime.accounts import decision_rate_limited
-from runtime.errors import FieldNotEditable, HoldpointError, InvalidParams
+from runtime.errors import FieldNotEditable, HoldpointError, InvalidParams, NotPermitted
 from runtime.pages import pretty, reviewer_page, scoped_or_404
 from runtime.tenancy import Principal
 
@@ -123,8 +123,11 @@ def _why_not(
         return ""
     if not permitted:
         return "You may look at this request; deciding needs a reviewer granted on its policy."
-    if found.policy.separation_of_duties and found.run.created_by == principal.label:
-        return "You started this run: someone else must decide its actions."
+    if found.policy.separation_of_duties and principal.label in shaped_by(found, found.run):
+        return (
+            "You shaped this action (you started the run, revised its goal, or gave it input "
+            "since its last decision): someone else must decide it."
+        )
     if voted:
         return "You already voted; the request waits for more approvals."
     if found.expires_at <= now:
@@ -263,8 +266,8 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
     drafts: dict[str, str] = {"__reason": note, "__preset": preset}
     edits: dict[str, Any] | None = None
     try:
-        if request.POST.get("mode") == "edit" and decision == Decision.APPROVE:
-            edits, field_drafts = edits_from(request.POST, found.shown or {}, params)
+        if decision == Decision.APPROVE:
+            edits, field_drafts = typed_edits(request.POST, found.shown or {}, params)
             drafts.update(field_drafts)
         decided = decide(
             found.pk,
@@ -283,6 +286,10 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
         return _render_request(
             request, principal, found, drafts=drafts, errors=errors, status=exc.status
         )
+    except NotPermitted as exc:
+        # Not a stale page but a rule about this reviewer: answered as a 403, on the page.
+        messages.error(request, refusal_text(exc, found), extra_tags=exc.code)
+        return _render_request(request, principal, found, drafts=drafts, status=exc.status)
     except HoldpointError as exc:
         messages.error(request, refusal_text(exc, found), extra_tags=exc.code)
         return redirect("approval-page", request_id=found.pk)

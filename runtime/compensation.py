@@ -67,7 +67,9 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             reason=reason[:5000],
             target=original.external_id,
             compensates=original,
-            status=S.AWAITING_APPROVAL if gates.needs_approval(undo, params, run) else S.PREPARED,
+            status=S.AWAITING_APPROVAL
+            if gates.needs_approval(undo, params, run, original.external_id)
+            else S.PREPARED,
         )
         record(
             run,

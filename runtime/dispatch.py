@@ -155,7 +155,7 @@ class ActionRunner:
         canonical: tuple[str, str],
     ) -> Action:
         run, lease = self.host.run, self.lease
-        approval = gates.needs_approval(tool, params, run)
+        approval = gates.needs_approval(tool, params, run, target)
         created: list[Action] = []
 
         def insert() -> None:

@@ -36,8 +36,9 @@ GO = Verdict()
 
 
 class HoldPoints(Protocol):
-    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any) -> bool:
-        """Whether this action must wait for a human decision before it may be sent."""
+    def needs_approval(self, tool: Any, params: dict[str, Any], run: Any, target: str = "") -> bool:
+        """Whether this action must wait for a human decision before it may be sent (at
+        prepare: a policy conditioned on the target must hold it here, not only at dispatch)."""
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
         """The action waits (awaiting_approval): make sure an open request exists for it.
@@ -81,10 +82,10 @@ def register_approval_check(check: Any) -> None:
     _approval_checks.append(check)
 
 
-def needs_approval(tool: Any, params: dict[str, Any], run: Any) -> bool:
+def needs_approval(tool: Any, params: dict[str, Any], run: Any, target: str = "") -> bool:
     if tool.needs_approval(params) or any(check(tool, params, run) for check in _approval_checks):
         return True
-    return _impl is not None and _impl.needs_approval(tool, params, run)
+    return _impl is not None and _impl.needs_approval(tool, params, run, target)
 
 
 def hold(action: Action, run: Any, actor: str) -> None:

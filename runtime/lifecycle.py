@@ -27,8 +27,18 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.graphs import registry
 from runtime.ledger import cancel_older_revisions
-from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.models import (
+    TERMINAL,
+    UNSENT,
+    Action,
+    ActionStatus,
+    Run,
+    RunStatus,
+    ShaperKind,
+    Tenant,
+)
 from runtime.queue import ring
+from runtime.shapers import record_shaper
 
 # What `resume_run` wakes besides a timer wait; pages use it to decide whether to offer it.
 RESUMABLE = frozenset({RunStatus.NEEDS_ATTENTION, RunStatus.RETRYING})
@@ -86,6 +96,7 @@ def create_run(
             external=external,
             status=RunStatus.QUEUED,
         )
+        record_shaper(run, actor, ShaperKind.STARTED, 1)
         if not external:
             ring(run.run_id)
     return run
@@ -147,6 +158,7 @@ def provide_input(run: Run, data: Any, expected_rev: int, *, actor: str) -> Run:
                 raise NotWaitingInput(f"the run is {run.status}")
             raise VersionConflict(f"checkpoint_rev is {run.checkpoint_rev}, not {expected_rev}")
         record(run, RunEvent.INPUT_RECEIVED, actor, rev=expected_rev, status=RunStatus.QUEUED)
+        record_shaper(run, actor, ShaperKind.INPUT, run.goal_rev)
         ring(run.run_id)
     return run
 
@@ -217,6 +229,7 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
             goal=goal,
             status=changes.get("status", current.status),
         )
+        record_shaper(current, actor, ShaperKind.REVISED, new_rev)
         cancel_older_revisions(current, new_rev, actor)
         ring(run.pk)
     run.refresh_from_db()

@@ -196,7 +196,7 @@ def prepare(
             return earlier, False
         index = max(calls, default=0) + 1
         key = idempotency_key or ledger.idempotency_key(current, API_STEP, index)
-        approval = gates.needs_approval(tool, params, current)
+        approval = gates.needs_approval(tool, params, current, target)
         try:
             with transaction.atomic():
                 action = ledger.create_action(

@@ -13,6 +13,7 @@ from runtime.models.runs import (
     RunStatus,
 )
 from runtime.models.secrets import ToolCredential
+from runtime.models.shapers import RunShaper, ShaperKind
 from runtime.models.sweeps import SweeperTurn
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
 from runtime.models.tokens import AgentToken, TokenStatus
@@ -33,7 +34,9 @@ __all__ = [
     "RecordedCall",
     "Role",
     "Run",
+    "RunShaper",
     "RunStatus",
+    "ShaperKind",
     "SweeperTurn",
     "Tenant",
     "TokenStatus",

@@ -11,7 +11,9 @@
 //   ?      show the shortcut help (<dialog id="shortcut-help">)
 //
 // Nothing here computes or alters what is decided: the action hash is the one the server
-// rendered into each form. The script only guards against double submission — after the
+// rendered into each form. The params form's fields belong to the approve form, so both
+// Approve buttons (and "a a") post what the reviewer typed; the server refuses a plain
+// Approve over changed fields. The script only says so beforehand (#approve-edited). The script only guards against double submission — after the
 // first submit a form's buttons are disabled and a second submit is dropped; the server
 // applies a repeated decision once anyway.
 (function () {
@@ -118,7 +120,29 @@
     }, 0);
   }
 
+  function changed(field) {
+    if (field.type === "checkbox") return field.checked !== field.defaultChecked;
+    if (field.tagName.toLowerCase() === "select") {
+      for (var i = 0; i < field.options.length; i++) {
+        if (field.options[i].selected !== field.options[i].defaultSelected) return true;
+      }
+      return false;
+    }
+    return field.value !== field.defaultValue;
+  }
+
+  function showEdited() {
+    var hint = $("approve-edited");
+    if (!hint) return;
+    var fields = document.querySelectorAll("[form='approve-form'][name^='param-']");
+    var any = false;
+    for (var i = 0; i < fields.length; i++) if (changed(fields[i])) any = true;
+    hint.hidden = !any;
+  }
+
   document.addEventListener("keydown", onKey);
+  document.addEventListener("input", showEdited);
+  document.addEventListener("change", showEdited);
   document.addEventListener("submit", guardDoubleSubmit, true);
   // Back/forward cache: a page restored after a submit must be usable again.
   window.addEventListener("pageshow", function (event) {

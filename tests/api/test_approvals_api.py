@@ -252,7 +252,27 @@ def test_a_viewer_or_an_agent_token_may_not_decide_a_decided_request_either(
     action_hash = shown(alice, hold["id"])["action_hash"]
     ok(decide(alice, hold["id"], "approve", action_hash))
     client = session(viewer_a.user) if who == "viewer" else agent_a.api()
-    problem(decide(client, hold["id"], "reject", action_hash), 403, "not_permitted")
+    before = decided_state(hold["id"])
+    for decision, reason in (("reject", "no"), ("approve", "")):
+        refused = decide(client, hold["id"], decision, action_hash, reason=reason)
+        problem(refused, 403, "not_permitted")
+        # Nothing changed: the decision, its votes, the action, the journal.
+        assert decided_state(hold["id"]) == before
+
+
+def decided_state(approval_id: str) -> tuple[Any, ...]:
+    from audit.models import JournalEntry
+
+    request = ApprovalRequest.objects.get(pk=approval_id)
+    action = Action.objects.get(pk=request.action_id)
+    return (
+        row_counts(),
+        (request.status, request.decision, request.decided_by_id, request.decided_at),
+        (request.decision_reason, request.action_hash, request.updated_at),
+        list(ApprovalVote.objects.values_list("user_id", "decision", "action_hash")),
+        (action.status, action.params, action.fence, action.last_error),
+        list(JournalEntry.objects.order_by("id").values_list("id", "hash")),
+    )
 
 
 # --- POST actions/{id}/resolve/ -------------------------------------------------------------

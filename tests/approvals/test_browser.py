@@ -9,6 +9,7 @@ Screenshots of the inbox and a request page land in var/test/screenshots/.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from datetime import timedelta
@@ -237,3 +238,65 @@ def test_a_double_click_on_approve_records_one_decision(
     assert ApprovalVote.objects.filter(request=request).count() == 1
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert len(box.tasks()) == 1
+
+
+def _edit_title(page: Page) -> None:
+    page.fill("#param-title", "Review ONLY the breaking changes")
+    expect(page.locator("#approve-edited")).to_be_visible()  # said before anything is pressed
+
+
+@pytest.mark.parametrize("press", ["click", "keyboard a a"])
+def test_edited_fields_are_never_dropped_by_the_plain_approve(
+    live_server: Any, new_page: Pages, reviewer_a: Persona, held: Any, press: str
+) -> None:
+    """Issue 15.4: edit a field, then press the main Approve (button or `a a`): nothing is
+    decided, the reviewer is told why and keeps what they typed; "Approve with my edits"
+    then sends the edit. The tracker never gets the original title."""
+    run, request, box = held
+    original = json.loads(request.params)["title"]
+    page = new_page()
+    log_in(page, live_server.url, "alice", "pw-alice")
+    open_request(page, live_server.url, request)
+    _edit_title(page)
+    if press == "click":
+        page.click("#approve-button")
+    else:
+        page.locator("body").click(position={"x": 1, "y": 1})  # out of the field
+        page.keyboard.press("a")
+        page.keyboard.press("a")
+    expect(message(page, "unsent_edits")).to_contain_text(
+        "You changed title: Approve would approve the original action without your edits"
+    )
+    expect(page.locator("#param-title")).to_have_value("Review ONLY the breaking changes")
+    request.refresh_from_db()
+    assert request.status == A.PENDING and not ApprovalVote.objects.exists()
+    assert Action.objects.get(pk=request.action_id).status == ActionStatus.AWAITING_APPROVAL
+    assert advance_run(run.run_id, "w1").outcome == "skipped"  # still waiting: nothing sent
+    assert box.tasks() == []
+    page.click("#edit-approve-button")
+    page.wait_for_url(f"{live_server.url}/inbox/")
+    request.refresh_from_db()
+    assert request.status == A.APPROVED
+    assert request.edits == {"title": "Review ONLY the breaking changes"}
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    titles = [t["title"] for t in box.tasks()]
+    assert titles == ["Review ONLY the breaking changes"] and original not in titles
+
+
+def test_an_edit_undone_before_approve_approves_the_original(
+    live_server: Any, new_page: Pages, reviewer_a: Persona, held: Any
+) -> None:
+    run, request, box = held
+    original = json.loads(request.params)["title"]
+    page = new_page()
+    log_in(page, live_server.url, "alice", "pw-alice")
+    open_request(page, live_server.url, request)
+    _edit_title(page)
+    page.fill("#param-title", original)
+    expect(page.locator("#approve-edited")).to_be_hidden()
+    page.click("#approve-button")
+    page.wait_for_url(f"{live_server.url}/inbox/")
+    request.refresh_from_db()
+    assert request.status == A.APPROVED and request.edits is None
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert [t["title"] for t in box.tasks()] == [original]

@@ -12,7 +12,13 @@ from django.utils import timezone
 from approvals.decisions import decide
 from approvals.expiry import sweep_approvals
 from approvals.hashing import action_hash
-from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, OnExpiry
+from approvals.models import (
+    ApprovalPolicy,
+    ApprovalRequest,
+    ApprovalStatus,
+    ApprovalVote,
+    OnExpiry,
+)
 from approvals.policies import grant, may_decide
 from runtime.artifacts import resolve as load_state
 from runtime.errors import (
@@ -105,7 +111,7 @@ def test_viewer_outsider_and_self_approval_are_not_permitted(
     self_run = create_run(tenant_a, "api-review", GOAL, actor="user:sam")
     advance_run(self_run.run_id, "w1")
     own = ApprovalRequest.objects.get(run=self_run)
-    with pytest.raises(NotPermitted, match="cannot approve"):
+    with pytest.raises(NotPermitted, match="cannot decide"):
         decide(own.id, starter.user, "approve", own.action_hash)
     assert ApprovalRequest.objects.get(pk=request.pk).status == A.PENDING
 
@@ -190,8 +196,12 @@ def test_quorum_two_of_three(
     make_persona(tenant_a, "carl", Role.REVIEWER)
     first = decide(request.id, reviewer_a.user, "approve", request.action_hash)
     assert first.status == A.PENDING
-    with pytest.raises(AlreadyDecided):
-        decide(request.id, reviewer_a.user, "approve", request.action_hash)  # one vote each
+    # The same vote again (a retry) is a replay: the request as it is, still one vote.
+    again = decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    assert again.pk == request.pk and again.status == A.PENDING
+    assert ApprovalVote.objects.filter(request=request).count() == 1
+    with pytest.raises(AlreadyDecided, match="already voted approve"):
+        decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="no")  # one each
     done = decide(request.id, second.user, "approve", request.action_hash)
     assert done.status == A.APPROVED
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1

@@ -306,7 +306,7 @@ def test_request_page_shows_everything_and_a_form_from_the_schema(
     assert '<textarea id="param-body"' in text  # long text gets a textarea
     assert "Not set by the agent." in text  # assignee
     # The hash in every form is the server's, rendered from the stored request.
-    assert hidden_hashes(text) == [request.action_hash] * 3
+    assert hidden_hashes(text) == [request.action_hash] * 2  # approve (with the params), reject
     assert request.action_hash[:12] in text
     assert "expires in 23 h 59 min — then re-requested once, then the run needs attention" in text
     assert reverse("run", args=[run.run_id]) + "#timeline-title" in text
@@ -379,6 +379,90 @@ def test_a_viewer_sees_no_decision_forms_and_may_not_post(
     assert response.status_code == 403
     request.refresh_from_db()
     assert request.status == A.PENDING and not ApprovalVote.objects.exists()
+
+
+def _decided_state(request: ApprovalRequest) -> tuple[Any, ...]:
+    """Everything a refused decision must leave alone: the request's decision, its votes,
+    the action, every journal entry."""
+    from audit.models import JournalEntry
+
+    request.refresh_from_db()
+    action = Action.objects.get(pk=request.action_id)
+    return (
+        (request.status, request.decision, request.decided_by_id, request.decided_at),
+        (request.decision_reason, request.action_hash, request.edits, request.updated_at),
+        list(ApprovalVote.objects.values_list("user_id", "decision", "action_hash")),
+        (action.status, action.params, action.fence, action.last_error),
+        list(JournalEntry.objects.order_by("id").values_list("id", "hash")),
+    )
+
+
+def test_a_viewer_deciding_an_already_decided_request_changes_nothing(
+    client: Client, reviewer_a: Persona, viewer_a: Persona, held: Any
+) -> None:
+    run, request, box = held
+    decide(request.pk, reviewer_a.user, "approve", request.action_hash, reason="fine")
+    login(client, viewer_a)
+    before = _decided_state(request)
+    for body in (
+        {"decision": "reject", "action_hash": request.action_hash, "reason": "no"},
+        {"decision": "approve", "action_hash": request.action_hash, "params-typed": "1"},
+        {"decision": "approve", "action_hash": request.action_hash, "mode": "edit"},
+    ):
+        assert client.post(decide_url(request), body).status_code == 403
+        assert _decided_state(request) == before
+    assert request.status == A.APPROVED and request.decided_by == reviewer_a.user
+
+
+def test_approve_over_changed_fields_is_refused_and_keeps_them(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    """Issue 15.4 without a browser: the approve form posts the params as typed. A plain
+    Approve over a changed field decides nothing (409 unsent_edits, the draft kept);
+    the same post as "Approve with my edits" sends the edit; unchanged fields approve."""
+    run, request, box = held
+    login(client, reviewer_a)
+    page = client.get(page_url(request)).content.decode()
+    assert re.search(r'name="param-title" form="approve-form"', page)
+    assert 'name="params-typed" value="1"' in page
+    typed = {
+        "decision": "approve",
+        "action_hash": request.action_hash,
+        "params-typed": "1",
+        "param-title": "Only the breaking changes",
+    }
+    before = _decided_state(request)
+    refused = client.post(decide_url(request), typed)
+    assert refused.status_code == 409
+    assert any(m.startswith("You changed title: Approve would") for m in messages_of(refused))
+    assert 'value="Only the breaking changes"' in refused.content.decode()
+    assert _decided_state(request) == before
+    approved = client.post(decide_url(request), {**typed, "mode": "edit"})
+    assert approved.status_code == 302
+    request.refresh_from_db()
+    assert request.status == A.APPROVED and request.edits == {"title": "Only the breaking changes"}
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert [t["title"] for t in box.tasks()] == ["Only the breaking changes"]
+
+
+def test_approve_with_the_fields_as_shown_approves_the_original(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, request, box = held
+    shown = request.shown["params"]
+    login(client, reviewer_a)
+    response = client.post(
+        decide_url(request),
+        {
+            "decision": "approve",
+            "action_hash": request.action_hash,
+            "params-typed": "1",
+            **{f"param-{k}": v for k, v in shown.items()},
+        },
+    )
+    assert response.status_code == 302
+    request.refresh_from_db()
+    assert request.status == A.APPROVED and request.edits is None
 
 
 def test_another_tenants_request_is_a_404_like_a_random_id(
@@ -681,14 +765,13 @@ def test_self_approval_is_not_permitted(
     login(client, sam)
     page = client.get(page_url(request))
     assert hidden_hashes(page.content.decode()) == []
-    assert "You started this run" in page.content.decode()
+    assert "You shaped this action" in page.content.decode()
     response = client.post(
-        decide_url(request),
-        {"decision": "approve", "action_hash": request.action_hash},
-        follow=True,
+        decide_url(request), {"decision": "approve", "action_hash": request.action_hash}
     )
+    assert response.status_code == 403
     assert any(
-        m.startswith("Not permitted: whoever started the run") for m in messages_of(response)
+        m.startswith("Not permitted: whoever shaped this action") for m in messages_of(response)
     )
     assert not ApprovalVote.objects.exists()
 
