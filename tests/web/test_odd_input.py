@@ -16,7 +16,7 @@ from django.test import Client
 from approvals.models import ApprovalRequest, ApprovalStatus
 from runtime.models import Run, RunStatus
 from tests.conftest import Persona
-from tests.security.matrix import changed_tables, db_state
+from tests.security.matrix import changed_tables, db_state, sessions_of
 from tests.security.world import World, build_world
 
 pytestmark = pytest.mark.django_db
@@ -60,9 +60,9 @@ def refused_400(response: Any, field: str) -> str:
 def test_odd_inbox_filters_are_a_400_page(
     reviewer: Client, page: str, query: dict[str, str], field: str
 ) -> None:
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     refused_400(reviewer.get(page, query), field)
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []
 
 
 @pytest.mark.parametrize(
@@ -78,9 +78,9 @@ def test_odd_inbox_filters_are_a_400_page(
 def test_odd_run_filters_are_a_400_page(
     reviewer: Client, query: dict[str, str], field: str
 ) -> None:
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     refused_400(reviewer.get("/runs/", query), field)
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []
 
 
 def test_the_filters_still_filter(reviewer: Client, world: World) -> None:
@@ -96,10 +96,10 @@ def test_nul_in_the_cancel_reason_is_a_400_and_the_run_runs_on(
     reviewer: Client, world: World
 ) -> None:
     run = Run.objects.get(pk=world.other_run_id)
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     response = reviewer.post(f"/runs/{run.run_id}/cancel/", {"reason": "a\x00b"})
     refused_400(response, "reason")
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []
     run.refresh_from_db()
     assert run.status != RunStatus.CANCELLED
 
@@ -108,10 +108,10 @@ def test_nul_in_the_reject_reason_is_a_400_and_the_request_stays_pending(
     reviewer: Client, world: World
 ) -> None:
     form = {"decision": "reject", "action_hash": world.approval_hash, "reason": "a\x00b"}
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     response = reviewer.post(f"/approvals/{world.approval_id}/decide/", form)
     refused_400(response, "reason")
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []
     assert ApprovalRequest.objects.get(pk=world.approval_id).status == ApprovalStatus.PENDING
 
 
@@ -119,16 +119,16 @@ def test_nul_in_a_reconcile_note_is_a_400_and_the_action_stays_parked(
     reviewer: Client, world: World
 ) -> None:
     form = {"outcome": "applied", "external_id": "T-1", "note": "a\x00b"}
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     response = reviewer.post(f"/reconcile/{world.parked_id}/resolve/", form)
     refused_400(response, "note")
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []
 
 
 def test_nul_in_a_new_runs_thread_id_is_refused_and_creates_nothing(
     reviewer: Client, world: World
 ) -> None:
-    before = db_state()
+    before = db_state(sessions_of(reviewer))
     response = reviewer.post("/runs/", {"graph": "chain", "goal": "{}", "thread_id": "a\x00b"})
     assert response.status_code == 422 and "thread_id" in response.content.decode()
-    assert changed_tables(before, db_state()) == []
+    assert changed_tables(before, db_state(sessions_of(reviewer))) == []

@@ -33,7 +33,7 @@ from django.test import Client
 from django.urls import Resolver404, resolve
 
 from tests.conftest import Persona
-from tests.security.matrix import Route, all_routes, changed_tables, db_state
+from tests.security.matrix import Route, all_routes, changed_tables, db_state, sessions_of
 from tests.security.world import World, build_world
 
 pytestmark = pytest.mark.django_db
@@ -183,6 +183,7 @@ class Prober:
         self.client = client
         self.tally = Tally()
         self.state: dict[str, Any] | None = None
+        self.own = sessions_of(client)
 
     def send(self, route: Route, url: str, method: str, data: dict[str, str]) -> None:
         what = f"{method} {url} {sorted((k, v[:20]) for k, v in data.items())!r}"
@@ -191,11 +192,11 @@ class Prober:
             response = self.client.get(url, data)
             self.state = None
         else:
-            before = self.state if self.state is not None else db_state()
+            before = self.state if self.state is not None else db_state(self.own)
             response = self.client.post(url, data)
             self.state = None
             if response.status_code == 400:
-                self.state = db_state()
+                self.state = db_state(self.own)
                 changed = changed_tables(before, self.state)
                 if changed:
                     self.tally.written_on_400.append(f"{what}: {changed}")
