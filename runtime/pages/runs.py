@@ -156,11 +156,8 @@ def _render_runs(
     status: int = 200,
 ) -> HttpResponse:
     runs, filters = _filtered_runs(principal, request.GET)
-    runs = (
-        runs.only(*LIST_FIELDS).order_by(
-            "-created_at", "-run_id"
-        )  # run_id breaks ties so pages never overlap
-    )
+    # run_id breaks ties so pages never overlap
+    runs = runs.only(*LIST_FIELDS).order_by("-created_at", "-run_id")
     page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
     graphs = _graph_choices()
     graph_names = [g["name"] for g in graphs]
