@@ -17,6 +17,7 @@ from approvals.scoping import approvals_for
 from runtime.api import filters
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.examples import DECIDE
+from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
 
 
@@ -63,8 +64,8 @@ class ApprovalSerializer(serializers.ModelSerializer):
 
 class DecisionIn(serializers.Serializer):
     decision = serializers.ChoiceField(choices=["approve", "reject"])
-    action_hash = serializers.CharField(max_length=64)
-    reason = serializers.CharField(max_length=2000, allow_blank=True, default="")
+    action_hash = StrictChar(max_length=64)
+    reason = StrictChar(max_length=2000, allow_blank=True, default="")
     edits = serializers.DictField(required=False)
 
 

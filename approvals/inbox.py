@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from django import forms
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import (
     BooleanField,
@@ -34,6 +35,7 @@ from approvals.policies import may_decide
 from approvals.scoping import approvals_for
 from approvals.wording import Expiry, expiry_of
 from audit.journal import run_stream
+from runtime.errors import InvalidParams
 from runtime.models import ActionStatus, Run
 from runtime.pages import TimelineRow, pretty, summarise
 from runtime.tenancy import Principal, actions_for, journal_for, scope
@@ -163,6 +165,13 @@ class Card:
     mine: bool
 
 
+class InboxFilterForm(forms.Form):
+    tool = forms.CharField(max_length=100, required=False)
+    # Ids are positive and fit PostgreSQL's `integer` (SQLite overflows past 2**63 - 1).
+    policy = forms.IntegerField(min_value=1, max_value=2**31 - 1, required=False)
+    mine = forms.ChoiceField(choices=[("", "any"), ("1", "mine to decide")], required=False)
+
+
 @dataclass
 class Filters:
     tool: str = ""
@@ -171,13 +180,15 @@ class Filters:
 
     @classmethod
     def parse(cls, params: QueryDict) -> Filters:
-        """Filters from the query string; an unknown value is ignored, not an empty list."""
-        policy = params.get("policy", "")
-        return cls(
-            tool=params.get("tool", "").strip()[:100],
-            policy=int(policy) if policy.isdigit() else None,
-            mine=params.get("mine") == "1",
-        )
+        """Filters from the query string, validated by a Django form: `policy=²` (a digit to
+        `str.isdigit`, not to `int`), an id past the database's integer range and a NUL in
+        `tool` are InvalidParams naming the field (a 400 page), never a 500 (issue 16, L1)."""
+        form = InboxFilterForm(params)
+        if not form.is_valid():
+            errors = {name: [str(m) for m in msgs] for name, msgs in form.errors.items()}
+            raise InvalidParams(f"invalid inbox filter: {', '.join(sorted(errors))}", errors=errors)
+        data = form.cleaned_data
+        return cls(tool=data["tool"], policy=data["policy"], mine=data["mine"] == "1")
 
     def q(self, deciding: Deciding) -> Q:
         q = Q()

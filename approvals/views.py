@@ -31,6 +31,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 
+from approvals.api import DecisionIn
 from approvals.decisions import PRESET_REJECT_REASONS, decide
 from approvals.forms import diff_rows, param_fields, property_order, typed_edits
 from approvals.hashing import action_hash, same_hash
@@ -51,6 +52,7 @@ from approvals.wording import done_text, expiry_of, refusal_text
 from runtime.accounts import decision_rate_limited
 from runtime.errors import FieldNotEditable, HoldpointError, InvalidParams, NotPermitted
 from runtime.pages import pretty, reviewer_page, scoped_or_404
+from runtime.pages.access import page_input
 from runtime.tenancy import Principal
 
 A = ApprovalStatus
@@ -262,6 +264,10 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
         raise PermissionDenied("You may look at this request, not decide it.")
     decision = request.POST.get("decision", "")
     reason, preset, note = _reason(request.POST, decision)
+    # `decide` validates the decision word and compares the hash (messages on the page);
+    # the texts it stores or journals are checked here as the API checks them.
+    texts = {"reason": reason, "action_hash": request.POST.get("action_hash", "")}
+    said = page_input(DecisionIn, {k: v for k, v in texts.items() if v}, partial=True)
     params = json.loads(found.edited_params or found.params)
     drafts: dict[str, str] = {"__reason": note, "__preset": preset}
     edits: dict[str, Any] | None = None
@@ -273,8 +279,8 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
             found.pk,
             request.user,
             decision,
-            request.POST.get("action_hash", ""),
-            reason=reason,
+            said.get("action_hash", ""),
+            reason=said.get("reason", ""),
             edits=edits or None,
         )
     except (InvalidParams, FieldNotEditable) as exc:

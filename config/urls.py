@@ -7,6 +7,7 @@ from django.views.generic import RedirectView
 
 from approvals import views as approval_views
 from runtime import health
+from runtime.accounts import ReviewerLoginForm
 from runtime.pages import audit as audit_pages
 from runtime.pages import reconcile as reconcile_pages
 from runtime.pages import runs as pages
@@ -14,7 +15,11 @@ from runtime.pages import tenant
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="inbox", permanent=False)),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(authentication_form=ReviewerLoginForm),
+        name="login",
+    ),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path(
         "password/",

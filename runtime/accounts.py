@@ -26,7 +26,9 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model, logout
+from django.contrib.auth.forms import AuthenticationForm
 from django.contrib.auth.signals import user_logged_in, user_login_failed
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import render, resolve_url
@@ -34,9 +36,26 @@ from django.utils import timezone
 from rest_framework.throttling import SimpleRateThrottle
 
 from audit import journal
-from runtime.models import FailedLoginWindow, Membership
+from runtime.models import FailedLoginWindow, Membership, Role
 
 log = logging.getLogger("holdpoint.accounts")
+
+
+class ReviewerLoginForm(AuthenticationForm):
+    """The login form for people: an agent account is refused even with its right password.
+
+    Agents act through the API with their token (tokens are scoped, rotated and revoked;
+    a session is not): a session would let an agent use the pages' and the API's session
+    door (issue 16: the old test posted an empty password, refused for anyone).
+    """
+
+    def confirm_login_allowed(self, user: Any) -> None:
+        super().confirm_login_allowed(user)
+        if Membership.objects.filter(user=user, role=Role.AGENT).exists():
+            raise ValidationError(
+                "Agent accounts cannot log in here; they use the API with their token.",
+                code="agent_account",
+            )
 
 
 def record_tenant_act(tenant_id: int, type: str, actor: str, **payload: Any) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.core.validators import RegexValidator
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from runtime.models import Action, Checkpoint, Run
@@ -19,6 +21,49 @@ class StrictInt(serializers.IntegerField):
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return int(super().to_internal_value(data))
+
+
+class StrictChar(serializers.CharField):
+    """A JSON string, not a number DRF would turn into one: the schema says `string`, and
+    `"reason": 0` stored as "0" is a client bug the caller should hear about (issue 16, L7).
+
+    A field that may not be blank is trimmed first, so `"\n"` is blank to it: the schema
+    says so with `pattern: \\S` (some character that is not white space), or a client
+    reading `minLength: 1` would send it and be refused (found by schemathesis at 12,000
+    cases: `"owner": "\n"`).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not self.allow_blank and self.trim_whitespace:
+            self.validators.append(RegexValidator(r"\S", message="This field may not be blank."))
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return str(super().to_internal_value(data))
+
+
+class StrictBool(serializers.BooleanField):
+    """JSON `true` or `false` only: DRF also takes 0, 1, "yes" and "off", which the schema's
+    `boolean` does not allow (`"external": 0` made a hosted run, issue 16, L7)."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+@extend_schema_field(
+    {
+        "anyOf": [{"type": t} for t in ("object", "array", "string", "number", "boolean")],
+        "description": "any JSON value but null",
+    }
+)
+class JSONValue(serializers.JSONField):
+    """Any JSON value except null, and the OpenAPI document says so: the goal, a state,
+    input data and params are stored in NOT NULL columns, and a typeless schema (`{}`)
+    told clients null was fine when the server refused it (issue 16, L7)."""
 
 
 class LeaseSerializer(serializers.Serializer):
@@ -126,11 +171,11 @@ class JournalEntrySerializer(serializers.Serializer):
 
 
 class RunCreate(serializers.Serializer):
-    graph = serializers.CharField(max_length=100)
-    goal = serializers.JSONField()
-    thread_id = serializers.CharField(max_length=200, required=False)
-    graph_version = serializers.CharField(max_length=40, required=False)
-    external = serializers.BooleanField(
+    graph = StrictChar(max_length=100)
+    goal = JSONValue()
+    thread_id = StrictChar(max_length=200, required=False)
+    graph_version = StrictChar(max_length=40, required=False)
+    external = StrictBool(
         default=False,
         help_text="The agent runs its own loop (executor protocol); "
         "Holdpoint's workers never pick the run up.",
@@ -138,17 +183,17 @@ class RunCreate(serializers.Serializer):
 
 
 class RevisionIn(serializers.Serializer):
-    goal = serializers.JSONField()
+    goal = JSONValue()
     expected_goal_rev = StrictInt(min_value=1)
 
 
 class InputIn(serializers.Serializer):
-    data = serializers.JSONField()
+    data = JSONValue()
     expected_rev = StrictInt(min_value=0)
 
 
 class CancelIn(serializers.Serializer):
-    reason = serializers.CharField(max_length=2000, allow_blank=True, default="")
+    reason = StrictChar(max_length=2000, allow_blank=True, default="")
 
 
 class ResumeIn(serializers.Serializer):
@@ -156,7 +201,7 @@ class ResumeIn(serializers.Serializer):
 
 
 class LeaseIn(serializers.Serializer):
-    owner = serializers.CharField(max_length=200)
+    owner = StrictChar(max_length=200)
     ttl_seconds = StrictInt(min_value=2, max_value=3600)
 
 
@@ -165,7 +210,7 @@ class FenceIn(serializers.Serializer):
 
 
 class ReleaseIn(FenceIn):
-    owner = serializers.CharField(
+    owner = StrictChar(
         max_length=200,
         required=False,
         help_text="The owner the lease was taken by; when given, a lease held by another "
@@ -184,31 +229,31 @@ class HeartbeatIn(ReleaseIn):
 
 class CheckpointIn(FenceIn):
     expected_rev = StrictInt(min_value=0)
-    state = serializers.JSONField()
-    next_step = serializers.CharField(max_length=100, allow_blank=True)
+    state = JSONValue()
+    next_step = StrictChar(max_length=100, allow_blank=True)
     status = serializers.ChoiceField(
         choices=["running", "waiting_input", "completed", "failed"], default="running"
     )
 
 
 class ActionIn(FenceIn):
-    tool = serializers.CharField(max_length=100)
-    params = serializers.JSONField()
-    reason = serializers.CharField(max_length=5000, allow_blank=True, default="")
-    target = serializers.CharField(max_length=300, allow_blank=True, default="")
-    idempotency_key = serializers.CharField(max_length=255, required=False)
+    tool = StrictChar(max_length=100)
+    params = JSONValue()
+    reason = StrictChar(max_length=5000, allow_blank=True, default="")
+    target = StrictChar(max_length=300, allow_blank=True, default="")
+    idempotency_key = StrictChar(max_length=255, required=False)
 
 
 class OutcomeIn(FenceIn):
     outcome = serializers.ChoiceField(choices=["confirmed", "failed", "unknown"])
-    external_id = serializers.CharField(max_length=300, allow_blank=True, default="")
+    external_id = StrictChar(max_length=300, allow_blank=True, default="")
     result = serializers.JSONField(required=False, allow_null=True, default=None)
 
 
 class ResolveIn(serializers.Serializer):
     outcome = serializers.ChoiceField(choices=["applied", "not_applied"])
-    external_id = serializers.CharField(max_length=300, allow_blank=True, default="")
-    note = serializers.CharField(max_length=2000, allow_blank=True, default="")
+    external_id = StrictChar(max_length=300, allow_blank=True, default="")
+    note = StrictChar(max_length=2000, allow_blank=True, default="")
 
 
 class LeaseOut(serializers.Serializer):

@@ -23,13 +23,14 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Model, QuerySet
-from django.http import Http404, HttpRequest
+from django.http import Http404, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import render
 from django.views.decorators.http import require_http_methods
 from django_htmx.middleware import HtmxDetails
+from rest_framework.serializers import Serializer
 
-from runtime.errors import NotFound
+from runtime.errors import InvalidParams, NotFound
 from runtime.tenancy import Principal, get_scoped
 
 P = ParamSpec("P")
@@ -84,12 +85,44 @@ def reviewer_page(
                 if request.method not in _READS:
                     raise PermissionDenied("You are not a member of any active tenant.")
                 return render(request, no_tenant, {})
-            return view(request, principal, *args, **kwargs)
+            try:
+                return view(request, principal, *args, **kwargs)
+            except InvalidParams as exc:
+                return bad_input(request, exc)
 
         guarded = login_required(require_http_methods(list(methods))(page))
         return cast(Callable[Concatenate[R, P], HttpResponseBase], guarded)
 
     return decorate
+
+
+def bad_input(request: HttpRequest, exc: InvalidParams) -> HttpResponse:
+    """The 400 page for a query or form value a page cannot use, with the reason.
+
+    Raised before anything was read with the value, or inside the write's transaction (which
+    rolled back), so the page can truthfully say nothing was changed.
+    """
+    context = {"detail": exc.detail, "errors": exc.extra.get("errors") or {}}
+    return render(request, "400.html", context, status=400)
+
+
+def page_input(
+    serializer: type[Serializer[Any]], data: dict[str, Any], *, partial: bool = False
+) -> dict[str, Any]:
+    """A page form's values checked by the API's own request serializer, or InvalidParams.
+
+    One validation path for both doors (issue 16, L1): a NUL character, an over-long text
+    or a word outside the choices is refused on the page exactly as the API refuses it,
+    before any write — PostgreSQL cannot store a NUL, and a late driver error is a 500.
+    `partial` checks only the fields given: a word the domain function validates itself
+    (and answers with a message on the page) is left to it.
+    """
+    bound = serializer(data=data, partial=partial)
+    if not bound.is_valid():
+        errors = {name: [str(m) for m in msgs] for name, msgs in bound.errors.items()}
+        said = "; ".join(f"{name}: {' '.join(msgs)}" for name, msgs in sorted(errors.items()))
+        raise InvalidParams(said, errors=errors)
+    return dict(bound.validated_data)
 
 
 def scoped_or_404(queryset: QuerySet[M], principal: Principal, **lookup: Any) -> M:

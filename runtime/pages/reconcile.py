@@ -23,10 +23,11 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 
 from audit.journal import run_stream
+from runtime.api.serializers import ResolveIn
 from runtime.errors import HoldpointError
 from runtime.ledger import resolve
 from runtime.models import Action, ActionStatus
-from runtime.pages.access import require_may_act, reviewer_page, scoped_or_404
+from runtime.pages.access import page_input, require_may_act, reviewer_page, scoped_or_404
 from runtime.pages.display import TimelineRow, pretty, timeline_row
 from runtime.tenancy import Principal, actions_for, journal_for
 
@@ -135,14 +136,19 @@ def reconcile_detail(request: HttpRequest, principal: Principal, action_id: UUID
 def reconcile_resolve(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
     """Hand the reviewer's answer to `resolve`; its refusal is a message, never a 500."""
     action = _acting_on(principal, action_id)
-    outcome = request.POST.get("outcome", "")
+    post = request.POST
+    # `resolve` validates the outcome word itself (a message on the page); the free texts,
+    # which it stores, are checked here as the API checks them.
+    texts = {"external_id": post.get("external_id", ""), "note": post.get("note", "").strip()}
+    answer = page_input(ResolveIn, texts, partial=True)
+    outcome = post.get("outcome", "")
     try:
         resolve(
             action,
             outcome,
             actor=principal.label,
-            external_id=request.POST.get("external_id", ""),
-            note=request.POST.get("note", "").strip(),
+            external_id=answer["external_id"],
+            note=answer["note"],
         )
     except HoldpointError as exc:
         messages.error(request, exc.detail)

@@ -17,6 +17,7 @@ from uuid import UUID
 
 from django.contrib import messages
 from django.core.paginator import Paginator
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -25,6 +26,8 @@ from django.utils.cache import patch_vary_headers
 from audit.canonical import CanonicalError, parse_strict
 from audit.journal import run_stream
 from audit.verification import Break, verify_stream
+from runtime.api.filters import RunFilter, narrowed
+from runtime.api.serializers import CancelIn, RunCreate
 from runtime.artifacts import resolve
 from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
@@ -39,6 +42,7 @@ from runtime.lifecycle import (
 from runtime.models import Run, RunStatus
 from runtime.pages.access import (
     HtmxHttpRequest,
+    page_input,
     require_may_act,
     reviewer_page,
     scoped_or_404,
@@ -119,17 +123,15 @@ def _seen_token(run: Run) -> str:
 # --- the runs list and starting a run ---------------------------------------------------
 
 
-def _list_filters(params: QueryDict) -> dict[str, str]:
-    """Filters from the query string; an unknown status is ignored, not an empty list."""
-    found: dict[str, str] = {}
-    status = params.get("status", "")
-    if status in RunStatus.values:
-        found["status"] = status
-    for name in ("graph", "thread_id"):
-        value = params.get(name, "").strip()
-        if value:
-            found[name] = value
-    return found
+def _filtered_runs(principal: Principal, params: QueryDict) -> tuple[QuerySet[Run], dict[str, str]]:
+    """The runs the query string's filters select, and the filters to show in the form.
+
+    Validated by the API's own FilterSet: a NUL, an over-long value or a status word that
+    does not exist is a 400 page naming the filter (issue 16, L1), never a database error.
+    """
+    runs = narrowed(RunFilter, params, runs_for(principal), empty_choice_is_error=False)
+    shown = {name: params.get(name, "").strip() for name in RunFilter.base_filters}
+    return runs, {name: value for name, value in shown.items() if value}
 
 
 def _default_goal_text() -> str:
@@ -153,13 +155,9 @@ def _render_runs(
     error: str = "",
     status: int = 200,
 ) -> HttpResponse:
-    filters = _list_filters(request.GET)
-    runs = (
-        runs_for(principal)
-        .filter(**filters)
-        .only(*LIST_FIELDS)
-        .order_by("-created_at", "-run_id")  # run_id breaks ties so pages never overlap
-    )
+    runs, filters = _filtered_runs(principal, request.GET)
+    # run_id breaks ties so pages never overlap
+    runs = runs.only(*LIST_FIELDS).order_by("-created_at", "-run_id")
     page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
     graphs = _graph_choices()
     graph_names = [g["name"] for g in graphs]
@@ -185,17 +183,18 @@ def _start_run(request: HttpRequest, principal: Principal) -> HttpResponse:
         "goal": request.POST.get("goal", ""),
         "thread_id": request.POST.get("thread_id", "").strip(),
     }
-    limit = Run._meta.get_field("thread_id").max_length or 0
     try:
-        if len(form["thread_id"]) > limit:
-            raise InvalidParams(f"thread_id is longer than {limit} characters")
         goal = parse_json(form["goal"], "goal")
+        fields = {"graph": form["graph"], "goal": goal}
+        if form["thread_id"]:
+            fields["thread_id"] = form["thread_id"]
+        valid = page_input(RunCreate, fields)
         run = create_run(
             principal.tenant,
-            form["graph"],
+            valid["graph"],
             goal,
             actor=principal.label,
-            thread_id=form["thread_id"] or None,
+            thread_id=valid.get("thread_id"),
         )
     except HoldpointError as exc:
         # Nothing was created: create_run writes the run and its first event atomically.
@@ -339,7 +338,7 @@ def _json_draft_or_page(
 @reviewer_page(methods=("POST",))
 def run_cancel(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
     run = _acting_on(principal, run_id)
-    reason = request.POST.get("reason", "").strip()
+    reason = page_input(CancelIn, {"reason": request.POST.get("reason", "").strip()})["reason"]
 
     def lever() -> str:
         cancel_run(run, reason, actor=principal.label)

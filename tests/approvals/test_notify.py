@@ -124,27 +124,32 @@ def test_hooks_only_queue_after_commit(
     sandbox_factory: Callable[[str], Sandbox],
     reviewer_a: Persona,
     django_capture_on_commit_callbacks: Any,
-    monkeypatch: pytest.MonkeyPatch,
     mailoutbox: list[Any],
 ) -> None:
+    """Read from the real ORM broker's queue (django-q2's OrmQ rows, the package each one
+    carries), not from a stand-in for `async_task`."""
+    from django_q.models import OrmQ
+
+    def queue() -> list[tuple[str, tuple[Any, ...]]]:
+        rows = OrmQ.objects.order_by("id")
+        return [(str(q.task["func"]), tuple(q.task["args"])) for q in rows]
+
     _email(reviewer_a, "alice@acme.test")
     sandbox_factory("key")
-    queued: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr("django_q.tasks.async_task", lambda func, *a, **k: queued.append((func, a)))
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         run = create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a")
         assert advance_run(run.run_id, "w1").outcome == "waiting"
     request = ApprovalRequest.objects.get(run=run)
-    assert queued == [] and mailoutbox == []  # nothing left before the commit
+    assert queue() == [] and mailoutbox == []  # nothing left before the commit
     for callback in callbacks:
         callback()
-    assert ("approvals.notify.deliver", ("requested", str(request.id))) in queued
+    assert ("approvals.notify.deliver", ("requested", str(request.id))) in queue()
     assert mailoutbox == []  # the worker sends, not the web request
     with django_capture_on_commit_callbacks(execute=True):
         notify.notify_reminder(request)
         notify.notify_escalated(request)
         notify.notify_decided(request)
-    assert queued[-3:] == [
+    assert queue()[-3:] == [
         ("approvals.notify.deliver", ("reminder", str(request.id))),
         ("approvals.notify.deliver", ("escalated", str(request.id))),
         ("approvals.notify.deliver", ("decided", str(request.id))),

@@ -336,29 +336,33 @@ def test_list_runs_follows_the_cursors_over_120_runs(
     assert list(api.list_runs(status="completed")) == []
 
 
-def test_get_run_with_wait_returns_when_the_run_changes(api: Client) -> None:
+def test_get_run_with_wait_returns_when_the_run_changes(api: Client, transport: Faulty) -> None:
+    """By what is answered, not by the clock: the writer writes only once the long poll is
+    on the wire (seen by the transport), and the poll answers with that write — a poll that
+    did not wait for the change would answer rev 0. Nothing changed: the same run back."""
     run = api.create_run("api-review", GOAL)
     grant_ = api.lease(run.run_id, "me", 30)
 
-    unchanged_at = time.monotonic()
-    assert api.get_run(run.run_id, wait=1).checkpoint_rev == 0
-    assert time.monotonic() - unchanged_at >= 0.9  # waited out: nothing changed
+    assert api.get_run(run.run_id, wait=1).checkpoint_rev == 0  # waited out: nothing changed
 
-    def write_soon() -> None:
-        time.sleep(0.5)  # let the long poll start first
+    polls_before = len(transport.sent("GET", f"/runs/{run.run_id}/"))
+
+    def write_once_the_poll_is_sent() -> None:
+        for _ in range(2000):  # bounded: the poll is sent within moments of the start
+            if len(transport.sent("GET", f"/runs/{run.run_id}/")) > polls_before:
+                break
+            threading.Event().wait(0.005)
         api.write_checkpoint(
             run.run_id, fence=grant_.fence, expected_rev=0, state={}, next_step="analyse"
         )
 
-    writer = threading.Thread(target=write_soon)
-    started = time.monotonic()
+    writer = threading.Thread(target=write_once_the_poll_is_sent)
     writer.start()
     try:
         changed = api.get_run(run.run_id, wait=20)
     finally:
         writer.join(timeout=30)
     assert changed.checkpoint_rev == 1 and changed.status == "running"
-    assert time.monotonic() - started < 10
 
 
 def test_events_and_checkpoints_are_iterated_in_order(api: Client) -> None:

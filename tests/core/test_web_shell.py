@@ -32,11 +32,14 @@ def test_wrong_password_is_refused(client: Client, reviewer_a: Persona) -> None:
 
 
 def test_agent_cannot_log_in_with_a_session(client: Client, agent_a: Persona) -> None:
-    agent_a.user.set_unusable_password()
-    agent_a.user.save()
-    page = client.post(reverse("login"), {"username": "agent-a", "password": ""})
+    """With the account's right password: an empty one is refused for anyone, so it would
+    prove nothing about agents (issue 16, tests that must get teeth)."""
+    username = agent_a.user.get_username()
+    assert agent_a.user.check_password(f"pw-{username}")  # the password is right
+    page = client.post(reverse("login"), {"username": username, "password": f"pw-{username}"})
     assert "_auth_user_id" not in client.session
     assert page.status_code == 200
+    assert client.get(reverse("inbox")).status_code == 302  # still sent to the login page
 
 
 def test_healthz(client: Client) -> None:

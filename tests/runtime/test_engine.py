@@ -7,7 +7,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from audit.journal import run_stream
@@ -272,19 +271,32 @@ def test_sweeper_finds_expired_lease_and_worker_finishes(tenant_a: Tenant) -> No
 
 
 def test_sqlite_or_postgres_clock_is_used_for_leases(tenant_a: Tenant) -> None:
-    """The lease expiry is computed by the database (`now() + ttl`), not by Python."""
+    """The lease expiry is computed by the database (`now() + ttl`), not by Python.
+
+    Python's clock is moved years away (time-machine moves Python's clock, never the
+    database's): an expiry computed from Python's time would land near 2001, the database's
+    lands between its own `now() + ttl` read just before and just after.
+    """
+    import time_machine
+    from django.db.models.functions import Now
+
     from runtime.leases import take_lease
 
     run = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT CURRENT_TIMESTAMP")
-        db_now = cursor.fetchone()[0]
-    lease = take_lease(run.run_id, "w1", ttl=30)
-    if isinstance(db_now, str):  # SQLite returns text
-        from datetime import datetime
 
-        db_now = datetime.fromisoformat(db_now).replace(tzinfo=lease.expires_at.tzinfo)
-    assert abs((lease.expires_at - db_now).total_seconds() - 30) < 5
+    def db_now() -> Any:
+        return Run.objects.filter(pk=run.pk).annotate(now=Now()).values_list("now", flat=True)[0]
+
+    with time_machine.travel("2001-01-01 00:00:00+00:00", tick=False):
+        import datetime as dt
+
+        assert dt.datetime.now(dt.UTC).year == 2001  # Python's clock moved
+        before = db_now()
+        lease = take_lease(run.run_id, "w1", ttl=30)
+        after = db_now()
+    assert before.year > 2001  # the database's did not
+    ttl = timedelta(seconds=30)
+    assert before + ttl <= lease.expires_at <= after + ttl
 
 
 def test_external_runs_are_never_picked_up_by_workers(tenant_a: Tenant) -> None:

@@ -69,7 +69,7 @@ def test_list_shows_only_own_tenants_runs(
     assert [r.run_id for r in page.context["page_obj"]] == [mine.run_id]
 
 
-def test_list_filters_newest_first_and_ignores_unknown_status(
+def test_list_filters_newest_first_and_refuses_unknown_status(
     client: Client, reviewer_a: Persona
 ) -> None:
     first = make_run(reviewer_a.tenant, thread_id="t-1")
@@ -84,7 +84,11 @@ def test_list_filters_newest_first_and_ignores_unknown_status(
 
     assert listed() == [second.run_id, first.run_id]
     assert listed(status="completed") == [first.run_id]
-    assert listed(status="no-such-status") == [second.run_id, first.run_id]
+    # A status word that does not exist is a 400 naming the filter, as the API's 422 does
+    # (issue 16, L1); the filter form's empty "any status" still lists all.
+    refused = client.get(reverse("runs"), {"status": "no-such-status"})
+    assert refused.status_code == 400 and b"status" in refused.content
+    assert listed(status="") == [second.run_id, first.run_id]
     assert listed(graph="asker") == [second.run_id]
     assert listed(thread_id="t-1") == [first.run_id]
     assert listed(graph="chain", status="queued") == []
@@ -218,7 +222,7 @@ def test_start_without_thread_id_gets_a_fresh_one(client: Client, reviewer_a: Pe
         ({"graph": "chain", "goal": '{"a": 1, "a": 2}'}, "duplicate key"),
         ({"graph": "chain", "goal": '{"a": NaN}'}, "NaN is not JSON"),
         ({"graph": "no-such-graph", "goal": "{}"}, "no graph named"),
-        ({"graph": "chain", "goal": "{}", "thread_id": "x" * 201}, "longer than 200"),
+        ({"graph": "chain", "goal": "{}", "thread_id": "x" * 201}, "no more than 200"),
     ],
 )
 def test_bad_start_is_shown_and_creates_nothing(

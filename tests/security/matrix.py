@@ -25,10 +25,12 @@ from django.urls import URLPattern, URLResolver, get_resolver
 METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
-# Tables whose rows a request may legitimately rewrite as bookkeeping of the caller's own
-# session, never tenant data: SessionTimeoutMiddleware / SESSION_SAVE_EVERY_REQUEST renew
-# the session row's expiry on each request a person makes (the inactivity timeout).
-BOOKKEEPING_TABLES = {"django_session": "the caller's own session expiry (inactivity timeout)"}
+# The session table is compared like any other, except the callers' own rows (passed to
+# `db_state` as `own_sessions`): SessionTimeoutMiddleware renews a person's session expiry
+# on each request they make (the inactivity timeout) — bookkeeping of that caller's own
+# session. Another session created, changed or deleted by a probe is a change (issue 16:
+# the whole table used to be skipped).
+SESSION_TABLE = "django_session"
 # Columns likewise: when the caller's own API token was last used (written at most once a
 # minute, runtime.models.tokens.TOUCH_EVERY).
 BOOKKEEPING_COLUMNS = {"runtime_agenttoken": {"last_used_at"}}
@@ -111,21 +113,31 @@ def openapi_path(route: Route) -> str:
 # --- database snapshots ---------------------------------------------------------------------
 
 
-def db_state() -> dict[str, tuple[int, str]]:
-    """Row count and a digest of every row of every table (bookkeeping tables aside).
+def sessions_of(*clients: Any) -> set[str]:
+    """The session keys of test clients (those logged in), for `db_state(own_sessions=…)`."""
+    cookie = settings.SESSION_COOKIE_NAME
+    return {c.cookies[cookie].value for c in clients if cookie in c.cookies}
+
+
+def db_state(own_sessions: Iterable[str] = ()) -> dict[str, tuple[int, str]]:
+    """Row count and a digest of every row of every table (bookkeeping columns aside, and
+    the callers' own session rows: see SESSION_TABLE).
 
     Raw SQL over the introspected table list, so tables of apps added later (and
     many-to-many tables) are included without anyone remembering to list them.
     """
+    own = set(own_sessions)
     state: dict[str, tuple[int, str]] = {}
     with connection.cursor() as cursor:
         for table in sorted(connection.introspection.table_names(cursor)):
-            if table in BOOKKEEPING_TABLES:
-                continue
             cursor.execute(f"SELECT * FROM {connection.ops.quote_name(table)}")  # noqa: S608
             skip = BOOKKEEPING_COLUMNS.get(table, set())
             keep = [i for i, col in enumerate(cursor.description) if col[0] not in skip]
-            rows = sorted(repr(tuple(row[i] for i in keep)) for row in cursor.fetchall())
+            found = cursor.fetchall()
+            if table == SESSION_TABLE:
+                key = [col[0] for col in cursor.description].index("session_key")
+                found = [row for row in found if row[key] not in own]
+            rows = sorted(repr(tuple(row[i] for i in keep)) for row in found)
             digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
             state[table] = (len(rows), digest)
     return state
