@@ -10,7 +10,6 @@ Screenshots of the inbox and a request page land in var/test/screenshots/.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
