@@ -99,7 +99,7 @@ def test_h1_an_agent_cannot_forge_a_hosted_runs_completion(
     — every call is refused, and after the approval the worker's own send is what the
     tracker and the ledger both record."""
     box = sandbox_factory("key")
-    grant_policy(agent_a.tenant)
+    grant_policy(agent_a.tenant, tool="tasks.create")
     run = create_run(agent_a.tenant, "api-review", GOAL, actor="user:alice")
     assert advance_run(run.run_id, "w1").outcome == "waiting"
     action = Action.objects.get(run=run)
