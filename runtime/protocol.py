@@ -84,6 +84,32 @@ def authorize(run: Run, principal: Principal) -> None:
         raise NotPermitted("only the run's executor account may execute it")
 
 
+def name_executor(run: Run, account: Any, *, actor: str) -> Run:
+    """A tenant admin names the agent account that may execute an external run (instead of
+    the agent that created it) — the one writer of `executor_account`, journalled in the
+    run's stream and, as a human act, in the tenant's. The named account must be an agent
+    of the run's tenant: a person never executes, another tenant's agent never sees it."""
+    from runtime.accounts import record_tenant_act
+    from runtime.models import Membership, Role
+
+    if not run.external:
+        raise NotExternal(f"run {run.run_id} is executed by Holdpoint's workers")
+    agent = Membership.objects.filter(user=account, tenant_id=run.tenant_id, role=Role.AGENT)
+    if not agent.exists():
+        raise InvalidParams(
+            "the executor must be an agent account of the run's tenant",
+            errors={"executor_account": ["not an agent account of this tenant"]},
+        )
+    named = {"run_id": str(run.run_id), "executor_account": account.get_username()}
+    with transaction.atomic(durable=True):
+        Run.objects.filter(pk=run.run_id, tenant_id=run.tenant_id).update(
+            executor_account=account, updated_at=Now()
+        )
+        record(run, RunEvent.EXECUTOR_NAMED, actor, **named)
+        record_tenant_act(run.tenant_id, RunEvent.EXECUTOR_NAMED.value, actor, **named)
+    return Run.objects.get(pk=run.run_id, tenant_id=run.tenant_id)
+
+
 def capped_ttl(ttl: float) -> float:
     """A lease no longer than HOLDPOINT_MAX_LEASE_TTL: a lost executor must not hold its run
     (and lock out its successor) for longer than an operator allows."""

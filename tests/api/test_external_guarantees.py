@@ -24,9 +24,11 @@ from rest_framework.test import APIClient
 
 from approvals.models import ApprovalRequest
 from audit.models import JournalEntry
+from runtime.errors import InvalidParams
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Role, Run, RunStatus
+from runtime.protocol import name_executor
 from runtime.sweeper import sweep_once
 from tests.api import (
     fresh_throttle,  # noqa: F401
@@ -169,7 +171,9 @@ def test_h1_a_reviewers_browser_session_cannot_execute(
     assert Run.objects.get(pk=external["run_id"]).fence == 0
 
 
-def test_h1_only_the_runs_executor_account_executes_it(agent_a: Persona) -> None:
+def test_h1_only_the_runs_executor_account_executes_it(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
     """Another agent of the same tenant is refused at the lease and under the fence; the
     account a tenant admin names instead may take it."""
     other = make_persona(agent_a.tenant, "agent-a2", Role.AGENT)
@@ -189,7 +193,10 @@ def test_h1_only_the_runs_executor_account_executes_it(agent_a: Persona) -> None
     problem(prepare(theirs, run_id, fence, tool=CLIENT, idempotency_key="k2"), 403, "not_permitted")
     assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.PREPARED
 
-    Run.objects.filter(pk=run_id).update(executor_account=other.user)  # the admin's act
+    with pytest.raises(InvalidParams):  # a person is never named
+        name_executor(Run.objects.get(pk=run_id), reviewer_a.user, actor="user:ada")
+    name_executor(Run.objects.get(pk=run_id), other.user, actor="user:ada")  # the admin's act
+    assert JournalEntry.objects.filter(stream=f"run:{run_id}", type="executor_named").exists()
     expire_lease(run_id)
     assert take_lease(theirs, run_id) == fence + 1
     problem(
