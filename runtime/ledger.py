@@ -374,6 +374,33 @@ def mark_sent(
     )
 
 
+def mark_resent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+    """Inside the caller's fenced transaction: a `sent` or `unknown` action of a tool that
+    honours its idempotency key is sent again with that key (reconcile `replay_same_key`) —
+    the same effect, so no new hold-point check; the in-flight window starts again."""
+    changes: dict[str, Any] = {
+        "sent_fence": fence,
+        "sent_at": statements.NOW,
+        "in_flight_until": statements.DbNow(ttl + tool.timeout),
+        "attempts": statements.Add(1),
+    }
+    rows = statements.update(
+        Action,
+        {"status": S.SENT, "updated_at": statements.NOW, **changes},
+        {
+            "action_id": action.pk,
+            "tenant_id": statements.Check(action.tenant_id),
+            "status": list(UNSETTLED),
+        },
+        returning=statements.attnames(Action),
+    )
+    if len(rows) != 1:
+        raise InvalidTransition("only a sent or unknown action is sent again with its key")
+    _absorb(action, rows[0])
+    _record_outcome(action, S.SENT, actor, changes, {"again": True})
+    return action
+
+
 def hold_again(action: Action, actor: str, verdict: gates.Verdict) -> Action:
     """Back to awaiting_approval, in the dispatch transaction: the approval the verdict names
     stopped binding (it is superseded, through the port) or there never was one; a new

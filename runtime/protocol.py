@@ -29,6 +29,7 @@ from runtime.errors import (
     NotPermitted,
     RunFinished,
     StaleFence,
+    StaleGoalRev,
     VersionConflict,
 )
 from runtime.events import RunEvent, record
@@ -399,9 +400,29 @@ def dispatch(action: Action, fence: int, who: str, ttl: float = 30.0) -> Action:
     if action.status == S.AWAITING_APPROVAL:
         raise ApprovalRequired(f"{action.tool} is waiting for approval")
     actor = _actor(who, fence)
+    if action.status in ledger.UNSETTLED and not tool.sent_by_holdpoint:
+        return _dispatch_again(action, fence, ttl, tool, actor)
     return ledger.mark_sent(
         action, fence, ttl, tool, actor, then=lambda sent: _resume(sent, fence, actor)
     )
+
+
+def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+    """Reconcile `replay_same_key`: a tool that honours its key may be sent again with it
+    (API.md); any other mode is refused — its `reconcile` says what to do instead."""
+    how = RECONCILE[tool.dedup_mode()]
+    if how != "replay_same_key":
+        raise InvalidTransition(f"action is {action.status}; reconcile it by {how}")
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence, action.tenant_id)
+        goal_rev = (
+            Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id)
+            .values_list("goal_rev", flat=True)
+            .get()
+        )
+        if action.goal_rev != goal_rev:
+            raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}")
+        return ledger.mark_resent(action, fence, ttl, tool, actor)
 
 
 def _resume(action: Action, fence: int, actor: str) -> None:

@@ -232,7 +232,7 @@ def test_prepare_answers_201_prepared_with_the_action(agent_a: Persona) -> None:
     data = ok(prepare(client, run_id, fence, params={"title": "Ship", "body": "é"}), 201)
     assert ACTION_FIELDS <= set(data), ACTION_FIELDS - set(data)
     assert data["status"] == "prepared" and data["approval"] is None
-    assert (data["run_id"], data["tool"], data["goal_rev"]) == (run_id, "tasks.create", 1)
+    assert (data["run_id"], data["tool"], data["goal_rev"]) == (run_id, CLIENT, 1)
     assert data["params"] == {"title": "Ship", "body": "é"}
     assert len(data["fingerprint"]) == 64 and data["external_id"] == ""
     assert data["idempotency_key"]

@@ -345,8 +345,12 @@ def test_mode_key_reconcile_says_replay_with_the_same_key(agent_a: Persona, sett
 
     assert (unknown["status"], unknown["reconcile"]) == ("unknown", {"how": "replay_same_key"})
     problem(outcome(client, action["action_id"], fence, "not_found"), 409, "invalid_transition")
+    again = ok(dispatch(client, action["action_id"], fence))  # allowed: the same key
+    assert (again["status"], again["attempts"]) == ("sent", 2)
+    assert again["idempotency_key"] == action["idempotency_key"]
     done = ok(outcome(client, action["action_id"], fence, "confirmed", external_id="T-1"))
     assert done["status"] == "confirmed"
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")
 
 
 def test_mode_lookup_not_found_is_accepted_only_after_the_in_flight_grace(
@@ -359,6 +363,7 @@ def test_mode_lookup_not_found_is_accepted_only_after_the_in_flight_grace(
     action = sent(client, run_id, fence)
     assert action["reconcile"]["how"] == "lookup" and action["reconcile"]["not_found_after"]
 
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")  # look up
     early = outcome(client, action["action_id"], fence, "not_found")
 
     problem(early, 409, "invalid_transition")
