@@ -414,14 +414,20 @@ def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: s
     if how != "replay_same_key":
         raise InvalidTransition(f"action is {action.status}; reconcile it by {how}")
     with transaction.atomic(durable=True):
-        ledger.fenced(action.run_id, fence, action.tenant_id)
-        goal_rev = (
-            Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id)
-            .values_list("goal_rev", flat=True)
+        # The refusals in the order a first dispatch gives them (ledger.check_dispatchable),
+        # under the run's row lock, as a goal revision takes it.
+        status, goal_rev, run_fence = (
+            Run.objects.select_for_update()
+            .filter(pk=action.run_id, tenant_id=action.tenant_id)
+            .values_list("status", "goal_rev", "fence")
             .get()
         )
+        if status in TERMINAL:
+            raise RunFinished(f"the run is {status}: nothing more is sent for it")
         if action.goal_rev != goal_rev:
             raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}")
+        if run_fence != fence:
+            raise StaleFence("the run was taken over by another executor")
         return ledger.mark_resent(action, fence, ttl, tool, actor)
 
 
