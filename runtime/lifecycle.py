@@ -134,6 +134,10 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
         ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
         withdrawn.update(status=ActionStatus.CANCELLED, last_error="run cancelled")
         gates.withdrawn(ids, "run cancelled", actor)
+        if run.external:  # its executor reports nothing more: a person settles the rest
+            from runtime.protocol import hand_over_unproven
+
+            hand_over_unproven(run, actor)
         record(
             run,
             RunEvent.CANCELLED,

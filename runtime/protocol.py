@@ -157,6 +157,26 @@ def settle_takeover(run: Run, lease: Lease) -> None:
             _to_person(action, lease.fence, lease.actor, reason)
 
 
+def hand_over_unproven(run: Run, actor: str) -> list[Action]:
+    """Inside the cancel of an external run: its actions that may have happened (sent,
+    unknown) will never be reported now — the executor may not write to a finished run's
+    checkpoints, no worker reconciles it — so each goes to a person (`manual_review`, the
+    Reconcile page) instead of staying unknown for ever."""
+    unproven = Action.objects.filter(
+        tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
+    )
+    return [
+        ledger.transition(
+            action,
+            S.MANUAL_REVIEW,
+            actor,
+            last_error="the run was cancelled before this action's outcome was known",
+            reconcile_attempts=action.reconcile_attempts + 1,
+        )
+        for action in unproven
+    ]
+
+
 def _to_person(action: Action, fence: int, actor: str, reason: str, **journal_extra: Any) -> Action:
     """Inside a fenced transaction: the action to `manual_review`, its run (if it is still
     going) to `needs_reconciliation` — for a reviewer, over the API or the Reconcile page."""

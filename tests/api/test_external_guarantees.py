@@ -440,3 +440,27 @@ def test_a_lost_executor_is_flagged_by_the_sweeper_and_a_new_lease_takes_the_run
         201,
     )
     assert Run.objects.get(pk=lost_id).status == RunStatus.COMPLETED
+
+
+def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
+    agent_a: Persona, reviewer_a: Persona, settings: Any
+) -> None:
+    """Issue 15.3: a cancelled run's `unknown` action stayed unknown for ever (its executor
+    may write no more, no worker reconciles it); now a person has it on the Reconcile page."""
+    settings.HOLDPOINT_TASKS_DEDUP = "key"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+    ok(outcome(client, action["action_id"], fence, "unknown"))
+
+    ok(post(client, f"runs/{run_id}/cancel/", {"reason": "not needed"}))
+
+    stored = Action.objects.get(pk=action["action_id"])
+    assert stored.status == ActionStatus.MANUAL_REVIEW and "cancelled" in stored.last_error
+    alice = session(reviewer_a.user)
+    assert action["idempotency_key"] in alice.get("/reconcile/").content.decode()
+    body = {"outcome": "applied", "external_id": "T-3", "note": "it was made"}
+    ok(post(alice, f"actions/{action['action_id']}/resolve/", body))
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.CONFIRMED
+    assert Run.objects.get(pk=run_id).status == RunStatus.CANCELLED
