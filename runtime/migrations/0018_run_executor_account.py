@@ -19,7 +19,7 @@ def creators_execute(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("runtime", "0014_run_status_constraints"),
+        ("runtime", "0017_run_shapers"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
