@@ -342,6 +342,12 @@ if HOLDPOINT_TASKS_DEDUP not in {"key", "lookup", "none"}:
 HOLDPOINT_RECONCILE_ATTEMPTS = env_int("HOLDPOINT_RECONCILE_ATTEMPTS", 5, minimum=1)
 HOLDPOINT_DEMO_PASSWORD = env_str("HOLDPOINT_DEMO_PASSWORD", "")
 HOLDPOINT_LEASE_TTL = env_int("HOLDPOINT_LEASE_TTL", 20, minimum=2)
+# The longest lease an external executor may take or heartbeat to (issue 16 H1: a long lease
+# is how a lost agent would keep its run stuck for an hour).
+HOLDPOINT_MAX_LEASE_TTL = env_int("HOLDPOINT_MAX_LEASE_TTL", 300, minimum=2)
+# How long after an external executor's lease expired, unrenewed, the sweeper says the
+# executor is lost (needs_attention, attention_reason "executor_lost").
+HOLDPOINT_EXECUTOR_GRACE = env_int("HOLDPOINT_EXECUTOR_GRACE", 10, minimum=0)
 # Heartbeat from a side thread during long steps (every TTL/3). Tests that run the executor
 # inside pytest's open transaction switch it off: the side connection would wait on it.
 HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)

@@ -18,12 +18,15 @@ this process's lease has expired. With these names the worker settles the `sent`
 and then parks the run (`needs_attention`: no such step) instead of running its own
 `propose_task` on this agent's state and opening a second task.
 
-The task is created through `Executor.act`, whose idempotency key is derived from the run
-and the call label: a restarted process finds the action its predecessor prepared, and a
-`sent` action is replayed with the same Idempotency-Key, which the tracker answers with
-the task it already created. `AGENT_CRASH_AFTER_TOOL_CALL=1` makes the process SIGKILL
-itself right after the tracker answered and before the outcome is recorded — the window
-where a naive agent would create the task twice.
+The task is created through `Executor.act` with the tool `agent.tasks.create` (the
+tracker, performed by this process: executor `client`), whose idempotency key is derived
+from the run and the call label: a restarted process finds the action its predecessor
+prepared. A `sent` action is settled as the server says (the tracker's dedup mode,
+HOLDPOINT_TASKS_DEDUP): replayed with the same Idempotency-Key (`key`), looked up by key
+(`lookup`), or handed to a person on the Reconcile page while this process waits (`none`).
+`AGENT_CRASH_AFTER_TOOL_CALL=1` makes the process SIGKILL itself right after the tracker
+answered and before the outcome is recorded — the window where a naive agent would create
+the task twice.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from holdpoint_client import (
     ToolCall,
     ToolRefused,
 )
-from holdpoint_client.executor import Perform
+from holdpoint_client.executor import Lookup, Perform
 from runtime.agents.api_review.diff import find_risks, load_spec
 
 # The server-side graph's default goal (runtime/agents/api_review/graph.py), copied: that
@@ -58,6 +61,9 @@ DEFAULT_GOAL: dict[str, Any] = {
     "scope": ["/orders", "/users"],
     "create_review_task": True,
 }
+# The tracker as a tool this process performs itself (executor `client`): Holdpoint records
+# and reconciles it; `tasks.create` is the one Holdpoint sends itself, for hosted runs.
+TOOL = "agent.tasks.create"
 READ_SPECS, ANALYSE, PROPOSE_TASK, DONE = "ext:read_specs", "ext:analyse", "ext:propose_task", ""
 log = logging.getLogger("external_agent")
 
@@ -109,10 +115,11 @@ def propose_task(ex: Executor, state: dict[str, Any], tasks_url: str) -> dict[st
     }
     try:
         action = ex.act(
-            "tasks.create",
+            TOOL,
             params,
             call="propose_task",
             perform=post_task(tasks_url),
+            lookup=find_task(tasks_url),
             reason="The new API version breaks existing clients in these places.",
             target=str(report["new_spec"]),
         )
@@ -149,6 +156,23 @@ def post_task(tasks_url: str) -> Perform:
         raise RuntimeError(f"unexpected HTTP {response.status_code}")
 
     return perform
+
+
+def find_task(tasks_url: str) -> Lookup:
+    """`lookup` for agent.tasks.create: the tracker's task with the ledger's key, if any."""
+
+    def lookup(call: ToolCall) -> tuple[str, Any] | None:
+        response = httpx.get(
+            tasks_url.rstrip("/") + "/tasks",
+            params={"key": call.idempotency_key},
+            headers=call.headers(),
+            timeout=5.0,
+        )
+        response.raise_for_status()  # cannot tell: the executor reports unknown
+        found = response.json()
+        return (str(found[0]["id"]), found[0]) if found else None
+
+    return lookup
 
 
 def start_run(client: Client, goal: dict[str, Any]) -> str:

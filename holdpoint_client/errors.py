@@ -149,6 +149,13 @@ class LeaseHeld(Conflict):
     code = "lease_held"
 
 
+class NotExternal(Conflict):
+    """The run is executed by Holdpoint's workers: the executor protocol does not apply to it
+    (lease a run created with `external=True`)."""
+
+    code = "not_external"
+
+
 class StaleFence(Conflict):
     """This executor's lease was taken over: it must stop writing at once."""
 
@@ -319,6 +326,7 @@ _CLASSES: tuple[type[HoldpointAPIError], ...] = (
     AlreadyCompleted,
     NotWaitingInput,
     LeaseHeld,
+    NotExternal,
     StaleFence,
     ApprovalRequired,
     ApprovalExpired,

@@ -11,10 +11,14 @@ needs to carry on is therefore kept by the server, never in the process:
   revision and the call's label — never from the process — so `act` after a restart meets
   the action the dead process prepared and continues it from its recorded status.
 
-A `sent` or `unknown` action is never "just called again": the tool call is repeated with
-the *same* idempotency key, which a key-deduplicating service answers with the first
-result, or looked up first when the agent gives a `lookup`; a tool that can do neither is
-recorded `unknown` for a human to resolve.
+A `sent` or `unknown` action is never "just called again" on the client's say-so. The
+server knows each tool's dedup contract and says on the action what happens next
+(`reconcile`, API.md "External executors"): `replay_same_key` — `perform` again with the
+*same* idempotency key, which the service answers with the first result; `lookup` — the
+agent's `lookup` asks the service by key (found: confirmed; not found: reported, and the
+server lets it be sent again once the first request can no longer be in flight);
+`manual_review` — a person resolves it, and the executor waits for their answer. The client
+has no replay-safety setting of its own to get wrong.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -112,11 +117,11 @@ class Executor:
         ttl: int = 30,
         *,
         lease_timeout: float = 120.0,
-        replay_attempts: int = 3,
+        replay_attempts: int = 5,
         retry_pause: float = 1.0,
     ) -> None:
-        if not 2 <= ttl <= 3600:
-            raise ValueError("ttl must be between 2 and 3600 seconds")
+        if ttl < 2:  # the server caps it (HOLDPOINT_MAX_LEASE_TTL, 300 s by default)
+            raise ValueError("ttl must be at least 2 seconds")
         self.client = client
         self.run_id = str(run_id)
         self.owner = owner
@@ -299,17 +304,20 @@ class Executor:
         perform: Perform,
         reason: str = "",
         target: str = "",
-        replay_safe: bool = True,
         lookup: Lookup | None = None,
         approval_timeout: float | None = None,
+        resolution_timeout: float | None = None,
     ) -> Action:
         """Prepare → (wait for approval) → dispatch → perform → record; exactly once.
 
         `call` names this call within the run (e.g. the step name); it must be the same
-        when the agent comes back to this point after a restart. `replay_safe` says the
-        service deduplicates by Idempotency-Key, so repeating `perform` with the action's
-        key cannot apply twice. Returns the confirmed action; raises ActionRejected,
-        ActionWithdrawn, ActionFailed, OutcomeUnknown or LeaseLost otherwise.
+        when the agent comes back to this point after a restart. `tool` must be one the
+        agent performs itself (executor `client`). An action that may have happened is
+        settled as the server's `reconcile` says — `perform` again with the same key,
+        `lookup` (required for a tool the server reconciles by lookup), or a person's
+        answer, waited for up to `resolution_timeout` seconds (None: as long as it takes;
+        the lease is renewed meanwhile). Returns the confirmed action; raises
+        ActionRejected, ActionWithdrawn, ActionFailed, OutcomeUnknown or LeaseLost otherwise.
         """
         self._check()
         key = self.key_for(call)
@@ -322,26 +330,36 @@ class Executor:
             # params first asked for and returns the action) or an agent that changed its
             # mind under the same label (refused: IdempotencyKeyReused).
             action = self._prepare(key, tool, params, reason, target)
-        deadline = None if approval_timeout is None else time.monotonic() + approval_timeout
+        approval_deadline = _deadline(approval_timeout)
+        resolution_deadline = _deadline(resolution_timeout)
+        performed = 0
         while True:
             self._check()
             status = action.status
             if status in ("confirmed", "compensated"):
                 return action
             if status == "awaiting_approval":
-                action = self._await_decision(action, deadline)
+                action = self._await_decision(action, approval_deadline)
             elif status in ("prepared", "approved"):
                 action = self._dispatch(action)
                 if action.status == "sent":
-                    action = self._settle(action, perform, lookup, replay_safe, replay=False)
+                    action = self._perform(action, perform, replay=performed > 0)
+                    performed += 1
             elif status in ("sent", "unknown"):
-                action = self._settle(action, perform, lookup, replay_safe, replay=True)
+                if performed >= self.replay_attempts:
+                    raise OutcomeUnknown(
+                        f"{tool}: no verifiable result after {performed} attempts; the "
+                        "server reconciles it",
+                        action=action,
+                    )
+                action = self._reconcile(action, perform, lookup, attempt=performed)
+                performed += 1
             elif status == "failed":
                 raise ActionFailed(f"{tool} failed: {action.last_error}", action=action)
             elif status == "cancelled":
                 raise self._cancelled(action)
             elif status == "manual_review":
-                raise OutcomeUnknown(f"{tool} waits for a human to resolve it", action=action)
+                action = self._await_resolution(action, resolution_deadline)
             else:
                 raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
 
@@ -422,46 +440,76 @@ class Executor:
                 raise
             return self.client.get_action(action.action_id)
 
-    def _settle(
-        self,
-        action: Action,
-        perform: Perform,
-        lookup: Lookup | None,
-        replay_safe: bool,
-        *,
-        replay: bool,
-    ) -> Action:
-        """Call the tool (or find its effect) and record what came of it."""
+    def _perform(self, action: Action, perform: Perform, *, replay: bool) -> Action:
+        """Call the tool once and report what came of it; the server applies the tool's
+        contract to the report (an `unknown` of a tool it cannot reconcile goes to a
+        person at once) and the returned action says what happens next."""
         call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
-        if replay and lookup is not None:
+        try:
+            effect = perform(call)
+        except ToolRefused as exc:
+            return self._record(action, "failed", result={"error": str(exc)})
+        except Exception as exc:  # the request may have applied: never a clean failure
+            log.warning("run %s: %s: %r", self.run_id, action.tool, exc)
+            return self._record(action, "unknown", result={"error": repr(exc)[:2000]})
+        return self._confirm(action, effect)
+
+    def _reconcile(
+        self, action: Action, perform: Perform, lookup: Lookup | None, *, attempt: int
+    ) -> Action:
+        """Settle an action that may have happened, as the server's `reconcile` says."""
+        how = action.reconcile or self.client.get_action(action.action_id).reconcile
+        if attempt:
+            time.sleep(self.retry_pause * (2 ** min(attempt - 1, 5)))
+        if how == "replay_same_key":
+            return self._perform(action, perform, replay=True)
+        if how == "lookup":
+            if lookup is None:
+                raise ExecutorError(
+                    f"{action.tool} is reconciled by looking it up: pass lookup= to act",
+                    action=action,
+                )
+            call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
             found = lookup(call)
             if found is not None:
                 return self._confirm(action, found)
-        if replay and not replay_safe:
-            action = self._record(action, "unknown", result={"error": "cannot be replayed"})
-            raise OutcomeUnknown(
-                f"{action.tool} may or may not have applied and cannot be replayed safely",
-                action=action,
-            )
-        for attempt in range(self.replay_attempts):
+            return self._not_found(action)
+        # manual_review (or a server that names no way): say we cannot tell; the server
+        # hands it to a person.
+        return self._record(action, "unknown", result={"error": "the outcome is not known"})
+
+    def _not_found(self, action: Action) -> Action:
+        """Report a lookup that found nothing; the server accepts it only once the first
+        request can no longer be in flight — until then, wait and look again."""
+        try:
+            return self._record(action, "not_found")
+        except InvalidTransition:
+            reread = self.client.get_action(action.action_id)
+            if reread.status not in ("sent", "unknown"):
+                return reread
+            after = reread.not_found_after
+            wait = 0.5 if after is None else (after - datetime.now(UTC)).total_seconds() + 0.2
+            time.sleep(min(max(wait, 0.2), float(self.ttl)))
+            return reread
+
+    def _await_resolution(self, action: Action, deadline: float | None) -> Action:
+        """A person resolves the action (API `resolve`, the Reconcile page): applied makes
+        it confirmed, not applied sends it again with the same key. Long-poll the run (it
+        leaves needs_reconciliation when they answer); the lease stays renewed meanwhile."""
+        log.info("run %s: %s waits for a person to resolve it", self.run_id, action.tool)
+        while True:
             self._check()
-            try:
-                effect = perform(call)
-            except ToolRefused as exc:
-                return self._record(action, "failed", result={"error": str(exc)})
-            except Exception as exc:  # the request may have applied: never a clean failure
-                log.warning("run %s: %s: %r (attempt %d)", self.run_id, action.tool, exc, attempt)
-                action = self._record(action, "unknown", result={"error": repr(exc)[:2000]})
-                if not replay_safe:
-                    raise OutcomeUnknown(f"{action.tool}: {exc!r}", action=action) from exc
-                time.sleep(self.retry_pause * (2**attempt))
-                call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
-                continue
-            return self._confirm(action, effect)
-        raise OutcomeUnknown(
-            f"{action.tool}: no verifiable result after {self.replay_attempts} attempts",
-            action=action,
-        )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise OutcomeUnknown(
+                    f"{action.tool} waits for a person to resolve it", action=action
+                )
+            action = self.client.get_action(action.action_id)
+            if action.status != "manual_review":
+                return action
+            wait = float(min(30, self.ttl))
+            if deadline is not None:
+                wait = max(1.0, min(wait, deadline - time.monotonic()))
+            self.client.get_run(self.run_id, wait=wait)
 
     def _confirm(self, action: Action, effect: tuple[str, Any]) -> Action:
         external_id, result = effect
@@ -487,13 +535,25 @@ class Executor:
                 raise self._lose(exc) from exc
             except InvalidTransition:
                 reread = self.client.get_action(action.action_id)
-                if reread.status == outcome:  # our own earlier attempt landed
+                if _moved(action, reread, outcome):  # our own earlier attempt landed
                     return reread
                 raise
             except TransportError as exc:
                 if not exc.may_have_applied:
                     raise
                 reread = self.client.get_action(action.action_id)
-                if reread.status == outcome:
+                if _moved(action, reread, outcome):
                     return reread
         raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)
+
+
+def _moved(before: Action, now: Action, outcome: str) -> bool:
+    """Whether a report of `outcome` landed: the action is in the status it names, or — the
+    server applies the tool's contract to an `unknown` — a person now has it."""
+    if now.status == outcome:
+        return True
+    return outcome == "unknown" and now.status == "manual_review" != before.status
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout

@@ -166,9 +166,15 @@ class Action:
     created_at: datetime | None
     updated_at: datetime | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # What the server says happens next to an action nobody has proven (sent, unknown,
+    # manual_review): "replay_same_key", "lookup" or "manual_review"; "" otherwise.
+    reconcile: str = ""
+    # With reconcile "lookup": the server accepts "not_found" only after this time.
+    not_found_after: datetime | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Action:
+        reconcile = data.get("reconcile") or {}
         return cls(
             action_id=str(data["action_id"]),
             run_id=str(data.get("run_id") or ""),
@@ -186,6 +192,8 @@ class Action:
             created_at=parse_time(data.get("created_at")),
             updated_at=parse_time(data.get("updated_at")),
             raw=dict(data),
+            reconcile=str(reconcile.get("how") or ""),
+            not_found_after=parse_time(reconcile.get("not_found_after")),
         )
 
 

@@ -124,6 +124,8 @@ class ActionRunner:
         tool = get_tool(tool_name)
         if self.graph.tools and tool.name not in self.graph.tools:
             raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
+        if not tool.sent_by_holdpoint:  # an external executor performs it; a worker cannot
+            raise ToolNotAllowed(f"{tool.name} is performed by an external executor (client)")
         tool.validate(params)  # invalid params never reach the service
         canonical = ledger.canonical_params(params)
         run = self.host.run

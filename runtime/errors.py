@@ -51,6 +51,14 @@ class LeaseHeld(Conflict):
     title = "Lease held by another executor"
 
 
+class NotExternal(Conflict):
+    """The executor protocol on a run Holdpoint's workers execute (issue 16 H1): an API
+    client may not lease a hosted run, nor write to it under a fence it read."""
+
+    code = "not_external"
+    title = "The run is executed by Holdpoint, not by an external executor"
+
+
 class VersionConflict(Conflict):
     code = "version_conflict"
     title = "The object moved since the caller last saw it"

@@ -46,6 +46,7 @@ class RunEvent(models.TextChoices):
     PARKED = "parked"
     RECONCILE_SCHEDULED = "reconcile_scheduled"
     NEEDS_RECONCILIATION = "needs_reconciliation"
+    EXECUTOR_NAMED = "executor_named"
 
 
 def record(

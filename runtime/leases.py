@@ -16,11 +16,28 @@ from types import TracebackType
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Case, DateTimeField, ExpressionWrapper, F, Q, Value, When
+from django.db.models import (
+    Case,
+    CharField,
+    DateTimeField,
+    ExpressionWrapper,
+    F,
+    Q,
+    TextField,
+    Value,
+    When,
+)
 from django.db.models.functions import Now
 
 from fastsql import statements
-from runtime.errors import AlreadyCompleted, LeaseHeld, NotFound, RunFinished, StaleFence
+from runtime.errors import (
+    AlreadyCompleted,
+    LeaseHeld,
+    NotExternal,
+    NotFound,
+    RunFinished,
+    StaleFence,
+)
 from runtime.events import RunEvent, record
 from runtime.models import RUNNABLE, TERMINAL, Run, RunStatus
 
@@ -73,11 +90,27 @@ def lease_free() -> Q:
     return Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now())
 
 
-def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = True) -> Lease:
+# Why a run whose external executor vanished needs a person (runtime.sweeper sets it; a new
+# lease by an external executor clears it).
+EXECUTOR_LOST = "executor_lost"
+
+
+def take_lease(
+    run_id: Any,
+    owner: str,
+    ttl: float,
+    *,
+    runnable_only: bool = True,
+    external: bool = False,
+    by: str = "",
+) -> Lease:
     """Take the run's lease if nobody holds a live one; fence += 1. Raises LeaseHeld & co.
 
     `runnable_only` (workers): only runs that are due — queued, running with a dead lease,
-    retrying or a timer whose time has come. External executors may lease any unfinished run.
+    retrying or a timer whose time has come. Otherwise any unfinished run; with `external`
+    (the executor protocol, runtime.protocol.take) only a run created external — a hosted
+    run is refused with NotExternal in the same compare-and-swap — and a run whose executor
+    was declared lost is running again. `by`: who acts under the lease, for the journal.
     """
     if runnable_only:
         return _take_due(run_id, owner, ttl)
@@ -95,6 +128,8 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
             )
         else:
             due = due.exclude(status__in=TERMINAL)
+        if external:
+            due = due.filter(external=True)
         changes: dict[str, Any] = {
             "lease_owner": owner,
             "lease_expires_at": db_now_plus(ttl),
@@ -104,19 +139,26 @@ def take_lease(run_id: Any, owner: str, ttl: float, *, runnable_only: bool = Tru
         if runnable_only:
             changes.update(status=RunStatus.RUNNING, wake_at=None)
         else:
-            # An external executor that leases a queued or retrying run is now running it.
+            # An external executor that leases a queued or retrying run is now running it;
+            # so is one whose lost executor is back (or replaced).
+            lost = Q(status=RunStatus.NEEDS_ATTENTION, attention_reason=EXECUTOR_LOST)
             changes["status"] = Case(
                 When(
                     status__in=[RunStatus.QUEUED, RunStatus.RETRYING], then=Value(RunStatus.RUNNING)
                 ),
+                When(lost, then=Value(RunStatus.RUNNING)),
                 default=F("status"),
+                output_field=CharField(),
+            )
+            changes["attention_reason"] = Case(
+                When(lost, then=Value("")), default=F("attention_reason"), output_field=TextField()
             )
         if due.update(**changes) != 1:
-            _refuse(run_id, tenant_id)
+            _refuse(run_id, tenant_id, external=external)
         run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(
             pk=run_id, tenant_id=tenant_id
         )
-        lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at)
+        lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at, by=by)
         record(
             run,
             RunEvent.LEASE_TAKEN,
@@ -194,8 +236,10 @@ def _take_due(run_id: Any, owner: str, ttl: float) -> Lease:
         return lease
 
 
-def _refuse(run_id: Any, tenant_id: int) -> None:
-    run = Run.objects.only("status").get(pk=run_id, tenant_id=tenant_id)
+def _refuse(run_id: Any, tenant_id: int, *, external: bool = False) -> None:
+    run = Run.objects.only("status", "external").get(pk=run_id, tenant_id=tenant_id)
+    if external and not run.external:
+        raise NotExternal("the run is executed by Holdpoint's workers; lease an external run")
     if run.status == RunStatus.COMPLETED:
         raise AlreadyCompleted()
     if run.status in TERMINAL:

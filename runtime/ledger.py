@@ -125,7 +125,13 @@ def _move(action: Action, target: str, changes: dict[str, Any], **where: Any) ->
     return True
 
 
-def _record_outcome(action: Action, target: str, actor: str, changes: dict[str, Any]) -> None:
+def _record_outcome(
+    action: Action,
+    target: str,
+    actor: str,
+    changes: dict[str, Any],
+    journal_extra: dict[str, Any] | None = None,
+) -> None:
     record(
         RunRef(action.run_id, action.tenant_id),
         RunEvent.ACTION_OUTCOME,
@@ -135,14 +141,23 @@ def _record_outcome(action: Action, target: str, actor: str, changes: dict[str, 
         fingerprint=action.fingerprint,
         action_status=target,
         **{k: v for k, v in changes.items() if k in ("external_id", "last_error")},
+        **(journal_extra or {}),
     )
 
 
-def transition(action: Action, target: str, actor: str, **changes: Any) -> Action:
+def transition(
+    action: Action,
+    target: str,
+    actor: str,
+    *,
+    journal_extra: dict[str, Any] | None = None,
+    **changes: Any,
+) -> Action:
     """Compare-and-swap the action into `target` from any status allowed to reach it.
 
     Database-time values are `statements.NOW` / `statements.DbNow(seconds)`. The instance is
-    refreshed from the updated row itself (no second read)."""
+    refreshed from the updated row itself (no second read). `journal_extra`: more for the
+    outcome's journal entry (an external executor's outcome names who reported it)."""
     if not _move(action, target, changes):
         current = (
             Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id)
@@ -150,7 +165,7 @@ def transition(action: Action, target: str, actor: str, **changes: Any) -> Actio
             .first()
         )
         raise InvalidTransition(f"action is {current}, cannot become {target}")
-    _record_outcome(action, target, actor, changes)
+    _record_outcome(action, target, actor, changes, journal_extra)
     return action
 
 
@@ -359,6 +374,33 @@ def mark_sent(
     )
 
 
+def mark_resent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+    """Inside the caller's fenced transaction: a `sent` or `unknown` action of a tool that
+    honours its idempotency key is sent again with that key (reconcile `replay_same_key`) —
+    the same effect, so no new hold-point check; the in-flight window starts again."""
+    changes: dict[str, Any] = {
+        "sent_fence": fence,
+        "sent_at": statements.NOW,
+        "in_flight_until": statements.DbNow(ttl + tool.timeout),
+        "attempts": statements.Add(1),
+    }
+    rows = statements.update(
+        Action,
+        {"status": S.SENT, "updated_at": statements.NOW, **changes},
+        {
+            "action_id": action.pk,
+            "tenant_id": statements.Check(action.tenant_id),
+            "status": list(UNSETTLED),
+        },
+        returning=statements.attnames(Action),
+    )
+    if len(rows) != 1:
+        raise InvalidTransition("only a sent or unknown action is sent again with its key")
+    _absorb(action, rows[0])
+    _record_outcome(action, S.SENT, actor, changes, {"again": True})
+    return action
+
+
 def hold_again(action: Action, actor: str, verdict: gates.Verdict) -> Action:
     """Back to awaiting_approval, in the dispatch transaction: the approval the verdict names
     stopped binding (it is superseded, through the port) or there never was one; a new
@@ -507,7 +549,9 @@ def resolve(
         )
         still_open = Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists()
         if run.status == RunStatus.NEEDS_RECONCILIATION and not still_open:
-            Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, updated_at=Now())
+            Run.objects.filter(pk=run.pk).update(
+                status=RunStatus.QUEUED, waiting_for=None, updated_at=Now()
+            )
             record(
                 run, RunEvent.RESUMED, actor, previous_status=run.status, status=RunStatus.QUEUED
             )

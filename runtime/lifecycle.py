@@ -62,11 +62,13 @@ def create_run(
     graph_version: str | None = None,
     metadata: dict[str, Any] | None = None,
     external: bool = False,
+    executor_account: Any = None,
 ) -> Run:
     """Start a run pinned to a registered graph version (the latest unless one is named).
 
     `external`: the agent runs its own loop through the executor protocol; Holdpoint's
-    workers never pick it up.
+    workers never pick it up. `executor_account`: the agent account that may execute it
+    (runtime.protocol.authorize), normally the agent that starts it.
     """
     found = registry.get(graph, graph_version) if graph_version else None
     if found is None:
@@ -85,6 +87,7 @@ def create_run(
             metadata={"tools": list(found.tools), **(metadata or {})},
             created_by=actor,
             external=external,
+            executor_account=executor_account if external else None,
         )
         record(
             run,
@@ -131,6 +134,10 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
         ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
         withdrawn.update(status=ActionStatus.CANCELLED, last_error="run cancelled")
         gates.withdrawn(ids, "run cancelled", actor)
+        if run.external:  # its executor reports nothing more: a person settles the rest
+            from runtime.protocol import hand_over_unproven
+
+            hand_over_unproven(run, actor)
         record(
             run,
             RunEvent.CANCELLED,

@@ -12,8 +12,9 @@ them. Every write is conditional on the caller's fence and commits with its jour
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
@@ -24,15 +25,21 @@ from runtime.errors import (
     ApprovalRequired,
     InvalidParams,
     InvalidTransition,
+    NotExternal,
+    NotPermitted,
     RunFinished,
     StaleFence,
+    StaleGoalRev,
     VersionConflict,
 )
 from runtime.events import RunEvent, record
 from runtime.leases import Lease
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.stepcommit import StepCommit
-from runtime.tools import Tool, get_tool
+from runtime.tools import Dedup, Tool, get_tool
+
+if TYPE_CHECKING:
+    from runtime.tenancy import Principal
 
 S = ActionStatus
 EXTERNAL_STATUSES = {
@@ -60,7 +67,143 @@ def _actor(who: str, fence: int) -> str:
     return f"{who}#{fence}"
 
 
+# --- who may execute ---------------------------------------------------------------------------
+
+
+def authorize(run: Run, principal: Principal) -> None:
+    """Whether `principal` may act as `run`'s executor (issue 16 H1), before anything else.
+
+    Only a run created `external` is executed through the protocol: a hosted run's fence is
+    on every run object, and an API client writing under it would forge what Holdpoint's
+    own workers do (409 not_external). Of an external run, only its executor account — the
+    agent that created it, or the one a tenant admin named — may lease it or write under
+    its fence; any other agent token, and every person's session, is refused (403).
+    """
+    if not run.external:
+        raise NotExternal(f"run {run.run_id} is executed by Holdpoint's workers")
+    if not principal.is_agent or run.executor_account_id != principal.user.pk:
+        raise NotPermitted("only the run's executor account may execute it")
+
+
+def name_executor(run: Run, account: Any, *, actor: str) -> Run:
+    """A tenant admin names the agent account that may execute an external run (instead of
+    the agent that created it) — the one writer of `executor_account`, journalled in the
+    run's stream and, as a human act, in the tenant's. The named account must be an agent
+    of the run's tenant: a person never executes, another tenant's agent never sees it."""
+    from runtime.accounts import record_tenant_act
+    from runtime.models import Membership, Role
+
+    if not run.external:
+        raise NotExternal(f"run {run.run_id} is executed by Holdpoint's workers")
+    agent = Membership.objects.filter(user=account, tenant_id=run.tenant_id, role=Role.AGENT)
+    if not agent.exists():
+        raise InvalidParams(
+            "the executor must be an agent account of the run's tenant",
+            errors={"executor_account": ["not an agent account of this tenant"]},
+        )
+    named = {"run_id": str(run.run_id), "executor_account": account.get_username()}
+    with transaction.atomic(durable=True):
+        Run.objects.filter(pk=run.run_id, tenant_id=run.tenant_id).update(
+            executor_account=account, updated_at=Now()
+        )
+        record(run, RunEvent.EXECUTOR_NAMED, actor, **named)
+        record_tenant_act(run.tenant_id, RunEvent.EXECUTOR_NAMED.value, actor, **named)
+    return Run.objects.get(pk=run.run_id, tenant_id=run.tenant_id)
+
+
+def capped_ttl(ttl: float) -> float:
+    """A lease no longer than HOLDPOINT_MAX_LEASE_TTL: a lost executor must not hold its run
+    (and lock out its successor) for longer than an operator allows."""
+    longest = settings.HOLDPOINT_MAX_LEASE_TTL
+    if ttl > longest:
+        raise InvalidParams(
+            f"ttl_seconds may be at most {longest}",
+            errors={"ttl_seconds": [f"at most {longest} seconds"]},
+        )
+    return ttl
+
+
 # --- the lease ---------------------------------------------------------------------------------
+
+
+def take(run: Run, owner: str, ttl: float, *, who: str) -> Lease:
+    """Lease an external run (runtime.leases.take_lease, refusing hosted runs in its
+    compare-and-swap), then settle what the previous executor left unproven."""
+    lease = leases.take_lease(
+        run.run_id, owner, capped_ttl(ttl), runnable_only=False, external=True, by=who
+    )
+    settle_takeover(run, lease)
+    return lease
+
+
+def settle_takeover(run: Run, lease: Lease) -> None:
+    """A new lease finds actions `sent` (or `unknown`) by an earlier one: of a tool that can
+    neither deduplicate nor be looked up, nothing can ever prove what happened, so each goes
+    to a person at once (`manual_review`, the run `needs_reconciliation`) — the executor
+    must not call it again. The others keep their status; their `reconcile` says how."""
+    open_ = Action.objects.filter(
+        tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
+    )
+    unprovable = [a for a in open_ if get_tool(a.tool).dedup_mode() == Dedup.NONE]
+    if not unprovable:
+        return
+    with transaction.atomic(durable=True):
+        ledger.fenced(run.run_id, lease.fence, run.tenant_id)
+        for action in unprovable:
+            reason = (
+                f"{action.tool} cannot deduplicate or be looked up, and its executor "
+                "changed before it reported an outcome"
+            )
+            _to_person(action, lease.fence, lease.actor, reason)
+
+
+def hand_over_unproven(run: Run, actor: str) -> list[Action]:
+    """Inside the cancel of an external run: its actions that may have happened (sent,
+    unknown) will never be reported now — the executor may not write to a finished run's
+    checkpoints, no worker reconciles it — so each goes to a person (`manual_review`, the
+    Reconcile page) instead of staying unknown for ever."""
+    unproven = Action.objects.filter(
+        tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
+    )
+    return [
+        ledger.transition(
+            action,
+            S.MANUAL_REVIEW,
+            actor,
+            last_error="the run was cancelled before this action's outcome was known",
+            reconcile_attempts=action.reconcile_attempts + 1,
+        )
+        for action in unproven
+    ]
+
+
+def _to_person(action: Action, fence: int, actor: str, reason: str, **journal_extra: Any) -> Action:
+    """Inside a fenced transaction: the action to `manual_review`, its run (if it is still
+    going) to `needs_reconciliation` — for a reviewer, over the API or the Reconcile page."""
+    ledger.transition(
+        action,
+        S.MANUAL_REVIEW,
+        actor,
+        journal_extra=journal_extra or None,
+        last_error=reason[:2000],
+        reconcile_attempts=action.reconcile_attempts + 1,
+    )
+    waiting = {"kind": "reconciliation", "action_id": str(action.action_id), "tool": action.tool}
+    moved = (
+        Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
+        .exclude(status__in=TERMINAL)
+        .update(status=RunStatus.NEEDS_RECONCILIATION, waiting_for=waiting, updated_at=Now())
+    )
+    if moved:
+        record(
+            ledger.RunRef(action.run_id, action.tenant_id),
+            RunEvent.NEEDS_RECONCILIATION,
+            actor,
+            action_id=str(action.action_id),
+            reason=reason[:500],
+            status=RunStatus.NEEDS_RECONCILIATION,
+        )
+    return action
 
 
 def lease_of(run: Run, fence: int, who: str, *, owner: str | None = None, ttl: float = 0) -> Lease:
@@ -79,8 +222,8 @@ def lease_of(run: Run, fence: int, who: str, *, owner: str | None = None, ttl: f
 
 
 def heartbeat(run: Run, fence: int, ttl: float, *, who: str, owner: str | None = None) -> datetime:
-    """Extend the lease by `ttl` from database now (runtime.leases.heartbeat)."""
-    return leases.heartbeat(lease_of(run, fence, who, owner=owner, ttl=ttl))
+    """Extend the lease by `ttl` (capped) from database now (runtime.leases.heartbeat)."""
+    return leases.heartbeat(lease_of(run, fence, who, owner=owner, ttl=capped_ttl(ttl)))
 
 
 def release(run: Run, fence: int, who: str, *, owner: str | None = None) -> None:
@@ -277,9 +420,35 @@ def dispatch(action: Action, fence: int, who: str, ttl: float = 30.0) -> Action:
     if action.status == S.AWAITING_APPROVAL:
         raise ApprovalRequired(f"{action.tool} is waiting for approval")
     actor = _actor(who, fence)
+    if action.status in ledger.UNSETTLED and not tool.sent_by_holdpoint:
+        return _dispatch_again(action, fence, ttl, tool, actor)
     return ledger.mark_sent(
         action, fence, ttl, tool, actor, then=lambda sent: _resume(sent, fence, actor)
     )
+
+
+def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:
+    """Reconcile `replay_same_key`: a tool that honours its key may be sent again with it
+    (API.md); any other mode is refused — its `reconcile` says what to do instead."""
+    how = RECONCILE[tool.dedup_mode()]
+    if how != "replay_same_key":
+        raise InvalidTransition(f"action is {action.status}; reconcile it by {how}")
+    with transaction.atomic(durable=True):
+        # The refusals in the order a first dispatch gives them (ledger.check_dispatchable),
+        # under the run's row lock, as a goal revision takes it.
+        status, goal_rev, run_fence = (
+            Run.objects.select_for_update()
+            .filter(pk=action.run_id, tenant_id=action.tenant_id)
+            .values_list("status", "goal_rev", "fence")
+            .get()
+        )
+        if status in TERMINAL:
+            raise RunFinished(f"the run is {status}: nothing more is sent for it")
+        if action.goal_rev != goal_rev:
+            raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}")
+        if run_fence != fence:
+            raise StaleFence("the run was taken over by another executor")
+        return ledger.mark_resent(action, fence, ttl, tool, actor)
 
 
 def _resume(action: Action, fence: int, actor: str) -> None:
@@ -304,30 +473,58 @@ def _resume(action: Action, fence: int, actor: str) -> None:
     )
 
 
-OUTCOMES = {"confirmed": S.CONFIRMED, "failed": S.FAILED, "unknown": S.UNKNOWN}
+OUTCOMES = {
+    "confirmed": S.CONFIRMED,
+    "failed": S.FAILED,
+    "unknown": S.UNKNOWN,
+    "not_found": S.PREPARED,
+}
+# What an action that may have happened asks of its executor (API.md, "External executors"),
+# by the tool's dedup mode.
+RECONCILE = {Dedup.KEY: "replay_same_key", Dedup.LOOKUP: "lookup", Dedup.NONE: "manual_review"}
+
+
+def reconcile_instruction(action: Action) -> dict[str, Any] | None:
+    """`reconcile` on an action object: what happens next to an action nobody has proven
+    (sent, unknown, or waiting for a person), from the server's knowledge of the tool —
+    never the client's. None for every other status."""
+    if action.status == S.MANUAL_REVIEW:
+        return {"how": "manual_review"}
+    if action.status not in ledger.UNSETTLED:
+        return None
+    how = RECONCILE[get_tool(action.tool).dedup_mode()]
+    if how == "lookup":
+        # "not_found" is accepted only once the sender can no longer be in flight.
+        return {"how": how, "not_found_after": action.in_flight_until}
+    return {"how": how}
 
 
 def record_outcome(
-    action: Action, fence: int, outcome: str, *, who: str, external_id: str = "", result: Any = None
+    action: Action,
+    fence: int,
+    outcome: str,
+    *,
+    who: str,
+    owner: str = "",
+    external_id: str = "",
+    result: Any = None,
 ) -> Action:
-    """What the service said, as a worker records it (runtime.ledger.transition); an old
+    """What the service said, reported by an external executor, applied by the tool's dedup
+    contract (the server's, not the client's): `unknown` of a tool with neither key nor
+    lookup goes to a person at once, as does the HOLDPOINT_RECONCILE_ATTEMPTS-th `unknown`;
+    `not_found` (a lookup's answer) puts the action back to `prepared` for a send with the
+    same key, once the sender can no longer be in flight. Only `client` tools: what came
+    back from a request Holdpoint sent itself is never an API client's to say. An old
     revision's result is kept on the action but advances nothing."""
-    if outcome not in OUTCOMES:
-        raise InvalidParams(
-            "outcome must be confirmed, failed or unknown",
-            errors={"outcome": ["confirmed, failed or unknown"]},
+    tool = get_tool(action.tool)
+    if tool.sent_by_holdpoint:
+        raise NotPermitted(
+            f"{tool.name} is sent by Holdpoint (executor {tool.executor}); "
+            "only Holdpoint records its outcome"
         )
-    if outcome == "confirmed" and not external_id.strip():
-        raise InvalidParams(
-            "confirmed needs the external id that proves it",
-            errors={"external_id": ["required when confirmed"]},
-        )
-    if result is not None:
-        try:
-            canonical_bytes(result)
-        except CanonicalError as exc:
-            raise InvalidParams(str(exc), errors={"result": [str(exc)]}) from None
+    mode = _check_outcome(tool, outcome, external_id, result)
     actor = _actor(who, fence)
+    reported = {"reported_by": who, "executor_owner": owner}
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
         goal_rev = (
@@ -339,7 +536,79 @@ def record_outcome(
             return ledger.record_late_result(
                 action, outcome, result, actor, external_id=external_id
             )
+        action = ledger.reload(action)  # its status now, under the run's row lock
+        if action.status == S.MANUAL_REVIEW:
+            raise InvalidTransition("the action waits for a person to resolve it")
+        if outcome == "not_found":
+            return _not_found(action, actor, reported)
+        if outcome == "unknown" and action.status in ledger.UNSETTLED:
+            attempts = action.reconcile_attempts + 1
+            if mode == Dedup.NONE:
+                reason = f"{tool.name} cannot deduplicate or be looked up: only a person can tell"
+                return _to_person(action, fence, actor, reason, **reported)
+            if attempts >= settings.HOLDPOINT_RECONCILE_ATTEMPTS:
+                reason = f"{attempts} outcomes reported unknown"
+                return _to_person(action, fence, actor, reason, **reported)
+            return ledger.transition(
+                action,
+                S.UNKNOWN,
+                actor,
+                journal_extra=reported,
+                result=result,
+                reconcile_attempts=attempts,
+            )
         changes: dict[str, Any] = {"result": result}
         if outcome == "confirmed":
             changes["external_id"] = external_id.strip()
-        return ledger.transition(action, OUTCOMES[outcome], actor, **changes)
+        return ledger.transition(
+            action, OUTCOMES[outcome], actor, journal_extra=reported, **changes
+        )
+
+
+def _check_outcome(tool: Tool, outcome: str, external_id: str, result: Any) -> str:
+    """The report's own validity; returns the tool's dedup mode."""
+    if outcome not in OUTCOMES:
+        raise InvalidParams(
+            "outcome must be confirmed, failed, unknown or not_found",
+            errors={"outcome": ["confirmed, failed, unknown or not_found"]},
+        )
+    if outcome == "confirmed" and not external_id.strip():
+        raise InvalidParams(
+            "confirmed needs the external id that proves it",
+            errors={"external_id": ["required when confirmed"]},
+        )
+    mode = tool.dedup_mode()
+    if outcome == "not_found" and mode != Dedup.LOOKUP:
+        raise InvalidTransition(
+            f"not_found answers a lookup; {tool.name} is reconciled by {RECONCILE[mode]}"
+        )
+    if result is not None:
+        try:
+            canonical_bytes(result)
+        except CanonicalError as exc:
+            raise InvalidParams(str(exc), errors={"result": [str(exc)]}) from None
+    return mode
+
+
+def _not_found(action: Action, actor: str, reported: dict[str, Any]) -> Action:
+    """A lookup by key found nothing: proof of absence only once the sender cannot still be
+    in flight (its lease plus the tool's timeout, by the database clock)."""
+    current = action
+    if current.status not in ledger.UNSETTLED:
+        raise InvalidTransition(f"action is {current.status}; not_found answers sent or unknown")
+    in_flight = Action.objects.filter(
+        pk=current.pk, tenant_id=current.tenant_id, in_flight_until__gt=Now()
+    ).exists()
+    if in_flight:
+        raise InvalidTransition(
+            f"the sender may still be in flight until {current.in_flight_until}; "
+            "look up again after that"
+        )
+    return ledger.transition(
+        current,
+        S.PREPARED,
+        actor,
+        journal_extra=reported,
+        last_error="looked up by key: not found; safe to send again with the same key",
+        reconcile_attempts=current.reconcile_attempts + 1,
+    )

@@ -28,12 +28,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import DateTimeField, ExpressionWrapper, Q, Value
 from django.db.models.functions import Now
 
 from runtime import gates
-from runtime.leases import lease_free
-from runtime.models import RUNNABLE, Run, SweeperTurn
+from runtime.events import RunEvent, record
+from runtime.leases import EXECUTOR_LOST, lease_free
+from runtime.models import RUNNABLE, Run, RunStatus, SweeperTurn
 from runtime.queue import _enqueue
 
 
@@ -110,7 +112,56 @@ def sweep_once(
         ring(str(run_id))
         _rung[str(run_id)] = (now, (fence, rev, status))
     gates.sweep()  # hold points: expiry, reminders, escalation
+    flag_lost_executors(batch)
     return SweepResult(rung=len(chosen), due=len(found))
+
+
+# An external run in these statuses is being executed: its lease says someone is at it.
+EXECUTING = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING)
+
+
+def flag_lost_executors(limit: int) -> int:
+    """External runs whose executor's lease expired and was not renewed within
+    HOLDPOINT_EXECUTOR_GRACE: no worker will ever pick them up, so a person must know —
+    `needs_attention`, attention_reason `executor_lost`, the dead lease cleared (its holder's
+    writes are refused from now on), journalled. A new lease takes the run back
+    (runtime.leases.take_lease). Each is a compare-and-swap on the fence it read, so an
+    executor that renewed meanwhile, or a successor's lease, is never flagged."""
+    grace = ExpressionWrapper(
+        Now() - Value(timedelta(seconds=settings.HOLDPOINT_EXECUTOR_GRACE)),
+        output_field=DateTimeField(),
+    )
+    lost = Run.objects.filter(
+        external=True, status__in=EXECUTING, lease_expires_at__lt=grace
+    ).values_list("run_id", "tenant_id", "fence", "lease_owner")[:limit]
+    flagged = 0
+    for run_id, tenant_id, fence, owner in list(lost):
+        with transaction.atomic(durable=True):
+            moved = Run.objects.filter(
+                pk=run_id,
+                tenant_id=tenant_id,
+                fence=fence,
+                status__in=EXECUTING,
+                lease_expires_at__lt=grace,
+            ).update(
+                status=RunStatus.NEEDS_ATTENTION,
+                attention_reason=EXECUTOR_LOST,
+                lease_owner="",
+                lease_expires_at=None,
+                updated_at=Now(),
+            )
+            if moved:
+                record(
+                    Run(run_id=run_id, tenant_id=tenant_id),
+                    RunEvent.ESCALATED,
+                    "sweeper",
+                    reason=EXECUTOR_LOST,
+                    lease_owner=owner,
+                    fence=fence,
+                    status=RunStatus.NEEDS_ATTENTION,
+                )
+                flagged += 1
+    return flagged
 
 
 TURN = "sweeper"

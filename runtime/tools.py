@@ -40,6 +40,18 @@ class Dedup:
     NONE = "none"
 
 
+class Sender:
+    """Who performs a tool's request (API.md, "Tools as data": `executor`). Holdpoint sends
+    `http` and `mcp` tools itself, so only Holdpoint can know what came back: an API
+    client's word about their outcome is never taken. A `client` tool is performed by an
+    external executor, which reports the outcome; the server still reconciles it by the
+    tool's dedup contract."""
+
+    HTTP = "http"
+    MCP = "mcp"
+    CLIENT = "client"
+
+
 @dataclass(frozen=True)
 class CallResult:
     outcome: str  # applied | refused | stale | unknown
@@ -118,6 +130,8 @@ class Tool:
     breaker: Breaker = field(default_factory=Breaker)
     # The tenant's ToolCredential (by service name) this tool sends, if any.
     credential: str = ""
+    # Who performs the request: Holdpoint (`http`, `mcp`) or an external executor (`client`).
+    executor: str = Sender.HTTP
     # How a reviewer's card names one action, verb first: a template over the params and
     # `{target}`, e.g. "Create task: {title}". Plain `{name}` placeholders only (no format
     # mini-language: a template may one day come from tool data, not code).
@@ -132,6 +146,10 @@ class Tool:
             errors.setdefault(where, []).append(error.message)
         if errors:
             raise InvalidParams(f"params do not fit the {self.name} schema", errors=errors)
+
+    @property
+    def sent_by_holdpoint(self) -> bool:
+        return self.executor != Sender.CLIENT
 
     def dedup_mode(self) -> str:
         return getattr(settings, self.dedup_setting) if self.dedup_setting else self.dedup
@@ -373,5 +391,20 @@ register_tool(
         accepts_fence=True,
         credential="tasks",
         title="Close task: {task_id}",
+    )
+)
+# The same tracker, performed by an external executor itself (`executor: client`): the agent
+# calls the service and reports what came back; the server reconciles by the same dedup
+# contract as tasks.create's (HOLDPOINT_TASKS_DEDUP). Workers never send it.
+register_tool(
+    Tool(
+        name="agent.tasks.create",
+        executor=Sender.CLIENT,
+        dedup_setting="HOLDPOINT_TASKS_DEDUP",
+        effect=Effect.WRITE,
+        schema=TASK_SCHEMA,
+        editable=("title", "body", "assignee"),
+        timeout=3.0,
+        title="Create task: {title}",
     )
 )

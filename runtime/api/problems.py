@@ -61,6 +61,7 @@ CODES = {
     "already_completed": 409,
     "not_waiting_input": 409,
     "lease_held": 409,
+    "not_external": 409,
     "stale_fence": 409,
     "approval_required": 409,
     "approval_expired": 409,

@@ -129,6 +129,11 @@ class ActionSerializer(serializers.ModelSerializer):
     params = serializers.SerializerMethodField()
     result = serializers.JSONField()
     approval = serializers.SerializerMethodField()
+    reconcile = serializers.SerializerMethodField(
+        help_text="For an action nobody has proven (sent, unknown, manual_review): what "
+        "happens next, by the tool's dedup contract — how: replay_same_key | lookup | "
+        "manual_review (API.md, External executors); null otherwise."
+    )
 
     class Meta:
         model = Action
@@ -148,12 +153,30 @@ class ActionSerializer(serializers.ModelSerializer):
             "attempts",
             "last_error",
             "sent_at",
+            "in_flight_until",
+            "reconcile",
             "created_at",
             "updated_at",
         ]
 
     def get_params(self, action: Action) -> Any:
         return json.loads(action.params)
+
+    @extend_schema_field(
+        {
+            "type": "object",
+            "nullable": True,
+            "properties": {
+                "how": {"type": "string", "enum": ["replay_same_key", "lookup", "manual_review"]},
+                "not_found_after": {"type": "string", "format": "date-time", "nullable": True},
+            },
+            "required": ["how"],
+        }
+    )
+    def get_reconcile(self, action: Action) -> dict[str, Any] | None:
+        from runtime.protocol import reconcile_instruction
+
+        return reconcile_instruction(action)
 
     def get_approval(self, action: Action) -> str | None:
         request = action.approvals.order_by("-created_at").first()
@@ -245,7 +268,11 @@ class ActionIn(FenceIn):
 
 
 class OutcomeIn(FenceIn):
-    outcome = serializers.ChoiceField(choices=["confirmed", "failed", "unknown"])
+    outcome = serializers.ChoiceField(
+        choices=["confirmed", "failed", "unknown", "not_found"],
+        help_text="not_found: a lookup by key (reconcile.how lookup) found nothing; "
+        "accepted once the sender can no longer be in flight (reconcile.not_found_after).",
+    )
     external_id = StrictChar(max_length=300, allow_blank=True, default="")
     result = serializers.JSONField(required=False, allow_null=True, default=None)
 

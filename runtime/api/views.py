@@ -21,7 +21,6 @@ from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
 from runtime.errors import InvalidParams, NotPermitted
-from runtime.leases import take_lease
 from runtime.models import Action, Checkpoint, Role, Run
 from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
 
@@ -75,6 +74,7 @@ class RunList(ApiView):
             thread_id=data.get("thread_id"),
             graph_version=data.get("graph_version"),
             external=data["external"],
+            executor_account=principal.user if principal.is_agent else None,
         )
         return Response(s.RunSerializer(run).data, status=status.HTTP_201_CREATED)
 
@@ -101,6 +101,13 @@ class RunLever(ApiView):
         run = self.scoped(request, runs_for(principal), run_id=run_id)
         if principal.role == Role.VIEWER:
             raise NotPermitted("viewers may look, not act")
+        return run
+
+    def executed(self, request: Request, run_id: str) -> Run:
+        """The run for an executor-protocol call: only its executor account, on an external
+        run (runtime.protocol.authorize: 409 not_external, 403 not_permitted)."""
+        run = self.run(request, run_id)
+        protocol.authorize(run, self.principal(request))
         return run
 
 
@@ -165,7 +172,7 @@ class Checkpoints(RunLever):
     )
     @idempotent
     def post(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
+        run = self.executed(request, run_id)
         data = _valid(s.CheckpointIn, request.data)
         checkpoint = protocol.write_checkpoint(
             run,
@@ -236,7 +243,7 @@ class RunActions(RunLever):
     )
     @idempotent
     def post(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
+        run = self.executed(request, run_id)
         data = _valid(s.ActionIn, request.data)
         action, created = protocol.prepare(
             run,
@@ -257,9 +264,9 @@ class RunActions(RunLever):
 class Lease(RunLever):
     @extend_schema(request=s.LeaseIn, examples=[ex.LEASE], responses=s.LeaseOut)
     def post(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
+        run = self.executed(request, run_id)
         data = _valid(s.LeaseIn, request.data)
-        lease = take_lease(run.pk, data["owner"], data["ttl_seconds"], runnable_only=False)
+        lease = protocol.take(run, data["owner"], data["ttl_seconds"], who=self.actor(request))
         return Response(
             {"fence": lease.fence, "expires_at": lease.expires_at, "owner": lease.owner}
         )
@@ -268,7 +275,7 @@ class Lease(RunLever):
 class Heartbeat(RunLever):
     @extend_schema(request=s.HeartbeatIn, responses=s.HeartbeatOut)
     def post(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
+        run = self.executed(request, run_id)
         data = _valid(s.HeartbeatIn, request.data)
         expires = protocol.heartbeat(
             run,
@@ -283,7 +290,7 @@ class Heartbeat(RunLever):
 class Release(RunLever):
     @extend_schema(request=s.ReleaseIn, responses=s.ReleaseOut)
     def post(self, request: Request, run_id: str) -> Response:
-        run = self.run(request, run_id)
+        run = self.executed(request, run_id)
         data = _valid(s.ReleaseIn, request.data)
         protocol.release(run, data["fence"], self.actor(request), owner=data.get("owner"))
         return Response({"released": True, "fence": data["fence"]})
@@ -312,6 +319,12 @@ class ActionLever(ApiView):
             raise NotPermitted("viewers may look, not act")
         return action
 
+    def executed_action(self, request: Request, action_id: str) -> Action:
+        """The action for an executor-protocol call: its run's executor account only."""
+        action = self.scoped_action(request, action_id)
+        protocol.authorize(action.run, self.principal(request))
+        return action
+
 
 class ActionDetail(ActionLever):
     @extend_schema(responses=s.ActionSerializer)
@@ -323,7 +336,7 @@ class ActionDetail(ActionLever):
 class Dispatch(ActionLever):
     @extend_schema(request=s.FenceIn, examples=[ex.DISPATCH], responses=s.ActionSerializer)
     def post(self, request: Request, action_id: str) -> Response:
-        action = self.scoped_action(request, action_id)
+        action = self.executed_action(request, action_id)
         data = _valid(s.FenceIn, request.data)
         action = protocol.dispatch(action, data["fence"], self.actor(request))
         return Response(s.ActionSerializer(action).data)
@@ -332,13 +345,14 @@ class Dispatch(ActionLever):
 class Outcome(ActionLever):
     @extend_schema(request=s.OutcomeIn, examples=[ex.OUTCOME], responses=s.ActionSerializer)
     def post(self, request: Request, action_id: str) -> Response:
-        action = self.scoped_action(request, action_id)
+        action = self.executed_action(request, action_id)
         data = _valid(s.OutcomeIn, request.data)
         action = protocol.record_outcome(
             action,
             data["fence"],
             data["outcome"],
             who=self.actor(request),
+            owner=action.run.lease_owner,
             external_id=data["external_id"],
             result=data["result"],
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
@@ -68,6 +69,17 @@ class Run(models.Model):
     # Executed by an agent's own loop through the API: workers and the sweeper leave it alone
     # (the lease protocol still makes the agent the one executor).
     external = models.BooleanField(default=False)
+    # The one agent account that may execute an external run through the protocol (issue
+    # 16 H1): the agent that created it, or one a tenant admin names. Nobody else's token,
+    # and no person's session, may lease it or write under its fence.
+    executor_account = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="The agent account that may execute this external run.",
+    )
     created_by = models.CharField(max_length=200, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

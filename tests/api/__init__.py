@@ -83,11 +83,16 @@ def take_lease(client: APIClient, run_id: str, owner: str = "agent-1", ttl: int 
     return int(data["fence"])
 
 
+# What an external executor acts with by default in these tests: the tracker performed by the
+# agent itself (executor `client`) — the kind of tool whose outcome an API client reports.
+CLIENT_TOOL = "agent.tasks.create"
+
+
 def prepare(
     client: APIClient,
     run_id: str,
     fence: int,
-    tool: str = "tasks.create",
+    tool: str = CLIENT_TOOL,
     params: dict[str, Any] | None = None,
     **fields: Any,
 ) -> Any:
@@ -101,7 +106,7 @@ def prepare(
     return post(client, f"runs/{run_id}/actions/", body)
 
 
-def grant_policy(tenant: Any, tool: str = "tasks.create", **fields: Any) -> Any:
+def grant_policy(tenant: Any, tool: str = CLIENT_TOOL, **fields: Any) -> Any:
     """A hold point on `tool` in `tenant`, decided by the tenant's reviewer group."""
     from approvals.models import ApprovalPolicy
     from approvals.policies import grant

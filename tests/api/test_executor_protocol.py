@@ -41,6 +41,9 @@ from tests.runtime.helpers import expire_lease
 
 pytestmark = pytest.mark.django_db
 
+# The tracker performed by the agent itself (executor `client`): the only kind of tool whose
+# outcome an API client may report.
+CLIENT = "agent.tasks.create"
 ACTION_FIELDS = {
     "action_id",
     "run_id",
@@ -229,7 +232,7 @@ def test_prepare_answers_201_prepared_with_the_action(agent_a: Persona) -> None:
     data = ok(prepare(client, run_id, fence, params={"title": "Ship", "body": "é"}), 201)
     assert ACTION_FIELDS <= set(data), ACTION_FIELDS - set(data)
     assert data["status"] == "prepared" and data["approval"] is None
-    assert (data["run_id"], data["tool"], data["goal_rev"]) == (run_id, "tasks.create", 1)
+    assert (data["run_id"], data["tool"], data["goal_rev"]) == (run_id, CLIENT, 1)
     assert data["params"] == {"title": "Ship", "body": "é"}
     assert len(data["fingerprint"]) == 64 and data["external_id"] == ""
     assert data["idempotency_key"]
@@ -362,7 +365,7 @@ def test_a_step_key_already_taken_is_a_clean_409_version_conflict(agent_a: Perso
 def test_dispatch_answers_200_sent_and_outcome_200_confirmed(agent_a: Persona) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     sent = ok(dispatch(client, action["action_id"], fence))
     assert sent["status"] == "sent" and sent["attempts"] == 1 and sent["sent_at"]
     done = ok(
@@ -408,7 +411,7 @@ def test_dispatch_of_an_old_revisions_action_is_409_stale_goal_rev(agent_a: Pers
     is recorded on the action without moving the run."""
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     ok(dispatch(client, action["action_id"], fence))
     revised = ok(
         post(client, f"runs/{run_id}/revisions/", {"goal": {"steps": 1}, "expected_goal_rev": 1})
@@ -490,7 +493,7 @@ def test_no_action_is_prepared_or_sent_on_a_finished_run(
 def test_outcome_failed_or_unknown_answers_200(agent_a: Persona, result: str) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     ok(dispatch(client, action["action_id"], fence))
     data = ok(outcome(client, action["action_id"], fence, result, result={"error": "timeout"}))
     assert data["status"] == result and data["external_id"] == ""
@@ -499,7 +502,7 @@ def test_outcome_failed_or_unknown_answers_200(agent_a: Persona, result: str) ->
 def test_outcome_with_a_stale_fence_is_409(agent_a: Persona) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     ok(dispatch(client, action["action_id"], fence))
     expire_lease(run_id)
     take_lease(client, run_id, owner="p2")
@@ -511,7 +514,7 @@ def test_outcome_with_a_stale_fence_is_409(agent_a: Persona) -> None:
 def test_outcome_of_an_action_never_sent_is_409_invalid_transition(agent_a: Persona) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     response = outcome(client, action["action_id"], fence, "confirmed", external_id="T-1")
     problem(response, 409, "invalid_transition")
     ok(dispatch(client, action["action_id"], fence))
@@ -524,7 +527,7 @@ def test_outcome_of_an_action_never_sent_is_409_invalid_transition(agent_a: Pers
 def test_confirmed_without_an_external_id_is_refused(agent_a: Persona) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)
-    action = ok(prepare(client, run_id, fence), 201)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
     ok(dispatch(client, action["action_id"], fence))
     data = problem(outcome(client, action["action_id"], fence, "confirmed"), 422, "invalid_params")
     assert "external_id" in data["errors"]

@@ -76,7 +76,7 @@ def test_same_key_with_another_body_is_422_idempotency_key_reused(agent_a: Perso
 
 def test_same_key_on_another_endpoint_is_422_idempotency_key_reused(agent_a: Persona) -> None:
     client = agent_a.api()
-    run = ok(create(client, "key-3"), 201)
+    run = ok(create(client, "key-3", {**BODY, "external": True}), 201)
     fence = take_lease(client, run["run_id"])
     body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "a"}
     response = post(

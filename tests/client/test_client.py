@@ -51,6 +51,9 @@ GOAL = {
     "scope": ["/orders", "/users"],
     "create_review_task": True,
 }
+# The tracker performed by the agent itself (executor `client`): the kind of tool an external
+# executor reports outcomes for (tasks.create is sent by Holdpoint; its outcome is refused).
+TOOL = "agent.tasks.create"
 TASK = {"title": "Review 3 API compatibility risks", "body": "- GET /orders: removed"}
 
 
@@ -149,8 +152,8 @@ def reviewer_api(live_server: Any, reviewer_a: Persona) -> Iterator[Client]:
 
 @pytest.fixture
 def hold_point(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
-    """tasks.create waits for tenant A's reviewers."""
-    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool="tasks.create")
+    """agent.tasks.create waits for tenant A's reviewers."""
+    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool=TOOL)
     grant(policy, Group.objects.get(name="acme-reviewers"))
     return policy
 
@@ -189,17 +192,17 @@ def test_refusals_raise_their_classes(api: Client, live_server: Any) -> None:
     assert (unknown.value.status, unknown.value.code) == (422, "unknown_graph")
     with pytest.raises(errors.NotAuthenticated):
         Client(live_server.url, "not-a-token").get_run("00000000-0000-0000-0000-000000000000")
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     with pytest.raises(errors.VersionConflict):
         api.revise(run.run_id, GOAL, expected_goal_rev=7)
     grant_ = api.lease(run.run_id, "me", 10)
     with pytest.raises(errors.InvalidParams) as invalid:
-        api.prepare_action(run.run_id, fence=grant_.fence, tool="tasks.create", params={})
+        api.prepare_action(run.run_id, fence=grant_.fence, tool=TOOL, params={})
     assert "title" in str(invalid.value.errors)
 
 
 def test_lease_held_stale_fence_and_version_conflict(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     first = api.lease(run.run_id, "first", 30)
     with pytest.raises(errors.LeaseHeld):
         api.lease(run.run_id, "second", 30)
@@ -227,10 +230,10 @@ def test_lease_held_stale_fence_and_version_conflict(api: Client) -> None:
 def test_another_tenants_objects_are_not_found(
     api: Client, live_server: Any, agent_b: Persona
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "a", 30)
     action = api.prepare_action(
-        run.run_id, fence=grant_.fence, tool="tasks.create", params=TASK, idempotency_key="k-1"
+        run.run_id, fence=grant_.fence, tool=TOOL, params=TASK, idempotency_key="k-1"
     )
     with connect(live_server.url, agent_b) as other:
         with pytest.raises(errors.NotFound):
@@ -250,19 +253,19 @@ def test_another_tenants_objects_are_not_found(
 def test_a_lost_reply_is_asked_for_again_with_the_same_key(api: Client, transport: Faulty) -> None:
     transport.fail("POST", "/runs/", "drop")
 
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
 
     attempts = transport.sent("POST", "/runs/")
     keys = {r.headers["Idempotency-Key"] for r in attempts}
     assert len(attempts) == 2 and len(keys) == 1  # one logical call, one key
     assert RunRow.objects.count() == 1  # the retry got the first run back
     assert str(RunRow.objects.get().run_id) == run.run_id
-    api.create_run("api-review", GOAL)
+    api.create_run("api-review", GOAL, external=True)
     assert len({r.headers["Idempotency-Key"] for r in transport.sent("POST", "/runs/")}) == 2
 
 
 def test_a_checkpoint_whose_reply_was_lost_is_written_once(api: Client, transport: Faulty) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "me", 30)
     transport.fail("POST", "/checkpoints/", "drop")
 
@@ -277,7 +280,7 @@ def test_a_checkpoint_whose_reply_was_lost_is_written_once(api: Client, transpor
 def test_a_call_that_is_not_idempotent_is_not_repeated_after_an_ambiguous_failure(
     api: Client, transport: Faulty
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     transport.fail("POST", "/lease/", "drop")
 
     with pytest.raises(errors.TransportError) as lost:
@@ -291,7 +294,7 @@ def test_a_call_that_is_not_idempotent_is_not_repeated_after_an_ambiguous_failur
 def test_a_refused_connection_is_retried_even_for_a_lease(
     api: Client, transport: Faulty, pauses: list[float]
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     transport.fail("POST", "/lease/", "refuse")
 
     assert api.lease(run.run_id, "me", 30).fence == 1
@@ -301,7 +304,7 @@ def test_a_refused_connection_is_retried_even_for_a_lease(
 def test_429_waits_as_told_and_other_409s_are_answers(
     api: Client, transport: Faulty, pauses: list[float]
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     transport.fail("GET", f"/runs/{run.run_id}/", "throttle")
 
     assert api.get_run(run.run_id).run_id == run.run_id
@@ -340,7 +343,7 @@ def test_get_run_with_wait_returns_when_the_run_changes(api: Client, transport: 
     """By what is answered, not by the clock: the writer writes only once the long poll is
     on the wire (seen by the transport), and the poll answers with that write — a poll that
     did not wait for the change would answer rev 0. Nothing changed: the same run back."""
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "me", 30)
 
     assert api.get_run(run.run_id, wait=1).checkpoint_rev == 0  # waited out: nothing changed
@@ -366,7 +369,7 @@ def test_get_run_with_wait_returns_when_the_run_changes(api: Client, transport: 
 
 
 def test_events_and_checkpoints_are_iterated_in_order(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "me", 30)
     for rev in range(3):
         api.write_checkpoint(
@@ -389,9 +392,9 @@ def test_events_and_checkpoints_are_iterated_in_order(api: Client) -> None:
 def test_approvals_are_read_and_decided_through_the_client(
     api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "me", 30)
-    action = api.prepare_action(run.run_id, fence=grant_.fence, tool="tasks.create", params=TASK)
+    action = api.prepare_action(run.run_id, fence=grant_.fence, tool=TOOL, params=TASK)
     assert isinstance(action, Action) and action.status == "awaiting_approval"
     assert action.approval is not None
     with pytest.raises(errors.ApprovalRequired):
@@ -430,13 +433,13 @@ class Tracker:
 
 
 def test_executor_checkpoints_and_acts_exactly_once(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
         assert ex.load() == {} and ex.next_step == "read_specs"
         ex.checkpoint({"specs": ["shop-v1", "shop-v2"]}, "propose_task")
-        first = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
-        again = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        first = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
+        again = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
         ex.checkpoint({"task": first.external_id}, "", status="completed")
 
     assert first.status == "confirmed" and first.external_id == "task-1"
@@ -450,19 +453,19 @@ def test_executor_continues_a_sent_action_of_a_dead_process_with_the_same_key(
     api: Client,
 ) -> None:
     """The predecessor leased, prepared, dispatched (sent) and died before recording."""
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
     dead = api.lease(run.run_id, "agent-1", 30)
     key = f"{run.run_id}:1:ext:propose_task"
     action = api.prepare_action(
-        run.run_id, fence=dead.fence, tool="tasks.create", params=TASK, idempotency_key=key
+        run.run_id, fence=dead.fence, tool=TOOL, params=TASK, idempotency_key=key
     )
     api.dispatch(action.action_id, dead.fence)
     tracker(ToolCall(action=action, run_id=run.run_id, fence=dead.fence, replay=False))
     expire_lease(run.run_id)  # its lease runs out: nobody heartbeats it
 
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
-        done = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        done = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
 
     assert done.action_id == action.action_id and done.status == "confirmed"
     assert [c.idempotency_key for c in tracker.calls] == [key, key]
@@ -474,7 +477,7 @@ def test_executor_continues_a_sent_action_of_a_dead_process_with_the_same_key(
 def test_executor_waits_at_the_hold_point_for_the_decision(
     api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
 
     def approve_when_asked() -> None:
@@ -492,7 +495,7 @@ def test_executor_waits_at_the_hold_point_for_the_decision(
     reviewer.start()
     try:
         with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
-            done = ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+            done = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
     finally:
         reviewer.join(timeout=40)
 
@@ -503,26 +506,26 @@ def test_executor_waits_at_the_hold_point_for_the_decision(
 def test_a_rejection_stops_the_action_before_the_tool(
     api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
         action = api.prepare_action(
             run.run_id,
             fence=ex.fence,
-            tool="tasks.create",
+            tool=TOOL,
             params=TASK,
             idempotency_key=ex.key_for("propose_task"),
         )
         (approval,) = reviewer_api.approvals(status="pending")
         reviewer_api.decide(approval.id, "reject", action_hash=approval.action_hash, reason="dup")
         with pytest.raises(ActionRejected) as rejected:
-            ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+            ex.act(TOOL, TASK, call="propose_task", perform=tracker)
     assert rejected.value.reason == "dup" and tracker.calls == []
     assert ActionRow.objects.get(pk=action.action_id).status == "cancelled"
 
 
 def test_a_taken_over_executor_stops(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     with Executor(api, run.run_id, "agent-1", ttl=3) as ex:
         expire_lease(run.run_id)
         api.lease(run.run_id, "agent-2", 30)  # the successor
@@ -538,7 +541,7 @@ def test_a_taken_over_executor_stops(api: Client) -> None:
 def test_an_unanswered_tool_call_is_recorded_unknown_then_replayed_with_its_key(
     api: Client,
 ) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
 
     def reset_once(call: ToolCall) -> tuple[str, Any]:
@@ -548,7 +551,7 @@ def test_an_unanswered_tool_call_is_recorded_unknown_then_replayed_with_its_key(
         return effect
 
     with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
-        done = ex.act("tasks.create", TASK, call="propose_task", perform=reset_once)
+        done = ex.act(TOOL, TASK, call="propose_task", perform=reset_once)
 
     assert done.status == "confirmed" and len(tracker.tasks) == 1
     assert [c.replay for c in tracker.calls] == [False, True]
@@ -559,13 +562,19 @@ def test_an_unanswered_tool_call_is_recorded_unknown_then_replayed_with_its_key(
     assert outcomes == ["sent", "unknown", "confirmed"]
 
 
-def test_a_tool_that_cannot_be_replayed_is_left_unknown_for_a_human(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+def test_a_sent_action_of_a_tool_without_dedup_goes_to_a_person_not_to_the_tool(
+    api: Client, reviewer_api: Client, settings: Any
+) -> None:
+    """The server, not the client, knows the tracker cannot deduplicate (mode none): the
+    successor's lease hands the dead process's `sent` action to a person at once, the
+    executor never calls the tool again, and waits for the answer."""
+    settings.HOLDPOINT_TASKS_DEDUP = "none"
+    run = api.create_run("api-review", GOAL, external=True)
     dead = api.lease(run.run_id, "agent-1", 30)
     action = api.prepare_action(
         run.run_id,
         fence=dead.fence,
-        tool="tasks.create",
+        tool=TOOL,
         params=TASK,
         idempotency_key=f"{run.run_id}:1:ext:propose_task",
     )
@@ -574,32 +583,35 @@ def test_a_tool_that_cannot_be_replayed_is_left_unknown_for_a_human(api: Client)
     tracker = Tracker()
 
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        assert api.get_action(action.action_id).reconcile == "manual_review"
+        assert RunRow.objects.get(pk=run.run_id).status == "needs_reconciliation"
         with pytest.raises(OutcomeUnknown):
-            ex.act("tasks.create", TASK, call="propose_task", perform=tracker, replay_safe=False)
+            ex.act(TOOL, TASK, call="propose_task", perform=tracker, resolution_timeout=0)
+        reviewer_api.resolve(action.action_id, "applied", external_id="T-7", note="it is there")
+        done = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
 
     assert tracker.calls == []  # never called again blindly
-    assert ActionRow.objects.get(pk=action.action_id).status == "unknown"
+    assert (done.status, done.external_id) == ("confirmed", "T-7")
+    assert ActionRow.objects.get(pk=action.action_id).status == "confirmed"
 
 
 def test_a_refusal_by_the_service_is_a_failure(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
 
     def refuse(call: ToolCall) -> tuple[str, Any]:
         raise ToolRefused("HTTP 400: title too long")
 
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
         with pytest.raises(ActionFailed):
-            ex.act("tasks.create", TASK, call="propose_task", perform=refuse)
+            ex.act(TOOL, TASK, call="propose_task", perform=refuse)
     assert ActionRow.objects.get(run_id=run.run_id).status == "failed"
 
 
 def test_the_same_call_label_with_other_params_is_refused(api: Client) -> None:
-    run = api.create_run("api-review", GOAL)
+    run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
-        ex.act("tasks.create", TASK, call="propose_task", perform=tracker)
+        ex.act(TOOL, TASK, call="propose_task", perform=tracker)
         with pytest.raises(errors.IdempotencyKeyReused):
-            ex.act(
-                "tasks.create", {"title": "Something else"}, call="propose_task", perform=tracker
-            )
+            ex.act(TOOL, {"title": "Something else"}, call="propose_task", perform=tracker)
     assert len(tracker.calls) == 1

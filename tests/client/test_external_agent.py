@@ -1,9 +1,12 @@
 """examples/external_agent.py, killed in the worst window and restarted, over real sockets.
 
 The agent is its own process (own session, like tests/procs.py starts workers); the API is
-served by `live_server`, the task tracker is the real sandbox service in mode `key`. The
-first process SIGKILLs itself right after the tracker created the task and before the
-outcome reached Holdpoint; the restarted one must finish the run without a second task.
+served by `live_server`, the task tracker is the real sandbox service in each dedup mode
+(`key`, `lookup`, `none`; HOLDPOINT_TASKS_DEDUP follows it). The first process SIGKILLs
+itself right after the tracker created the task and before the outcome reached Holdpoint;
+its lease is left to expire and the sweeper flags the run `executor_lost`; the restarted
+one must finish the run without a second task and without a false completion — in mode
+`none` only after a person resolved the action (issue 15.3).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import pytest
 
 from runtime.executor import advance_run
 from runtime.models import Action, Run, RunStatus
+from runtime.sweeper import sweep_once
 from tests import procs
+from tests.api import ok, post, session
 from tests.conftest import Persona
 from tests.runtime.helpers import expire_lease
 from tests.sandbox import Sandbox
@@ -54,12 +59,17 @@ def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 90) -> int
         procs.kill(proc)
 
 
-@pytest.fixture
+@pytest.fixture(params=["key", "lookup", "none"])
 def agent(
-    live_server: Any, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox], tmp_path: Path
+    request: pytest.FixtureRequest,
+    live_server: Any,
+    agent_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    tmp_path: Path,
 ) -> tuple[list[str], Sandbox, Path]:
-    """Command-line arguments for the example, the sandbox behind it, and its log file."""
-    box = sandbox_factory("key")
+    """Command-line arguments for the example, the sandbox behind it (in each mode), and its
+    log file."""
+    box = sandbox_factory(request.param)
     assert agent_a.token is not None
     args = ["--api", live_server.url, "--token", agent_a.token, "--tasks-url", box.url]
     return [*args, "--ttl", "3", "--owner", "external-agent"], box, tmp_path / "agent.log"
@@ -81,15 +91,32 @@ def crash_after_the_tool_call(args: list[str], box: Sandbox, log: Path) -> tuple
 
 
 def test_killed_after_the_tool_call_then_restarted_makes_exactly_one_task(
-    agent: tuple[list[str], Sandbox, Path],
+    agent: tuple[list[str], Sandbox, Path], reviewer_a: Persona, settings: Any
 ) -> None:
+    settings.HOLDPOINT_EXECUTOR_GRACE = 2
     args, box, log = agent
     run_id, task = crash_after_the_tool_call(args, box, log)
+    expire_lease(run_id)  # nobody renews it: TTL + grace pass (the data moves, not the clock)
 
-    restarted = finish(start_agent([*args, "--run", run_id], log), log)
+    sweep_once(ring=lambda run_id: None)
 
-    assert restarted == 0, log.read_text()
-    assert box.tasks() == [task]  # exactly one task: the replay got the first one back
+    lost = Run.objects.get(pk=run_id)
+    assert (lost.status, lost.attention_reason) == (RunStatus.NEEDS_ATTENTION, "executor_lost")
+    restarted = start_agent([*args, "--run", run_id], log)
+    if box.mode == "none":
+        # Nothing can prove the task exists but a person: the new lease hands the action to
+        # one, and the agent waits — it never calls the tracker again, nor completes.
+        action = procs.wait_for(
+            lambda: Action.objects.filter(run_id=run_id, status="manual_review").first(),
+            timeout=60,
+        )
+        assert Run.objects.get(pk=run_id).status == RunStatus.NEEDS_RECONCILIATION
+        assert restarted.poll() is None and box.tasks() == [task]
+        resolution = {"outcome": "applied", "external_id": task["id"], "note": "seen it"}
+        ok(post(session(reviewer_a.user), f"actions/{action.action_id}/resolve/", resolution))
+
+    assert finish(restarted, log) == 0, log.read_text()
+    assert box.tasks() == [task]  # exactly one task, in every mode
     action = Action.objects.get(run_id=run_id)
     assert (action.status, action.external_id) == ("confirmed", task["id"])
     run = Run.objects.get(pk=run_id)
@@ -103,6 +130,7 @@ def test_killed_after_the_tool_call_then_restarted_makes_exactly_one_task(
     assert len(box.tasks()) == 1
 
 
+@pytest.mark.parametrize("agent", ["key"], indirect=True)
 def test_a_worker_taking_the_run_over_meanwhile_adds_no_task(
     agent: tuple[list[str], Sandbox, Path],
 ) -> None:

@@ -48,14 +48,14 @@ def test_heartbeat_of_another_tenants_run_is_refused(tenant_a: Tenant, tenant_b:
     intruder = Run.objects.get(pk=run.pk)
     intruder.tenant_id = tenant_b.id
     with pytest.raises(StaleFence):
-        protocol.heartbeat(intruder, fence, 600, who="agent:b")
+        protocol.heartbeat(intruder, fence, 60, who="agent:b")
     assert Run.objects.get(pk=run.pk).lease_expires_at == run.lease_expires_at
 
 
 def test_heartbeat_and_release_naming_another_owner_are_refused(tenant_a: Tenant) -> None:
     run, fence = _leased(tenant_a, owner="p1")
     with pytest.raises(StaleFence):
-        protocol.heartbeat(run, fence, 600, who="agent:a", owner="p2")
+        protocol.heartbeat(run, fence, 60, who="agent:a", owner="p2")
     with pytest.raises(StaleFence):
         protocol.release(run, fence, "agent:a", owner="p2")
     stored = Run.objects.get(pk=run.pk)
@@ -93,7 +93,7 @@ def test_a_release_queues_a_running_run_as_a_workers_does(tenant_a: Tenant) -> N
 def _approved_action(agent: Persona, reviewer: Persona) -> tuple[Run, int, Action]:
     """An external run parked for an approval that has just been given: the run is woken,
     the action approved, and the next dispatch resumes the run."""
-    grant_policy(agent.tenant)
+    grant_policy(agent.tenant, tool="tasks.create")
     run, fence = _leased(agent.tenant)
     action, created = protocol.prepare(
         run, fence, "tasks.create", {"title": "Ship"}, reason="r", who="agent:a"

@@ -17,7 +17,6 @@ from typing import Any
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, TenantWebhook, WebhookDelivery
 from audit.models import JournalEntry
-from runtime.dispatch import reconcile_action
 from runtime.models import Action, ActionStatus, Checkpoint, Tenant, ToolCredential
 from tests.api import grant_policy, new_run, ok, post, prepare, take_lease
 from tests.conftest import Persona
@@ -92,7 +91,7 @@ class World:
 
 def build_world(agent: Persona, reviewer: Persona) -> World:
     """Needs settings.HOLDPOINT_TASKS_DEDUP = "none" (set by the `worlds` fixture), so the
-    reconciler parks an unknown tasks.create outcome for a human without a network call."""
+    server hands an unknown outcome of the agent's tracker tool to a human at once."""
     slug = agent.tenant.slug
     policy = grant_policy(agent.tenant, tool="tasks.close")
     client = agent.api()
@@ -118,9 +117,8 @@ def build_world(agent: Persona, reviewer: Persona) -> World:
     ok(post(client, f"actions/{parked['action_id']}/dispatch/", {"fence": parked_fence}))
     outcome = {"fence": parked_fence, "outcome": "unknown"}
     ok(post(client, f"actions/{parked['action_id']}/outcome/", outcome))
-    stored = Action.objects.get(pk=parked["action_id"])
-    verdict = reconcile_action(stored, parked_fence, f"worker:w1#{parked_fence}")
-    assert verdict.status == ActionStatus.MANUAL_REVIEW
+    # The service can neither deduplicate nor be looked up: the unknown outcome is a person's.
+    assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.MANUAL_REVIEW
 
     webhook = TenantWebhook.objects.create(
         tenant=agent.tenant, url=f"https://{slug}.example/hook-of-{slug}"

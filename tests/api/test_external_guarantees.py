@@ -1,0 +1,466 @@
+"""External executors get exactly what a worker gets, and no more (issue 16 H1, issue 15.3).
+
+H1: an API client may not execute a run Holdpoint's workers execute — not by leasing it, nor
+by writing under the fence any run object shows — nor an external run that is not its own;
+leases are capped; what came back from a request Holdpoint sends itself is never an API
+client's to report. 15.3: the server applies each tool's dedup contract to what an external
+executor reports and says on the action what happens next (`reconcile`); `none` goes to a
+person at once; a lost executor is flagged by the sweeper and a new lease takes the run back.
+
+The tracker is the real sandbox process; the executor here is the test, over the API.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from approvals.models import ApprovalRequest
+from audit.models import JournalEntry
+from runtime.errors import InvalidParams
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Role, Run, RunStatus
+from runtime.protocol import name_executor
+from runtime.sweeper import sweep_once
+from tests.api import (
+    fresh_throttle,  # noqa: F401
+    get,
+    grant_policy,
+    new_run,
+    ok,
+    post,
+    prepare,
+    problem,
+    row_counts,
+    session,
+    take_lease,
+)
+from tests.conftest import Persona, make_persona
+from tests.runtime.helpers import expire_lease
+from tests.sandbox import Sandbox
+
+CLIENT = "agent.tasks.create"  # performed by the agent itself (executor `client`)
+GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+Factory = Callable[[str], Sandbox]
+
+
+def dispatch(client: APIClient, action_id: str, fence: int) -> Any:
+    return post(client, f"actions/{action_id}/dispatch/", {"fence": fence})
+
+
+def outcome(client: APIClient, action_id: str, fence: int, verdict: str, **fields: Any) -> Any:
+    return post(
+        client, f"actions/{action_id}/outcome/", {"fence": fence, "outcome": verdict, **fields}
+    )
+
+
+def perform(box: Sandbox, action: dict[str, Any], fence: int) -> dict[str, Any]:
+    """What an external executor does after `sent`: call the tracker itself, with the key."""
+    response = httpx.post(
+        box.url + "/tasks",
+        content=json.dumps(action["params"], sort_keys=True, separators=(",", ":")),
+        headers={
+            "Content-Type": "application/json",
+            "Idempotency-Key": action["idempotency_key"],
+            "Holdpoint-Run": action["run_id"],
+            "Holdpoint-Fence": str(fence),
+        },
+        timeout=10,
+    )
+    assert response.status_code in (200, 201), response.text
+    return dict(response.json())
+
+
+def sent(client: APIClient, run_id: str, fence: int, tool: str = CLIENT) -> dict[str, Any]:
+    action = ok(prepare(client, run_id, fence, tool=tool), 201)
+    return dict(ok(dispatch(client, action["action_id"], fence)))
+
+
+# --- H1: who may execute --------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_h1_an_agent_cannot_forge_a_hosted_runs_completion(
+    agent_a: Persona, reviewer_a: Persona, sandbox_factory: Factory
+) -> None:
+    """H1's reproduction: a person starts a hosted run, a worker brings it to its hold point.
+    The tenant's agent token tries to lease it, then to write under the fence the run shows
+    — every call is refused, and after the approval the worker's own send is what the
+    tracker and the ledger both record."""
+    box = sandbox_factory("key")
+    grant_policy(agent_a.tenant, tool="tasks.create")
+    run = create_run(agent_a.tenant, "api-review", GOAL, actor="user:alice")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    action = Action.objects.get(run=run)
+    assert action.status == ActionStatus.AWAITING_APPROVAL
+    agent = agent_a.api()
+    before = row_counts()
+
+    lease = post(agent, f"runs/{run.run_id}/lease/", {"owner": "forger", "ttl_seconds": 3600})
+    problem(lease, 409, "not_external")
+    fence = ok(get(agent, f"runs/{run.run_id}/"))["lease"]["fence"]  # visible to every reader
+    forged = [
+        dispatch(agent, str(action.action_id), fence),
+        outcome(agent, str(action.action_id), fence, "confirmed", external_id="FAKE-TASK-1"),
+        post(
+            agent,
+            f"runs/{run.run_id}/checkpoints/",
+            {
+                "fence": fence,
+                "expected_rev": 1,
+                "state": {},
+                "next_step": "",
+                "status": "completed",
+            },
+        ),
+        prepare(agent, str(run.run_id), fence),
+        post(agent, f"runs/{run.run_id}/lease/heartbeat/", {"fence": fence}),
+        post(agent, f"runs/{run.run_id}/lease/release/", {"fence": fence}),
+    ]
+    for response in forged:
+        problem(response, 409, "not_external")
+    assert row_counts() == before  # nothing written, not even a lease entry
+
+    # A person approves (not the one who started it); the worker sends it itself.
+    carol = session(make_persona(agent_a.tenant, "carol", Role.REVIEWER).user)
+    request = ApprovalRequest.objects.get(action=action)
+    shown = ok(get(carol, f"approvals/{request.pk}/"))
+    body = {"decision": "approve", "action_hash": shown["action_hash"], "reason": "ok"}
+    ok(post(carol, f"approvals/{shown['id']}/decision/", body))
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    (task,) = box.tasks()
+    action.refresh_from_db()
+    assert (action.status, action.external_id) == (ActionStatus.CONFIRMED, task["id"])
+    assert not Action.objects.filter(external_id="FAKE-TASK-1").exists()
+
+
+def test_h1_a_reviewers_browser_session_cannot_execute(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """A person's session is refused on a hosted run (not external) and on an external one
+    (not its executor account): people decide and resolve, agents execute."""
+    hosted = create_run(agent_a.tenant, "chain", {"steps": 2}, actor="user:alice")
+    external = new_run(agent_a.api())
+    alice = session(reviewer_a.user)
+    before = row_counts()
+
+    problem(
+        post(alice, f"runs/{hosted.run_id}/lease/", {"owner": "alice", "ttl_seconds": 60}),
+        409,
+        "not_external",
+    )
+    problem(
+        post(alice, f"runs/{external['run_id']}/lease/", {"owner": "alice", "ttl_seconds": 60}),
+        403,
+        "not_permitted",
+    )
+    assert row_counts() == before
+    assert Run.objects.get(pk=external["run_id"]).fence == 0
+
+
+def test_h1_only_the_runs_executor_account_executes_it(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """Another agent of the same tenant is refused at the lease and under the fence; the
+    account a tenant admin names instead may take it."""
+    other = make_persona(agent_a.tenant, "agent-a2", Role.AGENT)
+    mine = agent_a.api()
+    run_id = new_run(mine)["run_id"]
+    assert Run.objects.get(pk=run_id).executor_account == agent_a.user
+    fence = take_lease(mine, run_id)
+    action = ok(prepare(mine, run_id, fence, tool=CLIENT), 201)
+    theirs = other.api()
+
+    problem(
+        post(theirs, f"runs/{run_id}/lease/", {"owner": "x", "ttl_seconds": 60}),
+        403,
+        "not_permitted",
+    )
+    problem(dispatch(theirs, action["action_id"], fence), 403, "not_permitted")
+    problem(prepare(theirs, run_id, fence, tool=CLIENT, idempotency_key="k2"), 403, "not_permitted")
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.PREPARED
+
+    with pytest.raises(InvalidParams):  # a person is never named
+        name_executor(Run.objects.get(pk=run_id), reviewer_a.user, actor="user:ada")
+    name_executor(Run.objects.get(pk=run_id), other.user, actor="user:ada")  # the admin's act
+    assert JournalEntry.objects.filter(stream=f"run:{run_id}", type="executor_named").exists()
+    expire_lease(run_id)
+    assert take_lease(theirs, run_id) == fence + 1
+    problem(
+        post(mine, f"runs/{run_id}/lease/", {"owner": "x", "ttl_seconds": 60}),
+        403,
+        "not_permitted",
+    )
+
+
+def test_h1_the_lease_ttl_is_capped(agent_a: Persona, settings: Any) -> None:
+    settings.HOLDPOINT_MAX_LEASE_TTL = 300
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+
+    refused = post(client, f"runs/{run_id}/lease/", {"owner": "p", "ttl_seconds": 3600})
+    assert "ttl_seconds" in problem(refused, 422, "invalid_params")["errors"]
+    assert Run.objects.get(pk=run_id).fence == 0
+    fence = take_lease(client, run_id, ttl=300)
+    beat = post(client, f"runs/{run_id}/lease/heartbeat/", {"fence": fence, "ttl_seconds": 301})
+    problem(beat, 422, "invalid_params")
+    stored = Run.objects.get(pk=run_id)
+    assert stored.lease_expires_at <= timezone.now() + timedelta(seconds=301)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_h1_an_outcome_for_a_tool_holdpoint_sends_is_refused_from_any_api_client(
+    agent_a: Persona, reviewer_a: Persona, sandbox_factory: Factory
+) -> None:
+    """tasks.create is sent by Holdpoint (executor http): on the agent's own external run,
+    neither its token nor a reviewer's session may say what the tracker answered."""
+    box = sandbox_factory("key")
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence, tool="tasks.create")
+
+    for caller in (client, session(reviewer_a.user)):
+        response = outcome(caller, action["action_id"], fence, "confirmed", external_id="FAKE-1")
+        problem(response, 403, "not_permitted")
+
+    stored = Action.objects.get(pk=action["action_id"])
+    assert (stored.status, stored.external_id) == (ActionStatus.SENT, "")
+    assert box.tasks() == []  # the tracker and the ledger agree: nothing was made
+    assert not Action.objects.filter(status=ActionStatus.CONFIRMED).exists()
+
+
+def test_a_client_tools_outcome_names_the_reporting_executor(agent_a: Persona) -> None:
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, owner="laptop-7")
+    action = sent(client, run_id, fence)
+
+    ok(outcome(client, action["action_id"], fence, "confirmed", external_id="T-1"))
+
+    entry = JournalEntry.objects.filter(stream=f"run:{run_id}", type="action_outcome").latest("seq")
+    assert entry.payload["action_status"] == "confirmed"
+    assert (entry.payload["reported_by"], entry.payload["executor_owner"]) == (
+        "agent:agent-a",
+        "laptop-7",
+    )
+    assert entry.actor == f"agent:agent-a#{fence}"
+
+
+# --- 15.3: the server applies the tool's dedup contract ------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mode_none_an_unknown_outcome_goes_to_a_person_at_once_and_the_run_continues(
+    agent_a: Persona, reviewer_a: Persona, sandbox_factory: Factory
+) -> None:
+    box = sandbox_factory("none")
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+    assert action["reconcile"] == {"how": "manual_review"}
+    task = perform(box, action, fence)  # applied; the reply is lost to the executor
+
+    held = ok(outcome(client, action["action_id"], fence, "unknown", result={"error": "reset"}))
+
+    assert (held["status"], held["reconcile"]) == ("manual_review", {"how": "manual_review"})
+    run = Run.objects.get(pk=run_id)
+    assert run.status == RunStatus.NEEDS_RECONCILIATION
+    assert run.waiting_for["action_id"] == action["action_id"]
+    alice = session(reviewer_a.user)
+    listed = alice.get("/reconcile/")
+    assert listed.status_code == 200 and action["idempotency_key"] in listed.content.decode()
+    # The executor may not settle it itself any more; a person does.
+    problem(
+        outcome(client, action["action_id"], fence, "confirmed", external_id=task["id"]),
+        409,
+        "invalid_transition",
+    )
+    resolved = ok(
+        post(
+            alice,
+            f"actions/{action['action_id']}/resolve/",
+            {"outcome": "applied", "external_id": task["id"], "note": "in the tracker"},
+        )
+    )
+    assert resolved["status"] == "confirmed" and resolved["reconcile"] is None
+    assert Run.objects.get(pk=run_id).status == RunStatus.QUEUED
+    done = {"fence": fence, "expected_rev": 0, "state": {"task": task["id"]}, "next_step": ""}
+    ok(post(client, f"runs/{run_id}/checkpoints/", {**done, "status": "completed"}), 201)
+    assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
+    assert box.tasks() == [task]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mode_none_resolved_on_the_reconcile_page(
+    agent_a: Persona, reviewer_a: Persona, sandbox_factory: Factory
+) -> None:
+    """Not applied, on the page: the action is prepared again and the executor sends it with
+    the same key; one task in the tracker."""
+    box = sandbox_factory("none")
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+    ok(outcome(client, action["action_id"], fence, "unknown"))  # it never reached the tracker
+    Action.objects.filter(pk=action["action_id"]).update(
+        in_flight_until=timezone.now() - timedelta(seconds=1)  # the sender can no longer land
+    )
+
+    page = session(reviewer_a.user).post(
+        f"/reconcile/{action['action_id']}/resolve/", {"outcome": "not_applied", "note": "absent"}
+    )
+
+    assert page.status_code == 302
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.PREPARED
+    again = ok(dispatch(client, action["action_id"], fence))
+    task = perform(box, again, fence)
+    ok(outcome(client, action["action_id"], fence, "confirmed", external_id=task["id"]))
+    assert box.tasks() == [task]
+    assert Run.objects.get(pk=run_id).status == RunStatus.RUNNING
+
+
+def test_mode_key_reconcile_says_replay_with_the_same_key(agent_a: Persona, settings: Any) -> None:
+    settings.HOLDPOINT_TASKS_DEDUP = "key"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+
+    unknown = ok(outcome(client, action["action_id"], fence, "unknown"))
+
+    assert (unknown["status"], unknown["reconcile"]) == ("unknown", {"how": "replay_same_key"})
+    problem(outcome(client, action["action_id"], fence, "not_found"), 409, "invalid_transition")
+    again = ok(dispatch(client, action["action_id"], fence))  # allowed: the same key
+    assert (again["status"], again["attempts"]) == ("sent", 2)
+    assert again["idempotency_key"] == action["idempotency_key"]
+    done = ok(outcome(client, action["action_id"], fence, "confirmed", external_id="T-1"))
+    assert done["status"] == "confirmed"
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")
+
+
+def test_mode_lookup_not_found_is_accepted_only_after_the_in_flight_grace(
+    agent_a: Persona, settings: Any
+) -> None:
+    settings.HOLDPOINT_TASKS_DEDUP = "lookup"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+    assert action["reconcile"]["how"] == "lookup" and action["reconcile"]["not_found_after"]
+
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")  # look up
+    early = outcome(client, action["action_id"], fence, "not_found")
+
+    problem(early, 409, "invalid_transition")
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.SENT
+    Action.objects.filter(pk=action["action_id"]).update(
+        in_flight_until=timezone.now() - timedelta(seconds=1)
+    )
+    absent = ok(outcome(client, action["action_id"], fence, "not_found"))
+    assert absent["status"] == "prepared" and absent["idempotency_key"] == action["idempotency_key"]
+    assert ok(dispatch(client, action["action_id"], fence))["attempts"] == 2
+
+
+def test_a_takeover_hands_a_sent_action_of_a_none_tool_to_a_person(
+    agent_a: Persona, settings: Any
+) -> None:
+    settings.HOLDPOINT_TASKS_DEDUP = "none"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)  # ...and the executor died
+    expire_lease(run_id)
+
+    successor = take_lease(client, run_id, owner="agent-2")
+
+    stored = Action.objects.get(pk=action["action_id"])
+    assert stored.status == ActionStatus.MANUAL_REVIEW and "executor changed" in stored.last_error
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.fence) == (RunStatus.NEEDS_RECONCILIATION, successor)
+    shown = ok(get(client, f"actions/{action['action_id']}/"))
+    assert shown["reconcile"] == {"how": "manual_review"}
+
+
+def test_a_lost_executor_is_flagged_by_the_sweeper_and_a_new_lease_takes_the_run_back(
+    agent_a: Persona, settings: Any
+) -> None:
+    settings.HOLDPOINT_EXECUTOR_GRACE = 10
+    client = agent_a.api()
+    lost_id = new_run(client)["run_id"]
+    fence = take_lease(client, lost_id, ttl=5)
+    recent_id = new_run(client)["run_id"]
+    take_lease(client, recent_id, ttl=5)
+    Run.objects.filter(pk=lost_id).update(lease_expires_at=timezone.now() - timedelta(seconds=11))
+    Run.objects.filter(pk=recent_id).update(lease_expires_at=timezone.now() - timedelta(seconds=5))
+
+    sweep_once(ring=lambda run_id: None)
+
+    lost = Run.objects.get(pk=lost_id)
+    assert (lost.status, lost.attention_reason, lost.lease_owner) == (
+        RunStatus.NEEDS_ATTENTION,
+        "executor_lost",
+        "",
+    )
+    assert Run.objects.get(pk=recent_id).status == RunStatus.RUNNING  # still within the grace
+    shown = ok(get(client, f"runs/{lost_id}/"))
+    assert (shown["status"], shown["attention_reason"]) == ("needs_attention", "executor_lost")
+    problem(post(client, f"runs/{lost_id}/lease/heartbeat/", {"fence": fence}), 409, "stale_fence")
+
+    again = take_lease(client, lost_id, owner="agent-2")
+
+    back = Run.objects.get(pk=lost_id)
+    assert (back.status, back.attention_reason, back.fence) == (RunStatus.RUNNING, "", fence + 1)
+    ok(
+        post(
+            client,
+            f"runs/{lost_id}/checkpoints/",
+            {
+                "fence": again,
+                "expected_rev": 0,
+                "state": {},
+                "next_step": "",
+                "status": "completed",
+            },
+        ),
+        201,
+    )
+    assert Run.objects.get(pk=lost_id).status == RunStatus.COMPLETED
+
+
+def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
+    agent_a: Persona, reviewer_a: Persona, settings: Any
+) -> None:
+    """Issue 15.3: a cancelled run's `unknown` action stayed unknown for ever (its executor
+    may write no more, no worker reconciles it); now a person has it on the Reconcile page."""
+    settings.HOLDPOINT_TASKS_DEDUP = "key"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence)
+    ok(outcome(client, action["action_id"], fence, "unknown"))
+
+    ok(post(client, f"runs/{run_id}/cancel/", {"reason": "not needed"}))
+
+    stored = Action.objects.get(pk=action["action_id"])
+    assert stored.status == ActionStatus.MANUAL_REVIEW and "cancelled" in stored.last_error
+    alice = session(reviewer_a.user)
+    assert action["idempotency_key"] in alice.get("/reconcile/").content.decode()
+    body = {"outcome": "applied", "external_id": "T-3", "note": "it was made"}
+    ok(post(alice, f"actions/{action['action_id']}/resolve/", body))
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.CONFIRMED
+    assert Run.objects.get(pk=run_id).status == RunStatus.CANCELLED
