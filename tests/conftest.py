@@ -137,6 +137,15 @@ def closed_circuits() -> None:
     reset_breakers()
 
 
+@pytest.fixture(autouse=True)
+def unused_rate_limits() -> None:
+    """Rate limits (decisions, API tokens) are counted in the default cache, which outlives a
+    test's database: ids reused after a rollback would inherit the last test's count."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Remove this session's scratch directory (databases, caches) unless it failed."""
     import shutil
