@@ -55,6 +55,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/resume/", pages.run_resume, name="run-resume"),
     path("runs/<uuid:run_id>/input/", pages.run_input, name="run-input"),
     path("runs/<uuid:run_id>/revise/", pages.run_revise, name="run-revise"),
+    path("runs/<uuid:run_id>/executor/", pages.run_executor, name="run-executor"),
     path("runs/<uuid:run_id>/trail/", audit_pages.run_trail, name="run-trail"),
     path("reconcile/", reconcile_pages.reconcile_list, name="reconcile"),
     path(

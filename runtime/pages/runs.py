@@ -16,6 +16,7 @@ from urllib.parse import urlencode
 from uuid import UUID
 
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, QueryDict
@@ -39,7 +40,7 @@ from runtime.lifecycle import (
     resume_run,
     revise_goal,
 )
-from runtime.models import Run, RunStatus
+from runtime.models import Membership, Role, Run, RunStatus
 from runtime.pages.access import (
     HtmxHttpRequest,
     page_input,
@@ -48,6 +49,7 @@ from runtime.pages.access import (
     scoped_or_404,
 )
 from runtime.pages.display import pretty, timeline_row
+from runtime.protocol import name_executor
 from runtime.tenancy import (
     Principal,
     actions_for,
@@ -90,6 +92,18 @@ def _acting_on(principal: Principal, run_id: UUID) -> Run:
     run = scoped_run(principal, run_id)
     require_may_act(principal, "Viewers may look, not act.")
     return run
+
+
+def _names_executors(principal: Principal, run: Run) -> bool:
+    """Only a tenant admin names who executes an external run (issue 16 H1): a reviewer who
+    could pick the executor could route a run to an agent of their choosing."""
+    return principal.role == Role.ADMIN and run.external
+
+
+def _tenant_agents(principal: Principal) -> list[Any]:
+    """The agent accounts of the principal's tenant, the only ones a run may be handed to."""
+    agents = Membership.objects.filter(tenant=principal.tenant, role=Role.AGENT)
+    return [m.user for m in agents.select_related("user").order_by("user__username")]
 
 
 # --- small translations -----------------------------------------------------------------
@@ -275,6 +289,11 @@ def _render_run(
         or (run.status == RunStatus.QUEUED and run.wake_at is not None),
         "goal_draft": drafts.get("goal", pretty(run.goal)),
         "input_draft": drafts.get("input", "{}"),
+        "executor_choices": (
+            [a.get_username() for a in _tenant_agents(principal)]
+            if _names_executors(principal, run)
+            else []
+        ),
         "errors": errors or {},
     }
     response = render(request, "runtime/run.html", context, status=status)
@@ -392,5 +411,27 @@ def run_revise(request: HttpRequest, principal: Principal, run_id: UUID) -> Http
         expected = _parse_rev(request.POST.get("expected_goal_rev"), "expected_goal_rev")
         revise_goal(run, goal, expected, actor=principal.label)
         return f"Goal revised: now revision {run.goal_rev}."
+
+    return _pull(request, run, lever)
+
+
+@reviewer_page(methods=("POST",))
+def run_executor(request: HttpRequest, principal: Principal, run_id: UUID) -> HttpResponse:
+    """The tenant admin's door to `name_executor`: which agent account executes the run."""
+    run = scoped_run(principal, run_id)
+    if principal.role != Role.ADMIN:
+        raise PermissionDenied("Only a tenant admin names a run's executor.")
+    wanted = request.POST.get("executor_account", "")
+    # Matched in Python against the tenant's agents: an odd value never reaches a query.
+    account = next((a for a in _tenant_agents(principal) if a.get_username() == wanted), None)
+    if account is None:
+        raise InvalidParams(
+            "executor_account: not an agent account of this tenant",
+            errors={"executor_account": ["not an agent account of this tenant"]},
+        )
+
+    def lever() -> str:
+        name_executor(run, account, actor=principal.label)
+        return f"{wanted} now executes this run; other agents' leases are refused."
 
     return _pull(request, run, lever)

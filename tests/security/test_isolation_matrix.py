@@ -105,6 +105,7 @@ BODIES: dict[str, Callable[[dict[str, Any], World], dict[str, Any]]] = {
     "run-resume": lambda v, w: {},
     "run-input": lambda v, w: {"input": "{}", "expected_rev": "1"},
     "run-revise": lambda v, w: {"goal": "{}", "expected_goal_rev": "1"},
+    "run-executor": lambda v, w: {"executor_account": w.agent.user.get_username()},
     "reconcile-resolve": lambda v, w: {"outcome": "applied", "external_id": "X"},
 }
 
