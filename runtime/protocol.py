@@ -95,6 +95,8 @@ def name_executor(run: Run, account: Any, *, actor: str) -> Run:
 
     if not run.external:
         raise NotExternal(f"run {run.run_id} is executed by Holdpoint's workers")
+    if run.status in TERMINAL:
+        raise RunFinished(f"the run is {run.status}: nobody executes it any more")
     agent = Membership.objects.filter(user=account, tenant_id=run.tenant_id, role=Role.AGENT)
     if not agent.exists():
         raise InvalidParams(

@@ -120,3 +120,20 @@ def test_a_hosted_run_shows_no_form_and_a_post_is_refused(
     assert any("executed by Holdpoint's workers" in m for m in said), said
     assert row_counts() == before
     assert Run.objects.get(pk=run_id).executor_account is None
+
+
+def test_a_finished_external_run_gets_no_new_executor(admin_a: Persona, agent_a: Persona) -> None:
+    """Nobody executes a finished run: naming one would journal an act with no meaning."""
+    from runtime.lifecycle import cancel_run
+
+    make_persona(agent_a.tenant, "agent-a2", Role.AGENT)
+    run_id = new_run(agent_a.api())["run_id"]
+    cancel_run(Run.objects.get(pk=run_id), "done with it", actor="user:ada")
+    admin = page_of(admin_a)
+
+    before = row_counts()
+    refused = name(admin, run_id, "agent-a2", follow=True)
+    said = [str(m) for m in refused.context["messages"]]
+    assert any("nobody executes it any more" in m for m in said), said
+    assert row_counts() == before
+    assert Run.objects.get(pk=run_id).executor_account == agent_a.user
