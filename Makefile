@@ -37,9 +37,12 @@ browser:
 		echo "hint: browser tests need /usr/bin/chromium: sudo apt-get install -y chromium"; \
 	fi
 
+# ruff on the whole tree; mypy strict on the packages pyproject.toml names ([tool.mypy], its
+# cache under var/mypy).
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 fmt: $(VENV)/.test-installed
 	$(VENV)/bin/ruff format .

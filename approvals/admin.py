@@ -81,14 +81,14 @@ def _actor(request: HttpRequest) -> str:
     return f"user:{request.user.get_username()}"
 
 
-def _changed(form: forms.ModelForm, change: bool) -> list[str]:
+def _changed(form: forms.ModelForm[Any], change: bool) -> list[str]:
     return sorted(form.changed_data) if change else ["created"]
 
 
 # --- policies ------------------------------------------------------------------------------
 
 
-class ApprovalPolicyForm(forms.ModelForm):
+class ApprovalPolicyForm(forms.ModelForm[ApprovalPolicy]):
     decider_groups = forms.ModelMultipleChoiceField(
         queryset=Group.objects.none(),
         required=False,
@@ -119,7 +119,9 @@ class ApprovalPolicyForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["decider_groups"].queryset = self.group_choices
+        deciders = self.fields["decider_groups"]
+        assert isinstance(deciders, forms.ModelMultipleChoiceField)  # declared above
+        deciders.queryset = self.group_choices
         if self.instance.pk:
             self.initial["decider_groups"] = list(
                 granted_groups(self.instance).values_list("pk", flat=True)
@@ -132,7 +134,8 @@ class ApprovalPolicyForm(forms.ModelForm):
         return None if condition in (None, {}, "") else condition
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         tenant = data.get("tenant") or (self.instance.tenant if self.instance.pk else None)
         if tenant is None:
             return data
@@ -192,16 +195,18 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
         # Moving a policy to another tenant would carry its grants along: create a new one.
         return ["tenant"] if obj is not None else []
 
-    def get_form(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
-        form = super().get_form(request, obj, **kwargs)
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> type[forms.ModelForm[Any]]:
+        form = super().get_form(request, obj, change=change, **kwargs)
         tenants = [obj.tenant] if obj is not None else admin_tenants(request)
         # A subclass per request: assigning the queryset on the class's field object would
         # be shared by concurrent requests of other tenants' admins.
         return type(form.__name__, (form,), {"group_choices": tenant_groups(tenants)})
 
     def formfield_for_foreignkey(
-        self, db_field: ForeignKey, request: HttpRequest, **kwargs: Any
-    ) -> ModelChoiceField | None:
+        self, db_field: ForeignKey[Any, Any], request: HttpRequest, **kwargs: Any
+    ) -> ModelChoiceField[Any] | None:
         if db_field.name == "escalation_group":
             kwargs["queryset"] = tenant_groups(admin_tenants(request))
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
@@ -285,7 +290,7 @@ class ApprovalRequestAdmin(TenantScopedAdmin):
 # --- webhooks ------------------------------------------------------------------------------
 
 
-class TenantWebhookForm(forms.ModelForm):
+class TenantWebhookForm(forms.ModelForm[TenantWebhook]):
     event_types = forms.MultipleChoiceField(
         choices=[(event, event) for event in WEBHOOK_EVENTS],
         initial=list(WEBHOOK_EVENTS),
@@ -302,7 +307,7 @@ class TenantWebhookForm(forms.ModelForm):
         fields = ["tenant", "url", "active", "event_types"]
 
     def clean_url(self) -> str:
-        url = self.cleaned_data["url"]
+        url: str = self.cleaned_data["url"]
         if not url.lower().startswith(("http://", "https://")):
             raise forms.ValidationError("an http:// or https:// URL")
         return url

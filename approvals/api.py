@@ -21,7 +21,7 @@ from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
 
 
-class ApprovalSerializer(serializers.ModelSerializer):
+class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
     run_id = serializers.UUIDField(source="run.run_id", read_only=True)
     action = serializers.SerializerMethodField()
     decided_by = serializers.SerializerMethodField()
@@ -62,7 +62,7 @@ class ApprovalSerializer(serializers.ModelSerializer):
         return request.decided_by.get_username() if request.decided_by else None
 
 
-class DecisionIn(serializers.Serializer):
+class DecisionIn(serializers.Serializer[Any]):
     decision = serializers.ChoiceField(choices=["approve", "reject"])
     action_hash = StrictChar(max_length=64)
     reason = StrictChar(max_length=2000, allow_blank=True, default="")
@@ -115,7 +115,7 @@ class Decision(ApiView):
         data = serializer.validated_data
         decided = decide(
             approval.pk,
-            request.user,
+            self.principal(request).user,
             data["decision"],
             data["action_hash"],
             reason=data["reason"],

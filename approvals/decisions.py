@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -45,7 +45,8 @@ PRESET_REJECT_REASONS = (
 
 
 def _params(text: str) -> dict[str, Any]:
-    return json.loads(text)
+    params: dict[str, Any] = json.loads(text)
+    return params
 
 
 def _tenant_event(tenant_id: int, type: str, actor: str, **payload: Any) -> None:
@@ -56,7 +57,7 @@ def _tenant_event(tenant_id: int, type: str, actor: str, **payload: Any) -> None
 
 def decide(
     request_id: Any,
-    user: AbstractBaseUser,
+    user: User,
     decision: str,
     seen_hash: str,
     *,
@@ -121,7 +122,7 @@ def _vote(
     request: ApprovalRequest,
     action: Action,
     run: Run,
-    user: AbstractBaseUser,
+    user: User,
     decision: str,
     seen_hash: str,
     reason: str,
@@ -145,7 +146,7 @@ def _vote(
     approvers = request.votes.filter(decision=Decision.APPROVE).select_related("user")
     approvals = sum(1 for v in approvers if f"user:{v.user.get_username()}" not in shapers)
     final = decision == Decision.REJECT or approvals >= request.quorum
-    payload = {
+    payload: dict[str, Any] = {
         "approval_id": str(request.id),
         "action_id": str(action.action_id),
         "decision": decision,
@@ -180,7 +181,7 @@ def _repeat_vote(
 
 def _repeat_or_refuse(
     request: ApprovalRequest,
-    user: AbstractBaseUser,
+    user: User,
     decision: str,
     seen_hash: str,
     edits: dict[str, Any] | None,
@@ -226,7 +227,7 @@ def _finalise(
     request: ApprovalRequest,
     action: Action,
     run: Run,
-    user: AbstractBaseUser,
+    user: User,
     decision: str,
     reason: str,
     actor: str,

@@ -8,6 +8,7 @@ explicitly — approve.
 from __future__ import annotations
 
 from datetime import timedelta
+from uuid import UUID
 
 from django.db import transaction
 from django.db.models.functions import Now
@@ -33,7 +34,7 @@ def sweep_approvals(batch: int = 200) -> int:
     return done
 
 
-def expire(request_id: object) -> int:
+def expire(request_id: UUID) -> int:
     with transaction.atomic(durable=True):
         request = (
             ApprovalRequest.objects.select_for_update()

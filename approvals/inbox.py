@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django import forms
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import (
     BooleanField,
     Count,
@@ -76,7 +76,7 @@ class Deciding:
     "already voted" are mirrored here for display only; `decide` re-checks all of it.
     """
 
-    user: AbstractBaseUser
+    user: User
     label: str
     plain: frozenset[int]
     escalated: frozenset[int]
@@ -248,7 +248,7 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
         Card(
             r,
             expiry_of(r.expires_at, r.policy.on_expiry, r.rerequest_count, now),
-            bool(r.mine),  # type: ignore[attr-defined]
+            bool(r.mine),
         )
         for r in cards_qs
     ]

@@ -47,7 +47,7 @@ from approvals.policies import deciders, shaped_by
 from runtime.queue import on_commit_task
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import User
 
 log = logging.getLogger("holdpoint.notify")
 
@@ -139,7 +139,7 @@ def run_url(request: ApprovalRequest) -> str:
     return f"{settings.HOLDPOINT_BASE_URL}/runs/{request.run_id}/"
 
 
-def recipients(kind: str, request: ApprovalRequest) -> list[AbstractBaseUser]:
+def recipients(kind: str, request: ApprovalRequest) -> list[User]:
     """Who may decide now and has an address: not whoever shaped the action when the policy
     separates duties (`shaped_by`), not whoever already voted. An escalation reaches the escalation
     group and, so nobody decides twice, the reviewers who were already asked."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import connection
 from django.db.models import Max, Q
 
@@ -97,7 +97,7 @@ def shaped_by(request: ApprovalRequest, run: Run) -> set[str]:
     return shapers_of(run, int(goal_rev), last)
 
 
-def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:
+def may_decide(user: User, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:
     if not user.is_active:
         return False
     member = Membership.objects.filter(
@@ -126,7 +126,7 @@ def may_decide(user: AbstractBaseUser, policy: ApprovalPolicy, *, escalated: boo
     )
 
 
-def deciders(policy: ApprovalPolicy, *, escalated: bool = False) -> list[AbstractBaseUser]:
+def deciders(policy: ApprovalPolicy, *, escalated: bool = False) -> list[User]:
     """Who may decide now (for notifications): members granted on the policy."""
     from django.contrib.auth import get_user_model
 

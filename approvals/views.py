@@ -260,7 +260,7 @@ def _reason(post: QueryDict, decision: str) -> tuple[str, str, str]:
 def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) -> HttpResponse:
     """Hand the reviewer's decision to `decide`; then on to the next item of the inbox."""
     found = _scoped_request(principal, request_id)  # 404 first: no oracle for other tenants
-    if not may_decide(request.user, found.policy, escalated=found.escalated):
+    if not may_decide(principal.user, found.policy, escalated=found.escalated):
         raise PermissionDenied("You may look at this request, not decide it.")
     decision = request.POST.get("decision", "")
     reason, preset, note = _reason(request.POST, decision)
@@ -277,7 +277,7 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
             drafts.update(field_drafts)
         decided = decide(
             found.pk,
-            request.user,
+            principal.user,
             decision,
             said.get("action_hash", ""),
             reason=said.get("reason", ""),

@@ -16,7 +16,7 @@ from runtime.errors import AlreadyDecided, Expired, HashMismatch, HoldpointError
 
 A = ApprovalStatus
 # What the expirer does at expiry, by policy (the default, re-request, depends on the count).
-THEN = {
+THEN: dict[str, str] = {  # keyed by OnExpiry; policies store its str value
     OnExpiry.REJECT: "then it is rejected automatically",
     OnExpiry.APPROVE: "then it is approved automatically (the policy says so explicitly)",
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 MAX_SAFE_INT = 2**53 - 1
@@ -99,15 +100,17 @@ def canonical_bytes(value: Any) -> bytes:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 # How json escapes a string with ensure_ascii off (the C function when there is one).
 _ESCAPE = json.encoder.encode_basestring
-if json.encoder.c_make_encoder is not None:
+# CPython's private C accelerator, which typeshed does not declare.
+_C_MAKE_ENCODER: Callable[..., Callable[[Any, int], Iterable[str]]] | None = getattr(
+    json.encoder, "c_make_encoder", None
+)
+if _C_MAKE_ENCODER is not None:
     # `_ENCODER.encode`, minus what each call of it sets up again: the C encoder it builds per
     # call, built once. Same arguments, but no circular-reference markers: it only encodes
     # values `_plain` accepted — and `_plain` never returns for a value that contains itself.
-    _ONE_SHOT = json.encoder.c_make_encoder(
-        None, _ENCODER.default, _ESCAPE, None, ":", ",", True, False, True
-    )
+    _ONE_SHOT = _C_MAKE_ENCODER(None, _ENCODER.default, _ESCAPE, None, ":", ",", True, False, True)
 
-    def _encode(value: Any) -> str:
+    def _encode(value: Any, /) -> str:
         return "".join(_ONE_SHOT(value, 0))
 else:  # pragma: no cover - CPython always has the C encoder
     _encode = _ENCODER.encode

@@ -66,14 +66,17 @@ def open_stream(stream: str, tenant_id: int) -> Head:
 # Inside `batched(stream)` (one transaction: a step's checkpoint with its ledger writes) the
 # entries are chained and written together when the block ends — one head swap and one
 # multi-row insert for all of them, and on PostgreSQL both in one statement.
-_local = threading.local()
+class _ThreadState(threading.local):
+    def __init__(self) -> None:  # runs once in each thread that touches it
+        self.heads: dict[str, Head | None] = {}  # stream -> remembered Head (None: not known)
+        self.depth: dict[str, int] = {}  # stream -> nesting of `owning`
+        self.batches: dict[str, list[JournalEntry]] = {}  # stream -> entries for `batched`'s end
 
 
-def _thread_state() -> Any:
-    if not hasattr(_local, "heads"):
-        _local.heads = {}  # stream -> remembered Head (None: not known yet)
-        _local.depth = {}  # stream -> nesting of `owning`
-        _local.batches = {}  # stream -> entries waiting for the end of `batched`
+_local = _ThreadState()
+
+
+def _thread_state() -> _ThreadState:
     return _local
 
 

@@ -8,9 +8,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 from csp.constants import NONE, SELF
 
 from config.env import EnvError, env_bool, env_fernet_keys, env_int, env_list, env_str
+
+# The code names its admin and form classes' model for the type checker (`ModelAdmin[Run]`,
+# `ModelForm[Membership]`), which needs Django's generic classes subscriptable at run time.
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("HOLDPOINT_VAR_DIR", str(BASE_DIR / "var")))

@@ -91,7 +91,8 @@ def _prepared_cursor_class() -> Any:
 
             def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
                 kwargs.setdefault("prepare", self.prepare)
-                return super().execute(query, params, **kwargs)
+                # django-stubs declare ServerBindingCursor without its psycopg.Cursor base.
+                return super().execute(query, params, **kwargs)  # type: ignore[misc]
 
         _PreparedCursor = PreparedCursor
     return _PreparedCursor

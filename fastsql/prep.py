@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -36,7 +36,7 @@ _UNCHANGED = {
 }
 
 
-def _django_field(field: Any) -> bool:
+def _django_field(field: Any) -> TypeGuard[models.Field[Any, Any]]:
     return field is not None and type(field).__module__.startswith("django.db.models.")
 
 

@@ -94,6 +94,11 @@ def tenant_check(tenant_id: int) -> Exact:
     return Exact(F("tenant_id") + Value(0), tenant_id)
 
 
+def _column(field: models.Field[Any, Any]) -> str:
+    assert field.column is not None  # django-stubs: `str | None`; a concrete field has one
+    return field.column
+
+
 class _Table:
     """What the statements need of one model, computed once."""
 
@@ -104,12 +109,12 @@ class _Table:
         self.name = qn(meta.db_table)
         self.fields = {f.attname: f for f in meta.concrete_fields}
         self.fields.update({f.name: f for f in meta.concrete_fields})
-        self.column = {name: qn(f.column) for name, f in self.fields.items()}
+        self.column = {name: qn(_column(f)) for name, f in self.fields.items()}
         preps = {name: save_and_lookup(f, conn.vendor) for name, f in self.fields.items()}
         self.save: dict[str, Prep] = {name: save for name, (save, _) in preps.items()}
         self.lookup: dict[str, Prep] = {name: lookup for name, (_, lookup) in preps.items()}
         self.attnames = tuple(f.attname for f in meta.concrete_fields)
-        self.pk_column = qn(meta.pk.column)
+        self.pk_column = qn(_column(meta.pk))
         self.insert_fields = [
             f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
         ]
@@ -432,7 +437,8 @@ def update_then_insert(
         f"WITH {changed.name} AS ({changed.sql} RETURNING 1) {added.sql}",
         changed.params + added.params,
     )
-    return cursor.rowcount == 1
+    written: int = cursor.rowcount
+    return written == 1
 
 
 def update_then_insert_rows(

@@ -356,7 +356,8 @@ def decision_rate_limited(view: Callable[..., HttpResponse]) -> Callable[..., Ht
     @wraps(view)
     def limited(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         throttle = DecisionRate()
-        if not throttle.allow_request(request, None):
+        # A page's HttpRequest and no DRF view: DecisionRate reads only `request.user`.
+        if not throttle.allow_request(request, None):  # type: ignore[arg-type]
             wait = max(1, int(throttle.wait() or 0) + 1)
             response = render(
                 request,

@@ -18,6 +18,7 @@ from django.contrib.auth import get_user_model
 from django.core.paginator import Paginator
 from django.db import transaction
 from django.db.models import ForeignKey, Q, QuerySet
+from django.db.models.expressions import Combinable
 from django.forms import ModelChoiceField
 from django.http import HttpRequest
 from django.utils.functional import cached_property
@@ -34,11 +35,12 @@ User = get_user_model()
 
 
 def admin_tenants(request: HttpRequest) -> QuerySet[Tenant]:
-    if request.user.is_superuser:
+    user = request.user
+    if user.is_superuser:
         return Tenant.objects.all()
-    return Tenant.objects.filter(
-        memberships__user=request.user, memberships__role=Role.ADMIN, active=True
-    )
+    if not user.is_authenticated:  # the admin lets only staff in: no tenant for anyone else
+        return Tenant.objects.none()
+    return Tenant.objects.filter(memberships__user=user, memberships__role=Role.ADMIN, active=True)
 
 
 def admin_users(request: HttpRequest) -> QuerySet[Any]:
@@ -48,7 +50,7 @@ def admin_users(request: HttpRequest) -> QuerySet[Any]:
     return User.objects.filter(memberships__tenant__in=admin_tenants(request)).distinct()
 
 
-class AuditedAdmin(admin.ModelAdmin):
+class AuditedAdmin(admin.ModelAdmin[Any]):
     """Every change made in the admin is written to the tenant's stream, in the same
     transaction (Django's admin wraps each save and delete in one)."""
 
@@ -106,8 +108,8 @@ class TenantScopedAdmin(AuditedAdmin):
         return qs.filter(**{f"{self.tenant_path}__in": admin_tenants(request)}).distinct()
 
     def formfield_for_foreignkey(
-        self, db_field: ForeignKey, request: HttpRequest, **kwargs: Any
-    ) -> ModelChoiceField | None:
+        self, db_field: ForeignKey[Any, Any], request: HttpRequest, **kwargs: Any
+    ) -> ModelChoiceField[Any] | None:
         if db_field.related_model is Tenant:
             kwargs["queryset"] = admin_tenants(request)
         elif db_field.related_model is User:
@@ -123,7 +125,7 @@ class TenantAdmin(AuditedAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
         return admin_tenants(request)
 
-    def tenant_of(self, obj: Any) -> int | None:
+    def tenant_of(self, obj: Tenant) -> int | None:
         return obj.pk
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
@@ -137,13 +139,14 @@ class TenantAdmin(AuditedAdmin):
         return request.user.is_superuser
 
 
-class MembershipForm(forms.ModelForm):
+class MembershipForm(forms.ModelForm[Membership]):
     class Meta:
         model = Membership
         fields = ["tenant", "user", "role"]
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         if self.instance and data.get("user") and data.get("role"):
             self.instance.user = data["user"]
             self.instance.role = data["role"]
@@ -158,7 +161,7 @@ class MembershipAdmin(TenantScopedAdmin):
     search_fields = ["user__username"]
 
 
-class AgentAccountForm(forms.ModelForm):
+class AgentAccountForm(forms.ModelForm[AgentAccount]):
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.none())
 
     class Meta:
@@ -177,8 +180,10 @@ class AgentAccountAdmin(AuditedAdmin):
             memberships__role=Role.AGENT, memberships__tenant__in=admin_tenants(request)
         ).distinct()
 
-    def get_form(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> Any:
-        form = super().get_form(request, obj, **kwargs)
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> type[forms.ModelForm[Any]]:
+        form = super().get_form(request, obj, change=change, **kwargs)
         # A new field object per request: the form class's fields are shared between
         # requests (threads), so narrowing them in place could leak one tenant's choices.
         form.base_fields = {
@@ -254,8 +259,8 @@ class AgentTokenAdmin(TenantScopedAdmin):
     ]
     search_fields = ["prefix", "name", "user__username"]
     actions = ["revoke_selected", "rotate_selected"]
-    add_fields = ["user", "name", "expires_at"]
-    shown_fields = [
+    add_fields = ("user", "name", "expires_at")
+    shown_fields = (
         "prefix",
         "user",
         "tenant",
@@ -266,17 +271,17 @@ class AgentTokenAdmin(TenantScopedAdmin):
         "expires_at",
         "revoked_at",
         "last_used_at",
-    ]
+    )
 
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return self.add_fields if obj is None else self.shown_fields
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [] if obj is None else self.shown_fields
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        return () if obj is None else self.shown_fields
 
     def formfield_for_foreignkey(
-        self, db_field: ForeignKey, request: HttpRequest, **kwargs: Any
-    ) -> ModelChoiceField | None:
+        self, db_field: ForeignKey[Any, Any], request: HttpRequest, **kwargs: Any
+    ) -> ModelChoiceField[Any] | None:
         field = super().formfield_for_foreignkey(db_field, request, **kwargs)
         # After the tenant scoping above, which would offer every member: people get no token.
         if db_field.name == "user" and field is not None:
@@ -333,7 +338,7 @@ class AgentTokenAdmin(TenantScopedAdmin):
     rotate_selected.allowed_permissions = ("change",)  # type: ignore[attr-defined]
 
 
-class ToolCredentialForm(forms.ModelForm):
+class ToolCredentialForm(forms.ModelForm[ToolCredential]):
     """The secret is write-only: typed into a password field that never renders a value;
     empty on a change keeps the stored one."""
 
@@ -353,11 +358,12 @@ class ToolCredentialForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if "service" in self.fields:
-            self.fields["service"].choices = [(name, name) for name in credential_names()]
+        service = self.fields.get("service")
+        if isinstance(service, forms.ChoiceField):
+            service.choices = [(name, name) for name in credential_names()]
 
     def clean_secret(self) -> str:
-        value = self.cleaned_data.get("secret", "")
+        value: str = self.cleaned_data.get("secret", "")
         if not value and self.instance.pk is None:
             raise forms.ValidationError("A new credential needs its secret.")
         return value
@@ -369,15 +375,15 @@ class ToolCredentialAdmin(TenantScopedAdmin):
     list_display = ["service", "tenant", "secret_state", "updated_at", "updated_by"]
     search_fields = ["service"]
 
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         if obj is None:
-            return ["tenant", "service", "secret"]
-        return ["tenant", "service", "secret_state", "secret", "updated_at", "updated_by"]
+            return ("tenant", "service", "secret")
+        return ("tenant", "service", "secret_state", "secret", "updated_at", "updated_by")
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # The ciphertext is bound to its tenant and service: they never change.
         return (
-            [] if obj is None else ["tenant", "service", "secret_state", "updated_at", "updated_by"]
+            () if obj is None else ("tenant", "service", "secret_state", "updated_at", "updated_by")
         )
 
     @admin.display(description="secret")
@@ -416,19 +422,21 @@ class ToolCredentialAdmin(TenantScopedAdmin):
 COUNT_CAP = 10_000
 
 
-class CappedCountPaginator(Paginator):
+class CappedCountPaginator(Paginator[JournalEntry]):
     """Counts at most COUNT_CAP rows: `SELECT COUNT(*) FROM (… LIMIT cap)` stays cheap."""
+
+    object_list: QuerySet[JournalEntry]  # the changelist's (django-stubs: any sequence)
 
     @cached_property
     def count(self) -> int:
-        return self.object_list[:COUNT_CAP].count()  # type: ignore[no-any-return]
+        return self.object_list[:COUNT_CAP].count()
 
 
 class NewestFirst(ChangeList):
     """Always newest first: sorting millions of rows by a clicked column (`?o=`) would be a
     full sort; id order is what the indexes hold."""
 
-    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[str]:
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[str | Combinable]:
         return ["-id"]
 
 
@@ -447,13 +455,13 @@ class TypeFilter(admin.SimpleListFilter):
 
 
 @admin.register(JournalEntry)
-class JournalEntryAdmin(admin.ModelAdmin):
+class JournalEntryAdmin(admin.ModelAdmin[JournalEntry]):
     list_display = ["stream", "seq", "type", "actor", "created_at"]
     list_filter = [TypeFilter]
     search_fields = ["stream", "actor"]
     search_help_text = "Exact stream (run:<run id>, tenant:<id>) or exact actor (user:alice)."
     ordering = ["-id"]
-    sortable_by: list[str] = []  # no sort links on the column headers (see NewestFirst)
+    sortable_by = []  # no sort links on the column headers (see NewestFirst)
     actions = None
     show_full_result_count = False
     paginator = CappedCountPaginator

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
@@ -40,7 +40,7 @@ DEFAULT_OVERLAP = timedelta(hours=24)
 class AgentTokenAuthentication(BaseAuthentication):
     """DRF authentication by agent token (runtime.models.AgentToken)."""
 
-    def authenticate(self, request: Request) -> tuple[AbstractBaseUser, AgentToken] | None:
+    def authenticate(self, request: Request) -> tuple[User, AgentToken] | None:
         parts = get_authorization_header(request).split()
         if not parts or parts[0].lower() != KEYWORD.lower().encode():
             return None  # not ours: the session authenticator may answer
@@ -84,7 +84,7 @@ class Issued:
     key: str
 
 
-def token_tenant(user: AbstractBaseUser, tenant: Tenant | None = None) -> Tenant:
+def token_tenant(user: User, tenant: Tenant | None = None) -> Tenant:
     """The tenant a new token of `user` acts in: the agent account's one tenant. ValueError
     for a person: API tokens are for agent accounts only (issue 15, part 5) — a reviewer
     decides on the pages, where the session, CSRF and the separation of duties apply, never
@@ -113,7 +113,7 @@ def _describe(token: AgentToken) -> dict[str, Any]:
 
 
 def _create(
-    user: AbstractBaseUser, tenant: Tenant, actor: str, name: str, expires_at: datetime | None
+    user: User, tenant: Tenant, actor: str, name: str, expires_at: datetime | None
 ) -> Issued:
     key = new_key()
     token = AgentToken.objects.create(
@@ -129,7 +129,7 @@ def _create(
 
 
 def issue_token(
-    user: AbstractBaseUser,
+    user: User,
     *,
     actor: str,
     tenant: Tenant | None = None,
@@ -145,7 +145,7 @@ def issue_token(
 
 
 def rotate_tokens(
-    user: AbstractBaseUser,
+    user: User,
     *,
     actor: str,
     overlap: timedelta = DEFAULT_OVERLAP,
@@ -180,7 +180,12 @@ def rotate_tokens(
             actor,
             **_describe(issued.token),
             replaced=[
-                {"token_prefix": t.prefix, "expires_at": t.expires_at.isoformat()} for t in old
+                {
+                    "token_prefix": t.prefix,
+                    # Set by the loop above; `None` only to satisfy the type of the field.
+                    "expires_at": t.expires_at.isoformat() if t.expires_at else None,
+                }
+                for t in old
             ],
         )
     return issued, old

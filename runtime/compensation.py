@@ -137,4 +137,5 @@ def _finish(action: Action, actor: str) -> Action:
 
 
 def params_of(action: Action) -> dict[str, Any]:
-    return json.loads(action.params)
+    params: dict[str, Any] = json.loads(action.params)
+    return params

@@ -379,7 +379,8 @@ def _settle(
 def _params(action: Action) -> dict[str, Any]:
     import json
 
-    return json.loads(action.params)
+    params: dict[str, Any] = json.loads(action.params)
+    return params
 
 
 def unsettled(run: Run) -> list[Action]:

@@ -128,7 +128,7 @@ def advance_run(
 
 def backoff_seconds(graph: Graph, failures: int) -> float:
     """Exponential backoff with "equal jitter": half fixed, half random."""
-    ceiling = min(graph.retry_max, graph.retry_base * 2 ** (failures - 1))
+    ceiling: float = min(graph.retry_max, graph.retry_base * 2 ** (failures - 1))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
@@ -308,6 +308,7 @@ class Executor:
                 Park("needs_reconciliation", "an action's outcome needs a human"),
                 self.run.next_step,
             )
+        assert self.runner is not None  # made by _execute before it reconciles
         for action in open_actions:
             try:
                 self.runner.reconcile(action)
@@ -677,7 +678,7 @@ _WAIT_STATUS = {
     "approval": RunStatus.WAITING_APPROVAL,
     "timer": RunStatus.QUEUED,
 }
-_OUTCOME = {
+_OUTCOME: dict[str, str] = {  # keyed by RunStatus; `run.status` is its str value
     RunStatus.COMPLETED: "completed",
     RunStatus.FAILED: "failed",
     RunStatus.WAITING_INPUT: "waiting",
@@ -695,7 +696,7 @@ class _Aborted(Exception):
     """A side-effect checkpoint found the run moved (goal revised or cancelled)."""
 
 
-_PARK_KIND = {
+_PARK_KIND: dict[str, str] = {
     RunStatus.WAITING_APPROVAL: "approval",
     RunStatus.NEEDS_RECONCILIATION: "reconciliation",
     RunStatus.RETRYING: "reconciliation",

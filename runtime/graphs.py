@@ -20,7 +20,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from runtime.errors import UnknownGraph
 
@@ -95,7 +95,15 @@ class Graph:
     start: str = ""
     revision_hook: RevisionHook | None = None
 
-    def step(self, fn: Step | None = None, *, start: bool = False, name: str = "") -> Any:
+    @overload
+    def step(self, fn: Step, *, start: bool = False, name: str = "") -> Step: ...
+    @overload
+    def step(
+        self, fn: None = None, *, start: bool = False, name: str = ""
+    ) -> Callable[[Step], Step]: ...
+    def step(
+        self, fn: Step | None = None, *, start: bool = False, name: str = ""
+    ) -> Step | Callable[[Step], Step]:
         """Decorator registering a step (by function name unless `name` is given)."""
 
         def register_step(func: Step) -> Step:
@@ -114,7 +122,9 @@ class Graph:
         self.revision_hook = hook
         return hook
 
-    def revise(self, old_state: dict[str, Any], old_goal: Any, new_goal: Any) -> tuple[dict, str]:
+    def revise(
+        self, old_state: dict[str, Any], old_goal: Any, new_goal: Any
+    ) -> tuple[dict[str, Any], str]:
         """Default: keep nothing but recorded calls (which live outside the state); restart."""
         if self.revision_hook is None:
             return {}, self.start

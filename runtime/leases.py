@@ -27,6 +27,7 @@ from django.db.models import (
     Value,
     When,
 )
+from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 
 from fastsql import statements
@@ -79,7 +80,7 @@ def _held(lease: Lease) -> Any:
     )
 
 
-def db_now_plus(seconds: float) -> ExpressionWrapper:
+def db_now_plus(seconds: float) -> ExpressionWrapper[CombinedExpression]:
     """`now() + seconds` evaluated by the database: lease time is database time."""
     return ExpressionWrapper(
         Now() + Value(timedelta(seconds=seconds)), output_field=DateTimeField()
@@ -122,12 +123,7 @@ def take_lease(
             raise NotFound()
         tenant_id = before["tenant_id"]
         due = Run.objects.filter(pk=run_id, tenant_id=tenant_id).filter(lease_free())
-        if runnable_only:
-            due = due.filter(status__in=RUNNABLE, external=False).filter(
-                Q(wake_at__isnull=True) | Q(wake_at__lte=Now())
-            )
-        else:
-            due = due.exclude(status__in=TERMINAL)
+        due = due.exclude(status__in=TERMINAL)
         if external:
             due = due.filter(external=True)
         changes: dict[str, Any] = {
@@ -136,29 +132,25 @@ def take_lease(
             "fence": F("fence") + 1,
             "updated_at": Now(),
         }
-        if runnable_only:
-            changes.update(status=RunStatus.RUNNING, wake_at=None)
-        else:
-            # An external executor that leases a queued or retrying run is now running it;
-            # so is one whose lost executor is back (or replaced).
-            lost = Q(status=RunStatus.NEEDS_ATTENTION, attention_reason=EXECUTOR_LOST)
-            changes["status"] = Case(
-                When(
-                    status__in=[RunStatus.QUEUED, RunStatus.RETRYING], then=Value(RunStatus.RUNNING)
-                ),
-                When(lost, then=Value(RunStatus.RUNNING)),
-                default=F("status"),
-                output_field=CharField(),
-            )
-            changes["attention_reason"] = Case(
-                When(lost, then=Value("")), default=F("attention_reason"), output_field=TextField()
-            )
+        # An external executor that leases a queued or retrying run is now running it;
+        # so is one whose lost executor is back (or replaced).
+        lost = Q(status=RunStatus.NEEDS_ATTENTION, attention_reason=EXECUTOR_LOST)
+        changes["status"] = Case(
+            When(status__in=[RunStatus.QUEUED, RunStatus.RETRYING], then=Value(RunStatus.RUNNING)),
+            When(lost, then=Value(RunStatus.RUNNING)),
+            default=F("status"),
+            output_field=CharField(),
+        )
+        changes["attention_reason"] = Case(
+            When(lost, then=Value("")), default=F("attention_reason"), output_field=TextField()
+        )
         if due.update(**changes) != 1:
             _refuse(run_id, tenant_id, external=external)
         run = Run.objects.only("tenant_id", "fence", "lease_expires_at", "status").get(
             pk=run_id, tenant_id=tenant_id
         )
         lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at, by=by)
+        assert run.lease_expires_at is not None  # set by the update above
         record(
             run,
             RunEvent.LEASE_TAKEN,
@@ -251,9 +243,10 @@ def heartbeat(lease: Lease) -> datetime:
     """Extend the lease from now; StaleFence if another executor took the run."""
     if _held(lease).update(lease_expires_at=db_now_plus(lease.ttl)) != 1:
         refuse_stale(lease, "heartbeat")
-    expires_at: datetime = Run.objects.values_list("lease_expires_at", flat=True).get(
+    expires_at = Run.objects.values_list("lease_expires_at", flat=True).get(
         pk=lease.run_id, tenant_id=lease.tenant_id
     )
+    assert expires_at is not None  # set by the update above
     return expires_at
 
 

@@ -531,7 +531,7 @@ def resolve(
             {"external_id": external_id.strip()} if target == S.CONFIRMED else {}
         )
         transition(locked, target, actor, **changes)
-        resolution = {
+        resolution: dict[str, Any] = {
             "action_id": str(locked.action_id),
             "run_id": str(run.run_id),
             "outcome": outcome,

@@ -206,6 +206,7 @@ def prune_task_history(keep: int) -> int:
     cutoff = list(newest[keep : keep + 1])
     if not cutoff:
         return 0
+    deleted: int  # django-q2 has no type information
     deleted, _ = Success.objects.filter(stopped__lte=cutoff[0]).delete()
     return deleted
 

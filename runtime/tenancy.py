@@ -10,15 +10,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
-from django.core.exceptions import ValidationError
+from django.contrib.auth.models import AnonymousUser, User
+from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 
 from runtime.errors import NotFound
 from runtime.models import Membership, Role, Tenant
+
+if TYPE_CHECKING:
+    from audit.models import JournalEntry
+    from runtime.models import Action, Checkpoint, Run
 
 M = TypeVar("M", bound=Model)
 security_log = logging.getLogger("holdpoint.security")
@@ -29,7 +33,7 @@ SESSION_KEY = "holdpoint_tenant_id"
 class Principal:
     """A user or agent account acting in one tenant with one role."""
 
-    user: AbstractBaseUser
+    user: User
     tenant: Tenant
     role: str
 
@@ -51,20 +55,18 @@ class Principal:
         return f"{kind}:{self.user.get_username()}"
 
 
-def memberships_of(user: AbstractBaseUser | AnonymousUser) -> QuerySet[Membership]:
+def memberships_of(user: User | AnonymousUser) -> QuerySet[Membership]:
     """Active-tenant memberships of a user; inactive tenants are invisible to everyone."""
     if not user.is_authenticated or not user.is_active:
         return Membership.objects.none()
     return Membership.objects.filter(user=user, tenant__active=True).select_related("tenant")
 
 
-def tenants_for(user: AbstractBaseUser | AnonymousUser) -> QuerySet[Tenant]:
+def tenants_for(user: User) -> QuerySet[Tenant]:
     return Tenant.objects.filter(active=True, memberships__user=user).distinct()
 
 
-def principal_for(
-    user: AbstractBaseUser | AnonymousUser, tenant_id: int | None = None
-) -> Principal | None:
+def principal_for(user: User | AnonymousUser, tenant_id: int | None = None) -> Principal | None:
     """The principal a user acts as: the chosen tenant if a member, else the first one."""
     memberships = list(memberships_of(user))
     if not memberships:
@@ -82,7 +84,7 @@ def get_scoped(queryset: QuerySet[M], principal: Principal, **lookup: Any) -> M:
     """One object of the principal's tenant, or NotFound (also for other tenants' objects)."""
     try:
         return scope(queryset, principal).get(**lookup)
-    except (queryset.model.DoesNotExist, ValueError, TypeError, ValidationError):
+    except (ObjectDoesNotExist, ValueError, TypeError, ValidationError):
         # A malformed id is answered like a missing one: no oracle for what ids look like.
         _log_if_foreign(queryset, principal, lookup)
         raise NotFound() from None
@@ -144,26 +146,26 @@ def tenant_context(request: HttpRequest) -> dict[str, Any]:
     }
 
 
-def runs_for(principal: Principal) -> QuerySet[Any]:
+def runs_for(principal: Principal) -> QuerySet[Run]:
     """The principal's tenant's runs — every run query of a page or API goes through here."""
     from runtime.models import Run
 
     return scope(Run.objects.all(), principal)
 
 
-def checkpoints_for(principal: Principal) -> QuerySet[Any]:
+def checkpoints_for(principal: Principal) -> QuerySet[Checkpoint]:
     from runtime.models import Checkpoint
 
     return scope(Checkpoint.objects.all(), principal)
 
 
-def actions_for(principal: Principal) -> QuerySet[Any]:
+def actions_for(principal: Principal) -> QuerySet[Action]:
     from runtime.models import Action
 
     return scope(Action.objects.all(), principal)
 
 
-def journal_for(principal: Principal) -> QuerySet[Any]:
+def journal_for(principal: Principal) -> QuerySet[JournalEntry]:
     """Journal entries of the principal's tenant (the audit app knows tenants by id only)."""
     from audit.models import JournalEntry
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from rest_framework.exceptions import NotAuthenticated, ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
@@ -14,6 +14,7 @@ from rest_framework.throttling import UserRateThrottle
 from rest_framework.views import APIView
 
 from runtime.errors import InvalidParams, NotFound
+from runtime.models import AgentToken
 from runtime.tenancy import SESSION_KEY, Principal, get_scoped, principal_for
 
 MAX_WAIT = 30.0
@@ -31,6 +32,9 @@ class Cursor(CursorPagination):
             raise ValidationError({"cursor": ["invalid cursor"]}) from None
 
 
+M = TypeVar("M", bound=Model)
+
+
 class PerToken(UserRateThrottle):
     """Per token (or reviewer) request rate; 429 in the problem format with Retry-After."""
 
@@ -41,23 +45,23 @@ class ApiView(APIView):
     throttle_classes = [PerToken]
 
     def principal(self, request: Request) -> Principal:
-        cached = getattr(request, "_holdpoint_principal", None)
+        cached: Principal | None = getattr(request, "_holdpoint_principal", None)
         if cached is not None:
             return cached
         if not request.user or not request.user.is_authenticated:
             raise NotAuthenticated()
         # A token acts in its own tenant (runtime.auth checked the membership); a session in
         # the tenant the person chose.
-        tenant_id = (
-            request.session.get(SESSION_KEY) if request.auth is None else request.auth.tenant_id
-        )
+        # DRF's stubs type `auth` as authtoken's Token; ours is AgentTokenAuthentication's.
+        token = cast(AgentToken | None, request.auth)
+        tenant_id = request.session.get(SESSION_KEY) if token is None else token.tenant_id
         principal = principal_for(request.user, tenant_id)
         if principal is None:
             raise NotFound("no tenant for these credentials")
         request._holdpoint_principal = principal  # type: ignore[attr-defined]
         return principal
 
-    def scoped(self, request: Request, queryset: QuerySet[Any], **lookup: Any) -> Any:
+    def scoped(self, request: Request, queryset: QuerySet[M], **lookup: Any) -> M:
         return get_scoped(queryset, self.principal(request), **lookup)
 
     def actor(self, request: Request) -> str:

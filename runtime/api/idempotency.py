@@ -35,10 +35,11 @@ class KeyInFlight(Conflict):
     title = "A request with this Idempotency-Key is still being processed"
 
 
-def idempotent(view: Callable[..., Response]) -> Callable[..., Response]:
-    """Wrap a creating POST handler `(self, request, *args, **kwargs)`."""
+def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
+    """Wrap a creating POST handler `(self, request, *args, **kwargs)`. A replay answers with
+    the stored bytes: a plain HttpResponse, not a DRF Response."""
 
-    def wrapper(self: Any, request: Request, *args: Any, **kwargs: Any) -> Response:
+    def wrapper(self: Any, request: Request, *args: Any, **kwargs: Any) -> HttpResponse:
         key = request.headers.get("Idempotency-Key")
         if not key:
             return view(self, request, *args, **kwargs)

@@ -7,6 +7,7 @@ a driver error. Here all of those are a 400 before anything is read by a view.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -53,7 +54,7 @@ class StrictJSONParser(JSONParser):
         self,
         stream: Any,
         media_type: str | None = None,
-        parser_context: dict[str, Any] | None = None,
+        parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 2_621_440
         data = stream.read(limit + 1) if stream is not None else b""

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
-from django.http import Http404, HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
@@ -129,8 +129,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
         if isinstance(exc, MalformedBody):  # where in the body, as well as what
             errors = exc.errors
         body = problem(exc.status_code, code, _title(exc), detail, errors=errors)
-        if isinstance(exc, drf.Throttled) and exc.wait is not None:
-            headers["Retry-After"] = str(int(exc.wait) + 1)
+        # DRF sets `Throttled.wait` in __init__; its stubs leave the attribute out.
+        wait: float | None = getattr(exc, "wait", None)
+        if isinstance(exc, drf.Throttled) and wait is not None:
+            headers["Retry-After"] = str(int(wait) + 1)
         response = drf_handler(exc, context)
         if response is not None:
             headers.update(
@@ -186,7 +188,7 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> Any:
     return page_not_found(request, exception)
 
 
-def permission_denied(request: HttpRequest, exception: Exception | None = None) -> Any:
+def permission_denied(request: HttpRequest, exception: Exception) -> HttpResponse:
     """A refusal outside DRF (a viewer posting a page's form): problem+json under /api/,
     templates/403.html for pages.
 
@@ -194,6 +196,7 @@ def permission_denied(request: HttpRequest, exception: Exception | None = None) 
     reason, and Django's own log line — which carries the exception's traceback — is
     skipped (it logs a response only once, and this one is marked as logged).
     """
+    response: HttpResponse
     if _is_api(request):
         response = problem_response(request, 403, "not_permitted", "Not permitted")
     else:
@@ -210,7 +213,8 @@ def permission_denied(request: HttpRequest, exception: Exception | None = None) 
         exception or "permission denied",
         extra={"status_code": 403, "request": request},
     )
-    response._has_been_logged = True  # django.utils.log.log_response's own marker
+    # django.utils.log.log_response's own marker, which django-stubs do not declare.
+    response._has_been_logged = True  # type: ignore[union-attr]
     return response
 
 

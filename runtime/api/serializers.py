@@ -66,13 +66,13 @@ class JSONValue(serializers.JSONField):
     told clients null was fine when the server refused it (issue 16, L7)."""
 
 
-class LeaseSerializer(serializers.Serializer):
+class LeaseSerializer(serializers.Serializer[dict[str, Any]]):
     owner = serializers.CharField()
     expires_at = serializers.DateTimeField(allow_null=True)
     fence = StrictInt()
 
 
-class RunSerializer(serializers.ModelSerializer):
+class RunSerializer(serializers.ModelSerializer[Run]):
     lease = serializers.SerializerMethodField()
     goal = serializers.JSONField()
     waiting_for = serializers.JSONField()
@@ -103,7 +103,7 @@ class RunSerializer(serializers.ModelSerializer):
         return {"owner": run.lease_owner, "expires_at": run.lease_expires_at, "fence": run.fence}
 
 
-class CheckpointSerializer(serializers.ModelSerializer):
+class CheckpointSerializer(serializers.ModelSerializer[Checkpoint]):
     state = serializers.JSONField()
     waits = serializers.JSONField()
 
@@ -124,7 +124,7 @@ class CheckpointSerializer(serializers.ModelSerializer):
         ]
 
 
-class ActionSerializer(serializers.ModelSerializer):
+class ActionSerializer(serializers.ModelSerializer[Action]):
     run_id = serializers.UUIDField(source="run.run_id", read_only=True)
     params = serializers.SerializerMethodField()
     result = serializers.JSONField()
@@ -183,7 +183,9 @@ class ActionSerializer(serializers.ModelSerializer):
         return str(request.pk) if request is not None else None
 
 
-class JournalEntrySerializer(serializers.Serializer):
+# `Any`: it serialises a QuerySet of entries (many=True), which the stubs type only for
+# ModelSerializer's instance.
+class JournalEntrySerializer(serializers.Serializer[Any]):
     seq = serializers.IntegerField()
     type = serializers.CharField()
     actor = serializers.CharField()
@@ -193,7 +195,7 @@ class JournalEntrySerializer(serializers.Serializer):
     created_at = serializers.DateTimeField()
 
 
-class RunCreate(serializers.Serializer):
+class RunCreate(serializers.Serializer[Any]):
     graph = StrictChar(max_length=100)
     goal = JSONValue()
     thread_id = StrictChar(max_length=200, required=False)
@@ -205,30 +207,32 @@ class RunCreate(serializers.Serializer):
     )
 
 
-class RevisionIn(serializers.Serializer):
+class RevisionIn(serializers.Serializer[Any]):
     goal = JSONValue()
     expected_goal_rev = StrictInt(min_value=1)
 
 
-class InputIn(serializers.Serializer):
-    data = JSONValue()
+class InputIn(serializers.Serializer[Any]):
+    # A declared field (API.md's name): DRF's metaclass moves it off the class, so the
+    # serializer's `data` property stays what the base class says it is.
+    data = JSONValue()  # type: ignore[assignment]
     expected_rev = StrictInt(min_value=0)
 
 
-class CancelIn(serializers.Serializer):
+class CancelIn(serializers.Serializer[Any]):
     reason = StrictChar(max_length=2000, allow_blank=True, default="")
 
 
-class ResumeIn(serializers.Serializer):
+class ResumeIn(serializers.Serializer[Any]):
     expected_rev = StrictInt(min_value=0, required=False)
 
 
-class LeaseIn(serializers.Serializer):
+class LeaseIn(serializers.Serializer[Any]):
     owner = StrictChar(max_length=200)
     ttl_seconds = StrictInt(min_value=2, max_value=3600)
 
 
-class FenceIn(serializers.Serializer):
+class FenceIn(serializers.Serializer[Any]):
     fence = StrictInt(min_value=1)
 
 
@@ -277,29 +281,29 @@ class OutcomeIn(FenceIn):
     result = serializers.JSONField(required=False, allow_null=True, default=None)
 
 
-class ResolveIn(serializers.Serializer):
+class ResolveIn(serializers.Serializer[Any]):
     outcome = serializers.ChoiceField(choices=["applied", "not_applied"])
     external_id = StrictChar(max_length=300, allow_blank=True, default="")
     note = StrictChar(max_length=2000, allow_blank=True, default="")
 
 
-class LeaseOut(serializers.Serializer):
+class LeaseOut(serializers.Serializer[dict[str, Any]]):
     fence = StrictInt()
     expires_at = serializers.DateTimeField()
     owner = serializers.CharField()
 
 
-class HeartbeatOut(serializers.Serializer):
+class HeartbeatOut(serializers.Serializer[dict[str, Any]]):
     fence = StrictInt()
     expires_at = serializers.DateTimeField()
 
 
-class ReleaseOut(serializers.Serializer):
+class ReleaseOut(serializers.Serializer[dict[str, Any]]):
     fence = StrictInt()
     released = serializers.BooleanField()
 
 
-class Problem(serializers.Serializer):
+class Problem(serializers.Serializer[dict[str, Any]]):
     """application/problem+json (RFC 9457) with a stable machine `code`."""
 
     type = serializers.CharField()
@@ -307,6 +311,7 @@ class Problem(serializers.Serializer):
     status = serializers.IntegerField()
     detail = serializers.CharField()
     code = serializers.CharField()
-    errors = serializers.DictField(
+    # A declared field, moved off the class like InputIn's `data`.
+    errors = serializers.DictField(  # type: ignore[assignment]
         child=serializers.ListField(child=serializers.CharField()), required=False
     )

@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 from uuid import UUID
 
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Field, Q, QuerySet
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -133,7 +133,8 @@ class AuditFilters:
 
 def _text(params: QueryDict, param: str, label: str, field: str) -> str:
     value = params.get(param, "").strip()
-    limit = JournalEntry._meta.get_field(field).max_length or 0
+    column = JournalEntry._meta.get_field(field)
+    limit = (column.max_length if isinstance(column, Field) else None) or 0
     if len(value) > limit:
         raise BadFilter(f"{label} is longer than {limit} characters.")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):

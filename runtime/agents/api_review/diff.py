@@ -31,7 +31,8 @@ def load_spec(name: str) -> Doc:
     if not isinstance(name, str) or not _SPEC_NAME.fullmatch(name):
         raise ValueError(f"invalid spec name: {name!r}")
     with (_SPECS_DIR / f"{name}.json").open(encoding="utf-8") as fh:
-        return json.load(fh)
+        doc: Doc = json.load(fh)
+    return doc
 
 
 def find_risks(old: Doc, new: Doc, scope: list[str] | None = None) -> list[Risk]:

@@ -9,6 +9,7 @@ effect that waits at a hold point.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from runtime.agents.api_review.diff import find_risks, load_spec
@@ -40,7 +41,7 @@ def _specs(goal: dict[str, Any]) -> tuple[str, str]:
 def read_specs(ctx: StepContext) -> Outcome:
     old_name, new_name = _specs(ctx.goal)
     for name in (old_name, new_name):
-        ctx.record(f"spec:{name}", lambda name=name: load_spec(name))
+        ctx.record(f"spec:{name}", partial(load_spec, name))
     return Next("analyse", update={"specs": [old_name, new_name]})
 
 
@@ -54,9 +55,7 @@ def analyse(ctx: StepContext) -> Outcome:
     for prefix in ctx.goal["scope"]:
         key = f"{old_name}..{new_name}:{prefix}"
         if key not in evidence:
-            evidence[key] = ctx.record(
-                f"analysis:{key}", lambda p=prefix: find_risks(old, new, [p])
-            )
+            evidence[key] = ctx.record(f"analysis:{key}", partial(find_risks, old, new, [prefix]))
     return Next("report", update={"evidence": evidence})
 
 
