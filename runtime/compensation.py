@@ -7,7 +7,6 @@ only once the compensation is confirmed; until then it stays what it was: confir
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.db import transaction
@@ -134,8 +133,3 @@ def _finish(action: Action, actor: str) -> Action:
             ledger.transition(original, S.COMPENSATED, actor)
             Action.objects.filter(pk=original.pk).update(updated_at=Now())
     return action
-
-
-def params_of(action: Action) -> dict[str, Any]:
-    params: dict[str, Any] = json.loads(action.params)
-    return params
