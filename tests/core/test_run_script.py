@@ -75,6 +75,10 @@ class Terminal:
             stdout=slave,
             stderr=slave,
             close_fds=True,
+            # A person's terminal delivers SIGINT; a test run started in the background of a
+            # non-interactive shell (as .ci/run does) has it ignored, and bash cannot trap a
+            # signal ignored on entry. Start the script as a login shell would.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         os.close(slave)
         self.chunks: list[bytes] = []
