@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
@@ -414,11 +415,12 @@ def _park(run: Run, fence: int, action: Action, actor: str) -> None:
     )
 
 
-def dispatch(action: Action, fence: int, who: str, ttl: float = 30.0) -> Action:
+def dispatch(action: Action, fence: int, who: str) -> Action:
     """Mark `sent` (runtime.ledger.mark_sent: every check of API.md's dispatch refusals); the
     agent then calls the service itself. A run parked for this action's approval runs again
     — in the same transaction as the mark, so the two commit together or not at all."""
     tool = get_tool(action.tool)
+    ttl = _lease_left(action)
     if action.status == S.AWAITING_APPROVAL:
         raise ApprovalRequired(f"{action.tool} is waiting for approval")
     actor = _actor(who, fence)
@@ -427,6 +429,20 @@ def dispatch(action: Action, fence: int, who: str, ttl: float = 30.0) -> Action:
     return ledger.mark_sent(
         action, fence, ttl, tool, actor, then=lambda sent: _resume(sent, fence, actor)
     )
+
+
+def _lease_left(action: Action) -> float:
+    """Seconds the sender's lease still runs (by the database clock): it may start its call
+    until then, so the in-flight window (`not_found_after`) lasts that long plus the tool's
+    timeout — as a worker's does with its own lease. A stale or missing lease gives 0; the
+    dispatch's fence check refuses it anyway."""
+    left = (
+        Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id)
+        .annotate(left=F("lease_expires_at") - Now())
+        .values_list("left", flat=True)
+        .first()
+    )
+    return max(0.0, left.total_seconds()) if left is not None else 0.0
 
 
 def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:

@@ -30,6 +30,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Role, Run, RunStatus
 from runtime.protocol import name_executor
 from runtime.sweeper import sweep_once
+from runtime.tools import get_tool
 from tests.api import (
     fresh_throttle,  # noqa: F401
     get,
@@ -464,3 +465,21 @@ def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
     ok(post(alice, f"actions/{action['action_id']}/resolve/", body))
     assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.CONFIRMED
     assert Run.objects.get(pk=run_id).status == RunStatus.CANCELLED
+
+
+def test_the_in_flight_window_lasts_the_senders_lease_plus_the_tools_timeout(
+    agent_a: Persona, settings: Any
+) -> None:
+    """A sender may start its call for as long as its lease runs: `not_found` must not be
+    accepted (and the action sent again) before then, however long the lease."""
+    settings.HOLDPOINT_TASKS_DEDUP = "lookup"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, ttl=240)
+    action = Action.objects.get(pk=sent(client, run_id, fence)["action_id"])
+
+    lease_ends = Run.objects.get(pk=run_id).lease_expires_at
+    assert action.in_flight_until is not None and lease_ends is not None
+    timeout = timedelta(seconds=get_tool(action.tool).timeout)
+    assert lease_ends + timeout - timedelta(seconds=2) <= action.in_flight_until
+    assert action.in_flight_until <= lease_ends + timeout + timedelta(seconds=2)
