@@ -32,7 +32,7 @@ from approvals.models import (
 )
 from approvals.policies import DECIDE, grant
 from audit import journal
-from runtime.admin import TenantScopedAdmin, admin_tenants
+from runtime.admin import ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
 from runtime.models import Tenant
 
 # Not a tenant's group even when a tenant's slug would prefix it ("tenant-admins").
@@ -250,7 +250,7 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
 
 
 @admin.register(ApprovalRequest)
-class ApprovalRequestAdmin(TenantScopedAdmin):
+class ApprovalRequestAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     list_display = [
         "title",
         "status",
@@ -273,18 +273,6 @@ class ApprovalRequestAdmin(TenantScopedAdmin):
     list_select_related = ["tenant", "policy", "decided_by"]
     search_fields = ["title"]
     ordering = ["-expires_at"]
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [field.name for field in self.model._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 # --- webhooks ------------------------------------------------------------------------------
@@ -364,7 +352,7 @@ class TenantWebhookAdmin(TenantScopedAdmin):
 
 
 @admin.register(WebhookDelivery)
-class WebhookDeliveryAdmin(TenantScopedAdmin):
+class WebhookDeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     tenant_path = "webhook__tenant"
     list_display = [
         "created_at",
@@ -383,15 +371,3 @@ class WebhookDeliveryAdmin(TenantScopedAdmin):
     @admin.display(description="error")
     def short_error(self, obj: WebhookDelivery) -> str:
         return obj.error[:80]
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [field.name for field in self.model._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

@@ -96,6 +96,23 @@ class AuditedAdmin(admin.ModelAdmin[Any]):
             self.delete_model(request, obj)
 
 
+class ReadOnlyAdmin(admin.ModelAdmin[Any]):
+    """Records nobody edits in the admin (the journal, decided requests, deliveries): every
+    field shown, nothing added, changed or deleted — their writers are the domain's own."""
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [field.name for field in self.model._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 class TenantScopedAdmin(AuditedAdmin):
     """Narrows the changelist, the change form and every FK choice to the admin's tenants."""
 
@@ -455,7 +472,7 @@ class TypeFilter(admin.SimpleListFilter):
 
 
 @admin.register(JournalEntry)
-class JournalEntryAdmin(admin.ModelAdmin[JournalEntry]):
+class JournalEntryAdmin(ReadOnlyAdmin):
     list_display = ["stream", "seq", "type", "actor", "created_at"]
     list_filter = [TypeFilter]
     search_fields = ["stream", "actor"]
@@ -485,18 +502,6 @@ class JournalEntryAdmin(admin.ModelAdmin[JournalEntry]):
         if not term:
             return queryset, False
         return queryset.filter(Q(stream=term) | Q(actor=term)), False
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [field.name for field in self.model._meta.fields]
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 # --- operators' tables ---------------------------------------------------------------------
