@@ -17,6 +17,7 @@ from runtime.models.shapers import RunShaper, ShaperKind
 from runtime.models.sweeps import SweeperTurn
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
 from runtime.models.tokens import AgentToken, TokenStatus
+from runtime.models.tooldefs import ToolDefinition
 
 __all__ = [
     "UNSENT",
@@ -41,4 +42,5 @@ __all__ = [
     "Tenant",
     "TokenStatus",
     "ToolCredential",
+    "ToolDefinition",
 ]

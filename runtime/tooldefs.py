@@ -1,0 +1,397 @@
+"""Tools as data: validating a definition and storing its versions (API.md, "Tools as data").
+
+`parse` turns what an admin wrote (JSON from the admin, a file, or `POST tools/`) into the
+normalised definition that is stored, or refuses it with every field error at once — before
+anything is stored, so a bad definition never becomes a tool. `define` is the one writer of
+`ToolDefinition` rows: a changed definition becomes the next version (an unchanged one is
+not a new version, so importing the same file twice changes nothing), and the change is
+journalled in the tenant's stream.
+
+What is checked, because each would otherwise fail at send time, on a tenant's behalf:
+- the schema is a JSON Schema (2020-12) for an object, and every name the definition cites
+  (`editable`, `sensitive`, URL placeholders) is one of its properties;
+- URL templates place params only in the path and query (`runtime.outbound.UrlTemplate`),
+  and their hosts are allowed by `HOLDPOINT_TOOL_HOSTS` (422 `host_not_allowed`);
+- JSONPath expressions (`lookup.found`, `result.external_id`) parse (RFC 9535);
+- extra headers cannot replace the ones Holdpoint sets (the key, the fence, the credential);
+- a compensation names a tool that exists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from django.db import transaction
+from django.db.models import Max
+
+from audit import journal
+from audit.canonical import canonical_bytes, sha256_hex
+from runtime import jsonpaths, outbound
+from runtime.errors import HoldpointError
+from runtime.models import Tenant, ToolDefinition
+
+NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$")
+SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
+EFFECTS = ("read", "write", "irreversible")
+EXECUTORS = ("http", "client")  # `mcp` tools are imported from an MCP server, not written
+MODES = ("key", "lookup", "none")
+METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
+# Headers Holdpoint sets itself on every request: a definition cannot replace them.
+RESERVED_HEADERS = {
+    "authorization",
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "holdpoint-fence",
+    "holdpoint-run",
+    "cookie",
+}
+FIELDS = {
+    "name",
+    "description",
+    "title",
+    "effect",
+    "schema",
+    "editable",
+    "sensitive",
+    "executor",
+    "request",
+    "credential",
+    "dedup",
+    "lookup",
+    "result",
+    "timeout_seconds",
+    "compensation",
+    "compensation_param",
+}
+MAX_TIMEOUT = 60.0
+
+
+class InvalidTool(HoldpointError):
+    code = "invalid_tool"
+    status = 422
+    title = "Invalid tool definition"
+
+
+class HostNotAllowed(HoldpointError):
+    code = "host_not_allowed"
+    status = 422
+    title = "The tool's host is not allowed"
+
+
+class ToolExists(HoldpointError):
+    code = "tool_exists"
+    status = 409
+    title = "A tool with this name exists"
+
+
+@dataclass
+class _Errors:
+    fields: dict[str, list[str]]
+    hosts: dict[str, list[str]]
+
+    def add(self, where: str, message: str) -> None:
+        self.fields.setdefault(where, []).append(message)
+
+    def host(self, where: str, message: str) -> None:
+        self.hosts.setdefault(where, []).append(message)
+
+
+def parse(data: Any, *, known_tools: Iterable[str] = ()) -> dict[str, Any]:
+    """The normalised definition, or InvalidTool / HostNotAllowed with field errors.
+
+    `known_tools`: names a compensation may cite besides the tenant's (a file imported as a
+    whole may define a tool and its compensation together)."""
+    errors = _Errors({}, {})
+    if not isinstance(data, Mapping):
+        raise InvalidTool("a tool definition is a JSON object", errors={"tool": ["not an object"]})
+    for extra in sorted(set(data) - FIELDS):
+        errors.add(extra, "unknown field")
+    spec: dict[str, Any] = {}
+    name = data.get("name")
+    if not isinstance(name, str) or not NAME.match(name) or len(name) > 100:
+        errors.add("name", "lower-case words separated by dots, e.g. tickets.create")
+    spec["name"] = name
+    spec["description"] = _text(data, "description", 2000, errors)
+    spec["title"] = _text(data, "title", 300, errors)
+    spec["effect"] = _choice(data, "effect", EFFECTS, None, errors)
+    schema = data.get("schema", {"type": "object"})
+    properties = _schema(schema, errors)
+    spec["schema"] = schema
+    spec["editable"] = _names(data, "editable", properties, errors)
+    spec["sensitive"] = _names(data, "sensitive", properties, errors)
+    executor = spec["executor"] = _choice(data, "executor", EXECUTORS, "http", errors)
+    credential = data.get("credential", "")
+    if not isinstance(credential, str) or (credential and not SERVICE.match(credential)):
+        errors.add("credential", "a credential's service name, e.g. tasks")
+    spec["credential"] = credential
+    dedup = data.get("dedup", {})
+    if not isinstance(dedup, Mapping):
+        errors.add("dedup", "an object: {mode, header}")
+        dedup = {}
+    for extra in sorted(set(dedup) - {"mode", "header"}):
+        errors.add(f"dedup.{extra}", "unknown field")
+    mode = _choice(dedup, "mode", MODES, None, errors, where="dedup.mode")
+    header = dedup.get("header", "Idempotency-Key")
+    if not isinstance(header, str) or not HEADER.match(header):
+        errors.add("dedup.header", "an HTTP header name")
+    elif header.lower() in RESERVED_HEADERS:
+        errors.add("dedup.header", f"{header} is set by Holdpoint")
+    spec["dedup"] = {"mode": mode, "header": header}
+    params = set(properties)
+    if executor == "http":
+        spec["request"] = _request(data.get("request"), params, errors)
+    elif "request" in data:
+        errors.add("request", "a client tool is performed by the agent: no request")
+    lookup = data.get("lookup")
+    if lookup is not None:
+        spec["lookup"] = _lookup(lookup, params, errors, needs_url=executor == "http")
+    elif mode == "lookup" and executor == "http":
+        errors.add("lookup", "dedup mode lookup needs a lookup request")
+    result = data.get("result", {})
+    if not isinstance(result, Mapping) or set(result) - {"external_id"}:
+        errors.add("result", "an object: {external_id: JSONPath}")
+        result = {}
+    spec["result"] = {"external_id": _path(result.get("external_id", "$.id"), "result", errors)}
+    timeout = data.get("timeout_seconds", 5)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        errors.add("timeout_seconds", "a number of seconds")
+    elif not 0 < timeout <= MAX_TIMEOUT:
+        errors.add("timeout_seconds", f"between 0 and {MAX_TIMEOUT:g} seconds")
+    spec["timeout_seconds"] = timeout
+    compensation = data.get("compensation", "")
+    if not isinstance(compensation, str) or (compensation and not NAME.match(compensation)):
+        errors.add("compensation", "the name of the tool that undoes this one, or empty")
+    elif compensation and compensation == name:
+        errors.add("compensation", "a tool cannot compensate itself")
+    elif compensation and compensation not in set(known_tools):
+        errors.add("compensation", f"no tool {compensation!r} is defined")
+    spec["compensation"] = compensation
+    spec["compensation_param"] = _text(data, "compensation_param", 100, errors) or "external_id"
+    if errors.fields:
+        raise InvalidTool(
+            f"the definition has {sum(map(len, errors.fields.values()))} error(s)",
+            errors={**errors.fields, **errors.hosts},
+        )
+    if errors.hosts:
+        raise HostNotAllowed("the tool would send requests to a host not allowed", errors=errors.hosts)
+    return spec
+
+
+def _text(data: Mapping[str, Any], key: str, limit: int, errors: _Errors) -> str:
+    value = data.get(key, "")
+    if not isinstance(value, str):
+        errors.add(key, "a string")
+        return ""
+    if len(value) > limit:
+        errors.add(key, f"at most {limit} characters")
+    return value
+
+
+def _choice(
+    data: Mapping[str, Any],
+    key: str,
+    choices: tuple[str, ...],
+    default: str | None,
+    errors: _Errors,
+    *,
+    where: str = "",
+) -> str:
+    value = data.get(key, default)
+    if value not in choices:
+        errors.add(where or key, f"one of: {', '.join(choices)}")
+        return ""
+    return str(value)
+
+
+def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
+    """The schema's properties, after checking it is a 2020-12 schema of an object."""
+    if not isinstance(schema, Mapping):
+        errors.add("schema", "a JSON Schema object")
+        return {}
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        errors.add("schema", f"not a valid JSON Schema: {exc.message}")
+        return {}
+    if schema.get("type") != "object":
+        errors.add("schema", 'params are an object: "type": "object"')
+    properties = schema.get("properties", {})
+    return dict(properties) if isinstance(properties, Mapping) else {}
+
+
+def _names(
+    data: Mapping[str, Any], key: str, properties: Mapping[str, Any], errors: _Errors
+) -> list[str]:
+    names = data.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        errors.add(key, "a list of param names")
+        return []
+    for unknown in sorted(set(names) - set(properties)):
+        errors.add(key, f"{unknown!r} is not a property of the schema")
+    return sorted(set(names))
+
+
+def _template(
+    url: Any, where: str, placeholders: set[str], errors: _Errors
+) -> outbound.UrlTemplate | None:
+    if not isinstance(url, str) or not url:
+        errors.add(where, "a URL")
+        return None
+    try:
+        template = outbound.UrlTemplate.compile(url)
+    except outbound.TemplateError as exc:
+        errors.add(where, str(exc))
+        return None
+    for unknown in sorted(set(template.placeholders) - placeholders):
+        errors.add(where, f"{{{unknown}}} is not a param of the schema")
+    try:
+        outbound.check_url(template.render({name: "x" for name in template.placeholders}))
+    except outbound.OutboundRefused as exc:
+        if exc.code == "host_not_allowed":
+            errors.host(where, exc.detail)
+        else:
+            errors.add(where, exc.detail)
+    return template
+
+
+def _request(request: Any, params: set[str], errors: _Errors) -> dict[str, Any]:
+    if not isinstance(request, Mapping):
+        errors.add("request", "an http tool needs a request: {method, url, headers}")
+        return {}
+    for extra in sorted(set(request) - {"method", "url", "headers"}):
+        errors.add(f"request.{extra}", "unknown field")
+    method = _choice(request, "method", METHODS, "POST", errors, where="request.method")
+    url = request.get("url")
+    _template(url, "request.url", params, errors)
+    headers = request.get("headers", {})
+    if not isinstance(headers, Mapping):
+        errors.add("request.headers", "an object of header names to values")
+        headers = {}
+    for key, value in headers.items():
+        if not HEADER.match(str(key)):
+            errors.add("request.headers", f"{key!r} is not a header name")
+        elif str(key).lower() in RESERVED_HEADERS:
+            errors.add("request.headers", f"{key} is set by Holdpoint")
+        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            errors.add("request.headers", f"{key}: a single-line string")
+    return {"method": method, "url": url, "headers": dict(headers)}
+
+
+def _lookup(
+    lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool
+) -> dict[str, Any]:
+    if not isinstance(lookup, Mapping):
+        errors.add("lookup", "an object: {method, url, found}")
+        return {}
+    for extra in sorted(set(lookup) - {"method", "url", "found"}):
+        errors.add(f"lookup.{extra}", "unknown field")
+    spec: dict[str, Any] = {"found": _path(lookup.get("found", "$[0].id"), "lookup.found", errors)}
+    if needs_url or "url" in lookup:
+        spec["method"] = _choice(lookup, "method", ("GET", "POST"), "GET", errors, where="lookup.method")
+        spec["url"] = lookup.get("url")
+        _template(spec["url"], "lookup.url", params | {"idempotency_key"}, errors)
+    return spec
+
+
+def _path(expr: Any, where: str, errors: _Errors) -> str:
+    if not isinstance(expr, str) or not expr:
+        errors.add(where, "a JSONPath expression (RFC 9535), e.g. $.id")
+        return ""
+    try:
+        jsonpaths.compile_path(expr)
+    except jsonpaths.JsonPathError as exc:
+        errors.add(where, str(exc))
+    return expr
+
+
+def digest(spec: Mapping[str, Any]) -> str:
+    return sha256_hex(canonical_bytes(dict(spec)))
+
+
+def current(tenant_id: int, name: str) -> ToolDefinition | None:
+    return (
+        ToolDefinition.objects.filter(tenant_id=tenant_id, name=name).order_by("-version").first()
+    )
+
+
+def current_definitions(tenant_id: int) -> list[ToolDefinition]:
+    """The highest version of each of the tenant's tools, by name."""
+    latest = {
+        row["name"]: row["top"]
+        for row in ToolDefinition.objects.filter(tenant_id=tenant_id)
+        .values("name")
+        .annotate(top=Max("version"))
+    }
+    rows = ToolDefinition.objects.filter(tenant_id=tenant_id, name__in=list(latest))
+    return sorted(
+        (row for row in rows if row.version == latest[row.name]), key=lambda row: row.name
+    )
+
+
+@dataclass(frozen=True)
+class Defined:
+    definition: ToolDefinition
+    created: bool  # False: the same definition was already the current version
+
+
+def define(
+    tenant: Tenant,
+    data: Any,
+    actor: str,
+    *,
+    create_only: bool = False,
+    known_tools: Iterable[str] = (),
+) -> Defined:
+    """Store a definition as the tool's next version (the one writer of definitions).
+
+    `create_only` (`POST tools/`): a name the tenant already defined is 409 `tool_exists`;
+    otherwise (admin, import) a changed definition is a new version, an unchanged one is
+    left as it is. Either way the definition is validated first and nothing is stored if it
+    is refused."""
+    from runtime.tools import builtin_names, tenant_tool_names
+
+    known = set(known_tools) | set(tenant_tool_names(tenant.pk)) | set(builtin_names())
+    spec = parse(data, known_tools=known)
+    name, fingerprint = spec["name"], digest(spec)
+    with transaction.atomic():
+        # One writer per tenant at a time: the tenant row is the lock (versions are
+        # numbered in order, and a concurrent second "create" sees the first).
+        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+        latest = current(tenant.pk, name)
+        if latest is not None and create_only:
+            raise ToolExists(f"{name} exists (version {latest.version}); change it to version it")
+        if latest is not None and latest.digest == fingerprint:
+            return Defined(latest, created=False)
+        row = ToolDefinition.objects.create(
+            tenant=tenant,
+            name=name,
+            version=(latest.version + 1) if latest else 1,
+            spec=spec,
+            digest=fingerprint,
+            created_by=actor[:200],
+        )
+        journal.append(
+            journal.tenant_stream(tenant.pk),
+            "tool.defined",
+            tenant_id=tenant.pk,
+            actor=actor,
+            payload={"tool": name, "version": row.version, "digest": fingerprint},
+            object_ref=f"tool:{name}",
+        )
+    return Defined(row, created=True)
+
+
+def define_many(tenant: Tenant, items: list[Any], actor: str) -> list[Defined]:
+    """A file's definitions, all or nothing: each may cite the others as compensation."""
+    names = [item.get("name") for item in items if isinstance(item, Mapping)]
+    known = [n for n in names if isinstance(n, str)]
+    with transaction.atomic():
+        return [define(tenant, item, actor, known_tools=known) for item in items]
