@@ -335,9 +335,12 @@ CACHES = {
 }
 
 # --- Holdpoint --------------------------------------------------------------------------
-HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
-# How the task service deduplicates: key (honours Idempotency-Key), lookup (can be searched
-# by key), none. It decides how unknown outcomes of tasks.* are reconciled.
+# A task tracker every tenant gets as built-in tools (tasks.create, tasks.close,
+# agent.tasks.create: runtime/tooldata/tasks.json pointed here); empty: none. A tenant's own
+# definitions (`manage.py tools import`, the admin, POST tools/) are independent of it.
+HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "")
+# How that tracker deduplicates: key (honours Idempotency-Key), lookup (can be searched by
+# key), none. It decides how unknown outcomes of the built-in tasks.* are reconciled.
 HOLDPOINT_TASKS_DEDUP = env_str("HOLDPOINT_TASKS_DEDUP", "key")
 if HOLDPOINT_TASKS_DEDUP not in {"key", "lookup", "none"}:
     raise EnvError(

@@ -7,6 +7,8 @@ os.environ.setdefault("HOLDPOINT_LEASE_TTL", "5")
 os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
 os.environ.setdefault("HOLDPOINT_HEARTBEAT_THREAD", "0")
 os.environ.setdefault("HOLDPOINT_GRAPH_MODULES", "runtime.agents.api_review.graph,tests.graphs")
+# The built-in task tracker tools, pointed at a sandbox (tests start their own and set it).
+os.environ.setdefault("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
 os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
 # One directory per test session (its worker processes are told to use the same one), so
