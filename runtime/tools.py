@@ -11,7 +11,6 @@ certainly not applied), stale (the service refused our fence) or unknown.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -26,6 +25,7 @@ from django.core.exceptions import ValidationError
 
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
+from runtime.outbound import http_client
 
 
 class Effect:
@@ -280,21 +280,6 @@ _run_tenants: dict[str, int] = {}
 def credential_names() -> list[str]:
     """Service names of the credentials registered tools send (the admin's choices)."""
     return sorted({tool.credential for tool in _TOOLS.values() if tool.credential})
-
-
-_clients: dict[int, httpx.Client] = {}
-
-
-def http_client() -> httpx.Client:
-    """One pooled client per process (workers fork: a client must not cross a fork).
-
-    A fresh client per call loads the CA bundle each time — about 20 ms of CPU, most of a
-    bare call's cost — and opens a new connection.
-    """
-    client = _clients.get(os.getpid())
-    if client is None:
-        client = _clients[os.getpid()] = httpx.Client()
-    return client
 
 
 def classify(response: httpx.Response) -> CallResult:
