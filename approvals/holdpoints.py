@@ -38,9 +38,8 @@ class HoldPoints:
     def hold(self, action: Action, run: Any, actor: str) -> None:
         request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)
 
-    def may_hold(self, action: Action) -> bool:
+    def may_hold(self, action: Action, tool: Any) -> bool:
         """The dispatch fast path's question (see `runtime.gates.HoldPoints.may_hold`)."""
-        tool = tool_of(action)
         if tool.needs_approval(json.loads(action.params)) or tool.default_hold:
             return True
         return may_hold(action.tenant_id, action.tool, action.pk)

@@ -301,7 +301,7 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
     return action
 
 
-def _unheld_goal_rev(action: Action, fence: int) -> int | None:
+def _unheld_goal_rev(action: Action, fence: int, tool: Tool) -> int | None:
     """The fast path's checks, under the run's row lock: the run's goal_rev if the action may
     be marked sent without consulting a hold point, else None (take the full path).
 
@@ -324,7 +324,7 @@ def _unheld_goal_rev(action: Action, fence: int) -> int | None:
         return None
     if status in TERMINAL and action.step != "standalone":
         return None
-    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action):
+    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action, tool):
         return None
     return int(goal_rev)
 
@@ -359,7 +359,7 @@ def mark_sent(
     if action.tool_version != tool.version:
         action = _take_version(action, fence, tool, actor)
     with transaction.atomic(durable=True):
-        goal_rev = _unheld_goal_rev(action, fence)
+        goal_rev = _unheld_goal_rev(action, fence, tool)
         if goal_rev is not None and _move(action, S.SENT, changes, goal_rev=goal_rev):
             _record_outcome(action, S.SENT, actor, changes)
             if then is not None:

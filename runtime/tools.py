@@ -304,7 +304,7 @@ class HttpTool(Tool):
         return CallResult("refused", detail=f"HTTP {status}: {detail}")
 
     def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
-        if self.dedup_mode() != Dedup.LOOKUP or self.lookup_url is None:
+        if self.dedup_mode() == Dedup.NONE or self.lookup_url is None:
             return LookupResult(found=None, detail=f"{self.name} has no lookup by key")
         run_id = key.split(":", 1)[0]  # ledger keys start with the run
         try:
