@@ -463,12 +463,9 @@ def test_one_private_address_among_public_ones_is_refused(
 
 
 def test_clients_are_pooled_per_process_and_host() -> None:
-    from runtime import tools
-
     assert outbound.tool_client("a.example") is outbound.tool_client("a.example")
     assert outbound.tool_client("a.example") is not outbound.tool_client("b.example")
     assert outbound.tool_client("a.example").follow_redirects is False
-    assert outbound.http_client() is tools.http_client()
 
 
 # --- URL templates ----------------------------------------------------------------------
