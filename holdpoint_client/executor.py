@@ -53,6 +53,7 @@ from holdpoint_client.errors import (
     ToolRefused,
     TransportError,
 )
+from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, ask, drive, invoke, pause
 from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
 
@@ -384,6 +385,8 @@ class ExecutorCore:
                 action = yield from ask(calls.get_action(action.action_id))
                 continue
             approval = yield from ask(calls.get_approval(action.approval))
+            if approval.pending:
+                fault("awaiting_approval")
             while approval.pending:
                 self._check()
                 wait = float(min(30, self.ttl))
@@ -399,6 +402,7 @@ class ExecutorCore:
                 approval = yield from ask(calls.get_approval(approval.id, wait))
             action = yield from ask(calls.get_action(action.action_id))
             if action.status != "awaiting_approval" or action.approval != approval.id:
+                fault("after_decision")
                 return action  # approved, cancelled (rejected, expired) or held anew
             yield from pause(self.retry_pause)
 
@@ -429,6 +433,7 @@ class ExecutorCore:
         contract to the report (an `unknown` of a tool it cannot reconcile goes to a
         person at once) and the returned action says what happens next."""
         call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
+        fault("after_sent_mark")
         try:
             effect = yield from invoke(perform, call)
         except ToolRefused as exc:
@@ -437,6 +442,7 @@ class ExecutorCore:
             log.warning("run %s: %s: %r", self.run_id, action.tool, exc)
             error = {"error": repr(exc)[:2000]}
             return (yield from self._record(action, "unknown", result=error))
+        fault("after_tool_response")
         return (yield from self._confirm(action, effect))
 
     def _reconcile(
