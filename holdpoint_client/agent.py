@@ -35,8 +35,7 @@ import json
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
-from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, cast
 
 from holdpoint_client import calls
 from holdpoint_client.aio import AsyncClient, AsyncExecutor
@@ -55,12 +54,14 @@ from holdpoint_client.models import Action, Run
 
 P = ParamSpec("P")
 R = TypeVar("R")
+C = TypeVar("C", Client, AsyncClient)
+H = TypeVar("H")
 RESERVED = "_holdpoint"  # the checkpoint state's key for recorded calls
 STEP = "ext:agent"  # the next_step an unfinished external run's checkpoints name
 # How the proof of an effect is found in what `perform` returned: a key of a JSON object,
 # or a function of the answer.
 Proof = str | Callable[[Any], Any]
-_current: contextvars.ContextVar[RunCore | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[RunCore[Any] | None] = contextvars.ContextVar(
     "holdpoint_run", default=None
 )
 
@@ -107,13 +108,28 @@ async def _later(answer: Awaitable[Any], proof: Proof) -> tuple[str, Any] | None
     return None if value is None else proved(value, proof)
 
 
-class RunCore:
+class RunActOptions(TypedDict, total=False):
+    """`run.act`'s optional keywords (see RunHandle.act)."""
+
+    perform: Callable[[ToolCall], Any] | None
+    lookup: Callable[[ToolCall], Any] | None
+    label: str | None
+    target: str
+    external_id: Proof
+    approval_timeout: float | None
+
+
+class RunCore(Generic[C]):
     """One agent's hold on one run: what `RunHandle` and `AsyncRunHandle` share."""
 
     def __init__(
         self,
+        client: C,
         thread_id: str,
         *,
+        owner: str,
+        ttl: int,
+        lease_timeout: float,
         graph: str,
         goal: Any,
         graph_version: str | None,
@@ -121,6 +137,8 @@ class RunCore:
         approval_timeout: float | None,
         resolution_timeout: float | None,
     ) -> None:
+        self.client: C = client
+        self.lease = (owner, ttl, lease_timeout)
         self.thread_id = thread_id
         self.graph = graph
         self.goal_asked = goal
@@ -133,14 +151,14 @@ class RunCore:
         self.finished = False  # completed before this process came: answers from the record
         self.last_action: Action | None = None
         self._acts = 0
-        self._token: contextvars.Token[RunCore | None] | None = None
-        self._ex: ExecutorCore | None = None
+        self._token: contextvars.Token[RunCore[Any] | None] | None = None
+        self._ex: ExecutorCore[C] | None = None
 
-    def _executor(self, run_id: str) -> ExecutorCore:
+    def _executor(self, run_id: str) -> ExecutorCore[C]:
         raise NotImplementedError
 
     @property
-    def ex(self) -> ExecutorCore:
+    def ex(self) -> ExecutorCore[C]:
         if self._ex is None:
             raise ExecutorError("the run is not open: use it as a context manager")
         return self._ex
@@ -219,12 +237,12 @@ class RunCore:
         params: Mapping[str, Any],
         *,
         reason: str,
-        perform: Callable[[ToolCall], Any] | None,
-        lookup: Callable[[ToolCall], Any] | None,
-        label: str | None,
-        target: str,
-        external_id: Proof,
-        approval_timeout: float | None,
+        perform: Callable[[ToolCall], Any] | None = None,
+        lookup: Callable[[ToolCall], Any] | None = None,
+        label: str | None = None,
+        target: str = "",
+        external_id: Proof = "id",
+        approval_timeout: float | None = None,
     ) -> Flow[Any]:
         self._acts += 1
         call = label or f"act-{self._acts}"
@@ -286,30 +304,18 @@ def _owner() -> str:
     return f"holdpoint-agent@{socket.gethostname()}:{os.getpid()}"
 
 
-class RunHandle(RunCore):
+class RunHandle(RunCore[Client]):
     """`with hp.run(...) as run:` — see the module docstring."""
 
-    def __init__(
-        self, client: Client, *, owner: str, ttl: int, lease_timeout: float, **kw: Any
-    ) -> None:
-        super().__init__(**kw)
-        self.client = client
-        self._lease = (owner, ttl, lease_timeout)
-
-    def _executor(self, run_id: str) -> ExecutorCore:
-        owner, ttl, lease_timeout = self._lease
+    def _executor(self, run_id: str) -> Executor:
+        owner, ttl, lease_timeout = self.lease
         return Executor(self.client, run_id, owner, ttl, lease_timeout=lease_timeout)
 
     def __enter__(self) -> RunHandle:
         drive(self._open(), self.client)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         drive(self._close(exc is not None), self.client)
 
     def act(
@@ -318,36 +324,22 @@ class RunHandle(RunCore):
         params: Mapping[str, Any],
         *,
         reason: str,
-        perform: Callable[[ToolCall], Any] | None = None,
-        lookup: Callable[[ToolCall], Any] | None = None,
-        label: str | None = None,
-        target: str = "",
-        external_id: Proof = "id",
-        approval_timeout: float | None = None,
+        **options: Unpack[RunActOptions],
     ) -> Any:
         """One ledgered side effect, exactly once; returns its recorded result.
 
         `perform(call)` does the effect of a tool the agent performs (executor `client`)
         with `call.params` — the approved ones, possibly edited by the reviewer — and the
         `call.headers()` (its Idempotency-Key); it returns the service's answer, whose
-        `external_id` field (or function) is the proof. Raise ToolRefused when the service
-        certainly did not apply it. `lookup(call)` finds the effect by key (the answer, or
-        None) for a tool the server reconciles by lookup. A tool Holdpoint sends itself
-        (executor `http`) needs neither. Raises Rejected(reason), ApprovalTimeout
-        (everything stays durable: run again to go on waiting), ActionFailed, ...
+        `external_id` field (default "id"; or a function of the answer) is the proof. Raise
+        ToolRefused when the service certainly did not apply it. `lookup(call)` finds the
+        effect by key (the answer, or None) for a tool the server reconciles by lookup. A
+        tool Holdpoint sends itself (executor `http`) needs neither. `label` names the call
+        instead of its place among this run's `act` calls. Raises Rejected(reason),
+        ApprovalTimeout (after `approval_timeout` s; everything stays durable: run again to
+        go on waiting), ActionFailed, ActionWithdrawn, OutcomeUnknown, LeaseLost.
         """
-        flow = self._act(
-            tool,
-            params,
-            reason=reason,
-            perform=perform,
-            lookup=lookup,
-            label=label,
-            target=target,
-            external_id=external_id,
-            approval_timeout=approval_timeout,
-        )
-        return drive(flow, self.client)
+        return drive(self._act(tool, params, reason=reason, **options), self.client)
 
     def record(self, key: str, fn: Callable[[], R]) -> R:
         """`fn()` once per run: its (JSON) result is stored before it is returned, and
@@ -360,30 +352,18 @@ class RunHandle(RunCore):
         return cast(R, drive(self._record("model", key, fn), self.client))
 
 
-class AsyncRunHandle(RunCore):
+class AsyncRunHandle(RunCore[AsyncClient]):
     """`async with hp.run(...) as run:` — RunHandle on the event loop."""
 
-    def __init__(
-        self, client: AsyncClient, *, owner: str, ttl: int, lease_timeout: float, **kw: Any
-    ) -> None:
-        super().__init__(**kw)
-        self.client = client
-        self._lease = (owner, ttl, lease_timeout)
-
-    def _executor(self, run_id: str) -> ExecutorCore:
-        owner, ttl, lease_timeout = self._lease
+    def _executor(self, run_id: str) -> AsyncExecutor:
+        owner, ttl, lease_timeout = self.lease
         return AsyncExecutor(self.client, run_id, owner, ttl, lease_timeout=lease_timeout)
 
     async def __aenter__(self) -> AsyncRunHandle:
         await adrive(self._open(), self.client)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         await adrive(self._close(exc is not None), self.client)
 
     async def act(
@@ -392,26 +372,10 @@ class AsyncRunHandle(RunCore):
         params: Mapping[str, Any],
         *,
         reason: str,
-        perform: Callable[[ToolCall], Any] | None = None,
-        lookup: Callable[[ToolCall], Any] | None = None,
-        label: str | None = None,
-        target: str = "",
-        external_id: Proof = "id",
-        approval_timeout: float | None = None,
+        **options: Unpack[RunActOptions],
     ) -> Any:
         """RunHandle.act, awaited; `perform` and `lookup` may be `async def`."""
-        flow = self._act(
-            tool,
-            params,
-            reason=reason,
-            perform=perform,
-            lookup=lookup,
-            label=label,
-            target=target,
-            external_id=external_id,
-            approval_timeout=approval_timeout,
-        )
-        return await adrive(flow, self.client)
+        return await adrive(self._act(tool, params, reason=reason, **options), self.client)
 
     async def record(self, key: str, fn: Callable[[], Any]) -> Any:
         """RunHandle.record, awaited; `fn` may be an `async def`."""
@@ -422,7 +386,7 @@ class AsyncRunHandle(RunCore):
         return await adrive(self._record("model", key, fn), self.client)
 
 
-def current_run() -> RunCore:
+def current_run() -> RunCore[Any]:
     """The run of the innermost `with hp.run(...)` in this context (thread, task)."""
     run = _current.get()
     if run is None:
@@ -462,7 +426,7 @@ class _Actions:
                 extra = {"call": call} if takes_call else {}
                 return fn(**call.params, **extra)  # type: ignore[arg-type, call-arg]
 
-            def act(run: RunCore, args: Any, kwargs: Any) -> Flow[Any]:
+            def act(run: RunCore[Any], args: Any, kwargs: Any) -> Flow[Any]:
                 bound = signature.bind_partial(*args, **kwargs).arguments
                 bound.pop("call", None)
                 return run._act(
@@ -500,14 +464,19 @@ class _Actions:
         return decorate
 
 
-class _Entry(_Actions):
-    """What Holdpoint and AsyncHoldpoint share: the lease and waiting settings.
+class _Entry(_Actions, Generic[C, H]):
+    """What Holdpoint and AsyncHoldpoint share: the client and the lease and waiting
+    settings, taken out of the keyword arguments (the others go to the client: timeout,
+    retries, backoff, ...).
 
-    `ttl`: lease seconds (renewed every ttl/3); `lease_timeout`: how long `run` waits for
-    another holder's lease (a dead predecessor's expires `ttl` after its last heartbeat);
-    `approval_timeout`: the default for `act` (None: wait as long as it takes);
-    `resolution_timeout`: how long to wait for a person to settle an unknown outcome.
+    `owner`: the lease owner's name; `ttl`: lease seconds (renewed every ttl/3);
+    `lease_timeout`: how long `run` waits for another holder's lease (a dead predecessor's
+    expires `ttl` after its last heartbeat); `approval_timeout`: the default for `act`
+    (None: wait as long as it takes); `resolution_timeout`: how long to wait for a person to
+    settle an unknown outcome (None: as long as it takes).
     """
+
+    client: C
 
     def __init__(
         self,
@@ -524,39 +493,8 @@ class _Entry(_Actions):
         self.approval_timeout = approval_timeout
         self.resolution_timeout = resolution_timeout
 
-    def _handle(
-        self, thread_id: str, graph: str, goal: Any, graph_version: str | None, complete: bool
-    ) -> dict[str, Any]:
-        return {
-            "owner": self.owner,
-            "ttl": self.ttl,
-            "lease_timeout": self.lease_timeout,
-            "thread_id": thread_id,
-            "graph": graph,
-            "goal": {} if goal is None else goal,
-            "graph_version": graph_version,
-            "complete": complete,
-            "approval_timeout": self.approval_timeout,
-            "resolution_timeout": self.resolution_timeout,
-        }
-
-
-class Holdpoint(_Entry):
-    """The blocking entry point: `hp = Holdpoint(url, token)` or `Holdpoint.from_env()`.
-
-    Keyword arguments: the lease and waiting settings (see `_Entry`: owner, ttl,
-    lease_timeout, approval_timeout, resolution_timeout); the others go to `Client`
-    (timeout, retries, backoff, ...).
-    """
-
-    def __init__(self, url: str, token: str, **options: Any) -> None:
-        super().__init__(**_settings(options))
-        self.client = Client(url, token, **options)
-
-    @classmethod
-    def from_env(cls, **options: Any) -> Holdpoint:
-        """From HOLDPOINT_URL and HOLDPOINT_TOKEN."""
-        return cls(*_env(), **options)
+    def _handle(self, thread_id: str, **settings: Any) -> H:
+        raise NotImplementedError
 
     def run(
         self,
@@ -566,12 +504,37 @@ class Holdpoint(_Entry):
         goal: Any = None,
         graph_version: str | None = None,
         complete: bool = True,
-    ) -> RunHandle:
+    ) -> H:
         """The run of `thread_id`, found again or created (external) with `goal`; use it as
         a context manager. `complete=False` leaves the run open on a clean exit."""
-        return RunHandle(
-            self.client, **self._handle(thread_id, graph, goal, graph_version, complete)
+        return self._handle(
+            thread_id,
+            owner=self.owner,
+            ttl=self.ttl,
+            lease_timeout=self.lease_timeout,
+            graph=graph,
+            goal={} if goal is None else goal,
+            graph_version=graph_version,
+            complete=complete,
+            approval_timeout=self.approval_timeout,
+            resolution_timeout=self.resolution_timeout,
         )
+
+
+class Holdpoint(_Entry[Client, RunHandle]):
+    """The blocking entry point: `hp = Holdpoint(url, token)` or `Holdpoint.from_env()`
+    (HOLDPOINT_URL, HOLDPOINT_TOKEN); keyword arguments as described on `_Entry`."""
+
+    def __init__(self, url: str, token: str, **options: Any) -> None:
+        super().__init__(**_settings(options))
+        self.client = Client(url, token, **options)
+
+    @classmethod
+    def from_env(cls, **options: Any) -> Holdpoint:
+        return cls(*_env(), **options)
+
+    def _handle(self, thread_id: str, **settings: Any) -> RunHandle:
+        return RunHandle(self.client, thread_id, **settings)
 
     def close(self) -> None:
         self.client.close()
@@ -583,9 +546,9 @@ class Holdpoint(_Entry):
         self.close()
 
 
-class AsyncHoldpoint(_Entry):
+class AsyncHoldpoint(_Entry[AsyncClient, AsyncRunHandle]):
     """The asyncio entry point: as Holdpoint, with `async with hp.run(...)`, `await
-    run.act(...)` and `@hp.action` on `async def` functions."""
+    run.act(...)` and `@hp.action` on `async def` functions. Use one per event loop."""
 
     def __init__(self, url: str, token: str, **options: Any) -> None:
         super().__init__(**_settings(options))
@@ -595,18 +558,8 @@ class AsyncHoldpoint(_Entry):
     def from_env(cls, **options: Any) -> AsyncHoldpoint:
         return cls(*_env(), **options)
 
-    def run(
-        self,
-        thread_id: str,
-        *,
-        graph: str,
-        goal: Any = None,
-        graph_version: str | None = None,
-        complete: bool = True,
-    ) -> AsyncRunHandle:
-        return AsyncRunHandle(
-            self.client, **self._handle(thread_id, graph, goal, graph_version, complete)
-        )
+    def _handle(self, thread_id: str, **settings: Any) -> AsyncRunHandle:
+        return AsyncRunHandle(self.client, thread_id, **settings)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -12,14 +12,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, RetryPolicy, api_root
-from holdpoint_client.executor import ExecutorCore, Lookup, Perform
+from holdpoint_client.executor import ActOptions, ExecutorCore, Perform
 from holdpoint_client.flow import adrive
 from holdpoint_client.models import (
     Action,
@@ -65,12 +64,7 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def send(self, call: Call[T]) -> T:
@@ -228,42 +222,17 @@ class AsyncClient:
         )
 
 
-class AsyncExecutor(ExecutorCore):
-    """`Executor` on the event loop: `async with AsyncExecutor(...) as ex: await ex.act(...)`;
-    a task heartbeats."""
+class AsyncExecutor(ExecutorCore[AsyncClient]):
+    """`Executor` on the event loop: `async with AsyncExecutor(client, run_id, owner) as ex:
+    await ex.act(...)`; a task heartbeats."""
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        run_id: str,
-        owner: str,
-        ttl: int = 30,
-        *,
-        lease_timeout: float = 120.0,
-        replay_attempts: int = 5,
-        retry_pause: float = 1.0,
-    ) -> None:
-        super().__init__(
-            run_id,
-            owner,
-            ttl,
-            lease_timeout=lease_timeout,
-            replay_attempts=replay_attempts,
-            retry_pause=retry_pause,
-        )
-        self.client = client
-        self._beats: asyncio.Task[None] | None = None
+    _beats: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncExecutor:
         await self.acquire()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def acquire(self) -> LeaseGrant:
@@ -305,22 +274,8 @@ class AsyncExecutor(ExecutorCore):
         *,
         call: str,
         perform: Perform | None,
-        reason: str = "",
-        target: str = "",
-        lookup: Lookup | None = None,
-        approval_timeout: float | None = None,
-        resolution_timeout: float | None = None,
+        **options: Unpack[ActOptions],
     ) -> Action:
         """Executor.act, awaited; `perform` and `lookup` may be `async def`."""
-        flow = self._act_flow(
-            tool,
-            params,
-            call=call,
-            perform=perform,
-            reason=reason,
-            target=target,
-            lookup=lookup,
-            approval_timeout=approval_timeout,
-            resolution_timeout=resolution_timeout,
-        )
+        flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return await adrive(flow, self.client)

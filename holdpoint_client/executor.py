@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 from holdpoint_client import calls
 from holdpoint_client.client import Client
@@ -102,9 +102,20 @@ class ToolCall:
 Perform = Callable[[ToolCall], Any]
 # lookup(call) -> (external_id, result) if the effect exists at the service, else None.
 Lookup = Callable[[ToolCall], Any]
+C = TypeVar("C")
 
 
-class ExecutorCore:
+class ActOptions(TypedDict, total=False):
+    """`act`'s optional keywords (see Executor.act), shared by every face of it."""
+
+    reason: str
+    target: str
+    lookup: Lookup | None
+    approval_timeout: float | None
+    resolution_timeout: float | None
+
+
+class ExecutorCore(Generic[C]):
     """The lease and the ledger logic of an executor, as flows (holdpoint_client.flow).
 
     `Executor` drives them with blocking calls and a heartbeat thread, `AsyncExecutor`
@@ -118,6 +129,7 @@ class ExecutorCore:
 
     def __init__(
         self,
+        client: C,
         run_id: str,
         owner: str,
         ttl: int = 30,
@@ -128,6 +140,7 @@ class ExecutorCore:
     ) -> None:
         if ttl < 2:  # the server caps it (HOLDPOINT_MAX_LEASE_TTL, 300 s by default)
             raise ValueError("ttl must be at least 2 seconds")
+        self.client = client
         self.run_id = str(run_id)
         self.owner = owner
         self.ttl = ttl
@@ -555,32 +568,12 @@ class ExecutorCore:
         raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)
 
 
-class Executor(ExecutorCore):
+class Executor(ExecutorCore[Client]):
     """Hold a run's lease for the length of a `with` block and execute under it, blocking
-    (see ExecutorCore); a background thread heartbeats."""
+    (see ExecutorCore: `Executor(client, run_id, owner, ttl)`); a thread heartbeats."""
 
-    def __init__(
-        self,
-        client: Client,
-        run_id: str,
-        owner: str,
-        ttl: int = 30,
-        *,
-        lease_timeout: float = 120.0,
-        replay_attempts: int = 5,
-        retry_pause: float = 1.0,
-    ) -> None:
-        super().__init__(
-            run_id,
-            owner,
-            ttl,
-            lease_timeout=lease_timeout,
-            replay_attempts=replay_attempts,
-            retry_pause=retry_pause,
-        )
-        self.client = client
-        self._stop = threading.Event()
-        self._beats: threading.Thread | None = None
+    _beats: threading.Thread | None = None
+    _stop: threading.Event | None = None
 
     def __enter__(self) -> Executor:
         self.acquire()
@@ -600,26 +593,31 @@ class Executor(ExecutorCore):
     def close(self) -> None:
         drive(self._close_flow(), self.client)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 3):
             if not drive(self._beat_flow(), self.client):
                 return
 
     def _start_beats(self) -> None:
-        self._stop.clear()
+        self._stop = threading.Event()
         self._beats = threading.Thread(
-            target=self._heartbeat, name=f"holdpoint-lease-{self.run_id}", daemon=True
+            target=self._heartbeat,
+            args=(self._stop,),
+            name=f"holdpoint-lease-{self.run_id}",
+            daemon=True,
         )
         self._beats.start()
 
     def _stop_beats(self) -> None:
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._beats is not None and self._beats is not threading.current_thread():
             self._beats.join(timeout=self.client.timeout + 1)
         self._beats = None
 
     def _lose(self, exc: StaleFence) -> LeaseLost:
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         return super()._lose(exc)
 
     @property
@@ -650,11 +648,7 @@ class Executor(ExecutorCore):
         *,
         call: str,
         perform: Perform | None,
-        reason: str = "",
-        target: str = "",
-        lookup: Lookup | None = None,
-        approval_timeout: float | None = None,
-        resolution_timeout: float | None = None,
+        **options: Unpack[ActOptions],
     ) -> Action:
         """Prepare → (wait for approval) → dispatch → perform → record; exactly once.
 
@@ -665,20 +659,11 @@ class Executor(ExecutorCore):
         server's `reconcile` says — `perform` again with the same key, `lookup` (required
         for a tool the server reconciles by lookup), or a person's answer, waited for up to
         `resolution_timeout` seconds (None: as long as it takes; the lease is renewed
-        meanwhile). Returns the confirmed action; raises Rejected (an ActionRejected),
-        ApprovalTimeout, ActionWithdrawn, ActionFailed, OutcomeUnknown or LeaseLost.
+        meanwhile); `approval_timeout` bounds the wait for a reviewer. Returns the confirmed
+        action; raises Rejected (an ActionRejected), ApprovalTimeout, ActionWithdrawn,
+        ActionFailed, OutcomeUnknown or LeaseLost.
         """
-        flow = self._act_flow(
-            tool,
-            params,
-            call=call,
-            perform=perform,
-            reason=reason,
-            target=target,
-            lookup=lookup,
-            approval_timeout=approval_timeout,
-            resolution_timeout=resolution_timeout,
-        )
+        flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return drive(flow, self.client)
 
 

@@ -18,14 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from django.contrib.auth.models import Group
 
-from approvals.models import ApprovalPolicy
-from approvals.policies import grant
 from holdpoint_client import ApprovalTimeout, Holdpoint, Rejected, ToolCall
-from runtime.models import Action, Run, RunStatus, Tenant
+from runtime.models import Action, Run, RunStatus
 from tests import procs
 from tests.api import get, ok, post, session
+from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
@@ -33,14 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 EXAMPLE = procs.ROOT / "examples" / "approval_agent.py"
 RECORDER = Path(__file__).with_name("record_agent.py")
 TOOL = "agent.tasks.create"
-
-
-@pytest.fixture
-def hold_point(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
-    """agent.tasks.create waits for tenant A's reviewers."""
-    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool=TOOL)
-    grant(policy, Group.objects.get(name="acme-reviewers"))
-    return policy
 
 
 class Agent:
@@ -145,8 +135,10 @@ def crashed(agent: Agent, proc: subprocess.Popen[bytes], point: str) -> None:
 
 
 @pytest.mark.parametrize("agent", ["key", "lookup"], indirect=True)
+@pytest.mark.usefixtures("hold_point")
 def test_killed_after_the_tracker_answered(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     first = agent.start("t-answered", faults="after_tool_response")
     decide(reviewer_a, the_action("t-answered", "awaiting_approval"))
@@ -160,8 +152,10 @@ def test_killed_after_the_tracker_answered(
     assert again == 0 and len(agent.box.tasks()) == 1
 
 
+@pytest.mark.usefixtures("hold_point")
 def test_killed_while_waiting_for_the_approval(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     crashed(agent, agent.start("t-waiting", faults="awaiting_approval"), "awaiting_approval")
     assert the_action("t-waiting").status == "awaiting_approval" and agent.box.tasks() == []
@@ -173,8 +167,10 @@ def test_killed_while_waiting_for_the_approval(
     assert_done_once(agent, "t-waiting")
 
 
+@pytest.mark.usefixtures("hold_point")
 def test_killed_after_the_decision_before_the_call(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     first = agent.start("t-decided", faults="after_decision")
     decide(reviewer_a, the_action("t-decided", "awaiting_approval"))
@@ -186,8 +182,10 @@ def test_killed_after_the_decision_before_the_call(
     assert_done_once(agent, "t-decided")
 
 
+@pytest.mark.usefixtures("hold_point")
 def test_the_example_stops_on_a_rejection_with_the_reason(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     proc = agent.start("t-rejected")
     decide(reviewer_a, the_action("t-rejected", "awaiting_approval"), "reject", "not now")
@@ -232,8 +230,10 @@ def post_task(box: Sandbox, seen: list[dict[str, Any]]) -> Callable[..., Any]:
     return create_task
 
 
+@pytest.mark.usefixtures("hold_point")
 def test_the_reviewers_edits_are_what_perform_receives(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01, approval_timeout=0.5)
     seen: list[dict[str, Any]] = []
@@ -252,8 +252,10 @@ def test_the_reviewers_edits_are_what_perform_receives(
     assert Run.objects.get(thread_id="t-edit").status == RunStatus.COMPLETED
 
 
+@pytest.mark.usefixtures("hold_point")
 def test_a_rejection_raises_rejected_with_the_reviewers_reason(
-    agent: Agent, hold_point: ApprovalPolicy, reviewer_a: Persona
+    agent: Agent,
+    reviewer_a: Persona,
 ) -> None:
     hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01, approval_timeout=0.5)
     seen: list[dict[str, Any]] = []

@@ -14,10 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from django.contrib.auth.models import Group
 
 from approvals.models import ApprovalPolicy
-from approvals.policies import grant
 from holdpoint_client import (
     ApprovalTimeout,
     AsyncClient,
@@ -26,20 +24,14 @@ from holdpoint_client import (
     Run,
     ToolCall,
 )
-from runtime.models import Action, RunStatus, Tenant
+from runtime.models import Action, RunStatus
 from runtime.models import Run as RunRow
 from tests.api import get, ok, post, session
+from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
 TOOL = "agent.tasks.create"
-
-
-@pytest.fixture
-def hold_point(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
-    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool=TOOL)
-    grant(policy, Group.objects.get(name="acme-reviewers"))
-    return policy
 
 
 @pytest.mark.slow
@@ -48,7 +40,7 @@ def test_an_async_agent_waits_for_the_approval_and_acts_once(
     live_server: Any,
     agent_a: Persona,
     reviewer_a: Persona,
-    hold_point: ApprovalPolicy,
+    hold_point: ApprovalPolicy,  # noqa: F811
     sandbox_factory: Callable[[str], Sandbox],
 ) -> None:
     box = sandbox_factory("key")
