@@ -69,28 +69,16 @@ class AsyncClient:
 
     async def send(self, call: Call[T]) -> T:
         """One logical call: the same request (same Idempotency-Key) until an answer."""
-        content, headers = call.content(), call.all_headers()
-        timeout = httpx.Timeout(self.timeout + call.extra_timeout)
         attempt = 0
         while True:
             try:
-                response = await self._http.request(
-                    call.method,
-                    call.path,
-                    params=call.params,
-                    content=content,
-                    headers=headers,
-                    timeout=timeout,
-                )
+                response = await self._http.request(**call.request(self.timeout))
             except httpx.TransportError as exc:
-                delay = self.policy.after_transport_error(call, exc, attempt)
+                delay = self.policy.pause(call, attempt, error=exc)
             else:
                 if response.is_success:
                     return call.answer(response)
-                delay = self.policy.after_refusal(call, response, attempt)
-            log.info(
-                "retrying %s %s in %.2fs (attempt %d)", call.method, call.path, delay, attempt + 1
-            )
+                delay = self.policy.pause(call, attempt, response=response)
             await asyncio.sleep(delay)
             attempt += 1
 

@@ -9,6 +9,7 @@ clients differ only in how they wait for the socket. The same goes for the retry
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 import uuid
@@ -40,6 +41,7 @@ from holdpoint_client.models import (
     parse_time,
 )
 
+log = logging.getLogger("holdpoint_client")
 T = TypeVar("T")
 API_PREFIX = "/api/v1/"
 MAX_WAIT = 30.0  # the server's ceiling for ?wait=
@@ -87,14 +89,19 @@ class Call(Generic[T]):
     replay_safe: bool = False
     extra_timeout: float = 0.0
 
-    def content(self) -> bytes | None:
-        return None if self.body is None else dumps(self.body)
-
-    def all_headers(self) -> dict[str, str]:
+    def request(self, timeout: float) -> dict[str, Any]:
+        """httpx's `request` arguments; every attempt of the call sends the same bytes."""
         headers = dict(self.headers)
         if self.body is not None:
             headers["Content-Type"] = "application/json"
-        return headers
+        return {
+            "method": self.method,
+            "url": self.path,
+            "params": self.params,
+            "content": None if self.body is None else dumps(self.body),
+            "headers": headers,
+            "timeout": httpx.Timeout(timeout + self.extra_timeout),
+        }
 
     def answer(self, response: httpx.Response) -> T:
         return self.parse(response.json() if response.content else {})
@@ -355,6 +362,24 @@ class RetryPolicy:
     backoff: float = 0.5
     max_backoff: float = 20.0
     max_retry_after: float = 60.0
+
+    def pause(
+        self,
+        call: Call[Any],
+        attempt: int,
+        *,
+        response: httpx.Response | None = None,
+        error: httpx.TransportError | None = None,
+    ) -> float:
+        """How long to wait before attempt `attempt + 1` of a call that got `response` (not
+        a success) or `error`; raises what the caller gets when it is not repeated."""
+        if error is not None:
+            delay = self.after_transport_error(call, error, attempt)
+        else:
+            assert response is not None
+            delay = self.after_refusal(call, response, attempt)
+        log.info("retrying %s %s in %.2fs (attempt %d)", call.method, call.path, delay, attempt + 1)
+        return delay
 
     def after_transport_error(
         self, call: Call[Any], exc: httpx.TransportError, attempt: int

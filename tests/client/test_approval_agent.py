@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -304,3 +305,25 @@ def test_one_run_per_thread_and_actions_keep_their_place(agent: Agent) -> None:
         Action.objects.filter(run__thread_id="t-two").values_list("idempotency_key", flat=True)
     )
     assert [k.rsplit(":", 1)[1] for k in keys] == ["act-1", "act-2"]
+
+
+def test_two_agents_starting_one_thread_at_once_get_one_run(agent: Agent) -> None:
+    """Both look the thread up before either created it: the creation's key, derived from
+    the thread, makes the second creation return the first run."""
+    results: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def start() -> None:
+        hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01)
+        barrier.wait()
+        with hp.run("t-race", graph="api-review", complete=False) as run:
+            results.append(run.run_id)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert len(results) == 2 and results[0] == results[1]
+    assert Run.objects.filter(thread_id="t-race").count() == 1
