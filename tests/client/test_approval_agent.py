@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,21 @@ def agent(
     mode = getattr(request, "param", "key")
     assert agent_a.token is not None
     return Agent(live_server.url, agent_a.token, sandbox_factory(mode), tmp_path / "agent.log")
+
+
+@pytest.fixture
+def holdpoint(agent: Agent) -> Iterator[Callable[..., Holdpoint]]:
+    """Holdpoint entry points in this process, closed at the end: an idle keep-alive
+    connection would keep a live-server thread, and its database session, alive."""
+    made: list[Holdpoint] = []
+
+    def make(**options: Any) -> Holdpoint:
+        made.append(Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01, **options))
+        return made[-1]
+
+    yield make
+    for hp in made:
+        hp.close()
 
 
 def the_action(thread: str, status: str | None = None, timeout: float = 60) -> Action:
@@ -233,10 +248,9 @@ def post_task(box: Sandbox, seen: list[dict[str, Any]]) -> Callable[..., Any]:
 
 @pytest.mark.usefixtures("hold_point")
 def test_the_reviewers_edits_are_what_perform_receives(
-    agent: Agent,
-    reviewer_a: Persona,
+    agent: Agent, reviewer_a: Persona, holdpoint: Callable[..., Holdpoint]
 ) -> None:
-    hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01, approval_timeout=0.5)
+    hp = holdpoint(approval_timeout=0.5)
     seen: list[dict[str, Any]] = []
     create_task = hp.action(TOOL, reason="needs a look")(post_task(agent.box, seen))
     with pytest.raises(ApprovalTimeout), hp.run("t-edit", graph="api-review"):
@@ -255,10 +269,9 @@ def test_the_reviewers_edits_are_what_perform_receives(
 
 @pytest.mark.usefixtures("hold_point")
 def test_a_rejection_raises_rejected_with_the_reviewers_reason(
-    agent: Agent,
-    reviewer_a: Persona,
+    agent: Agent, reviewer_a: Persona, holdpoint: Callable[..., Holdpoint]
 ) -> None:
-    hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01, approval_timeout=0.5)
+    hp = holdpoint(approval_timeout=0.5)
     seen: list[dict[str, Any]] = []
     create_task = hp.action(TOOL)(post_task(agent.box, seen))
     with pytest.raises(ApprovalTimeout), hp.run("t-reject", graph="api-review"):
@@ -272,10 +285,12 @@ def test_a_rejection_raises_rejected_with_the_reviewers_reason(
     assert seen == [] and agent.box.tasks() == []
 
 
-def test_one_run_per_thread_and_actions_keep_their_place(agent: Agent) -> None:
+def test_one_run_per_thread_and_actions_keep_their_place(
+    agent: Agent, holdpoint: Callable[..., Holdpoint]
+) -> None:
     """Without a hold point: two acts in program order, the second run of the program meets
     both confirmed and calls nothing."""
-    hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01)
+    hp = holdpoint()
     seen: list[dict[str, Any]] = []
     perform = post_task(agent.box, seen)
 
@@ -307,14 +322,16 @@ def test_one_run_per_thread_and_actions_keep_their_place(agent: Agent) -> None:
     assert [k.rsplit(":", 1)[1] for k in keys] == ["act-1", "act-2"]
 
 
-def test_two_agents_starting_one_thread_at_once_get_one_run(agent: Agent) -> None:
+def test_two_agents_starting_one_thread_at_once_get_one_run(
+    agent: Agent, holdpoint: Callable[..., Holdpoint]
+) -> None:
     """Both look the thread up before either created it: the creation's key, derived from
     the thread, makes the second creation return the first run."""
     results: list[str] = []
     barrier = threading.Barrier(2)
 
     def start() -> None:
-        hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01)
+        hp = holdpoint()
         barrier.wait()
         with hp.run("t-race", graph="api-review", complete=False) as run:
             results.append(run.run_id)

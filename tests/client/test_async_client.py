@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.db import connections
 
 from approvals.models import ApprovalPolicy
 from holdpoint_client import (
@@ -65,6 +66,12 @@ def test_an_async_agent_waits_for_the_approval_and_acts_once(
             return await create_task(title=summary)
 
     def approve() -> None:  # the reviewer, through the REST API (a thread: the ORM is sync)
+        try:
+            decide()
+        finally:
+            connections.close_all()  # this thread's own database session
+
+    def decide() -> None:
         action = Action.objects.get(run__thread_id="t-async")
         assert action.status == "awaiting_approval" and made == ["model"]
         browser = session(reviewer_a.user)
