@@ -9,7 +9,6 @@ be an `async def`.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar, Unpack
@@ -17,7 +16,7 @@ from typing import Any, TypeVar, Unpack
 import httpx
 
 from holdpoint_client import calls
-from holdpoint_client.calls import Call, RetryPolicy, api_root
+from holdpoint_client.calls import Call, ClientSettings, Configured
 from holdpoint_client.executor import ActOptions, ExecutorCore, Perform
 from holdpoint_client.flow import adrive
 from holdpoint_client.models import (
@@ -29,34 +28,23 @@ from holdpoint_client.models import (
     Run,
 )
 
-log = logging.getLogger("holdpoint_client")
 T = TypeVar("T")
 
 
-class AsyncClient:
-    """`Client` for asyncio: the same calls, awaited (see holdpoint_client.client)."""
+class AsyncClient(Configured):
+    """`Client` for asyncio: the same calls, awaited (see holdpoint_client.client), the
+    same keyword arguments (`calls.ClientSettings`; `transport` an httpx async one)."""
 
     def __init__(
         self,
         base_url: str,
         token: str,
         *,
-        timeout: float = 10.0,
-        retries: int = 4,
-        backoff: float = 0.5,
-        max_backoff: float = 20.0,
-        max_retry_after: float = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        **settings: Unpack[ClientSettings],
     ) -> None:
-        self.base_url = api_root(base_url)
-        self.timeout = timeout
-        self.policy = RetryPolicy(retries, backoff, max_backoff, max_retry_after)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=calls.default_headers(token),
-            timeout=timeout,
-            transport=transport,
-        )
+        super().__init__(base_url, token, **settings)
+        self._http = httpx.AsyncClient(transport=transport, **self._http_options)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -328,6 +328,43 @@ def decide(
 def resolve(action_id: str, outcome: str, *, external_id: str = "", note: str = "") -> Call[Action]:
     body = {"outcome": outcome, "external_id": external_id, "note": note}
     return post(f"actions/{action_id}/resolve/", body, Action.from_json)
+
+
+# --- what both clients are configured with ------------------------------------------------
+
+
+class ClientSettings(TypedDict, total=False):
+    """`timeout` (seconds per request, 10), and the retry policy: `retries` (4), `backoff`
+    (0.5 s), `max_backoff` (20 s), `max_retry_after` (60 s) — see RetryPolicy."""
+
+    timeout: float
+    retries: int
+    backoff: float
+    max_backoff: float
+    max_retry_after: float
+
+
+class Configured:
+    """The base URL, timeout and retry policy of `Client` and `AsyncClient`."""
+
+    def __init__(self, base_url: str, token: str, **settings: Unpack[ClientSettings]) -> None:
+        self.base_url = api_root(base_url)
+        self.timeout = settings.get("timeout", 10.0)
+        self.policy = RetryPolicy(
+            settings.get("retries", 4),
+            settings.get("backoff", 0.5),
+            settings.get("max_backoff", 20.0),
+            settings.get("max_retry_after", 60.0),
+        )
+        self._http_options: dict[str, Any] = {
+            "base_url": self.base_url,
+            "headers": default_headers(token),
+            "timeout": self.timeout,
+        }
+
+    @property
+    def retries(self) -> int:
+        return self.policy.retries
 
 
 # --- the retry policy --------------------------------------------------------------------

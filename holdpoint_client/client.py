@@ -16,17 +16,16 @@ What it adds over raw HTTP, and why:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
 from holdpoint_client import calls
-from holdpoint_client.calls import Call, RetryPolicy, api_root
+from holdpoint_client.calls import Call, ClientSettings, Configured, api_root
 from holdpoint_client.models import (
     Action,
     Approval,
@@ -37,18 +36,17 @@ from holdpoint_client.models import (
     Run,
 )
 
-log = logging.getLogger("holdpoint_client")
 T = TypeVar("T")
 MAX_WAIT = calls.MAX_WAIT
 __all__ = ["Client", "api_root", "MAX_WAIT"]
 
 
-class Client:
+class Client(Configured):
     """A Holdpoint API client bound to one agent token (and so to one tenant).
 
-    `retries`, `backoff`, `max_backoff`, `max_retry_after`: the retry policy
-    (`calls.RetryPolicy`, shared with `AsyncClient`). `transport` is passed to httpx (tests
-    use it to lose a reply on purpose).
+    Keyword arguments: `timeout` and the retry policy (`calls.ClientSettings`, shared with
+    `AsyncClient`); `transport` is passed to httpx (tests use it to lose a reply on
+    purpose), `sleep` is how retries wait.
     """
 
     def __init__(
@@ -56,28 +54,13 @@ class Client:
         base_url: str,
         token: str,
         *,
-        timeout: float = 10.0,
-        retries: int = 4,
-        backoff: float = 0.5,
-        max_backoff: float = 20.0,
-        max_retry_after: float = 60.0,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        **settings: Unpack[ClientSettings],
     ) -> None:
-        self.base_url = api_root(base_url)
-        self.timeout = timeout
-        self.policy = RetryPolicy(retries, backoff, max_backoff, max_retry_after)
+        super().__init__(base_url, token, **settings)
         self._sleep = sleep
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=calls.default_headers(token),
-            timeout=timeout,
-            transport=transport,
-        )
-
-    @property
-    def retries(self) -> int:
-        return self.policy.retries
+        self._http = httpx.Client(transport=transport, **self._http_options)
 
     # --- lifecycle -----------------------------------------------------------------------
 
