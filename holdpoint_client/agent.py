@@ -36,6 +36,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, cast
+from urllib.parse import quote
 
 from holdpoint_client import calls
 from holdpoint_client.aio import AsyncClient, AsyncExecutor
@@ -44,6 +45,7 @@ from holdpoint_client.client import Client
 from holdpoint_client.errors import (
     AlreadyCompleted,
     ExecutorError,
+    HoldpointAPIError,
     HoldpointError,
     VersionConflict,
 )
@@ -249,6 +251,8 @@ class RunCore(Generic[C]):
         if self.finished:
             action = yield from self._recorded_action(call)
         else:
+            if perform is None:
+                yield from self._needs_no_perform(tool)
             action = yield from self.ex._act_flow(
                 tool,
                 params,
@@ -264,6 +268,19 @@ class RunCore(Generic[C]):
             )
         self.last_action = action
         return action.result
+
+    def _needs_no_perform(self, tool: str) -> Flow[None]:
+        """Refuse, before anything is prepared, a client tool asked for without `perform`:
+        dispatched, it would be `sent` with nobody to send it. The tool's definition says
+        (`GET tools/{name}/`, API.md "Tools as data"); a server without it decides itself."""
+        try:
+            definition = yield from ask(calls.get(f"tools/{quote(tool, safe='')}/", dict))
+        except HoldpointAPIError:
+            return
+        if definition.get("executor") == "client":
+            raise ExecutorError(
+                f"{tool} is performed by the agent (executor client): pass perform="
+            )
 
     def _recorded_action(self, call: str) -> Flow[Action]:
         """A finished run's action for this label, settled as the ledger says."""
