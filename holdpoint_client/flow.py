@@ -16,15 +16,24 @@ import inspect
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from holdpoint_client.calls import Call
 
-if TYPE_CHECKING:
-    from holdpoint_client.aio import AsyncClient
-    from holdpoint_client.client import Client
-
 T = TypeVar("T")
+
+
+class Client(Protocol):
+    """What `drive` needs of a client (`holdpoint_client.Client`): sending one call. A
+    protocol, so this module stays below both clients."""
+
+    def send(self, call: Call[T]) -> T: ...
+
+
+class AsyncClient(Protocol):
+    """What `adrive` needs of an asyncio client (`holdpoint_client.AsyncClient`)."""
+
+    async def send(self, call: Call[T]) -> T: ...
 
 
 @dataclass(frozen=True)
