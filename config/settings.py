@@ -426,7 +426,7 @@ HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = env_int(
     "HOLDPOINT_TOOL_MAX_RESPONSE_BYTES", 1024 * 1024, minimum=1
 )
 # Checked by the functions that apply them at send time, so both agree on what is valid.
-from runtime.outbound import check_patterns, parse_networks  # noqa: E402
+from runtime.outbound import check_patterns, host_allowed, parse_networks  # noqa: E402
 
 for _name, _check in (
     ("HOLDPOINT_TOOL_HOSTS", check_patterns),
@@ -436,6 +436,16 @@ for _name, _check in (
         _check(globals()[_name])
     except ValueError as exc:
         raise EnvError(f"{_name}: {exc}") from None
+# The built-in tracker tools are sent like any other: their host must be allowed too (said
+# at start-up, not as a refusal on every send).
+if HOLDPOINT_TASKS_URL:
+    from urllib.parse import urlsplit  # noqa: E402
+
+    _tracker_host = urlsplit(HOLDPOINT_TASKS_URL).hostname or ""
+    if not host_allowed(_tracker_host, HOLDPOINT_TOOL_HOSTS):
+        raise EnvError(
+            f"HOLDPOINT_TASKS_URL: its host {_tracker_host!r} is not in HOLDPOINT_TOOL_HOSTS"
+        )
 
 if TESTING:
     PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

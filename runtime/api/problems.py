@@ -78,6 +78,7 @@ CODES = {
     "action_rejected": 409,
     "tool_unavailable": 503,
     "tool_not_allowed": 422,
+    "tool_changed": 409,
 }
 
 

@@ -495,3 +495,14 @@ def test_rendering_never_changes_scheme_host_port_or_path_shape(a: Any, b: Any, 
     sent = httpx.URL(url)
     assert (sent.host, sent.port) == ("api.example.com", 8443)
     assert sent.raw_path.split(b"?")[0].count(b"/") == _expected.path.count("/")
+
+
+def test_a_built_in_tracker_on_a_host_not_allowed_stops_start_up() -> None:
+    refused = _settings_process(HOLDPOINT_TASKS_URL="http://tracker.internal:8765")
+    assert refused.returncode != 0
+    assert "EnvError: HOLDPOINT_TASKS_URL: its host 'tracker.internal'" in refused.stderr
+    allowed = _settings_process(
+        HOLDPOINT_TASKS_URL="http://tracker.internal:8765",
+        HOLDPOINT_TOOL_HOSTS="tracker.internal",
+    )
+    assert allowed.returncode == 0, allowed.stderr
