@@ -21,7 +21,8 @@ from runtime import gates, tooldefs, tools
 from runtime.errors import InvalidParams, NotFound, VersionConflict
 from runtime.models import Tenant, ToolCredential, ToolDefinition
 
-BUILTIN_VERSION = 1  # a built-in tool changes with the code, not by definition edits
+BUILTIN_VERSION = 1
+MAX_VERSION = 2**31 - 1  # the column's range  # a built-in tool changes with the code, not by definition edits
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def entries(tenant_id: int) -> list[Entry]:
 def entry(tenant_id: int, name: str, version: int | None = None) -> Entry | None:
     """One tool of the tenant (an older version on request), or None: another tenant's
     definition is not found here, like a name nobody defined."""
+    if not tooldefs.NAME.match(name) or (version is not None and not 1 <= version <= MAX_VERSION):
+        return None  # not a name or version any tool has (and nothing for the database)
     rows = ToolDefinition.objects.filter(tenant_id=tenant_id, name=name)
     row = (rows.filter(version=version) if version is not None else rows.order_by("-version")).first()
     if row is not None:

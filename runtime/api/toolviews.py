@@ -103,7 +103,7 @@ class ToolSerializer(serializers.Serializer[dict[str, Any]]):
     title = serializers.CharField()
     description = serializers.CharField()
     effect = serializers.ChoiceField(choices=EFFECTS)
-    executor = serializers.ChoiceField(choices=(*EXECUTORS, "mcp"))
+    executor = serializers.ChoiceField(choices=EXECUTORS)
     schema = JSONObject()
     editable = serializers.ListField(child=serializers.CharField())
     sensitive = serializers.ListField(child=serializers.CharField())
