@@ -124,6 +124,8 @@ class ToolDefinitionForm(forms.ModelForm[ToolDefinition]):
             _add_errors(self, "definition", exc)
             return data
         data["tenant"], data["spec"] = tenant, spec
+        if not self.instance.pk:
+            self.instance.tenant = tenant  # the model's own checks see the chosen tenant
         return data
 
 

@@ -143,10 +143,10 @@ def dry_run(tenant_id: int, name: str, params: Any, version: int | None = None) 
     request = tool.build_request(params, key=DRY_RUN_KEY, fence=0, run_id=DRY_RUN_KEY, reveal=False)
     headers = dict(request.headers)
     if tool.credential:
-        stored = ToolCredential.objects.filter(tenant_id=tenant_id, service=tool.credential)
+        stored = ToolCredential.objects.filter(tenant_id=tenant_id, service=tool.credential).first()
         headers["Authorization"] = (
             f"Bearer {MASK} (the tenant's {tool.credential!r} credential)"
-            if stored.exists()
+            if stored is not None and stored.is_set
             else f"(none: the tenant has no {tool.credential!r} credential yet)"
         )
     return DryRun(
