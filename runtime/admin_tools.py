@@ -75,7 +75,7 @@ def pretty(spec: dict[str, Any]) -> str:
     return json.dumps(ordered, indent=2, ensure_ascii=False)
 
 
-def _add_errors(form: forms.Form, field: str, exc: Exception) -> None:
+def _add_errors(form: forms.BaseForm, field: str, exc: Exception) -> None:
     errors = getattr(exc, "extra", {}).get("errors") or {}
     for where, found in errors.items():
         for message in found:
@@ -102,7 +102,8 @@ class ToolDefinitionForm(forms.ModelForm[ToolDefinition]):
         fields: list[str] = []
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         tenant = data.get("tenant") or (self.instance.tenant if self.instance.pk else None)
         text = data.get("definition")
         if tenant is None or text is None:

@@ -22,7 +22,9 @@ from runtime.errors import InvalidParams, NotFound, VersionConflict
 from runtime.models import Tenant, ToolCredential, ToolDefinition
 
 BUILTIN_VERSION = 1
-MAX_VERSION = 2**31 - 1  # the column's range  # a built-in tool changes with the code, not by definition edits
+MAX_VERSION = (
+    2**31 - 1
+)  # the column's range  # a built-in tool changes with the code, not by definition edits
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def entry(tenant_id: int, name: str, version: int | None = None) -> Entry | None
     if not tooldefs.NAME.match(name) or (version is not None and not 1 <= version <= MAX_VERSION):
         return None  # not a name or version any tool has (and nothing for the database)
     rows = ToolDefinition.objects.filter(tenant_id=tenant_id, name=name)
-    row = (rows.filter(version=version) if version is not None else rows.order_by("-version")).first()
+    row = (
+        rows.filter(version=version) if version is not None else rows.order_by("-version")
+    ).first()
     if row is not None:
         return _from_row(row, gates.tools_named_by_policy(tenant_id))
     spec = tools.builtin_specs().get(name)
@@ -169,7 +173,9 @@ def revise(tenant: Tenant, name: str, data: Any, actor: str) -> ToolDefinition:
     saw the current one: `expected_version` is compared under the lock `define` takes, so
     two admins editing at once do not overwrite each other unseen (409 version_conflict)."""
     if not isinstance(data, Mapping):
-        raise tooldefs.InvalidTool("a tool definition is a JSON object", errors={"tool": ["not an object"]})
+        raise tooldefs.InvalidTool(
+            "a tool definition is a JSON object", errors={"tool": ["not an object"]}
+        )
     body = dict(data)
     expected = body.pop("expected_version", None)
     errors: dict[str, list[str]] = {}
@@ -233,5 +239,7 @@ def import_definitions(tenant: Tenant, data: Any, actor: str) -> list[tooldefs.D
             f"{len(invalid)} field(s) of the file are invalid", errors={**invalid, **hosts}
         )
     if hosts:
-        raise tooldefs.HostNotAllowed("a tool would send requests to a host not allowed", errors=hosts)
+        raise tooldefs.HostNotAllowed(
+            "a tool would send requests to a host not allowed", errors=hosts
+        )
     return tooldefs.define_many(tenant, items, actor)

@@ -96,7 +96,7 @@ class ToolRevisionIn(DefinitionFields):
     expected_version = serializers.IntegerField(min_value=1)
 
 
-class ToolSerializer(serializers.Serializer[dict[str, Any]]):
+class ToolSerializer(serializers.Serializer[Any]):  # a toolcatalog.Entry
     name = serializers.CharField()
     version = serializers.IntegerField()
     builtin = serializers.BooleanField()
@@ -245,7 +245,9 @@ def _version(request: Request) -> int | None:
 class ToolDetail(ApiView, ToolAdminOnly):
     @extend_schema(
         responses=ToolSerializer,
-        parameters=[OpenApiParameter("version", int, description="an older version (default: current)")],
+        parameters=[
+            OpenApiParameter("version", int, description="an older version (default: current)")
+        ],
     )
     def get(self, request: Request, name: str) -> Response:
         principal = self.principal(request)

@@ -333,7 +333,10 @@ def _session(user: Any) -> tuple[dict[str, str], dict[str, str]]:
     client = Client()
     client.force_login(user)
     csrf = "A" * 32
-    return {"X-CSRFToken": csrf}, {"sessionid": client.cookies["sessionid"].value, "csrftoken": csrf}
+    return {"X-CSRFToken": csrf}, {
+        "sessionid": client.cookies["sessionid"].value,
+        "csrftoken": csrf,
+    }
 
 
 @pytest.mark.parametrize(

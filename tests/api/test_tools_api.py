@@ -207,7 +207,11 @@ def test_idempotency_key_replays_the_first_response(admin_a: Persona) -> None:
     )
     assert ToolDefinition.objects.count() == 1
     # A refused request gives its key back: fixed, the same key goes through.
-    problem(post(client, "tools/", tickets(effect="maybe"), HTTP_IDEMPOTENCY_KEY="k-2"), 422, "invalid_tool")
+    problem(
+        post(client, "tools/", tickets(effect="maybe"), HTTP_IDEMPOTENCY_KEY="k-2"),
+        422,
+        "invalid_tool",
+    )
     ok(post(client, "tools/", tickets(name="tickets.two"), HTTP_IDEMPOTENCY_KEY="k-2"), 201)
 
 
@@ -228,7 +232,11 @@ def test_a_new_version_by_put_with_expected_version(admin_a: Persona, agent_a: P
     renamed = {**tickets(name="tickets.renamed"), "expected_version": 2}
     problem(client.put(url, renamed, format="json"), 422, "invalid_tool")
     problem(client.put(url, tickets(), format="json"), 422, "invalid_tool")  # no expected_version
-    problem(agent_a.api().put(url, {**TICKETS, "expected_version": 2}, format="json"), 403, "not_permitted")
+    problem(
+        agent_a.api().put(url, {**TICKETS, "expected_version": 2}, format="json"),
+        403,
+        "not_permitted",
+    )
     assert ToolDefinition.objects.count() == 2
     old = ok(get(agent_a.api(), "tools/tickets.create/?version=1"))
     assert old["version"] == 1 and old["description"] == "Open a ticket"

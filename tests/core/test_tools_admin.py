@@ -115,7 +115,7 @@ def test_changing_a_tool_makes_a_new_version_and_keeps_the_old(
     assert page.status_code == 200
     shown = json.loads(page.context["adminform"].form["definition"].value())
     assert shown == first.spec  # the stored definition, prettified, to edit
-    assert b'{\n  &quot;name&quot;: &quot;tickets.create&quot;,' in page.content  # prettified
+    assert b"{\n  &quot;name&quot;: &quot;tickets.create&quot;," in page.content  # prettified
     changed = ticket_tool(timeout_seconds=7)
     saved = client.post(f"{TOOLS}{first.pk}/change/", {"definition": json.dumps(changed)})
     assert saved.status_code == 302, saved.content[:3000]
@@ -204,9 +204,7 @@ def test_a_dry_run_shows_the_request_and_sends_nothing(
     assert sandbox.tasks() == []
 
 
-def test_a_client_tool_dry_run_says_the_agent_performs_it(
-    client: Client, admin_a: Persona
-) -> None:
+def test_a_client_tool_dry_run_says_the_agent_performs_it(client: Client, admin_a: Persona) -> None:
     spec = ticket_tool(name="agent.tickets", executor="client")
     del spec["request"]
     row = tooldefs.define(admin_a.tenant, spec, "user:ada").definition

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ class Command(BaseCommand):
         if not source:
             raise CommandError("import needs a FILE (JSON: one definition or a list)")
         try:
-            text = self.stdin_text() if source == "-" else Path(source).read_text("utf-8")
+            text = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
         except OSError as exc:
             raise CommandError(f"cannot read {source}: {exc.strerror}") from None
         try:
@@ -71,11 +72,6 @@ class Command(BaseCommand):
             row = item.definition
             state = "created" if item.created else "unchanged"
             self.stdout.write(f"{row.name}: {state} v{row.version}")
-
-    def stdin_text(self) -> str:
-        import sys
-
-        return sys.stdin.read()
 
     def do_export(self, tenant: Tenant, options: dict[str, Any]) -> None:
         text = json.dumps(
