@@ -4,6 +4,8 @@ an export imports again unchanged. Run as the operator runs it: a real process."
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from io import StringIO
@@ -205,3 +207,27 @@ def test_the_command_as_a_process(tmp_path: Path) -> None:
         "tickets.create",
         "tickets.close",
     }
+
+
+def test_the_readmes_commands_work_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each `manage.py tools` line of the README's "Tools as data", run from a copy of the
+    repository's layout (the example file; `var/` not there yet, as on a fresh checkout)."""
+    Tenant.objects.create(slug="demo", name="Demo")
+    section = (ROOT / "README.md").read_text().split("## Tools as data", 1)[1].split("\n## ", 1)[0]
+    lines = re.findall(r"^\s*\.venv/bin/python manage\.py (tools .+)$", section, re.M)
+    assert len(lines) == 3, lines
+    (tmp_path / "examples" / "tools").mkdir(parents=True)
+    example = ROOT / "examples" / "tools" / "tickets.json"
+    (tmp_path / "examples" / "tools" / "tickets.json").write_text(example.read_text())
+    monkeypatch.chdir(tmp_path)
+    outputs = []
+    for line in lines:
+        code, out, err = run(*shlex.split(line)[1:])
+        assert code == 0, (line, err)
+        outputs.append(out)
+    assert outputs[0].splitlines() == ["tickets.create: created v1", "tickets.close: created v1"]
+    assert "tickets.create  v1  write  http  dedup=key" in outputs[1]
+    exported = json.loads((tmp_path / "var" / "demo-tools.json").read_text())
+    assert {item["name"] for item in exported} >= {"tickets.create", "tickets.close"}

@@ -78,7 +78,12 @@ class Command(BaseCommand):
             toolcatalog.export_definitions(tenant.pk), indent=2, sort_keys=True, ensure_ascii=False
         )
         if options["output"]:
-            Path(options["output"]).write_text(text + "\n", "utf-8")
+            target = Path(options["output"])
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text + "\n", "utf-8")
+            except OSError as exc:
+                raise CommandError(f"cannot write {target}: {exc.strerror}") from None
             count = len(tooldefs.current_definitions(tenant.pk))
             self.stdout.write(f"{count} tool(s) written to {options['output']}")
         else:
