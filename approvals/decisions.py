@@ -32,7 +32,7 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
-from runtime.tools import get_tool
+from runtime.tools import tool_of
 
 A = ApprovalStatus
 PRESET_REJECT_REASONS = (
@@ -206,7 +206,7 @@ def _repeat_or_refuse(
 def _apply_edits(
     request: ApprovalRequest, action: Action, edits: dict[str, Any], actor: str
 ) -> Action:
-    tool = get_tool(action.tool)
+    tool = tool_of(action)
     refused = sorted(set(edits) - set(tool.editable))
     if refused:
         raise FieldNotEditable(

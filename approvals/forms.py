@@ -73,8 +73,9 @@ def property_order(shown: dict[str, Any], props: dict[str, Any]) -> list[str]:
 
     `shown` is stored as JSON, and PostgreSQL's jsonb keeps object keys sorted its own way
     (shortest first), so the stored schema cannot tell the order. The registered tool of
-    the same version can; a tool no longer registered gets required fields first, then the
-    rest alphabetically — the same on every database.
+    the same version can (a built-in tool: a tenant's definitions are stored as JSON too);
+    any other tool gets required fields first, then the rest alphabetically — the same on
+    every database.
     """
     try:
         tool = get_tool(str(shown.get("tool", "")))

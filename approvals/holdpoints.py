@@ -17,12 +17,12 @@ from django.utils import timezone
 from approvals.expiry import sweep_approvals
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision
-from approvals.policies import may_decide, may_hold, policy_for
+from approvals.policies import held_by_default, may_decide, may_hold, policy_for
 from approvals.requests import close_request, request_approval, supersede_approval
 from fastsql.statements import tenant_check
 from runtime.gates import GO, Verdict
 from runtime.models import Action, Run
-from runtime.tools import get_tool
+from runtime.tools import tool_of
 
 A = ApprovalStatus
 
@@ -31,14 +31,16 @@ class HoldPoints:
     """Installed into `runtime.gates` by `ApprovalsConfig.ready`."""
 
     def needs_approval(self, tool: Any, params: dict[str, Any], run: Any, target: str = "") -> bool:
-        return policy_for(run.tenant_id, tool.name, params, target) is not None
+        if policy_for(run.tenant_id, tool.name, params, target) is not None:
+            return True
+        return held_by_default(tool, run.tenant_id)
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
         request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)
 
-    def may_hold(self, action: Action) -> bool:
+    def may_hold(self, action: Action, tool: Any) -> bool:
         """The dispatch fast path's question (see `runtime.gates.HoldPoints.may_hold`)."""
-        if get_tool(action.tool).needs_approval(json.loads(action.params)):
+        if tool.needs_approval(json.loads(action.params)) or tool.default_hold:
             return True
         return may_hold(action.tenant_id, action.tool, action.pk)
 
@@ -55,7 +57,8 @@ class HoldPoints:
             held = (
                 requests.exists()
                 or policy_for(action.tenant_id, action.tool, params, action.target) is not None
-                or get_tool(action.tool).needs_approval(params)
+                or tool_of(action).needs_approval(params)
+                or held_by_default(tool_of(action), action.tenant_id)
             )
             return Verdict("approval_required") if held else GO
         refusal = _no_longer_binds(approved, action)

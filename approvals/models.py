@@ -53,6 +53,13 @@ class ApprovalPolicy(models.Model):
     )
     priority = models.PositiveIntegerField(default=100, help_text="Lower wins.")
     active = models.BooleanField(default=True)
+    any_reviewer = models.BooleanField(
+        default=False,
+        help_text=(
+            "Every reviewer and admin of the tenant may decide, without a grant (the policy "
+            "Holdpoint creates for a write tool that no policy named)."
+        ),
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -57,6 +57,17 @@ def policy_for(
     return None
 
 
+def names_tool(tenant_id: int, tool: str) -> bool:
+    """Does any active policy of the tenant name the tool (whatever its condition)?"""
+    return ApprovalPolicy.objects.filter(tenant_id=tenant_id, tool=tool, active=True).exists()
+
+
+def held_by_default(tool: Any, tenant_id: int) -> bool:
+    """A tenant's write or irreversible tool that no policy names waits for the tenant's
+    reviewers (API.md, "Tools as data": safe by default) until a policy says otherwise."""
+    return bool(getattr(tool, "default_hold", False)) and not names_tool(tenant_id, tool.name)
+
+
 _HOLDS_SQL: dict[str, str] = {}
 
 
@@ -105,6 +116,8 @@ def may_decide(user: User, policy: ApprovalPolicy, *, escalated: bool = False) -
     ).exists()
     if not member:
         return False
+    if policy.any_reviewer:
+        return True
     groups = Q(group__in=user.groups.all())
     # The grant tables have no tenant column: they are reached through the policy, whose
     # tenant is named too (defence in depth).

@@ -23,7 +23,7 @@ from fastsql.statements import tenant_check
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, Run
-from runtime.tools import get_tool
+from runtime.tools import tool_of
 
 A = ApprovalStatus
 
@@ -32,7 +32,7 @@ def _shown(
     action: Action, params: dict[str, Any], run: Run, policy: ApprovalPolicy
 ) -> dict[str, Any]:
     """What the reviewer is shown, frozen at request time (a later change supersedes it)."""
-    tool = get_tool(action.tool)
+    tool = tool_of(action)
     return {
         "tool": action.tool,
         "tool_version": action.tool_version,
@@ -61,7 +61,7 @@ def request_approval(
     params = json.loads(action.params)
     policy = policy_for(run.tenant_id, action.tool, params, action.target)
     if policy is None:
-        policy = _fallback_policy(run.tenant_id, action.tool)
+        policy = _fallback_policy(run.tenant_id, action.tool, tool_of(action).default_hold)
     try:
         with transaction.atomic():
             request = ApprovalRequest.objects.create(
@@ -70,7 +70,7 @@ def request_approval(
                 action=action,
                 policy=policy,
                 action_hash=action_hash(action),
-                title=get_tool(action.tool).title_for(params, action.target),
+                title=tool_of(action).title_for(params, action.target),
                 shown=_shown(action, params, run, policy),
                 params=action.params,
                 quorum=policy.quorum,
@@ -99,9 +99,18 @@ def request_approval(
     return request
 
 
-def _fallback_policy(tenant_id: int, tool: str) -> ApprovalPolicy:
-    """A tool that declares approval itself, with no tenant policy: nobody is granted yet,
-    so the tenant admin sees the request and must grant a group (never auto-approve)."""
+def _fallback_policy(tenant_id: int, tool: str, by_default: bool) -> ApprovalPolicy:
+    """No tenant policy holds the action. A tool that declares approval itself: nobody is
+    granted yet, so the tenant admin sees the request and must grant a group (never
+    auto-approve). A tenant's write tool that no policy named (`by_default`): the tenant's
+    reviewers decide — the policy made for it is an ordinary one the admin may change."""
+    if by_default:
+        policy, _ = ApprovalPolicy.objects.get_or_create(
+            tenant_id=tenant_id,
+            name=f"{tool} (write tools wait for reviewers by default)",
+            defaults={"tool": tool, "any_reviewer": True},
+        )
+        return policy
     policy, _ = ApprovalPolicy.objects.get_or_create(
         tenant_id=tenant_id, name=f"{tool} (declared by the tool)", defaults={"tool": tool}
     )

@@ -7,7 +7,7 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each with the pooled client `TaskTool` uses (`runtime.tools.http_client()`) — and the
+        each with the pooled client `TaskTool` uses (`runtime.outbound.http_client()`) — and the
         headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
@@ -167,7 +167,7 @@ class LedgerBench:
         before = self.bench.counters()
         cpu0, t0 = time.process_time(), time.perf_counter()
         # The same pooled per-process client TaskTool uses, so only the ledger differs.
-        from runtime.tools import http_client
+        from runtime.outbound import http_client
 
         client = http_client()
         responses = [client.post(url, content=b, headers=h, timeout=timeout) for b, h in requests]

@@ -335,9 +335,12 @@ CACHES = {
 }
 
 # --- Holdpoint --------------------------------------------------------------------------
-HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
-# How the task service deduplicates: key (honours Idempotency-Key), lookup (can be searched
-# by key), none. It decides how unknown outcomes of tasks.* are reconciled.
+# A task tracker every tenant gets as built-in tools (tasks.create, tasks.close,
+# agent.tasks.create: runtime/tooldata/tasks.json pointed here); empty: none. A tenant's own
+# definitions (`manage.py tools import`, the admin, POST tools/) are independent of it.
+HOLDPOINT_TASKS_URL = env_str("HOLDPOINT_TASKS_URL", "")
+# How that tracker deduplicates: key (honours Idempotency-Key), lookup (can be searched by
+# key), none. It decides how unknown outcomes of the built-in tasks.* are reconciled.
 HOLDPOINT_TASKS_DEDUP = env_str("HOLDPOINT_TASKS_DEDUP", "key")
 if HOLDPOINT_TASKS_DEDUP not in {"key", "lookup", "none"}:
     raise EnvError(
@@ -408,6 +411,31 @@ if not HOLDPOINT_BASE_URL.startswith(("http://", "https://")):
 # Webhook URLs are typed in by tenant admins: unless allowed, a URL resolving to a loopback,
 # private or link-local address is refused at send time (no probing of internal services).
 HOLDPOINT_WEBHOOK_ALLOW_PRIVATE = env_bool("HOLDPOINT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
+
+# --- Tools as data: outbound requests (runtime/outbound.py) -----------------------------
+# Tenant admins define HTTP tools; the workers send them from inside this network. Only
+# these hosts may be named (exactly, or *.example.com for subdomains; never `*`), and a
+# host's addresses must be public unless inside one of the private networks listed.
+# Development allows the sandbox tracker on this machine.
+HOLDPOINT_TOOL_HOSTS = env_list("HOLDPOINT_TOOL_HOSTS", ["127.0.0.1", "localhost"] if DEBUG else [])
+HOLDPOINT_TOOL_PRIVATE_NETWORKS = env_list(
+    "HOLDPOINT_TOOL_PRIVATE_NETWORKS", ["127.0.0.0/8", "::1/128"] if DEBUG else []
+)
+# The largest answer read from a tool's service; past it the connection is dropped.
+HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = env_int(
+    "HOLDPOINT_TOOL_MAX_RESPONSE_BYTES", 1024 * 1024, minimum=1
+)
+# Checked by the functions that apply them at send time, so both agree on what is valid.
+from runtime.outbound import check_patterns, parse_networks  # noqa: E402
+
+for _name, _check in (
+    ("HOLDPOINT_TOOL_HOSTS", check_patterns),
+    ("HOLDPOINT_TOOL_PRIVATE_NETWORKS", parse_networks),
+):
+    try:
+        _check(globals()[_name])
+    except ValueError as exc:
+        raise EnvError(f"{_name}: {exc}") from None
 
 if TESTING:
     PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

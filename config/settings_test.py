@@ -7,7 +7,12 @@ os.environ.setdefault("HOLDPOINT_LEASE_TTL", "5")
 os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
 os.environ.setdefault("HOLDPOINT_HEARTBEAT_THREAD", "0")
 os.environ.setdefault("HOLDPOINT_GRAPH_MODULES", "runtime.agents.api_review.graph,tests.graphs")
+# The built-in task tracker tools, pointed at a sandbox (tests start their own and set it).
+os.environ.setdefault("HOLDPOINT_TASKS_URL", "http://127.0.0.1:8765")
 os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# Tools may call the sandbox tracker and the tests' own servers on this machine.
+os.environ.setdefault("HOLDPOINT_TOOL_HOSTS", "127.0.0.1,localhost")
+os.environ.setdefault("HOLDPOINT_TOOL_PRIVATE_NETWORKS", "127.0.0.0/8,::1/128")
 # Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
 # One directory per test session (its worker processes are told to use the same one), so
 # concurrent test runs on a machine never see each other's files or worker heartbeats.

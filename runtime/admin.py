@@ -29,7 +29,6 @@ from runtime.auth import DEFAULT_OVERLAP, Issued, issue_token, revoke_token, rot
 from runtime.crypto import SecretUnreadable
 from runtime.models import AgentAccount, AgentToken, Membership, Role, Tenant, ToolCredential
 from runtime.pages.audit import KNOWN_TYPES
-from runtime.tools import credential_names
 
 User = get_user_model()
 
@@ -359,7 +358,11 @@ class ToolCredentialForm(forms.ModelForm[ToolCredential]):
     """The secret is write-only: typed into a password field that never renders a value;
     empty on a change keeps the stored one."""
 
-    service = forms.ChoiceField(choices=())
+    service = forms.RegexField(
+        regex=r"^[a-z0-9][a-z0-9_.-]{0,63}$",
+        max_length=64,
+        help_text="The name tool definitions give as their `credential` (e.g. tasks).",
+    )
     secret = forms.CharField(
         label="new secret",
         required=False,
@@ -372,12 +375,6 @@ class ToolCredentialForm(forms.ModelForm[ToolCredential]):
     class Meta:
         model = ToolCredential
         fields = ["tenant", "service"]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        service = self.fields.get("service")
-        if isinstance(service, forms.ChoiceField):
-            service.choices = [(name, name) for name in credential_names()]
 
     def clean_secret(self) -> str:
         value: str = self.cleaned_data.get("secret", "")

@@ -13,20 +13,21 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from runtime import gates, ledger
-from runtime.dispatch import reconcile_action
+from runtime.dispatch import ToolUnavailable, perform
 from runtime.errors import InvalidParams, InvalidTransition
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
 from runtime.queue import on_commit_task
-from runtime.tools import get_tool
+from runtime.tools import get_tool, tool_of
 
 S = ActionStatus
 STANDALONE = "standalone"
 
 
-def compensation_params(action: Action) -> dict[str, Any]:
-    """What the compensating tool needs: the effect's external id (and why)."""
-    return {"task_id": action.external_id}
+def compensation_params(action: Action, param: str) -> dict[str, Any]:
+    """What the compensating tool needs: the effect's external id, in the param the
+    compensated tool's definition names (`compensation_param`)."""
+    return {param: action.external_id}
 
 
 def compensate(action: Action, reason: str, *, actor: str) -> Action:
@@ -34,11 +35,13 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     action.refresh_from_db()
     if action.status != S.CONFIRMED:
         raise InvalidTransition(f"only a confirmed action can be compensated ({action.status})")
-    tool = get_tool(action.tool)
+    tool = tool_of(action)
     if not tool.compensation:
         raise InvalidParams(f"{tool.name} declares no compensation")
-    undo = get_tool(tool.compensation)
-    params = {**compensation_params(action), "reason": reason[:2000]}
+    undo = get_tool(tool.compensation, action.tenant_id)
+    params = compensation_params(action, tool.compensation_param)
+    if "reason" in undo.schema.get("properties", {}):
+        params["reason"] = reason[:2000]
     undo.validate(params)
     text, fingerprint = ledger.canonical_params(params)
     with transaction.atomic(durable=True):
@@ -93,34 +96,14 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
     the action already sent. An unknown outcome is reconciled by the tool's contract.
     """
     action = Action.objects.get(pk=action_id)
-    tool = get_tool(action.tool)
-    if action.status in ledger.UNSETTLED:
-        fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
-        reconcile_action(action, fence, actor)
-        action.refresh_from_db()
-        return _finish(action, actor)
-    if action.status not in (S.PREPARED, S.APPROVED):
+    if action.status not in (*ledger.UNSETTLED, S.PREPARED, S.APPROVED):
         return action
+    tool = get_tool(action.tool, action.tenant_id)
     fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
     try:
-        action = ledger.mark_sent(action, fence, 0, tool, actor)
-    except InvalidTransition:
+        action = perform(action, fence, tool, actor)
+    except (InvalidTransition, ToolUnavailable):
         return Action.objects.get(pk=action_id)
-    result = tool.call(
-        action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
-    )
-    with transaction.atomic(durable=True):
-        if result.outcome == "applied":
-            ledger.transition(
-                action, S.CONFIRMED, actor, external_id=result.external_id, result=result.result
-            )
-        elif result.outcome == "refused" and not result.transient:
-            ledger.transition(action, S.FAILED, actor, last_error=result.detail[:2000])
-        elif result.outcome == "refused":
-            ledger.transition(action, S.PREPARED, actor, last_error=result.detail[:2000])
-        else:
-            ledger.transition(action, S.UNKNOWN, actor, last_error=result.detail[:2000])
-    action.refresh_from_db()
     return _finish(action, actor)
 
 

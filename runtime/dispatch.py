@@ -24,7 +24,7 @@ from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, St
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
-from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool
+from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
 
 if TYPE_CHECKING:
     from runtime.context import StepContext
@@ -121,7 +121,7 @@ class ActionRunner:
         target: str,
         call_index: int,
     ) -> ActionResult:
-        tool = get_tool(tool_name)
+        tool = get_tool(tool_name, self.host.run.tenant_id)
         if self.graph.tools and tool.name not in self.graph.tools:
             raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
         if not tool.sent_by_holdpoint:  # an external executor performs it; a worker cannot
@@ -239,17 +239,7 @@ class ActionRunner:
         actor = self.lease.actor
         if result.outcome == "stale":
             raise StaleFence(f"{action.tool} refused fence {self.lease.fence}: {result.detail}")
-        if result.outcome == "applied":
-            target, changes = (
-                S.CONFIRMED,
-                {"external_id": result.external_id, "result": result.result, "last_error": ""},
-            )
-        elif result.outcome == "refused" and result.transient:
-            target, changes = S.PREPARED, {"last_error": result.detail[:2000]}
-        elif result.outcome == "refused":
-            target, changes = S.FAILED, {"last_error": result.detail[:2000]}
-        else:
-            target, changes = S.UNKNOWN, {"last_error": result.detail[:2000]}
+        target, changes = outcome_of(result)
 
         def write() -> None:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`
@@ -272,6 +262,59 @@ class ActionRunner:
         return action  # settled: the transition refreshed it
 
 
+def perform(
+    action: Action,
+    fence: int,
+    tool: Tool,
+    actor: str,
+    *,
+    ttl: float = 0.0,
+    then: Callable[[Action], None] | None = None,
+) -> Action:
+    """Send an action no worker step drives, now, in this process: a compensation, or an
+    external executor's action of a tool Holdpoint sends itself (an API client never says
+    what came back from such a request). The same order as a step's `send` — `sent`
+    committed first, the call outside any transaction, the outcome fenced — and a `sent` or
+    `unknown` action is reconciled by the tool's contract instead of being sent again."""
+    if action.status in ledger.UNSETTLED:
+        reconcile_action(action, fence, actor)
+        return ledger.reload(action)
+    try:
+        tool.breaker.admit()
+    except CircuitOpen as exc:
+        raise ToolUnavailable(f"{tool.name}: {exc}") from None
+    action = ledger.mark_sent(action, fence, ttl, tool, actor, then=then)
+    fault(FaultPoint.AFTER_SENT_MARK)
+    result = tool.call(
+        action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
+    )
+    tool.breaker.record(result.outcome == "applied")
+    fault(FaultPoint.AFTER_TOOL_RESPONSE)
+    if result.outcome == "stale":
+        raise StaleFence(f"{action.tool} refused fence {fence}: {result.detail}")
+    target, changes = outcome_of(result)
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence, action.tenant_id)
+        ledger.transition(action, target, actor, **changes)
+    fault(FaultPoint.AFTER_CONFIRM)
+    if target == S.PREPARED:  # certainly not applied: the caller may try again later
+        raise ToolUnavailable(f"{action.tool}: {result.detail}")
+    return action
+
+
+def outcome_of(result: CallResult) -> tuple[str, dict[str, Any]]:
+    """The status and fields a call's answer gives its action (`stale` is the caller's)."""
+    if result.outcome == "applied":
+        return S.CONFIRMED, {
+            "external_id": result.external_id,
+            "result": result.result,
+            "last_error": "",
+        }
+    if result.outcome == "refused":
+        return (S.PREPARED if result.transient else S.FAILED), {"last_error": result.detail[:2000]}
+    return S.UNKNOWN, {"last_error": result.detail[:2000]}
+
+
 @dataclass(frozen=True)
 class Verdict:
     status: str
@@ -288,7 +331,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
     none   → manual_review: nothing can prove the outcome, a human must say.
     Bounded attempts, then manual_review.
     """
-    tool = get_tool(action.tool)
+    tool = tool_of(action)
     mode = tool.dedup_mode()
     if mode == Dedup.NONE:
         return _settle(
@@ -319,7 +362,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         if result.outcome == "refused" and not result.transient:
             return _settle(action, fence, actor, S.FAILED, result.detail)
         return _again(action, fence, actor, result.detail)
-    found = tool.lookup(action.idempotency_key)
+    found = tool.lookup(action.idempotency_key, action.params)
     fault(FaultPoint.DURING_RECONCILE)
     if found.found:
         return _settle(

@@ -122,6 +122,14 @@ class ActionCancelled(Conflict):
     title = "The action was cancelled"
 
 
+class ToolChanged(Conflict):
+    """The tool was redefined after the action was prepared, and its version in force
+    refuses the action's params: the action is cancelled, nothing was sent."""
+
+    code = "tool_changed"
+    title = "The tool changed and refuses the action"
+
+
 class ApprovalRequired(Conflict):
     code = "approval_required"
     title = "A valid approval of this exact action is required"

@@ -40,6 +40,7 @@ class RunEvent(models.TextChoices):
     ACTION_RESOLVED = "action_resolved"
     ACTION_CHECKPOINT = "action_checkpoint"
     ACTION_EDITED = "action_edited"
+    ACTION_TOOL_CHANGED = "action_tool_changed"
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_DECIDED = "approval_decided"
     APPROVAL_CLOSED = "approval_closed"

@@ -52,10 +52,11 @@ class HoldPoints(Protocol):
         """The approval a verdict named stale stops counting (a compare-and-swap on its
         approved state, journaled); called by the ledger in the same transaction."""
 
-    def may_hold(self, action: Action) -> bool:
+    def may_hold(self, action: Action, tool: Any) -> bool:
         """Inside the dispatch transaction (the run row locked), cheaply: False only when no
         hold point can apply to the action — no request for it, no policy for its tool, no
-        approval declared by the tool — so `check_dispatch` would certainly say go."""
+        approval declared by `tool` (the action's tool at its version) — so
+        `check_dispatch` would certainly say go."""
 
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
         """Actions were cancelled (goal revised, run cancelled): close their requests."""
@@ -106,14 +107,14 @@ def supersede(approval: Any, action: Action, reason: str, actor: str) -> None:
         _impl.supersede(approval, action, reason, actor)
 
 
-def may_hold(action: Action) -> bool:
+def may_hold(action: Action, tool: Any) -> bool:
     """Could a hold point apply at dispatch? False lets the ledger skip the full re-check
     (which would say go). Conservative: an implementation without the cheap question
     always gets the full one."""
     if _impl is None:
         return False  # nothing is installed to hold it: dispatch_gate lets everything go
     check = getattr(_impl, "may_hold", None)
-    return True if check is None else bool(check(action))
+    return True if check is None else bool(check(action, tool))
 
 
 def withdrawn(action_ids: list[str], reason: str, actor: str) -> None:

@@ -9,6 +9,7 @@ Network calls live in `runtime.dispatch`; this module only writes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from runtime.errors import (
     RunFinished,
     StaleFence,
     StaleGoalRev,
+    ToolChanged,
 )
 from runtime.events import RunEvent, record
 from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
@@ -299,7 +301,7 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
     return action
 
 
-def _unheld_goal_rev(action: Action, fence: int) -> int | None:
+def _unheld_goal_rev(action: Action, fence: int, tool: Tool) -> int | None:
     """The fast path's checks, under the run's row lock: the run's goal_rev if the action may
     be marked sent without consulting a hold point, else None (take the full path).
 
@@ -322,7 +324,7 @@ def _unheld_goal_rev(action: Action, fence: int) -> int | None:
         return None
     if status in TERMINAL and action.step != "standalone":
         return None
-    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action):
+    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action, tool):
         return None
     return int(goal_rev)
 
@@ -354,8 +356,10 @@ def mark_sent(
         "in_flight_until": statements.DbNow(ttl + tool.timeout),
         "attempts": statements.Add(1),
     }
+    if action.tool_version != tool.version:
+        action = _take_version(action, fence, tool, actor)
     with transaction.atomic(durable=True):
-        goal_rev = _unheld_goal_rev(action, fence)
+        goal_rev = _unheld_goal_rev(action, fence, tool)
         if goal_rev is not None and _move(action, S.SENT, changes, goal_rev=goal_rev):
             _record_outcome(action, S.SENT, actor, changes)
             if then is not None:
@@ -372,6 +376,47 @@ def mark_sent(
     raise (ApprovalExpired if verdict.refusal == ApprovalExpired.code else ApprovalRequired)(
         f"{action.tool} cannot be sent: {verdict.refusal.replace('_', ' ')}"
     )
+
+
+def _take_version(action: Action, fence: int, tool: Tool, actor: str) -> Action:
+    """Committed before the send's own transaction: the action moves to the tool's version
+    in force (or is cancelled, if that version refuses its params — raised as ToolChanged)."""
+    with transaction.atomic(durable=True):
+        action = check_dispatchable(action.action_id, fence, action.tenant_id)
+        refused = _restamp(action, tool, actor) if action.tool_version != tool.version else ""
+        if refused:  # never sent: withdrawn, as an action of an old goal revision is
+            transition(action, S.CANCELLED, actor, last_error=refused[:2000])
+    if refused:
+        raise ToolChanged(refused)
+    return action
+
+
+def _restamp(action: Action, tool: Tool, actor: str) -> str:
+    """The tool was redefined after the action was prepared: the action is sent under the
+    definition in force now, so it takes that version (rows locked by the caller). Its hash
+    changes with the version, so an approval given for the old one no longer binds and the
+    re-check that follows supersedes it, as for a changed action. Params the new schema
+    refuses are not sent: the reason is returned (the caller cancels the action)."""
+    try:
+        tool.validate(json.loads(action.params))
+    except InvalidParams as exc:
+        errors = exc.extra.get("errors") or exc.detail
+        return f"{tool.name} changed to version {tool.version}; it refuses these params: {errors}"
+    previous = action.tool_version
+    Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id).update(
+        tool_version=tool.version, updated_at=Now()
+    )
+    action.tool_version = tool.version
+    record(
+        Run(run_id=action.run_id, tenant_id=action.tenant_id),
+        RunEvent.ACTION_TOOL_CHANGED,
+        actor,
+        action_id=str(action.action_id),
+        tool=tool.name,
+        previous_version=previous,
+        version=tool.version,
+    )
+    return ""
 
 
 def mark_resent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:

@@ -22,6 +22,7 @@ from django.db.models.functions import Now
 from audit.canonical import CanonicalError, canonical_bytes
 from runtime import gates, leases, ledger, stepcommit
 from runtime.artifacts import Encoder, collect_refs
+from runtime.dispatch import perform
 from runtime.errors import (
     ApprovalRequired,
     InvalidParams,
@@ -37,7 +38,7 @@ from runtime.events import RunEvent, record
 from runtime.leases import Lease
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.stepcommit import StepCommit
-from runtime.tools import Dedup, Tool, get_tool
+from runtime.tools import Dedup, Tool, get_tool, tool_of
 
 if TYPE_CHECKING:
     from runtime.tenancy import Principal
@@ -147,7 +148,7 @@ def settle_takeover(run: Run, lease: Lease) -> None:
     open_ = Action.objects.filter(
         tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
     )
-    unprovable = [a for a in open_ if get_tool(a.tool).dedup_mode() == Dedup.NONE]
+    unprovable = [a for a in open_ if tool_of(a).dedup_mode() == Dedup.NONE]
     if not unprovable:
         return
     with transaction.atomic(durable=True):
@@ -324,7 +325,7 @@ def prepare(
     without a key the same tool and params in the same visit. The same key with other params
     is refused (422); so is a key another run used. All of it runs under the run's row lock.
     """
-    tool: Tool = get_tool(tool_name)
+    tool: Tool = get_tool(tool_name, run.tenant_id)
     if not isinstance(params, dict):
         raise InvalidParams("params must be a JSON object", errors={"params": ["not an object"]})
     tool.validate(params)
@@ -416,19 +417,27 @@ def _park(run: Run, fence: int, action: Action, actor: str) -> None:
 
 
 def dispatch(action: Action, fence: int, who: str) -> Action:
-    """Mark `sent` (runtime.ledger.mark_sent: every check of API.md's dispatch refusals); the
-    agent then calls the service itself. A run parked for this action's approval runs again
-    — in the same transaction as the mark, so the two commit together or not at all."""
-    tool = get_tool(action.tool)
+    """Mark `sent` (runtime.ledger.mark_sent: every check of API.md's dispatch refusals). A
+    `client` tool's agent then calls the service itself; a tool Holdpoint sends (`http`) is
+    sent here, now, and the action comes back with its outcome — a `sent` or `unknown` one
+    reconciled by the tool's contract instead. A run parked for this action's approval runs
+    again — in the same transaction as the mark, so the two commit together or not at all."""
+    tool = get_tool(action.tool, action.tenant_id)  # the current version: it is what is sent
     ttl = _lease_left(action)
     if action.status == S.AWAITING_APPROVAL:
         raise ApprovalRequired(f"{action.tool} is waiting for approval")
     actor = _actor(who, fence)
-    if action.status in ledger.UNSETTLED and not tool.sent_by_holdpoint:
+
+    def resume(sent: Action) -> None:
+        _resume(sent, fence, actor)
+
+    if tool.sent_by_holdpoint:
+        if action.status in (S.CONFIRMED, S.FAILED, S.COMPENSATED, S.MANUAL_REVIEW):
+            return action  # a retried dispatch: it was sent here and settled (or a person's)
+        return perform(action, fence, tool, actor, ttl=ttl, then=resume)
+    if action.status in ledger.UNSETTLED:
         return _dispatch_again(action, fence, ttl, tool, actor)
-    return ledger.mark_sent(
-        action, fence, ttl, tool, actor, then=lambda sent: _resume(sent, fence, actor)
-    )
+    return ledger.mark_sent(action, fence, ttl, tool, actor, then=resume)
 
 
 def _lease_left(action: Action) -> float:
@@ -510,7 +519,7 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
         return {"how": "manual_review"}
     if action.status not in ledger.UNSETTLED:
         return None
-    how = RECONCILE[get_tool(action.tool).dedup_mode()]
+    how = RECONCILE[tool_of(action).dedup_mode()]
     if how == "lookup":
         # "not_found" is accepted only once the sender can no longer be in flight.
         return {"how": how, "not_found_after": action.in_flight_until}
@@ -534,7 +543,7 @@ def record_outcome(
     same key, once the sender can no longer be in flight. Only `client` tools: what came
     back from a request Holdpoint sent itself is never an API client's to say. An old
     revision's result is kept on the action but advances nothing."""
-    tool = get_tool(action.tool)
+    tool = tool_of(action)
     if tool.sent_by_holdpoint:
         raise NotPermitted(
             f"{tool.name} is sent by Holdpoint (executor {tool.executor}); "

@@ -33,6 +33,7 @@ from audit.canonical import canonical_bytes, sha256_hex
 from runtime import jsonpaths, outbound
 from runtime.errors import HoldpointError
 from runtime.models import Tenant, ToolDefinition
+from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$")
 SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -181,7 +182,9 @@ def parse(data: Any, *, known_tools: Iterable[str] = ()) -> dict[str, Any]:
             errors={**errors.fields, **errors.hosts},
         )
     if errors.hosts:
-        raise HostNotAllowed("the tool would send requests to a host not allowed", errors=errors.hosts)
+        raise HostNotAllowed(
+            "the tool would send requests to a host not allowed", errors=errors.hosts
+        )
     return spec
 
 
@@ -285,9 +288,7 @@ def _request(request: Any, params: set[str], errors: _Errors) -> dict[str, Any]:
     return {"method": method, "url": url, "headers": dict(headers)}
 
 
-def _lookup(
-    lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool
-) -> dict[str, Any]:
+def _lookup(lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool) -> dict[str, Any]:
     if not isinstance(lookup, Mapping):
         errors.add("lookup", "an object: {method, url, found}")
         return {}
@@ -295,7 +296,9 @@ def _lookup(
         errors.add(f"lookup.{extra}", "unknown field")
     spec: dict[str, Any] = {"found": _path(lookup.get("found", "$[0].id"), "lookup.found", errors)}
     if needs_url or "url" in lookup:
-        spec["method"] = _choice(lookup, "method", ("GET", "POST"), "GET", errors, where="lookup.method")
+        spec["method"] = _choice(
+            lookup, "method", ("GET", "POST"), "GET", errors, where="lookup.method"
+        )
         spec["url"] = lookup.get("url")
         _template(spec["url"], "lookup.url", params | {"idempotency_key"}, errors)
     return spec
@@ -310,6 +313,18 @@ def _path(expr: Any, where: str, errors: _Errors) -> str:
     except jsonpaths.JsonPathError as exc:
         errors.add(where, str(exc))
     return expr
+
+
+def builtin_specs() -> dict[str, dict[str, Any]]:
+    """Name → normalised definition of each built-in tool (the deployment's tracker, when
+    HOLDPOINT_TASKS_URL names one), for listings beside the tenant's own."""
+    from django.conf import settings
+
+    if not settings.HOLDPOINT_TASKS_URL:
+        return {}
+    specs = tracker_definitions(settings.HOLDPOINT_TASKS_URL, settings.HOLDPOINT_TASKS_DEDUP)
+    names = [spec["name"] for spec in specs]
+    return {spec["name"]: parse(spec, known_tools=names) for spec in specs}
 
 
 def digest(spec: Mapping[str, Any]) -> str:
@@ -356,8 +371,6 @@ def define(
     otherwise (admin, import) a changed definition is a new version, an unchanged one is
     left as it is. Either way the definition is validated first and nothing is stored if it
     is refused."""
-    from runtime.tools import builtin_names, tenant_tool_names
-
     known = set(known_tools) | set(tenant_tool_names(tenant.pk)) | set(builtin_names())
     spec = parse(data, known_tools=known)
     name, fingerprint = spec["name"], digest(spec)

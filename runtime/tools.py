@@ -11,12 +11,12 @@ certainly not applied), stale (the service refused our fence) or unknown.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +24,7 @@ import jsonschema
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
+from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
 
@@ -134,14 +135,24 @@ class Tool:
     executor: str = Sender.HTTP
     # How a reviewer's card names one action, verb first: a template over the params and
     # `{target}`, e.g. "Create task: {title}". Plain `{name}` placeholders only (no format
-    # mini-language: a template may one day come from tool data, not code).
+    # mini-language: the template comes from tool data, not code).
     title: str = ""
+    description: str = ""
+    # A tenant's write tool that no policy names waits for the tenant's reviewers (API.md,
+    # "Tools as data": safe by default); built-in tools declare `approval` themselves.
+    default_hold: bool = False
+    builtin: bool = False
+    # The compensating tool's param that receives this action's external id.
+    compensation_param: str = "external_id"
+    _validator: Any = field(default=None, repr=False, compare=False)
 
     def validate(self, params: Any) -> None:
-        """Refuse params that do not fit the schema, with field errors, before preparing."""
-        validator = jsonschema.Draft202012Validator(self.schema)
+        """Refuse params that do not fit the schema, with field errors, before preparing.
+        The validator is built once per tool version (a tool object is one version)."""
+        if self._validator is None:
+            self._validator = jsonschema.Draft202012Validator(self.schema)
         errors: dict[str, list[str]] = {}
-        for error in validator.iter_errors(params):
+        for error in self._validator.iter_errors(params):
             where = ".".join(str(p) for p in error.absolute_path) or "params"
             errors.setdefault(where, []).append(error.message)
         if errors:
@@ -183,69 +194,146 @@ class Tool:
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         raise NotImplementedError
 
-    def lookup(self, key: str) -> LookupResult:
+    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
         return LookupResult(found=None, detail=f"{self.name} cannot be looked up")
 
 
-class TaskTool(Tool):
-    """The task tracker's HTTP API (the sandbox task service, or a team's real one)."""
+@dataclass(frozen=True)
+class OutboundRequest:
+    """One request as an http tool would send it (a dry run shows exactly this)."""
 
-    path: str = "/tasks"
+    method: str
+    url: str
+    headers: dict[str, str]
+    content: bytes
 
-    @property
-    def base_url(self) -> str:
-        return settings.HOLDPOINT_TASKS_URL.rstrip("/")
 
-    def headers(self, key: str, fence: int, run_id: str) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
-        if self.accepts_fence:
-            headers.update({"Holdpoint-Fence": str(fence), "Holdpoint-Run": run_id})
-        return headers | self.auth_headers(run_id)
+@dataclass
+class HttpTool(Tool):
+    """A tool Holdpoint sends itself, from its definition (API.md, "Tools as data"): the
+    stored canonical params as the JSON body, the key in the declared header, the fence and
+    run, the tenant's credential as a bearer token; the proof id read by JSONPath."""
 
-    def auth_headers(self, run_id: str) -> dict[str, str]:
-        """The run's tenant's credential for this service as a bearer token, if it has one.
-        httpx masks Authorization in its reprs; the value is never logged or recorded."""
+    method: str = "POST"
+    url: outbound.UrlTemplate | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    key_header: str = "Idempotency-Key"
+    lookup_method: str = "GET"
+    lookup_url: outbound.UrlTemplate | None = None
+    found_path: str = ""
+    id_path: str = "$.id"
+
+    def build_request(
+        self,
+        params: Mapping[str, Any],
+        *,
+        params_text: str | None = None,
+        key: str,
+        fence: int,
+        run_id: str,
+        reveal: bool = True,
+    ) -> OutboundRequest:
+        """The request for these params. `reveal=False` masks the credential (a dry run
+        shows where it would go, never what it is)."""
+        assert self.url is not None
+        text = params_text if params_text is not None else json.dumps(dict(params))
+        headers = {
+            **self.extra_headers,
+            "Content-Type": "application/json",
+            self.key_header: key,
+            "Holdpoint-Fence": str(fence),
+            "Holdpoint-Run": run_id,
+        }
         secret = credential_for_run(self.credential, run_id)
-        return {"Authorization": f"Bearer {secret.reveal()}"} if secret is not None else {}
+        if secret is not None:
+            headers["Authorization"] = "Bearer " + (secret.reveal() if reveal else "********")
+        content = b"" if self.method in ("GET", "DELETE") else text.encode("utf-8")
+        return OutboundRequest(self.method, self.url.render(params), headers, content)
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
-        return self.post(self.path, params_text, key=key, fence=fence, run_id=run_id)
-
-    def post(self, path: str, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         """Send exactly the stored canonical bytes; classify what came back."""
         try:
-            response = http_client().post(
-                self.base_url + path,
-                content=params_text.encode("utf-8"),
-                headers=self.headers(key, fence, run_id),
-                timeout=httpx.Timeout(self.timeout),
+            request = self.build_request(
+                json.loads(params_text),
+                params_text=params_text,
+                key=key,
+                fence=fence,
+                run_id=run_id,
             )
+        except SecretUnreadable as exc:  # nothing was sent; an operator must fix the keys
+            return CallResult("refused", transient=True, detail=str(exc))
+        except outbound.TemplateError as exc:
+            return CallResult("refused", detail=f"the URL cannot be built: {exc}")
+        try:
+            response = outbound.send(
+                request.method,
+                request.url,
+                content=request.content or None,
+                headers=request.headers,
+                timeout=self.timeout,
+            )
+        except outbound.OutboundRefused as exc:
+            if exc.code in ("redirect", "too_large"):
+                # The service answered, but not with proof: it may have applied (a 303
+                # after a POST usually means it did). The dedup contract settles it.
+                return CallResult("unknown", detail=f"{exc.code}: {exc.detail}")
+            return CallResult("refused", detail=f"{exc.code}: {exc.detail}")  # nothing sent
         except httpx.ConnectError as exc:
             # Nothing reached the service: certainly not applied.
             return CallResult("refused", transient=True, detail=f"connect failed: {exc}")
-        except SecretUnreadable as exc:  # nothing was sent; an operator must fix the keys
-            return CallResult("refused", transient=True, detail=str(exc))
         except httpx.HTTPError as exc:  # timeout or reset after sending: we cannot know
             return CallResult("unknown", detail=f"{type(exc).__name__}: {exc}")
-        return classify(response)
+        return self.classify(response)
 
-    def lookup(self, key: str) -> LookupResult:
-        if self.dedup_mode() == Dedup.NONE:
-            return LookupResult(found=None, detail="the service has no lookup by key")
+    def classify(self, response: outbound.OutboundResponse) -> CallResult:
+        detail = response.text[:500]
+        status = response.status_code
+        if 200 <= status < 300:
+            try:
+                body = response.json()
+            except ValueError:
+                return CallResult("unknown", detail=f"success without JSON: {detail}")
+            external_id = jsonpaths.compile_path(self.id_path).first(body)
+            if external_id is None or isinstance(external_id, dict | list):
+                return CallResult("unknown", detail=f"success without a usable id: {detail}")
+            return CallResult("applied", external_id=str(external_id), result=body)
+        if status == 409 and "fence" in detail:
+            return CallResult("stale", detail=detail)
+        if status in (408, 429) or status >= 500:
+            return CallResult("unknown", detail=f"HTTP {status}: {detail}")
+        return CallResult("refused", detail=f"HTTP {status}: {detail}")
+
+    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
+        if self.dedup_mode() == Dedup.NONE or self.lookup_url is None:
+            return LookupResult(found=None, detail=f"{self.name} has no lookup by key")
+        run_id = key.split(":", 1)[0]  # ledger keys start with the run
         try:
-            response = http_client().get(
-                self.base_url + "/tasks",
-                params={"key": key},
-                headers=self.auth_headers(key.split(":", 1)[0]),  # ledger keys start with the run
-                timeout=httpx.Timeout(self.timeout),
+            params = json.loads(params_text)
+            url = self.lookup_url.render({**params, "idempotency_key": key})
+            headers = {"Holdpoint-Run": run_id}
+            secret = credential_for_run(self.credential, run_id)
+            if secret is not None:
+                headers["Authorization"] = f"Bearer {secret.reveal()}"
+            response = outbound.send(
+                self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )
-            response.raise_for_status()
-            found = response.json()
-        except (httpx.HTTPError, ValueError, SecretUnreadable) as exc:
+        except (outbound.OutboundRefused, outbound.TemplateError, SecretUnreadable) as exc:
+            return LookupResult(found=None, detail=f"lookup refused: {exc}")
+        except (httpx.HTTPError, ValueError) as exc:
             return LookupResult(found=None, detail=f"lookup failed: {exc}")
-        if not found:
+        if response.status_code == 404:
             return LookupResult(found=False)
-        return LookupResult(found=True, external_id=str(found[0]["id"]), result=found[0])
+        if response.status_code != 200:
+            return LookupResult(found=None, detail=f"lookup: HTTP {response.status_code}")
+        try:
+            body = response.json()
+        except ValueError:
+            return LookupResult(found=None, detail="lookup answered without JSON")
+        found = jsonpaths.compile_path(self.found_path).first(body)
+        if found is None:
+            return LookupResult(found=False)
+        first = body[0] if isinstance(body, list) and body else body
+        return LookupResult(found=True, external_id=str(found), result=first)
 
 
 def credential_for_run(service: str, run_id: str) -> Secret | None:
@@ -277,51 +365,135 @@ def credential_for_run(service: str, run_id: str) -> Secret | None:
 _run_tenants: dict[str, int] = {}
 
 
-def credential_names() -> list[str]:
-    """Service names of the credentials registered tools send (the admin's choices)."""
-    return sorted({tool.credential for tool in _TOOLS.values() if tool.credential})
+# --- building tools from definitions ------------------------------------------------------
 
 
-_clients: dict[int, httpx.Client] = {}
+def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -> Tool:
+    """The tool a validated definition (`runtime.tooldefs.parse`) describes."""
+    common: dict[str, Any] = {
+        "name": spec["name"],
+        "version": version,
+        "effect": spec["effect"],
+        "dedup": spec["dedup"]["mode"],
+        "schema": spec["schema"],
+        "editable": tuple(spec.get("editable", ())),
+        "sensitive": tuple(spec.get("sensitive", ())),
+        "timeout": float(spec.get("timeout_seconds", 5)),
+        "compensation": spec.get("compensation", ""),
+        "compensation_param": spec.get("compensation_param") or "external_id",
+        "credential": spec.get("credential", ""),
+        "title": spec.get("title", ""),
+        "description": spec.get("description", ""),
+        "executor": spec["executor"],
+        "builtin": builtin,
+        "default_hold": not builtin and spec["effect"] != Effect.READ,
+        "accepts_fence": spec["executor"] == Sender.HTTP,
+    }
+    if spec["executor"] != Sender.HTTP:
+        return Tool(**common)
+    request, lookup = spec["request"], spec.get("lookup") or {}
+    return HttpTool(
+        **common,
+        method=request["method"],
+        url=outbound.UrlTemplate.compile(request["url"]),
+        extra_headers=dict(request.get("headers", {})),
+        key_header=spec["dedup"].get("header", "Idempotency-Key"),
+        lookup_method=lookup.get("method", "GET"),
+        lookup_url=outbound.UrlTemplate.compile(lookup["url"]) if lookup.get("url") else None,
+        found_path=lookup.get("found", ""),
+        id_path=spec.get("result", {}).get("external_id", "$.id"),
+    )
 
 
-def http_client() -> httpx.Client:
-    """One pooled client per process (workers fork: a client must not cross a fork).
-
-    A fresh client per call loads the CA bundle each time — about 20 ms of CPU, most of a
-    bare call's cost — and opens a new connection.
-    """
-    client = _clients.get(os.getpid())
-    if client is None:
-        client = _clients[os.getpid()] = httpx.Client()
-    return client
+TRACKER_FILE = Path(__file__).with_name("tooldata") / "tasks.json"
+TRACKER_BASE = "http://127.0.0.1:8765"  # where the file's definitions point: make run's sandbox
 
 
-def classify(response: httpx.Response) -> CallResult:
-    detail = response.text[:500]
-    if response.status_code in (200, 201):
-        try:
-            body = response.json()
-            return CallResult("applied", external_id=str(body["id"]), result=body)
-        except (ValueError, KeyError, TypeError):
-            return CallResult("unknown", detail=f"success without a usable id: {detail}")
-    if response.status_code == 409 and "fence" in detail:
-        return CallResult("stale", detail=detail)
-    if response.status_code in (408, 429) or response.status_code >= 500:
-        return CallResult("unknown", detail=f"HTTP {response.status_code}: {detail}")
-    return CallResult("refused", detail=f"HTTP {response.status_code}: {detail}")
+def tracker_definitions(
+    base_url: str = TRACKER_BASE, mode: str = Dedup.KEY
+) -> list[dict[str, Any]]:
+    """The task tracker's tools as definitions (runtime/tooldata/tasks.json), pointed at
+    `base_url` with the tracker's dedup `mode`: what `seed_demo` imports for the demo tenant,
+    and what every tenant gets as built-in tools when HOLDPOINT_TASKS_URL is set."""
+    text = TRACKER_FILE.read_text(encoding="utf-8").replace(TRACKER_BASE, base_url.rstrip("/"))
+    items: list[dict[str, Any]] = json.loads(text)
+    for item in items:
+        if item.get("lookup") or item["executor"] == Sender.CLIENT:  # closing is always by key
+            item["dedup"]["mode"] = mode
+    return items
 
 
-class TaskCloseTool(TaskTool):
-    """Closing a task: the compensation of tasks.create."""
-
-    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
-        task_id = json.loads(params_text)["task_id"]
-        return self.post(
-            f"/tasks/{task_id}/close", params_text, key=key, fence=fence, run_id=run_id
-        )
+_builtins: dict[tuple[str, str], dict[str, Tool]] = {}
 
 
+def _builtin_tools() -> dict[str, Tool]:
+    """Tools every tenant has: the deployment's task tracker, when HOLDPOINT_TASKS_URL
+    names one (a tenant's own definition of the same name takes precedence)."""
+    url, mode = settings.HOLDPOINT_TASKS_URL, settings.HOLDPOINT_TASKS_DEDUP
+    if not url:
+        return {}
+    tools = _builtins.get((url, mode))
+    if tools is None:
+        # The shipped file is checked against `runtime.tooldefs.parse` by the tests.
+        specs = tracker_definitions(url, mode)
+        tools = {spec["name"]: from_spec(spec, "1", builtin=True) for spec in specs}
+        _builtins.clear()
+        _builtins[(url, mode)] = tools
+    return tools
+
+
+def builtin_names() -> list[str]:
+    return sorted(_builtin_tools())
+
+
+def tenant_tool_names(tenant_id: int) -> list[str]:
+    from runtime.models import ToolDefinition
+
+    names = ToolDefinition.objects.filter(tenant_id=tenant_id).values_list("name", flat=True)
+    return sorted(set(names))
+
+
+# A definition's digest → the tool it defines: a version never changes, so it is compiled
+# once per process (schema validator, URL templates, JSONPaths). Keyed by content, not by
+# (tenant, name, version): ids are reused (a restored database, a test's rolled-back
+# tenant), contents are not.
+_defined: dict[str, Tool] = {}
+
+
+def get_tool(name: str, tenant_id: int | None = None, version: str | None = None) -> Tool:
+    """The tool `name` as the tenant may use it: its own definition (the current version,
+    or `version`), else a built-in one. Unknown → InvalidParams (422 at the API)."""
+    if tenant_id is not None:
+        from runtime.models import ToolDefinition
+
+        rows = ToolDefinition.objects.filter(tenant_id=tenant_id, name=name)
+        if version is not None and version.isdigit():
+            rows = rows.filter(version=int(version))
+        row = rows.order_by("-version").values_list("version", "digest").first()
+        if row is not None:
+            number, digest = row
+            tool = _defined.get(digest)
+            if tool is None or tool.version != str(number):
+                spec = ToolDefinition.objects.get(
+                    tenant_id=tenant_id, name=name, version=number
+                ).spec
+                if len(_defined) >= 10_000:
+                    _defined.clear()
+                tool = _defined[digest] = from_spec(spec, str(number))
+            return tool
+    tool = _builtin_tools().get(name) or _TOOLS.get(name)
+    if tool is None:
+        raise InvalidParams(f"unknown tool {name!r}", errors={"tool": ["unknown tool"]})
+    return tool
+
+
+def tool_of(action: Any) -> Tool:
+    """The tool an action was prepared with (its recorded version): the contract it was
+    sent and must be reconciled under, even after the definition changed."""
+    return get_tool(action.tool, action.tenant_id, action.tool_version)
+
+
+# Tools registered in code (tests, chaos): the same objects for every tenant.
 _TOOLS: dict[str, Tool] = {}
 
 
@@ -330,81 +502,10 @@ def register_tool(tool: Tool) -> Tool:
     return tool
 
 
-def get_tool(name: str) -> Tool:
-    try:
-        return _TOOLS[name]
-    except KeyError:
-        raise InvalidParams(f"unknown tool {name!r}", errors={"tool": ["unknown tool"]}) from None
-
-
 def reset_breakers() -> None:
     """Close every circuit (a fresh process starts this way; tests start each case so)."""
-    for tool in _TOOLS.values():
+    for tool in [*_TOOLS.values(), *_defined.values()]:
         tool.breaker.failures = 0
-
-
-def tool_names() -> list[str]:
-    return sorted(_TOOLS)
-
-
-TASK_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "title": {"type": "string", "minLength": 1, "maxLength": 200},
-        "body": {"type": "string", "maxLength": 20000},
-        "assignee": {"type": "string", "maxLength": 100},
-    },
-    "required": ["title"],
-    "additionalProperties": False,
-}
-
-
-register_tool(
-    TaskTool(
-        name="tasks.create",
-        dedup_setting="HOLDPOINT_TASKS_DEDUP",
-        effect=Effect.WRITE,
-        schema=TASK_SCHEMA,
-        editable=("title", "body", "assignee"),
-        timeout=3.0,
-        accepts_fence=True,
-        compensation="tasks.close",
-        credential="tasks",
-        title="Create task: {title}",
-    )
-)
-register_tool(
-    TaskCloseTool(
-        name="tasks.close",
-        effect=Effect.WRITE,
-        dedup=Dedup.KEY,
-        schema={
-            "type": "object",
-            "properties": {
-                "task_id": {"type": "string", "minLength": 1},
-                "reason": {"type": "string", "maxLength": 2000},
-            },
-            "required": ["task_id"],
-            "additionalProperties": False,
-        },
-        timeout=3.0,
-        accepts_fence=True,
-        credential="tasks",
-        title="Close task: {task_id}",
-    )
-)
-# The same tracker, performed by an external executor itself (`executor: client`): the agent
-# calls the service and reports what came back; the server reconciles by the same dedup
-# contract as tasks.create's (HOLDPOINT_TASKS_DEDUP). Workers never send it.
-register_tool(
-    Tool(
-        name="agent.tasks.create",
-        executor=Sender.CLIENT,
-        dedup_setting="HOLDPOINT_TASKS_DEDUP",
-        effect=Effect.WRITE,
-        schema=TASK_SCHEMA,
-        editable=("title", "body", "assignee"),
-        timeout=3.0,
-        title="Create task: {title}",
-    )
-)
+    for tools in _builtins.values():
+        for tool in tools.values():
+            tool.breaker.failures = 0

@@ -11,7 +11,7 @@ PY=.venv/bin/python
 VAR_DIR="${HOLDPOINT_VAR_DIR:-var}"
 WEB_PORT="${HOLDPOINT_WEB_PORT:-8000}"
 SANDBOX_PORT="${HOLDPOINT_SANDBOX_PORT:-8765}"
-export HOLDPOINT_TASKS_URL="${HOLDPOINT_TASKS_URL:-http://127.0.0.1:$SANDBOX_PORT}"
+SANDBOX_URL="http://127.0.0.1:$SANDBOX_PORT"
 export HOLDPOINT_BASE_URL="${HOLDPOINT_BASE_URL:-http://127.0.0.1:$WEB_PORT}"
 # Seconds the processes get to stop by themselves before their process groups are killed.
 STOP_GRACE=3
@@ -41,7 +41,7 @@ write_local_env() {
 
 write_local_env
 $PY manage.py migrate --noinput
-$PY manage.py seed_demo
+$PY manage.py seed_demo --tracker-url "$SANDBOX_URL"
 
 # Each service runs in a session (and process group) of its own, so the terminal's Ctrl-C
 # reaches only this script, which then stops them in order: SIGTERM to each MAIN process
@@ -92,7 +92,7 @@ cat <<MSG
     Reviewer pages   $HOLDPOINT_BASE_URL/        (log in as demo-reviewer)
     Django admin     $HOLDPOINT_BASE_URL/admin/  (demo-admin: tenant "demo" only)
     Probes           $HOLDPOINT_BASE_URL/healthz  /readyz
-    Sandbox tasks    $HOLDPOINT_TASKS_URL/tasks
+    Sandbox tasks    $SANDBOX_URL/tasks
   Passwords were printed by seed_demo above the first time it ran (or are
   HOLDPOINT_DEMO_PASSWORD). Agent tokens: .venv/bin/python manage.py agent_token issue demo-agent
   Local settings (DEBUG, SECRET_KEY) for manage.py: $VAR_DIR/local.env

@@ -122,3 +122,21 @@ def evolving(version: str) -> Graph:
 
 def reviser_goal(**extra: Any) -> dict[str, Any]:
     return {"title": "first", **extra}
+
+
+# A graph on a tool that is not built in: the tenant defines `tickets.create` (a tracker
+# that is not tasks.*) and the graph only names it; the goal carries the ticket.
+ticketing = Graph("ticketing", version="1", max_failures=3, retry_base=0.05, retry_max=0.2)
+
+
+@ticketing.step(start=True)
+def file_ticket(ctx: StepContext) -> Outcome:
+    ticket = ctx.act(
+        ctx.goal.get("tool", "tickets.create"),
+        {"title": ctx.goal["title"]},
+        reason="the goal asks for a ticket",
+    )
+    return Complete(update={"ticket": ticket.external_id})
+
+
+register(ticketing)

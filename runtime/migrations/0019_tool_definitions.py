@@ -5,27 +5,54 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runtime', '0018_run_executor_account'),
+        ("runtime", "0018_run_executor_account"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ToolDefinition',
+            name="ToolDefinition",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100)),
-                ('version', models.PositiveIntegerField()),
-                ('spec', models.JSONField(help_text='The definition as validated (API.md, Tools as data).')),
-                ('digest', models.CharField(help_text='SHA-256 of the canonical spec.', max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('created_by', models.CharField(blank=True, max_length=200)),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='tool_definitions', to='runtime.tenant')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100)),
+                ("version", models.PositiveIntegerField()),
+                (
+                    "spec",
+                    models.JSONField(
+                        help_text="The definition as validated (API.md, Tools as data)."
+                    ),
+                ),
+                (
+                    "digest",
+                    models.CharField(help_text="SHA-256 of the canonical spec.", max_length=64),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("created_by", models.CharField(blank=True, max_length=200)),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="tool_definitions",
+                        to="runtime.tenant",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['tenant__slug', 'name', '-version'],
-                'constraints': [models.UniqueConstraint(fields=('tenant', 'name', 'version'), name='runtime_tooldefinition_version'), models.CheckConstraint(condition=models.Q(('version__gte', 1)), name='runtime_tooldefinition_version_gte_1')],
+                "ordering": ["tenant__slug", "name", "-version"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("tenant", "name", "version"), name="runtime_tooldefinition_version"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(("version__gte", 1)),
+                        name="runtime_tooldefinition_version_gte_1",
+                    ),
+                ],
             },
         ),
     ]

@@ -226,22 +226,25 @@ def test_h1_the_lease_ttl_is_capped(agent_a: Persona, settings: Any) -> None:
 def test_h1_an_outcome_for_a_tool_holdpoint_sends_is_refused_from_any_api_client(
     agent_a: Persona, reviewer_a: Persona, sandbox_factory: Factory
 ) -> None:
-    """tasks.create is sent by Holdpoint (executor http): on the agent's own external run,
-    neither its token nor a reviewer's session may say what the tracker answered."""
+    """tasks.create is sent by Holdpoint (executor http): the dispatch of the agent's own
+    external run sends it and records the tracker's answer; neither the agent's token nor a
+    reviewer's session may then say another one."""
     box = sandbox_factory("key")
     client = agent_a.api()
     run_id = new_run(client)["run_id"]
     fence = take_lease(client, run_id)
     action = sent(client, run_id, fence, tool="tasks.create")
+    [task] = box.tasks()
+    assert (action["status"], action["external_id"]) == ("confirmed", task["id"])
 
     for caller in (client, session(reviewer_a.user)):
-        response = outcome(caller, action["action_id"], fence, "confirmed", external_id="FAKE-1")
-        problem(response, 403, "not_permitted")
+        for said in ("confirmed", "failed", "unknown"):
+            response = outcome(caller, action["action_id"], fence, said, external_id="FAKE-1")
+            problem(response, 403, "not_permitted")
 
     stored = Action.objects.get(pk=action["action_id"])
-    assert (stored.status, stored.external_id) == (ActionStatus.SENT, "")
-    assert box.tasks() == []  # the tracker and the ledger agree: nothing was made
-    assert not Action.objects.filter(status=ActionStatus.CONFIRMED).exists()
+    assert (stored.status, stored.external_id) == (ActionStatus.CONFIRMED, task["id"])
+    assert len(box.tasks()) == 1  # the tracker and the ledger agree: one task, its id
 
 
 def test_a_client_tools_outcome_names_the_reporting_executor(agent_a: Persona) -> None:

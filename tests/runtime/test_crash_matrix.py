@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from approvals.models import ApprovalPolicy
 from runtime.faults import FaultPoint
 from runtime.ledger import resolve
 from runtime.lifecycle import create_run
@@ -24,6 +25,7 @@ from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.sweeper import sweep_once
 from tests import procs
 from tests.sandbox import Sandbox
+from tests.tooldefs import define_tickets
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -72,12 +74,13 @@ def _crash(
     faults: FaultPoint,
     name: str,
     start: bool = False,
+    graph: tuple[str, dict[str, Any]] = ("api-review", GOAL),
 ) -> bool:
     """Run one worker armed with `faults`; True if it died at the point."""
     worker = _worker(box, tmp_path / f"{name}.log", faults)
     try:
         if start:
-            run_ref.append(create_run(run_ref[0], "api-review", GOAL, actor="user:t"))
+            run_ref.append(create_run(run_ref[0], graph[0], graph[1], actor="user:t"))
         run = run_ref[-1]
 
         def dead_or_parked() -> bool:
@@ -97,24 +100,23 @@ def _crash(
     return died
 
 
-@pytest.mark.parametrize("mode", ["key", "lookup", "none"])
-@pytest.mark.parametrize("point", POINTS)
-def test_crash_at_point(
+def _matrix_case(
     point: FaultPoint,
     mode: str,
     tenant_a: Tenant,
     tmp_path: Path,
-    sandbox_factory: Callable[[str], Sandbox],
-) -> None:
-    box = sandbox_factory(mode)
+    box: Sandbox,
+    graph: tuple[str, dict[str, Any]],
+) -> bool:
     ref: list[Any] = [tenant_a]
-    started = timezone.now()
     if point == FaultPoint.DURING_RECONCILE:  # something to reconcile first: the reply is lost
-        assert _crash(box, ref, tmp_path, FaultPoint.AFTER_TOOL_RESPONSE, "w0", start=True)
-        died = _crash(box, ref, tmp_path, point, "w1")
+        assert _crash(
+            box, ref, tmp_path, FaultPoint.AFTER_TOOL_RESPONSE, "w0", start=True, graph=graph
+        )
+        died = _crash(box, ref, tmp_path, point, "w1", graph=graph)
         assert died == (mode != "none")  # mode none never calls the service to reconcile
     else:
-        assert _crash(box, ref, tmp_path, point, "w1", start=True)
+        assert _crash(box, ref, tmp_path, point, "w1", start=True, graph=graph)
     run: Run = ref[-1]
 
     worker = _worker(box, tmp_path / "clean.log")
@@ -145,6 +147,51 @@ def test_crash_at_point(
     tasks = box.tasks()
     assert len(tasks) == 1, tasks  # no duplicate, nothing lost
     assert action.status == ActionStatus.CONFIRMED and action.external_id == tasks[0]["id"]
+    return human
+
+
+@pytest.mark.parametrize("mode", ["key", "lookup", "none"])
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_at_point(
+    point: FaultPoint,
+    mode: str,
+    tenant_a: Tenant,
+    tmp_path: Path,
+    sandbox_factory: Callable[[str], Sandbox],
+) -> None:
+    started = timezone.now()
+    box = sandbox_factory(mode)
+    human = _matrix_case(point, mode, tenant_a, tmp_path, box, ("api-review", GOAL))
+    _report(point, mode, human, started, "tasks.create")
+
+
+@pytest.mark.parametrize("mode", ["key", "lookup", "none"])
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_at_point_on_a_tool_the_tenant_defined(
+    point: FaultPoint,
+    mode: str,
+    tenant_a: Tenant,
+    tmp_path: Path,
+    sandbox_factory: Callable[[str], Sandbox],
+) -> None:
+    """The same matrix for `tickets.create`, a tool that is data: imported by the tenant
+    (not built in), its dedup mode and lookup from its definition, sent by the worker's
+    generic HTTP tool."""
+    started = timezone.now()
+    box = sandbox_factory(mode)
+    define_tickets(tenant_a, box.url, mode)
+    ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="tickets go", tool="tickets.create", required=False
+    )
+    human = _matrix_case(
+        point, mode, tenant_a, tmp_path, box, ("ticketing", {"title": "Crash-proof"})
+    )
+    assert Action.objects.get(run__tenant=tenant_a).tool == "tickets.create"
+    _report(point, mode, human, started, "tickets.create")
+
+
+def _report(point: FaultPoint, mode: str, human: bool, started: Any, tool: str) -> None:
+    """One line of var/test/crash-matrix.jsonl (each case has asserted exactly one task)."""
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     with REPORT.open("a") as out:
         out.write(
@@ -152,7 +199,8 @@ def test_crash_at_point(
                 {
                     "point": point,
                     "mode": mode,
-                    "tasks": len(tasks),
+                    "tool": tool,
+                    "tasks": 1,
                     "human": human,
                     "seconds": round((timezone.now() - started).total_seconds(), 2),
                 }

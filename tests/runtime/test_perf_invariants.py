@@ -174,8 +174,9 @@ STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
 # An action: the prepare-time policy read; the prepare checkpoint (run CAS + checkpoint, the
 # action, head swap + entries); `sent` (run lock, hold-point question, the action's CAS, head
 # swap + entry); the outcome checkpoint (run CAS + checkpoint, the action's CAS, head swap +
-# entries); the step commit. PostgreSQL sends each "+" as one statement.
-ACTION_STATEMENTS = {"postgresql": 12, "sqlite": 20}
+# entries); the step commit; the read of the tool's current version (tools are data: a
+# redefinition must be seen before the send). PostgreSQL sends each "+" as one statement.
+ACTION_STATEMENTS = {"postgresql": 13, "sqlite": 21}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:

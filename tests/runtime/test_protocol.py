@@ -93,10 +93,10 @@ def test_a_release_queues_a_running_run_as_a_workers_does(tenant_a: Tenant) -> N
 def _approved_action(agent: Persona, reviewer: Persona) -> tuple[Run, int, Action]:
     """An external run parked for an approval that has just been given: the run is woken,
     the action approved, and the next dispatch resumes the run."""
-    grant_policy(agent.tenant, tool="tasks.create")
+    grant_policy(agent.tenant, tool="agent.tasks.create")
     run, fence = _leased(agent.tenant)
     action, created = protocol.prepare(
-        run, fence, "tasks.create", {"title": "Ship"}, reason="r", who="agent:a"
+        run, fence, "agent.tasks.create", {"title": "Ship"}, reason="r", who="agent:a"
     )
     assert created and action.status == ActionStatus.AWAITING_APPROVAL
     assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL

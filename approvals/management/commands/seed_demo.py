@@ -22,6 +22,8 @@ from approvals.models import ApprovalPolicy
 from approvals.policies import grant
 from runtime.crypto import SecretUnreadable
 from runtime.models import Membership, Role, Tenant, ToolCredential
+from runtime.tooldefs import define_many
+from runtime.tools import TRACKER_BASE, tracker_definitions
 
 User = get_user_model()
 
@@ -77,7 +79,15 @@ def reviewer_group_name(tenant: Tenant) -> str:
 class Command(BaseCommand):
     help = "Create the demo tenants, users and agent accounts (safe to run again)."
 
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--tracker-url",
+            default=TRACKER_BASE,
+            help="Where the demo tenants' tasks.* tools send (make run's sandbox by default).",
+        )
+
     def handle(self, *args: Any, **options: Any) -> None:
+        self.tracker_url = options.get("tracker_url") or TRACKER_BASE
         created = self.seed()
         fixed = settings.HOLDPOINT_DEMO_PASSWORD
         if created:
@@ -127,10 +137,22 @@ class Command(BaseCommand):
             if role in (Role.REVIEWER, Role.ADMIN):
                 group, _ = Group.objects.get_or_create(name=reviewer_group_name(tenant))
                 user.groups.add(group)
+        for tenant in tenants.values():
+            self._tracker_tools(tenant)
         self._demo_policy(tenants["demo"])
         for tenant in tenants.values():
             self._sandbox_credential(tenant)
         return created
+
+    def _tracker_tools(self, tenant: Tenant) -> None:
+        """The task tracker's tools (runtime/tooldata/tasks.json) as the tenant's own
+        definitions, pointed at the sandbox: data a tenant admin can read and change in the
+        admin, like any tool they define. Unchanged definitions stay at their version."""
+        define_many(
+            tenant,
+            tracker_definitions(getattr(self, "tracker_url", TRACKER_BASE)),
+            "system:seed_demo",
+        )
 
     def _sandbox_credential(self, tenant: Tenant) -> None:
         """When the sandbox tracker requires a token (HOLDPOINT_SANDBOX_TOKENS, read by

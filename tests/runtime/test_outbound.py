@@ -1,0 +1,590 @@
+"""The outbound-safety layer of HTTP tools, against real servers on real sockets.
+
+A tool's URL is typed by a tenant admin and sent by a worker inside the operator's
+network, so each refusal here is a probe that must not happen: to a host the operator did
+not allow, to a private address, along a redirect, or past the response cap.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime import outbound
+from runtime.outbound import (
+    OutboundRefused,
+    TemplateError,
+    UrlTemplate,
+    address_allowed,
+    check_patterns,
+    check_url,
+    host_allowed,
+    parse_networks,
+    send,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- Real servers -----------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    written: list[int] = field(default_factory=lambda: [0])  # body bytes the handler sent
+
+
+Behaviour = Callable[[BaseHTTPRequestHandler, Server], None]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Behaviour], Server]]:
+    """Start an HTTP server on 127.0.0.1 (a free port) in a thread; each request is
+    recorded (method, path, headers, body) before `behaviour` answers it."""
+    started: list[ThreadingHTTPServer] = []
+
+    def start(behaviour: Behaviour) -> Server:
+        holder: list[Server] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def handle_any(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                holder[0].requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": {k.lower(): v for k, v in self.headers.items()},
+                        "body": self.rfile.read(length) if length else b"",
+                    }
+                )
+                behaviour(self, holder[0])
+
+            do_GET = do_POST = do_PUT = handle_any
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        httpd.daemon_threads = True
+        port = httpd.server_address[1]
+        holder.append(Server(f"http://127.0.0.1:{port}", int(port)))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return holder[0]
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def answer_json(handler: BaseHTTPRequestHandler, server: Server) -> None:
+    body = json.dumps({"id": "T-1", "seen": server.requests[-1]["headers"]}).encode()
+    handler.send_response(201)
+    handler.send_header("Content-Type", "application/json; charset=utf-8")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def stream_forever(total: int, *, declare: bool) -> Behaviour:
+    """`total` bytes in 64 KiB writes, with or without a Content-Length; counts what it
+    managed to write before the client hung up."""
+
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/octet-stream")
+        if declare:
+            handler.send_header("Content-Length", str(total))
+        else:
+            handler.send_header("Connection", "close")  # the body ends when the socket does
+            handler.close_connection = True
+        handler.end_headers()
+        chunk = b"x" * 65536
+        try:
+            while server.written[0] < total:
+                handler.wfile.write(chunk)
+                server.written[0] += len(chunk)
+        except OSError:
+            pass  # the client dropped the connection: what this test wants
+
+    return behaviour
+
+
+# --- Host patterns and settings ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host, patterns, allowed",
+    [
+        ("api.example.com", ["api.example.com"], True),
+        ("API.Example.COM", ["api.example.com"], True),
+        ("api.example.com", ["API.EXAMPLE.COM"], True),
+        ("api.example.com.", ["api.example.com"], True),
+        ("example.com", ["*.example.com"], False),
+        ("a.example.com", ["*.example.com"], True),
+        ("a.b.c.example.com", ["*.example.com"], True),
+        ("evilexample.com", ["*.example.com"], False),
+        ("example.com.evil.net", ["*.example.com", "example.com"], False),
+        ("api.example.com", ["example.com"], False),
+        ("anything.net", ["*"], False),
+        ("localhost", ["*"], False),
+        ("a.example.com", ["a.*.com"], False),
+        ("127.0.0.1", ["127.0.0.1"], True),
+        ("127.0.0.2", ["127.0.0.1"], False),
+        ("::1", ["[::1]"], True),
+        ("[::1]", ["::1"], True),
+        ("[0:0::1]", ["::1"], True),
+        ("::2", ["::1"], False),
+        ("", ["", "*."], False),
+        ("api.example.com", [], False),
+    ],
+)
+def test_host_allowed(host: str, patterns: list[str], allowed: bool) -> None:
+    assert host_allowed(host, patterns) is allowed
+
+
+@pytest.mark.parametrize("pattern", ["*", "*.", "a.*.com", "*.*.example.com", "*.com", "", "x*"])
+def test_check_patterns_refuses_what_would_allow_too_much(pattern: str) -> None:
+    with pytest.raises(ValueError, match="not allowed"):
+        check_patterns(["api.example.com", pattern])
+
+
+def test_check_patterns_and_networks_accept_good_values() -> None:
+    check_patterns(["api.example.com", "*.example.com", "127.0.0.1", "::1", "[::1]"])
+    assert [str(n) for n in parse_networks(["10.0.0.0/8", "::1/128"])] == ["10.0.0.0/8", "::1/128"]
+    with pytest.raises(ValueError, match="CIDR"):
+        parse_networks(["10.0.0.1/8"])
+    with pytest.raises(ValueError, match="CIDR"):
+        parse_networks(["ten"])
+
+
+def _settings_process(**env: str) -> subprocess.CompletedProcess[str]:
+    """Import the production settings in a clean process with `env`."""
+    base = {
+        "PATH": "/usr/bin:/bin",
+        "DEBUG": "0",
+        "SECRET_KEY": "s" * 60,
+        "HOLDPOINT_SECRET_KEYS": "bGVuZ3RoLW9mLXRoaXMta2V5LWlzLTMyLWJ5dGVzISE=",
+        "HOLDPOINT_VAR_DIR": str(ROOT / "var" / "test" / "settings-probe"),
+    }
+    code = (
+        "import config.settings as s; "
+        "print(s.HOLDPOINT_TOOL_HOSTS, s.HOLDPOINT_TOOL_PRIVATE_NETWORKS, "
+        "s.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=base | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_settings_default_to_nothing_in_production_and_refuse_bad_values() -> None:
+    result = _settings_process()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "[]", "1048576"]
+    dev = _settings_process(DEBUG="1")
+    assert dev.stdout.strip() == "['127.0.0.1', 'localhost'] ['127.0.0.0/8', '::1/128'] 1048576"
+    for name, value in [
+        ("HOLDPOINT_TOOL_HOSTS", "api.example.com,*"),
+        ("HOLDPOINT_TOOL_PRIVATE_NETWORKS", "10.0.0.0/33"),
+    ]:
+        bad = _settings_process(**{name: value})
+        assert bad.returncode != 0
+        assert f"EnvError: {name}:" in bad.stderr
+
+
+def test_check_url(settings: Any) -> None:
+    settings.HOLDPOINT_TOOL_HOSTS = ["api.example.com", "*.corp.example"]
+    check_url("https://api.example.com/tasks")
+    check_url("http://a.b.corp.example:8080/x?y=1")
+    for url, code in [
+        ("https://other.example.com/", "host_not_allowed"),
+        ("https://corp.example/", "host_not_allowed"),
+        ("ftp://api.example.com/", "bad_url"),
+        ("https://user:pw@api.example.com/", "bad_url"),
+        ("https://api.example.com:99999/", "bad_url"),
+        ("https:///path", "bad_url"),
+        ("api.example.com/tasks", "bad_url"),
+    ]:
+        with pytest.raises(OutboundRefused) as refused:
+            check_url(url)
+        assert refused.value.code == code, url
+
+
+# --- Addresses --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "10.0.0.1",
+        "172.16.5.4",
+        "192.168.1.1",
+        "169.254.169.254",  # cloud metadata
+        "100.64.0.1",  # carrier-grade NAT
+        "0.0.0.0",
+        "224.0.0.1",
+        "240.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "fe80::1",
+        "fe80::1%eth0",
+        "fc00::1",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "::ffff:169.254.169.254",
+        "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+        "2002:7f00:1::",  # 6to4 of 127.0.0.1
+        "2001:db8::1",  # documentation
+    ],
+)
+def test_private_addresses_are_refused(address: str) -> None:
+    assert address_allowed(address, networks=()) is False
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111"])
+def test_public_addresses_are_allowed(address: str) -> None:
+    assert address_allowed(address, networks=()) is True
+
+
+def test_allowed_private_networks() -> None:
+    networks = parse_networks(["127.0.0.0/8", "10.1.0.0/16"])
+    assert address_allowed("127.0.0.1", networks)
+    assert address_allowed("::ffff:127.0.0.1", networks)  # the same host, mapped
+    assert address_allowed("10.1.2.3", networks)
+    assert not address_allowed("10.2.0.1", networks)
+    assert not address_allowed("169.254.169.254", networks)
+    assert not address_allowed("::1", networks)
+
+
+# --- Sending ----------------------------------------------------------------------------
+
+
+def test_send_delivers_with_the_original_host_header(serve: Any) -> None:
+    server = serve(answer_json)
+    response = send(
+        "POST",
+        f"http://localhost:{server.port}/tasks?x=1",
+        content=b'{"title": "t"}',
+        headers={"Content-Type": "application/json", "Idempotency-Key": "k1", "Host": "evil"},
+        timeout=5,
+    )
+    assert response.status_code == 201
+    assert response.json()["id"] == "T-1"
+    assert "T-1" in response.text
+    assert response.headers["content-type"].startswith("application/json")
+    [request] = server.requests
+    assert request["method"] == "POST"
+    assert request["path"] == "/tasks?x=1"
+    assert request["body"] == b'{"title": "t"}'
+    assert request["headers"]["host"] == f"localhost:{server.port}"
+    assert request["headers"]["idempotency-key"] == "k1"
+    assert request["headers"]["accept-encoding"] == "identity"
+
+
+def test_redirect_is_refused_and_never_followed(serve: Any) -> None:
+    second = serve(answer_json)
+
+    def redirect(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", second.url + "/stolen")
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    first = serve(redirect)
+    with pytest.raises(OutboundRefused) as refused:
+        send("POST", first.url + "/tasks", content=b"{}", headers={}, timeout=5)
+    assert refused.value.code == "redirect"
+    assert refused.value.status_code == 302
+    assert second.url + "/stolen" in refused.value.detail
+    assert len(first.requests) == 1
+    assert second.requests == []
+
+
+@pytest.mark.parametrize("declare", [False, True], ids=["streamed", "content-length"])
+def test_an_answer_past_the_cap_is_cut_off(serve: Any, settings: Any, declare: bool) -> None:
+    total = 50 * 1024 * 1024
+    server = serve(stream_forever(total, declare=declare))
+    assert settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES == 1024 * 1024
+    started = time.monotonic()
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", server.url + "/big", content=None, headers={}, timeout=30)
+    elapsed = time.monotonic() - started
+    assert refused.value.code == "too_large"
+    assert refused.value.status_code == 200
+    assert elapsed < 5
+    # Give the handler a moment to notice the hang-up: it must have been far from done.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        before = server.written[0]
+        time.sleep(0.2)
+        if server.written[0] == before:
+            break
+    assert server.written[0] < total // 4
+
+
+def test_max_bytes_argument_overrides_the_setting(serve: Any) -> None:
+    server = serve(answer_json)
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", server.url, content=None, headers={}, timeout=5, max_bytes=10)
+    assert refused.value.code == "too_large"
+
+
+def test_a_trickling_answer_is_bounded_by_the_timeout_overall(serve: Any) -> None:
+    def trickle(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        try:
+            for _ in range(1000):  # each byte well within the read timeout
+                handler.wfile.write(b"x")
+                handler.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    server = serve(trickle)
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        send("GET", server.url, content=None, headers={}, timeout=1)
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_loopback_is_refused_unless_its_network_is_allowed(
+    serve: Any, settings: Any, host: str
+) -> None:
+    server = serve(answer_json)
+    settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS = ["10.0.0.0/8"]
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", f"http://{host}:{server.port}/", content=None, headers={}, timeout=5)
+    assert refused.value.code == "private_address"
+    assert server.requests == []
+
+
+def test_send_rechecks_the_host_allowlist(serve: Any, settings: Any) -> None:
+    server = serve(answer_json)
+    settings.HOLDPOINT_TOOL_HOSTS = ["localhost"]
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", server.url, content=None, headers={}, timeout=5)
+    assert refused.value.code == "host_not_allowed"
+    assert server.requests == []
+
+
+def test_connect_failure_is_an_httpx_connect_error(settings: Any) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(httpx.ConnectError):
+        send("GET", f"http://127.0.0.1:{port}/", content=None, headers={}, timeout=5)
+    settings.HOLDPOINT_TOOL_HOSTS = ["no-such-host.invalid"]
+    with pytest.raises(httpx.ConnectError, match="DNS"):
+        send("GET", "http://no-such-host.invalid/", content=None, headers={}, timeout=5)
+
+
+@pytest.fixture
+def dns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
+    """Names under `.test` answer from this table, one answer per lookup (the last one
+    repeats): a DNS server that changes its answer, as a rebinding attacker's does."""
+    answers: dict[str, list[list[str]]] = {}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(host, str) and host in answers:
+            queue = answers[host]
+            addresses = queue.pop(0) if len(queue) > 1 else queue[0]
+            return [
+                (
+                    socket.AF_INET6 if ":" in a else socket.AF_INET,
+                    socket.SOCK_STREAM,
+                    6,
+                    "",
+                    (a, port, 0, 0) if ":" in a else (a, port),
+                )
+                for a in addresses
+            ]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return answers
+
+
+def test_the_connection_goes_to_the_vetted_address(
+    serve: Any, settings: Any, dns: dict[str, list[list[str]]]
+) -> None:
+    server = serve(answer_json)
+    settings.HOLDPOINT_TOOL_HOSTS = ["rebind.test"]
+    # Checked: loopback (allowed in tests). Any later lookup: the metadata service.
+    dns["rebind.test"] = [["127.0.0.1"], ["169.254.169.254"]]
+    response = send(
+        "GET", f"http://rebind.test:{server.port}/x", content=None, headers={}, timeout=3
+    )
+    assert response.status_code == 201
+    assert server.requests[0]["headers"]["host"] == f"rebind.test:{server.port}"
+
+
+def test_one_private_address_among_public_ones_is_refused(
+    serve: Any, settings: Any, dns: dict[str, list[list[str]]]
+) -> None:
+    settings.HOLDPOINT_TOOL_HOSTS = ["mixed.test"]
+    dns["mixed.test"] = [["8.8.8.8", "10.0.0.1"]]
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", "http://mixed.test/", content=None, headers={}, timeout=3)
+    assert refused.value.code == "private_address"
+    assert "10.0.0.1" in refused.value.detail
+
+
+def test_clients_are_pooled_per_process_and_host() -> None:
+    assert outbound.tool_client("a.example") is outbound.tool_client("a.example")
+    assert outbound.tool_client("a.example") is not outbound.tool_client("b.example")
+    assert outbound.tool_client("a.example").follow_redirects is False
+
+
+# --- URL templates ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{scheme}://api.example.com/",
+        "https://{host}/tasks",
+        "https://api.{zone}.example.com/",
+        "https://api.example.com:{port}/",
+        "https://{user}@api.example.com/",
+        "https://user:{pw}@api.example.com/",
+        "https://api.example.com/tasks?{key}=1",
+        "https://api.example.com/tasks?a=1&{key}",
+        "https://api.example.com/tasks#{frag}",
+        "https://api.example.com/tasks#x",
+        "https://evil.com@api.example.com/",
+        "https://api.example.com/{{x}}",
+        "https://api.example.com/{x",
+        "https://api.example.com/x}",
+        "https://api.example.com/{1x}",
+        "https://api.example.com/{x-y}",
+        "https://api.example.com/{}",
+        "ftp://api.example.com/{x}",
+        "//api.example.com/{x}",
+        "https:///{x}",
+        "https://api.example.com:99999/",
+        "https://api.example.com/a b",
+        "https://api.example.com\\@evil.com/",
+        "https://api.example.com/bücher",
+        "https://api.example.com/%zz",
+        "https://api.example.com/a/../b",
+        "https://api.example.com/a/%2e%2E/b",
+    ],
+)
+def test_template_refusals(text: str) -> None:
+    with pytest.raises(TemplateError):
+        UrlTemplate.compile(text)
+
+
+def test_template_properties_and_render() -> None:
+    template = UrlTemplate.compile(
+        "https://API.Example.com:8443/tasks/{task_id}/notes/{task_id}?key={idempotency_key}&v=1"
+    )
+    assert template.host == "api.example.com"
+    assert template.scheme == "https"
+    assert template.placeholders == ("task_id", "idempotency_key")
+    assert (
+        template.render({"task_id": 42, "idempotency_key": "r:1", "unused": {}})
+        == "https://API.Example.com:8443/tasks/42/notes/42?key=r%3A1&v=1"
+    )
+    assert UrlTemplate.compile("http://127.0.0.1:8765/tasks").placeholders == ()
+    assert UrlTemplate.compile("http://[::1]:8765/t/{x}").host == "::1"
+
+
+@pytest.mark.parametrize(
+    "value, rendered",
+    [
+        ("evil.com/", "evil.com%2F"),
+        ("@evil.com", "%40evil.com"),
+        ("?a=b", "%3Fa%3Db"),
+        ("#frag", "%23frag"),
+        ("../..", "..%2F.."),
+        ("../admin", "..%2Fadmin"),
+        ("%2E%2E", "%252E%252E"),  # a value's % is data, never an escape
+        ("a&b=c", "a%26b%3Dc"),
+        ("x y+z", "x%20y%2Bz"),
+        ("\r\nHost: evil", "%0D%0AHost%3A%20evil"),
+        (True, "true"),
+        (1.5, "1.5"),
+    ],
+)
+def test_values_cannot_change_the_url_structure(value: Any, rendered: str) -> None:
+    template = UrlTemplate.compile("https://api.example.com/t/{v}/x?q={v}")
+    url = template.render({"v": value})
+    assert url == f"https://api.example.com/t/{rendered}/x?q={rendered}"
+    assert urlsplit(url).hostname == "api.example.com"
+
+
+@pytest.mark.parametrize("value", [None, {"a": 1}, [1], (1,), b"x"])
+def test_non_scalar_values_are_refused(value: Any) -> None:
+    with pytest.raises(TemplateError, match="string or a number"):
+        UrlTemplate.compile("https://api.example.com/t/{v}").render({"v": value})
+
+
+def test_a_missing_value_is_refused() -> None:
+    with pytest.raises(TemplateError, match=r"\{v\}"):
+        UrlTemplate.compile("https://api.example.com/t/{v}").render({})
+
+
+@pytest.mark.parametrize("value", [".", ".."])
+def test_a_dot_segment_value_is_refused(value: str) -> None:
+    # ".." as a whole segment would be resolved away (/t/.. is /), by httpx or a proxy.
+    template = UrlTemplate.compile("https://api.example.com/t/{v}/x")
+    with pytest.raises(TemplateError, match="segment"):
+        template.render({"v": value})
+    assert template.render({"v": ".x"}) == "https://api.example.com/t/.x/x"
+
+
+_TEMPLATE = UrlTemplate.compile("https://api.example.com:8443/v1/{a}/items/p{b}?q={c}&x=1&r={a}")
+_expected = urlsplit(_TEMPLATE.text)
+_values = st.one_of(st.text(), st.integers(), st.floats(allow_nan=False), st.booleans())
+
+
+@given(a=_values, b=_values, c=_values)
+def test_rendering_never_changes_scheme_host_port_or_path_shape(a: Any, b: Any, c: Any) -> None:
+    try:
+        url = _TEMPLATE.render({"a": a, "b": b, "c": c})
+    except TemplateError:
+        assert a in (".", "..")  # the one refusal: a whole dot segment
+        return
+    got = urlsplit(url)
+    assert (got.scheme, got.hostname, got.port) == ("https", "api.example.com", 8443)
+    assert got.path.count("/") == _expected.path.count("/")
+    assert [p.partition("=")[0] for p in got.query.split("&")] == ["q", "x", "r"]
+    assert got.fragment == ""
+    # And as httpx will send it: the same host, port and number of segments.
+    sent = httpx.URL(url)
+    assert (sent.host, sent.port) == ("api.example.com", 8443)
+    assert sent.raw_path.split(b"?")[0].count(b"/") == _expected.path.count("/")

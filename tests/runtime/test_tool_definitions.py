@@ -1,0 +1,227 @@
+"""Tools as data in the runtime: a tenant's definitions are what workers and the executor
+protocol send, held by default, bound by version, and nobody else's (API.md, "Tools as
+data"). The tracker is the real sandbox process; the oracle is its own list of tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from approvals.decisions import decide
+from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
+from runtime import protocol
+from runtime.compensation import compensate, dispatch_standalone
+from runtime.errors import InvalidParams, NotPermitted, ToolChanged
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant, ToolDefinition
+from runtime.tooldefs import parse
+from runtime.tools import get_tool, tracker_definitions
+from tests.conftest import Persona
+from tests.sandbox import Sandbox
+from tests.tooldefs import define_tickets, tickets
+
+S = ActionStatus
+
+
+def _exempt(tenant: Tenant, tool: str = "tickets.create") -> None:
+    """A policy that names the tool and lets every action of it go."""
+    ApprovalPolicy.objects.create(tenant=tenant, name=f"{tool} goes", tool=tool, required=False)
+
+
+def _ticket_run(tenant: Tenant, title: str = "Fix login", **goal: Any) -> Run:
+    return create_run(tenant, "ticketing", {"title": title, **goal}, actor="user:starter")
+
+
+@pytest.mark.parametrize("mode", ["key", "lookup", "none"])
+def test_the_shipped_tracker_definitions_are_valid_definitions(mode: str) -> None:
+    items = tracker_definitions("http://127.0.0.1:9", mode)
+    names = [item["name"] for item in items]
+    modes = {item["name"]: parse(item, known_tools=names)["dedup"]["mode"] for item in items}
+    # The tracker's mode is how creating deduplicates; closing a task is always by key.
+    assert modes == {"tasks.create": mode, "agent.tasks.create": mode, "tasks.close": "key"}
+
+
+def test_a_defined_tool_is_sent_by_the_worker_from_its_definition(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    run = _ticket_run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    action = Action.objects.get(run=run)
+    [task] = box.tasks()
+    assert action.tool == "tickets.create" and action.tool_version == "1"
+    assert action.status == S.CONFIRMED and action.external_id == task["id"]
+    assert task["idempotency_key"] == action.idempotency_key and task["title"] == "Fix login"
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_a_tenant_write_tool_no_policy_names_waits_for_any_of_its_reviewers(
+    tenant_a: Tenant, reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    run = _ticket_run(tenant_a)
+    advance_run(run.run_id, "w1")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL
+    assert box.tasks() == []
+    request = ApprovalRequest.objects.get(run=run)
+    assert request.policy.any_reviewer and request.policy.tool == "tickets.create"
+    # No grant was given: the tenant's reviewer may decide because the default says so.
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert len(box.tasks()) == 1
+
+
+def test_a_read_tool_is_not_held_by_default(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url, effect="read")
+    run = _ticket_run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert not ApprovalRequest.objects.filter(run=run).exists()
+
+
+def test_another_tenants_tool_is_unknown_to_a_tenant(
+    tenant_a: Tenant, tenant_b: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_b)
+    with pytest.raises(InvalidParams):
+        get_tool("tickets.create", tenant_b.pk)
+    run = _ticket_run(tenant_b)
+    advance_run(run.run_id, "w1")
+    assert not Action.objects.filter(run=run).exists()
+    assert box.tasks() == []
+    assert "unknown tool" in Run.objects.get(pk=run.pk).last_error
+
+
+def test_a_redefined_tool_supersedes_the_approval_given_for_the_old_version(
+    tenant_a: Tenant, reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    run = _ticket_run(tenant_a)
+    advance_run(run.run_id, "w1")
+    first = ApprovalRequest.objects.get(run=run)
+    decide(first.id, reviewer_a.user, "approve", first.action_hash, reason="v1 is fine")
+    # The admin changes the tool before the worker sends: a header the approver never saw.
+    v2 = define_tickets(
+        tenant_a,
+        box.url,
+        request={"method": "POST", "url": f"{box.url}/tasks", "headers": {"X-Team": "finance"}},
+    )
+    assert v2.version == 2
+    advance_run(run.run_id, "w1")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL
+    assert box.tasks() == []
+    first.refresh_from_db()
+    assert first.status == ApprovalStatus.SUPERSEDED
+    second = ApprovalRequest.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert second.shown["tool_version"] == "2" and second.action_hash != first.action_hash
+    assert Action.objects.get(run=run).tool_version == "2"
+    decide(second.id, reviewer_a.user, "approve", second.action_hash, reason="v2 is fine")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert len(box.tasks()) == 1
+
+
+def _external_run(tenant: Tenant, agent: Persona) -> tuple[Run, int]:
+    run = create_run(
+        tenant,
+        "ticketing",
+        {"title": "x"},
+        actor="agent:a",
+        external=True,
+        executor_account=agent.user,
+    )
+    return Run.objects.get(pk=run.pk), protocol.take(run, "agent-1", 30, who="agent:a").fence
+
+
+def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    run, fence = _external_run(tenant_a, agent_a)
+    action, _ = protocol.prepare(
+        run, fence, "tickets.create", {"title": "A long title"}, reason="r", who="agent:a"
+    )
+    assert action.tool_version == "1"
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 5}},
+        "required": ["title"],
+    }
+    define_tickets(tenant_a, box.url, schema=schema)
+    with pytest.raises(ToolChanged):
+        protocol.dispatch(action, fence, "agent:a")
+    action.refresh_from_db()
+    assert action.status == S.CANCELLED and "version 2" in action.last_error
+    assert box.tasks() == []
+
+
+def test_an_external_runs_http_tool_is_sent_by_the_server_not_the_agent(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    run = create_run(
+        tenant_a,
+        "ticketing",
+        {"title": "x"},
+        actor="agent:a",
+        external=True,
+        executor_account=agent_a.user,
+    )
+    fence = protocol.take(run, "agent-1", 30, who="agent:a").fence
+    action, _ = protocol.prepare(
+        Run.objects.get(pk=run.pk),
+        fence,
+        "tickets.create",
+        {"title": "From the agent"},
+        reason="asked",
+        who="agent:a",
+    )
+    done = protocol.dispatch(action, fence, "agent:a")
+    [task] = box.tasks()
+    assert done.status == S.CONFIRMED and done.external_id == task["id"]
+    with pytest.raises(NotPermitted):  # what came back is Holdpoint's to say, not the agent's
+        protocol.record_outcome(done, fence, "failed", who="agent:a")
+    again = protocol.dispatch(Action.objects.get(pk=action.pk), fence, "agent:a")
+    assert again.status == S.CONFIRMED and len(box.tasks()) == 1  # a retried dispatch: once
+
+
+def test_compensation_is_another_defined_tool(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    _exempt(tenant_a, "tickets.close")
+    run = _ticket_run(tenant_a)
+    advance_run(run.run_id, "w1")
+    original = Action.objects.get(run=run)
+    undo = compensate(original, "opened by mistake", actor="user:alice")
+    assert undo.tool == "tickets.close" and undo.params == f'{{"ticket":"{original.external_id}"}}'
+    assert dispatch_standalone(undo.action_id).status == S.CONFIRMED
+    [task] = box.tasks()
+    assert task["status"] == "closed"
+
+
+def test_definitions_are_append_only(tenant_a: Tenant) -> None:
+    first = define_tickets(tenant_a, "http://127.0.0.1:9")
+    assert define_tickets(tenant_a, "http://127.0.0.1:9").pk == first.pk  # unchanged: no version
+    with pytest.raises(ValueError):
+        first.save()
+    with pytest.raises(ValueError):
+        first.delete()
+    assert ToolDefinition.objects.filter(tenant=tenant_a, name="tickets.create").count() == 1
+    assert tickets("http://x")[1]["name"] == "tickets.create"

@@ -1,0 +1,58 @@
+"""Tool definitions for tests: a tracker that is not tasks.* (the sandbox, named tickets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.models import Tenant, ToolDefinition
+from runtime.tooldefs import define_many
+
+
+def tickets(url: str, mode: str = "key", **changes: Any) -> list[dict[str, Any]]:
+    """`tickets.create` and its compensation `tickets.close`, sent to the sandbox at `url`
+    with dedup `mode`; `changes` replace fields of tickets.create."""
+    create: dict[str, Any] = {
+        "name": "tickets.create",
+        "description": "Open a ticket",
+        "title": "Open ticket: {title}",
+        "effect": "write",
+        "schema": {
+            "type": "object",
+            "properties": {"title": {"type": "string", "minLength": 1, "maxLength": 200}},
+            "required": ["title"],
+            "additionalProperties": False,
+        },
+        "editable": ["title"],
+        "executor": "http",
+        "request": {"method": "POST", "url": f"{url}/tasks", "headers": {"X-Team": "ops"}},
+        "dedup": {"mode": mode, "header": "Idempotency-Key"},
+        "lookup": {
+            "method": "GET",
+            "url": f"{url}/tasks?key={{idempotency_key}}",
+            "found": "$[0].id",
+        },
+        "result": {"external_id": "$.id"},
+        "timeout_seconds": 3,
+        "compensation": "tickets.close",
+        "compensation_param": "ticket",
+    }
+    close: dict[str, Any] = {
+        "name": "tickets.close",
+        "effect": "write",
+        "schema": {
+            "type": "object",
+            "properties": {"ticket": {"type": "string"}},
+            "required": ["ticket"],
+        },
+        "executor": "http",
+        "request": {"method": "POST", "url": f"{url}/tasks/{{ticket}}/close"},
+        "dedup": {"mode": "key"},
+        "timeout_seconds": 3,
+    }
+    return [close, {**create, **changes}]
+
+
+def define_tickets(tenant: Tenant, url: str, mode: str = "key", **changes: Any) -> ToolDefinition:
+    """Define the tickets tools for `tenant`; the tickets.create definition stored."""
+    defined = define_many(tenant, tickets(url, mode, **changes), "user:admin")
+    return defined[-1].definition
