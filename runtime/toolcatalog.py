@@ -87,7 +87,7 @@ def entries(tenant_id: int) -> list[Entry]:
     """Every tool the tenant may use, by name: the built-ins, then its own definitions (a
     definition of a built-in's name is what the tenant gets, so it is what is listed)."""
     named = gates.tools_named_by_policy(tenant_id)
-    found = {name: _builtin(name, spec) for name, spec in tools.builtin_specs().items()}
+    found = {name: _builtin(name, spec) for name, spec in tooldefs.builtin_specs().items()}
     for row in tooldefs.current_definitions(tenant_id):
         found[row.name] = _from_row(row, named)
     return [found[name] for name in sorted(found)]
@@ -104,7 +104,7 @@ def entry(tenant_id: int, name: str, version: int | None = None) -> Entry | None
     ).first()
     if row is not None:
         return _from_row(row, gates.tools_named_by_policy(tenant_id))
-    spec = tools.builtin_specs().get(name)
+    spec = tooldefs.builtin_specs().get(name)
     if spec is None or version not in (None, BUILTIN_VERSION):
         return None
     return _builtin(name, spec)
