@@ -187,7 +187,7 @@ def revise(tenant: Tenant, name: str, data: Any, actor: str) -> ToolDefinition:
         Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
         latest = tooldefs.current(tenant.pk, name)
         if latest is None:
-            raise NotFound(f"the tenant defined no tool {name!r}")
+            raise NotFound()  # a built-in, or nothing: no definition of the tenant to revise
         if errors:
             raise tooldefs.InvalidTool("the change is invalid", errors=errors)
         if latest.version != expected:

@@ -253,7 +253,7 @@ class ToolDetail(ApiView, ToolAdminOnly):
         principal = self.principal(request)
         entry = toolcatalog.entry(principal.tenant.pk, name, _version(request))
         if entry is None:
-            raise NotFound(f"no tool {name!r}")
+            raise NotFound()
         return Response(ToolSerializer(entry).data)
 
     @extend_schema(
@@ -263,7 +263,10 @@ class ToolDetail(ApiView, ToolAdminOnly):
         "current version). 409 version_conflict when `expected_version` is not the current.",
     )
     def put(self, request: Request, name: str) -> Response:
-        principal = self.admin(self.principal(request))
+        principal = self.principal(request)
+        if toolcatalog.entry(principal.tenant.pk, name) is None:
+            raise NotFound()  # scoped first, like every object: 404, then 403
+        self.admin(principal)
         row = toolcatalog.revise(principal.tenant, name, request.data, self.actor(request))
         entry = toolcatalog.entry(principal.tenant.pk, row.name, row.version)
         return Response(ToolSerializer(entry).data)
