@@ -7,7 +7,7 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each with the pooled client `TaskTool` uses (`runtime.outbound.http_client()`) — and the
+        each with the pooled client http tools use (`runtime.outbound.tool_client()`) — and the
         headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
@@ -159,17 +159,20 @@ class LedgerBench:
     def bare_once(self) -> dict[str, Any]:
         self.batches += 1
         run_id = f"bench-bare-{os.getpid()}-{self.batches}"
-        requests = [
-            (body, self.tool.headers(f"{run_id}:{i}", 1, run_id))
+        built = [
+            self.tool.build_request(  # type: ignore[attr-defined]  (tasks.create: an http tool)
+                {}, params_text=body.decode(), key=f"{run_id}:{i}", fence=1, run_id=run_id
+            )
             for i, body in enumerate(self.bodies, 1)
         ]
-        url, timeout = self.url + self.tool.path, httpx.Timeout(self.tool.timeout)
+        requests = [(r.content, r.headers) for r in built]
+        url, timeout = built[0].url, httpx.Timeout(self.tool.timeout)
         before = self.bench.counters()
         cpu0, t0 = time.process_time(), time.perf_counter()
-        # The same pooled per-process client TaskTool uses, so only the ledger differs.
-        from runtime.outbound import http_client
+        # The same pooled client Holdpoint's http tools use, so only the ledger differs.
+        from runtime.outbound import tool_client
 
-        client = http_client()
+        client = tool_client(httpx.URL(url).host)
         responses = [client.post(url, content=b, headers=h, timeout=timeout) for b, h in requests]
         t1, cpu1 = time.perf_counter(), time.process_time()
         after = self.bench.counters()
@@ -306,7 +309,7 @@ def markdown_section(report: dict[str, Any]) -> list[str]:
         f"HTTP call, outcome checkpoint, then the step commit) against the same request sent "
         f"bare with `httpx.post` to the same sandbox task service (mode {SANDBOX_MODE}, its own "
         f"process). Per round: A = a `bench-act` run of {n} actions, ms per action; B = {n} bare "
-        "calls (same bytes, same headers, the pooled client `TaskTool` uses), ms "
+        "calls (same bytes, same headers, the pooled client http tools use), ms "
         "per call; noop = the same round's no-op step, ms per step. Median (min–max) over the "
         "rounds.",
         "",

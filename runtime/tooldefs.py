@@ -393,7 +393,7 @@ def define(
         )
         journal.append(
             journal.tenant_stream(tenant.pk),
-            "tool.defined",
+            "tool_defined",
             tenant_id=tenant.pk,
             actor=actor,
             payload={"tool": name, "version": row.version, "digest": fingerprint},

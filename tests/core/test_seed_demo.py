@@ -75,3 +75,25 @@ def test_demo_admin_is_limited_to_demo(client: object) -> None:
     page = client.get("/admin/runtime/membership/")  # type: ignore[attr-defined]
     assert page.status_code == 200
     assert b"demo-reviewer" in page.content and b"other-reviewer" not in page.content
+
+
+@pytest.mark.django_db
+def test_seed_demo_gives_the_demo_tenants_the_trackers_tools_as_their_definitions() -> None:
+    from runtime.models import ToolDefinition
+    from runtime.tools import get_tool
+
+    call_command("seed_demo", "--tracker-url", "http://127.0.0.1:8799", stdout=StringIO())
+    call_command("seed_demo", "--tracker-url", "http://127.0.0.1:8799", stdout=StringIO())
+    demo = Tenant.objects.get(slug="demo")
+    rows = ToolDefinition.objects.filter(tenant=demo).order_by("name")
+    assert [(r.name, r.version) for r in rows] == [
+        ("agent.tasks.create", 1),
+        ("tasks.close", 1),
+        ("tasks.create", 1),
+    ]  # imported once: the second run changed nothing
+    create = get_tool("tasks.create", demo.pk)
+    assert not create.builtin and create.version == "1"
+    assert rows.get(name="tasks.create").spec["request"]["url"] == "http://127.0.0.1:8799/tasks"
+    # A new sandbox port is a new version, not an edit.
+    call_command("seed_demo", "--tracker-url", "http://127.0.0.1:8800", stdout=StringIO())
+    assert get_tool("tasks.create", demo.pk).version == "2"

@@ -48,6 +48,7 @@ REPORT = Path(__file__).resolve().parents[2] / "var" / "test" / "crash-matrix.js
 
 
 def _worker(box: Sandbox, log: Path, faults: FaultPoint | str = "") -> Any:
+    """A worker whose built-in tracker tools (HOLDPOINT_TASKS_URL) talk to `box`."""
     env = procs.child_env(**box.env(), HOLDPOINT_FAULTS=faults)
     return procs.start(["qcluster"], env, log=log)
 
@@ -75,9 +76,10 @@ def _crash(
     name: str,
     start: bool = False,
     graph: tuple[str, dict[str, Any]] = ("api-review", GOAL),
+    builtin: Sandbox | None = None,
 ) -> bool:
     """Run one worker armed with `faults`; True if it died at the point."""
-    worker = _worker(box, tmp_path / f"{name}.log", faults)
+    worker = _worker(builtin or box, tmp_path / f"{name}.log", faults)
     try:
         if start:
             run_ref.append(create_run(run_ref[0], graph[0], graph[1], actor="user:t"))
@@ -107,19 +109,29 @@ def _matrix_case(
     tmp_path: Path,
     box: Sandbox,
     graph: tuple[str, dict[str, Any]],
+    builtin: Sandbox | None = None,
 ) -> bool:
+    """One case: crash at `point`, finish with a clean worker; `box` is the tracker the
+    graph's tool talks to, `builtin` (default: `box`) the one the built-in tools do."""
     ref: list[Any] = [tenant_a]
     if point == FaultPoint.DURING_RECONCILE:  # something to reconcile first: the reply is lost
         assert _crash(
-            box, ref, tmp_path, FaultPoint.AFTER_TOOL_RESPONSE, "w0", start=True, graph=graph
+            box,
+            ref,
+            tmp_path,
+            FaultPoint.AFTER_TOOL_RESPONSE,
+            "w0",
+            start=True,
+            graph=graph,
+            builtin=builtin,
         )
-        died = _crash(box, ref, tmp_path, point, "w1", graph=graph)
+        died = _crash(box, ref, tmp_path, point, "w1", graph=graph, builtin=builtin)
         assert died == (mode != "none")  # mode none never calls the service to reconcile
     else:
-        assert _crash(box, ref, tmp_path, point, "w1", start=True, graph=graph)
+        assert _crash(box, ref, tmp_path, point, "w1", start=True, graph=graph, builtin=builtin)
     run: Run = ref[-1]
 
-    worker = _worker(box, tmp_path / "clean.log")
+    worker = _worker(builtin or box, tmp_path / "clean.log")
     try:
         _until(
             lambda: (
@@ -176,17 +188,20 @@ def test_crash_at_point_on_a_tool_the_tenant_defined(
 ) -> None:
     """The same matrix for `tickets.create`, a tool that is data: imported by the tenant
     (not built in), its dedup mode and lookup from its definition, sent by the worker's
-    generic HTTP tool."""
+    generic HTTP tool to a second sandbox; the first, which the built-in tracker tools talk
+    to, must see nothing."""
     started = timezone.now()
+    decoy = sandbox_factory(mode)
     box = sandbox_factory(mode)
     define_tickets(tenant_a, box.url, mode)
     ApprovalPolicy.objects.create(
         tenant=tenant_a, name="tickets go", tool="tickets.create", required=False
     )
     human = _matrix_case(
-        point, mode, tenant_a, tmp_path, box, ("ticketing", {"title": "Crash-proof"})
+        point, mode, tenant_a, tmp_path, box, ("ticketing", {"title": "Crash-proof"}), decoy
     )
     assert Action.objects.get(run__tenant=tenant_a).tool == "tickets.create"
+    assert decoy.tasks() == []
     _report(point, mode, human, started, "tickets.create")
 
 

@@ -1,0 +1,110 @@
+"""Small real HTTP servers on 127.0.0.1 for tests of what Holdpoint sends: each request is
+recorded before a behaviour answers it (JSON, a redirect, an endless body, ...)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    written: list[int] = field(default_factory=lambda: [0])  # body bytes the handler sent
+
+
+Behaviour = Callable[[BaseHTTPRequestHandler, Server], None]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Behaviour], Server]]:
+    """Start an HTTP server on 127.0.0.1 (a free port) in a thread; each request is
+    recorded (method, path, headers, body) before `behaviour` answers it."""
+    started: list[ThreadingHTTPServer] = []
+
+    def start(behaviour: Behaviour) -> Server:
+        holder: list[Server] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def handle_any(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                holder[0].requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": {k.lower(): v for k, v in self.headers.items()},
+                        "body": self.rfile.read(length) if length else b"",
+                    }
+                )
+                behaviour(self, holder[0])
+
+            do_GET = do_POST = do_PUT = handle_any
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        httpd.daemon_threads = True
+        port = httpd.server_address[1]
+        holder.append(Server(f"http://127.0.0.1:{port}", int(port)))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return holder[0]
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def answer_json(handler: BaseHTTPRequestHandler, server: Server) -> None:
+    body = json.dumps({"id": "T-1", "seen": server.requests[-1]["headers"]}).encode()
+    handler.send_response(201)
+    handler.send_header("Content-Type", "application/json; charset=utf-8")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def stream_forever(total: int, *, declare: bool) -> Behaviour:
+    """`total` bytes in 64 KiB writes, with or without a Content-Length; counts what it
+    managed to write before the client hung up."""
+
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/octet-stream")
+        if declare:
+            handler.send_header("Content-Length", str(total))
+        else:
+            handler.send_header("Connection", "close")  # the body ends when the socket does
+            handler.close_connection = True
+        handler.end_headers()
+        chunk = b"x" * 65536
+        try:
+            while server.written[0] < total:
+                handler.wfile.write(chunk)
+                server.written[0] += len(chunk)
+        except OSError:
+            pass  # the client dropped the connection: what this test wants
+
+    return behaviour
+
+
+def redirect_to(location: str, status: int = 302) -> Behaviour:
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(status)
+        handler.send_header("Location", location)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    return behaviour

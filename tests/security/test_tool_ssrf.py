@@ -1,0 +1,112 @@
+"""Requests a tenant's tool definition makes Holdpoint send (TEST-MATRIX, outbound safety):
+a tool is typed by a tenant admin and sent by a worker inside the operator's network, so a
+definition must not become a probe of that network. Each case goes the whole way — the
+definition stored, a real worker step, real servers on real sockets — and checks what the
+servers received and what the ledger concluded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from approvals.models import ApprovalPolicy
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Run, Tenant, ToolDefinition
+from runtime.tooldefs import HostNotAllowed, InvalidTool, define
+from tests.httpservers import Behaviour, Server, answer_json, redirect_to, stream_forever
+from tests.tooldefs import tickets
+
+S = ActionStatus
+Serve = Callable[[Behaviour], Server]
+
+
+def _run_ticket(tenant: Tenant, url: str, mode: str = "none", **changes: Any) -> Action:
+    """Define tickets.create at `url` (no approval: a policy lets it go) and run one step."""
+    for item in tickets(url, mode, **changes):
+        define(tenant, item, "user:admin", known_tools=["tickets.close"])
+    ApprovalPolicy.objects.get_or_create(
+        tenant=tenant, name="tickets go", defaults={"tool": "tickets.create", "required": False}
+    )
+    run = create_run(tenant, "ticketing", {"title": "probe"}, actor="user:t")
+    advance_run(run.run_id, "w1")
+    return Action.objects.get(run=run)
+
+
+def test_a_loopback_service_is_refused_unless_its_network_is_allowed(
+    tenant_a: Tenant, serve: Serve, settings: Any
+) -> None:
+    server = serve(answer_json)
+    settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS = []  # production: no private network allowed
+    for host in ("127.0.0.1", "localhost"):
+        action = _run_ticket(tenant_a, f"http://{host}:{server.port}")
+        assert action.status == S.FAILED and "private_address" in action.last_error
+        Run.objects.filter(tenant=tenant_a).delete()
+    assert server.requests == []  # nothing was sent
+
+
+def test_a_metadata_address_allowed_by_name_is_still_refused_by_address(
+    tenant_a: Tenant, settings: Any
+) -> None:
+    settings.HOLDPOINT_TOOL_HOSTS = [*settings.HOLDPOINT_TOOL_HOSTS, "169.254.169.254"]
+    action = _run_ticket(tenant_a, "http://169.254.169.254")
+    assert action.status == S.FAILED and "private_address" in action.last_error
+
+
+def test_a_redirect_is_not_followed_and_proves_nothing(tenant_a: Tenant, serve: Serve) -> None:
+    elsewhere = serve(answer_json)
+    bouncer = serve(redirect_to(f"{elsewhere.url}/tasks"))
+    action = _run_ticket(tenant_a, bouncer.url, mode="none")
+    assert len(bouncer.requests) == 1 and elsewhere.requests == []
+    # The service answered, without proof: with dedup mode none only a person can settle it.
+    assert action.status == S.MANUAL_REVIEW and "redirect" in action.last_error
+
+
+def test_a_huge_answer_is_cut_off_and_proves_nothing(tenant_a: Tenant, serve: Serve) -> None:
+    flood = serve(stream_forever(200 * 1024 * 1024, declare=False))
+    action = _run_ticket(tenant_a, flood.url, mode="none")
+    assert action.status == S.MANUAL_REVIEW and "too_large" in action.last_error
+    assert flood.written[0] < 50 * 1024 * 1024  # stopped reading long before the end
+
+
+def test_params_cannot_leave_their_path_segment(tenant_a: Tenant, serve: Serve) -> None:
+    server = serve(answer_json)
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}}
+    action = _run_ticket(
+        tenant_a,
+        server.url,
+        mode="key",
+        schema=schema,
+        request={"method": "POST", "url": f"{server.url}/boards/{{title}}/tickets"},
+    )
+    assert action.status == S.CONFIRMED
+    # "probe" is plain; a hostile title is encoded into its one segment.
+    run = create_run(tenant_a, "ticketing", {"title": "x/../../admin?y=1#z"}, actor="user:t")
+    advance_run(run.run_id, "w1")
+    assert [r["path"] for r in server.requests] == [
+        "/boards/probe/tickets",
+        "/boards/x%2F..%2F..%2Fadmin%3Fy%3D1%23z/tickets",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("url", "code"),
+    [
+        ("http://evil.example.com/tasks", HostNotAllowed),
+        ("http://{title}.example.com/tasks", InvalidTool),
+        ("http://127.0.0.1:{title}/tasks", InvalidTool),
+        ("http://user:{title}@127.0.0.1/tasks", InvalidTool),
+        ("file:///etc/passwd", InvalidTool),
+    ],
+)
+def test_a_definition_that_would_send_elsewhere_is_refused_and_not_stored(
+    tenant_a: Tenant, url: str, code: type[Exception]
+) -> None:
+    create = tickets("http://127.0.0.1:9")[1]
+    create["request"] = {"method": "POST", "url": url}
+    with pytest.raises(code) as refused:
+        define(tenant_a, create, "user:admin", known_tools=["tickets.close"])
+    assert "request.url" in refused.value.extra["errors"]  # type: ignore[attr-defined]
+    assert not ToolDefinition.objects.exists()
