@@ -59,7 +59,7 @@ def tickets(**changes: Any) -> dict[str, Any]:
 
 
 def _defined_events() -> int:
-    return JournalEntry.objects.filter(type="tool.defined").count()
+    return JournalEntry.objects.filter(type="tool_defined").count()
 
 
 def test_a_tenant_admin_defines_a_tool_and_its_agents_see_it(

@@ -74,7 +74,7 @@ def test_import_creates_then_leaves_unchanged(tenant_a: Tenant, tmp_path: Path) 
     finally:
         del FILE[1]["timeout_seconds"]
     assert ToolDefinition.objects.filter(tenant=tenant_a).count() == 3
-    assert JournalEntry.objects.filter(type="tool.defined").count() == 3
+    assert JournalEntry.objects.filter(type="tool_defined").count() == 3
 
 
 def test_a_bad_file_prints_every_error_and_stores_nothing(tenant_a: Tenant, tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_a_bad_file_prints_every_error_and_stores_nothing(tenant_a: Tenant, tmp_
         assert where in err, (where, err)
     assert "nothing was stored" in err
     assert ToolDefinition.objects.count() == 0
-    assert JournalEntry.objects.filter(type="tool.defined").count() == 0
+    assert JournalEntry.objects.filter(type="tool_defined").count() == 0
 
 
 def test_only_a_host_not_allowed_is_its_own_code(tenant_a: Tenant, tmp_path: Path) -> None:
