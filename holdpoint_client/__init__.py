@@ -1,12 +1,24 @@
 """A small client for Holdpoint's agent API (API.md), importable without Django.
 
-`Client` mirrors the REST calls with typed results, problem codes as exceptions, automatic
-idempotency keys and bounded retries; `Executor` runs an external agent's loop on a leased
-run so that a crash of the agent process never sends an action twice.
+`Holdpoint` (and `AsyncHoldpoint`) is what an agent author writes against: `with
+hp.run(thread_id, ...) as run: run.act(...)`, `@hp.action(tool)`, `run.record`/`run.model`
+(README.md). Underneath, `Client`/`AsyncClient` mirror the REST calls with typed results,
+problem codes as exceptions, automatic idempotency keys and bounded retries; `Executor`
+(`AsyncExecutor`) runs an external agent's loop on a leased run so that a crash of the
+agent process never sends an action twice.
 """
 
 from __future__ import annotations
 
+from holdpoint_client.agent import (
+    AsyncHoldpoint,
+    AsyncRunHandle,
+    Holdpoint,
+    NotRecorded,
+    RunHandle,
+    current_run,
+)
+from holdpoint_client.aio import AsyncClient, AsyncExecutor
 from holdpoint_client.client import Client
 from holdpoint_client.errors import (
     ActionFailed,
@@ -15,6 +27,7 @@ from holdpoint_client.errors import (
     AlreadyCompleted,
     ApprovalExpired,
     ApprovalRequired,
+    ApprovalTimeout,
     Conflict,
     ExecutorError,
     HoldpointAPIError,
@@ -26,6 +39,7 @@ from holdpoint_client.errors import (
     NotExternal,
     NotFound,
     OutcomeUnknown,
+    Rejected,
     RunFinished,
     StaleFence,
     ToolRefused,
@@ -52,11 +66,17 @@ __all__ = [
     "Approval",
     "ApprovalExpired",
     "ApprovalRequired",
+    "ApprovalTimeout",
+    "AsyncClient",
+    "AsyncExecutor",
+    "AsyncHoldpoint",
+    "AsyncRunHandle",
     "Checkpoint",
     "Client",
     "Conflict",
     "Executor",
     "ExecutorError",
+    "Holdpoint",
     "HoldpointAPIError",
     "HoldpointError",
     "IdempotencyKeyReused",
@@ -67,13 +87,17 @@ __all__ = [
     "LeaseLost",
     "NotExternal",
     "NotFound",
+    "NotRecorded",
     "OutcomeUnknown",
     "Page",
+    "Rejected",
     "Run",
     "RunFinished",
+    "RunHandle",
     "StaleFence",
     "ToolCall",
     "ToolRefused",
     "TransportError",
     "VersionConflict",
+    "current_run",
 ]

@@ -16,28 +16,16 @@ What it adds over raw HTTP, and why:
 
 from __future__ import annotations
 
-import json
-import logging
-import random
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
-from email.utils import parsedate_to_datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
-from holdpoint_client.errors import (
-    HoldpointAPIError,
-    IdempotencyKeyInFlight,
-    ServerError,
-    ServiceUnavailable,
-    Throttled,
-    TransportError,
-    error_from_response,
-)
+from holdpoint_client import calls
+from holdpoint_client.calls import Call, ClientSettings, Configured, api_root
 from holdpoint_client.models import (
     Action,
     Approval,
@@ -46,53 +34,19 @@ from holdpoint_client.models import (
     LeaseGrant,
     Page,
     Run,
-    parse_time,
 )
 
-log = logging.getLogger("holdpoint_client")
 T = TypeVar("T")
-API_PREFIX = "/api/v1/"
-MAX_WAIT = 30.0  # the server's ceiling for ?wait=
-# Failures where the request certainly never reached the server: always safe to repeat.
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+MAX_WAIT = calls.MAX_WAIT
+__all__ = ["Client", "api_root", "MAX_WAIT"]
 
 
-def api_root(base_url: str) -> str:
-    """Accept the server root or the API root: both name the same API."""
-    root = base_url.rstrip("/")
-    if root.endswith(API_PREFIX.rstrip("/")):
-        return root + "/"
-    return root + API_PREFIX
-
-
-def _dumps(body: Any) -> bytes:
-    """Strict JSON: the server refuses NaN and Infinity, so fail here, before sending."""
-    return json.dumps(body, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    raw = response.headers.get("Retry-After")
-    if not raw:
-        return None
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-class Client:
+class Client(Configured):
     """A Holdpoint API client bound to one agent token (and so to one tenant).
 
-    `retries` is how many times one logical call may be repeated after a retryable failure;
-    `backoff` the first pause in seconds, doubling up to `max_backoff`, each drawn with
-    jitter so that many agents hit by the same outage do not come back in lockstep. A 429
-    whose Retry-After exceeds `max_retry_after` is raised rather than slept through.
-    `transport` is passed to httpx (tests use it to lose a reply on purpose).
+    Keyword arguments: `timeout` and the retry policy (`calls.ClientSettings`, shared with
+    `AsyncClient`); `transport` is passed to httpx (tests use it to lose a reply on
+    purpose), `sleep` is how retries wait.
     """
 
     def __init__(
@@ -100,31 +54,13 @@ class Client:
         base_url: str,
         token: str,
         *,
-        timeout: float = 10.0,
-        retries: int = 4,
-        backoff: float = 0.5,
-        max_backoff: float = 20.0,
-        max_retry_after: float = 60.0,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        **settings: Unpack[ClientSettings],
     ) -> None:
-        self.base_url = api_root(base_url)
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-        self.max_retry_after = max_retry_after
+        super().__init__(base_url, token, **settings)
         self._sleep = sleep
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={
-                "Authorization": f"Token {token}",
-                "Accept": "application/json, application/problem+json",
-                "User-Agent": "holdpoint-client/0.1",
-            },
-            timeout=timeout,
-            transport=transport,
-        )
+        self._http = httpx.Client(transport=transport, **self._http_options)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -157,21 +93,21 @@ class Client:
         """Start a run. Pass a stable `idempotency_key` to make the creation itself
         repeatable across restarts of the caller (24 h on the server). `external=True`: your
         own loop executes it (the executor protocol); Holdpoint's workers never pick it up."""
-        body: dict[str, Any] = {"graph": graph, "goal": goal}
-        if external:
-            body["external"] = True
-        if thread_id is not None:
-            body["thread_id"] = thread_id
-        if graph_version is not None:
-            body["graph_version"] = graph_version
-        data = self._post("runs/", body, create=True, idempotency_key=idempotency_key)
-        return Run.from_json(data)
+        return self.send(
+            calls.create_run(
+                graph,
+                goal,
+                thread_id=thread_id,
+                graph_version=graph_version,
+                idempotency_key=idempotency_key,
+                external=external,
+            )
+        )
 
     def get_run(self, run_id: str, *, wait: float | None = None) -> Run:
         """Read a run. With `wait` (seconds, at most 30) the server answers as soon as the
         run's status, checkpoint_rev or goal_rev changes — a long poll, not a busy loop."""
-        params, extra = self._wait_params(wait)
-        return Run.from_json(self._get(f"runs/{run_id}/", params, extra_timeout=extra))
+        return self.send(calls.get_run(run_id, wait))
 
     def list_runs(
         self,
@@ -181,8 +117,11 @@ class Client:
         graph: str | None = None,
     ) -> Iterator[Run]:
         """Every run matching the filters, newest first, across all pages."""
-        params = _filters(status=status, thread_id=thread_id, graph=graph)
-        return self._iterate("runs/", params, Run.from_json)
+        return self._iterate(
+            lambda cursor: calls.runs_page(
+                status=status, thread_id=thread_id, graph=graph, cursor=cursor
+            )
+        )
 
     def runs_page(
         self,
@@ -193,53 +132,48 @@ class Client:
         graph: str | None = None,
     ) -> Page[Run]:
         """One page of runs, for callers that keep their own place in the list."""
-        params = _filters(status=status, thread_id=thread_id, graph=graph, cursor=cursor)
-        return Page.from_json(self._get("runs/", params), Run.from_json)
+        return self.send(
+            calls.runs_page(status=status, thread_id=thread_id, graph=graph, cursor=cursor)
+        )
 
     def revise(self, run_id: str, goal: Any, *, expected_goal_rev: int) -> Run:
-        body = {"goal": goal, "expected_goal_rev": expected_goal_rev}
-        return Run.from_json(self._post(f"runs/{run_id}/revisions/", body))
+        return self.send(calls.revise(run_id, goal, expected_goal_rev=expected_goal_rev))
 
     def provide_input(self, run_id: str, data: Any, *, expected_rev: int) -> Run:
-        body = {"data": data, "expected_rev": expected_rev}
-        return Run.from_json(self._post(f"runs/{run_id}/input/", body))
+        return self.send(calls.provide_input(run_id, data, expected_rev=expected_rev))
 
     def cancel(self, run_id: str, reason: str = "") -> Run:
-        return Run.from_json(self._post(f"runs/{run_id}/cancel/", {"reason": reason}))
+        return self.send(calls.cancel(run_id, reason))
 
     def resume(self, run_id: str, *, expected_rev: int | None = None) -> Run:
-        body = {} if expected_rev is None else {"expected_rev": expected_rev}
-        return Run.from_json(self._post(f"runs/{run_id}/resume/", body))
+        return self.send(calls.resume(run_id, expected_rev=expected_rev))
 
     def checkpoints(self, run_id: str) -> Iterator[Checkpoint]:
         """The run's checkpoints, newest first."""
-        return self._iterate(f"runs/{run_id}/checkpoints/", {}, Checkpoint.from_json)
+        return self._iterate(lambda cursor: calls.checkpoints_page(run_id, cursor=cursor))
 
     def get_checkpoint(self, run_id: str, rev: int, *, inline: bool = False) -> Checkpoint:
         """One checkpoint; `inline` replaces artifact references in `state` by their content."""
-        params = {"inline": "1"} if inline else {}
-        return Checkpoint.from_json(self._get(f"runs/{run_id}/checkpoints/{rev}/", params))
+        return self.send(calls.get_checkpoint(run_id, rev, inline=inline))
 
     def events(self, run_id: str, *, after: int = 0) -> Iterator[JournalEntry]:
         """The run's journal from `after` (a seq) on, following the stream to its end."""
         while True:
-            data = self._get(f"runs/{run_id}/events/", {"after": str(after)})
-            entries = [JournalEntry.from_json(item) for item in data.get("results") or []]
+            entries = self.send(calls.events_after(run_id, after))
             if not entries:
                 return
             yield from entries
             after = entries[-1].seq
 
     def run_actions(self, run_id: str) -> Iterator[Action]:
-        return self._iterate(f"runs/{run_id}/actions/", {}, Action.from_json)
+        return self._iterate(lambda cursor: calls.run_actions_page(run_id, cursor=cursor))
 
     # --- executor protocol ---------------------------------------------------------------
 
     def lease(self, run_id: str, owner: str, ttl_seconds: int) -> LeaseGrant:
         """Take the run's lease (fence + 1). Not repeated after an ambiguous failure: a
         second attempt would find our own first lease and answer lease_held."""
-        body = {"owner": owner, "ttl_seconds": ttl_seconds}
-        return LeaseGrant.from_json(self._post(f"runs/{run_id}/lease/", body))
+        return self.send(calls.lease(run_id, owner, ttl_seconds))
 
     def heartbeat(
         self, run_id: str, fence: int, *, ttl_seconds: float | None = None
@@ -249,14 +183,10 @@ class Client:
         `ttl_seconds` is sent because the server extends by it (30 s when absent), which is
         not what a lease taken with a shorter ttl expects.
         """
-        body: dict[str, Any] = {"fence": fence}
-        if ttl_seconds is not None:
-            body["ttl_seconds"] = ttl_seconds
-        data = self._post(f"runs/{run_id}/lease/heartbeat/", body, replay_safe=True)
-        return parse_time(data.get("expires_at"))
+        return self.send(calls.heartbeat(run_id, fence, ttl_seconds))
 
     def release(self, run_id: str, fence: int) -> None:
-        self._post(f"runs/{run_id}/lease/release/", {"fence": fence}, replay_safe=True)
+        self.send(calls.release(run_id, fence))
 
     def write_checkpoint(
         self,
@@ -269,17 +199,17 @@ class Client:
         status: str = "running",
         idempotency_key: str | None = None,
     ) -> Checkpoint:
-        body = {
-            "fence": fence,
-            "expected_rev": expected_rev,
-            "state": dict(state),
-            "next_step": next_step,
-            "status": status,
-        }
-        data = self._post(
-            f"runs/{run_id}/checkpoints/", body, create=True, idempotency_key=idempotency_key
+        return self.send(
+            calls.write_checkpoint(
+                run_id,
+                fence=fence,
+                expected_rev=expected_rev,
+                state=state,
+                next_step=next_step,
+                status=status,
+                idempotency_key=idempotency_key,
+            )
         )
-        return Checkpoint.from_json(data)
 
     def prepare_action(
         self,
@@ -294,23 +224,24 @@ class Client:
     ) -> Action:
         """Record an intended side effect. `idempotency_key` is the *ledger* key: the same
         key with the same params returns the action prepared before (200, not 201)."""
-        body: dict[str, Any] = {
-            "fence": fence,
-            "tool": tool,
-            "params": dict(params),
-            "reason": reason,
-            "target": target,
-        }
-        if idempotency_key is not None:
-            body["idempotency_key"] = idempotency_key
-        return Action.from_json(self._post(f"runs/{run_id}/actions/", body, create=True))
+        return self.send(
+            calls.prepare_action(
+                run_id,
+                fence=fence,
+                tool=tool,
+                params=params,
+                reason=reason,
+                target=target,
+                idempotency_key=idempotency_key,
+            )
+        )
 
     def get_action(self, action_id: str) -> Action:
-        return Action.from_json(self._get(f"actions/{action_id}/"))
+        return self.send(calls.get_action(action_id))
 
     def dispatch(self, action_id: str, fence: int) -> Action:
         """Mark the action `sent` — durably, before the caller sends anything."""
-        return Action.from_json(self._post(f"actions/{action_id}/dispatch/", {"fence": fence}))
+        return self.send(calls.dispatch(action_id, fence))
 
     def record_outcome(
         self,
@@ -322,8 +253,11 @@ class Client:
         result: Any = None,
     ) -> Action:
         """`confirmed` (with the external id that proves it), `failed` or `unknown`."""
-        body = {"fence": fence, "outcome": outcome, "external_id": external_id, "result": result}
-        return Action.from_json(self._post(f"actions/{action_id}/outcome/", body))
+        return self.send(
+            calls.record_outcome(
+                action_id, fence=fence, outcome=outcome, external_id=external_id, result=result
+            )
+        )
 
     def find_actions(
         self,
@@ -333,19 +267,22 @@ class Client:
         tool: str | None = None,
     ) -> list[Action]:
         """Actions of this tenant matching the filters (all pages)."""
-        params = _filters(idempotency_key=idempotency_key, status=status, tool=tool)
-        return list(self._iterate("actions/", params, Action.from_json))
+        return list(
+            self._iterate(
+                lambda cursor: calls.actions_page(
+                    idempotency_key=idempotency_key, status=status, tool=tool, cursor=cursor
+                )
+            )
+        )
 
     # --- approvals and manual reconciliation ---------------------------------------------
 
     def approvals(self, *, status: str | None = None) -> Iterator[Approval]:
-        return self._iterate("approvals/", _filters(status=status), Approval.from_json)
+        return self._iterate(lambda cursor: calls.approvals_page(status=status, cursor=cursor))
 
     def get_approval(self, approval_id: str, *, wait: float | None = None) -> Approval:
         """Read an approval; with `wait` the server answers as soon as it changes."""
-        params, extra = self._wait_params(wait)
-        data = self._get(f"approvals/{approval_id}/", params, extra_timeout=extra)
-        return Approval.from_json(data)
+        return self.send(calls.get_approval(approval_id, wait))
 
     def decide(
         self,
@@ -358,134 +295,39 @@ class Client:
     ) -> Approval:
         """Approve or reject the exact action hash the decider saw. Safe to repeat: the
         same decision again returns the same approval."""
-        body: dict[str, Any] = {"decision": decision, "action_hash": action_hash, "reason": reason}
-        if edits is not None:
-            body["edits"] = dict(edits)
-        data = self._post(f"approvals/{approval_id}/decision/", body, replay_safe=True)
-        return Approval.from_json(data)
+        return self.send(
+            calls.decide(approval_id, decision, action_hash=action_hash, reason=reason, edits=edits)
+        )
 
     def resolve(
         self, action_id: str, outcome: str, *, external_id: str = "", note: str = ""
     ) -> Action:
         """A human's verdict on an action nobody could settle: `applied` or `not_applied`."""
-        body = {"outcome": outcome, "external_id": external_id, "note": note}
-        return Action.from_json(self._post(f"actions/{action_id}/resolve/", body))
+        return self.send(calls.resolve(action_id, outcome, external_id=external_id, note=note))
 
     # --- transport -----------------------------------------------------------------------
 
-    def _get(
-        self, path: str, params: Mapping[str, str] | None = None, *, extra_timeout: float = 0.0
-    ) -> Any:
-        return self._request("GET", path, params=params, replay_safe=True, extra=extra_timeout)
-
-    def _post(
-        self,
-        path: str,
-        body: Any,
-        *,
-        create: bool = False,
-        idempotency_key: str | None = None,
-        replay_safe: bool = False,
-    ) -> Any:
-        headers: dict[str, str] = {}
-        if create:
-            headers["Idempotency-Key"] = idempotency_key or uuid.uuid4().hex
-        return self._request(
-            "POST", path, body=body, headers=headers, replay_safe=replay_safe or create
-        )
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, str] | None = None,
-        body: Any = None,
-        headers: Mapping[str, str] | None = None,
-        replay_safe: bool,
-        extra: float = 0.0,
-    ) -> Any:
+    def send(self, call: Call[T]) -> T:
         """One logical call: the same request (same Idempotency-Key) until an answer."""
-        content = None if body is None else _dumps(body)
-        all_headers = dict(headers or {})
-        if content is not None:
-            all_headers["Content-Type"] = "application/json"
-        timeout = httpx.Timeout(self.timeout + extra)
         attempt = 0
         while True:
             try:
-                response = self._http.request(
-                    method,
-                    path,
-                    params=params,
-                    content=content,
-                    headers=all_headers,
-                    timeout=timeout,
-                )
+                response = self._http.request(**call.request(self.timeout))
             except httpx.TransportError as exc:
-                sent = not isinstance(exc, _NOT_SENT)
-                if attempt < self.retries and (replay_safe or not sent):
-                    self._pause(attempt, None, f"{method} {path}: {type(exc).__name__}")
-                    attempt += 1
-                    continue
-                raise TransportError(
-                    f"{method} {path}: {type(exc).__name__}: {exc}",
-                    may_have_applied=sent and method != "GET",
-                ) from exc
-            if response.is_success:
-                return response.json() if response.content else {}
-            error = error_from_response(response)
-            if attempt < self.retries and _retryable(error, replay_safe):
-                wait = _retry_after(response)
-                if wait is not None and wait > self.max_retry_after:
-                    raise error
-                self._pause(attempt, wait, f"{method} {path}: {error.status} {error.code}")
-                attempt += 1
-                continue
-            raise error
+                delay = self.policy.pause(call, attempt, error=exc)
+            else:
+                if response.is_success:
+                    return call.answer(response)
+                delay = self.policy.pause(call, attempt, response=response)
+            self._sleep(delay)
+            attempt += 1
 
-    def _pause(self, attempt: int, retry_after: float | None, why: str) -> None:
-        """Exponential backoff with jitter, or exactly what the server asked for."""
-        if retry_after is not None:
-            delay = retry_after
-        else:
-            ceiling = min(self.max_backoff, self.backoff * (2**attempt))
-            delay = random.uniform(ceiling / 2, ceiling)
-        log.info("retrying in %.2fs after %s (attempt %d)", delay, why, attempt + 1)
-        self._sleep(delay)
-
-    def _wait_params(self, wait: float | None) -> tuple[dict[str, str], float]:
-        if not wait:
-            return {}, 0.0
-        seconds = min(max(0.0, wait), MAX_WAIT)
-        return {"wait": f"{seconds:g}"}, seconds
-
-    def _iterate(
-        self,
-        path: str,
-        params: Mapping[str, str],
-        parse: Callable[[Mapping[str, Any]], T],
-    ) -> Iterator[T]:
+    def _iterate(self, page: Callable[[str | None], Call[Page[T]]]) -> Iterator[T]:
         """Follow the cursors: each page is fetched only when the previous one is used up."""
         cursor: str | None = None
         while True:
-            query = dict(params)
-            if cursor:
-                query["cursor"] = cursor
-            page = Page.from_json(self._get(path, query), parse)
-            yield from page.results
-            if not page.next_cursor:
+            found = self.send(page(cursor))
+            yield from found.results
+            if not found.next_cursor:
                 return
-            cursor = page.next_cursor
-
-
-def _retryable(error: HoldpointAPIError, replay_safe: bool) -> bool:
-    """429 and a key still in flight always; 503 always (refused before any work); other
-    5xx only when repeating the call cannot apply it twice."""
-    if isinstance(error, Throttled | IdempotencyKeyInFlight | ServiceUnavailable):
-        return True
-    return isinstance(error, ServerError) and replay_safe
-
-
-def _filters(**values: str | None) -> dict[str, str]:
-    return {name: value for name, value in values.items() if value is not None}
+            cursor = found.next_cursor

@@ -313,6 +313,15 @@ class ActionRejected(ExecutorError):
         self.reason = reason
 
 
+class Rejected(ActionRejected):
+    """What `run.act` and `@hp.action` raise on a rejection: `reason` is the reviewer's."""
+
+
+class ApprovalTimeout(ExecutorError):
+    """No decision within `approval_timeout`. Nothing is lost: the action stays awaiting
+    approval, and running the agent again goes on waiting for the same request."""
+
+
 class ActionWithdrawn(ExecutorError):
     """The action was cancelled without a rejection: goal revised, run cancelled, expired."""
 

@@ -30,27 +30,31 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
+from holdpoint_client import calls
 from holdpoint_client.client import Client
 from holdpoint_client.errors import (
     ActionCancelled,
     ActionFailed,
-    ActionRejected,
     ActionWithdrawn,
     ApprovalExpired,
     ApprovalRequired,
+    ApprovalTimeout,
     ExecutorError,
     HoldpointError,
     InvalidTransition,
     LeaseHeld,
     LeaseLost,
     OutcomeUnknown,
+    Rejected,
     StaleFence,
     StaleGoalRev,
     ToolRefused,
     TransportError,
 )
+from holdpoint_client.faults import fault
+from holdpoint_client.flow import Flow, ask, drive, invoke, pause
 from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
 
 log = logging.getLogger("holdpoint_client.executor")
@@ -93,25 +97,39 @@ class ToolCall:
 
 
 # perform(call) -> (external_id, result): raise ToolRefused when the service certainly did
-# not apply it; any other exception means "cannot tell".
-Perform = Callable[[ToolCall], tuple[str, Any]]
+# not apply it; any other exception means "cannot tell". (With AsyncExecutor it may be an
+# `async def`.)
+Perform = Callable[[ToolCall], Any]
 # lookup(call) -> (external_id, result) if the effect exists at the service, else None.
-Lookup = Callable[[ToolCall], "tuple[str, Any] | None"]
+Lookup = Callable[[ToolCall], Any]
+C = TypeVar("C")
 
 
-class Executor:
-    """Hold a run's lease for the length of a `with` block and execute under it.
+class ActOptions(TypedDict, total=False):
+    """`act`'s optional keywords (see Executor.act), shared by every face of it."""
 
-    `ttl` is the lease length in seconds; a background thread renews it every ttl/3. If the
-    lease is taken over (stale fence) the executor marks itself `lost` and every later
-    call raises `LeaseLost`: the process must stop. On entry it waits up to
-    `lease_timeout` seconds for a lease someone else holds — typically the dead
-    predecessor's, which expires `ttl` seconds after its last heartbeat.
+    reason: str
+    target: str
+    lookup: Lookup | None
+    approval_timeout: float | None
+    resolution_timeout: float | None
+
+
+class ExecutorCore(Generic[C]):
+    """The lease and the ledger logic of an executor, as flows (holdpoint_client.flow).
+
+    `Executor` drives them with blocking calls and a heartbeat thread, `AsyncExecutor`
+    (holdpoint_client.aio) on the event loop with a heartbeat task: one copy of the logic.
+    `ttl` is the lease length in seconds, renewed every ttl/3. If the lease is taken over
+    (stale fence) the executor marks itself `lost` and every later call raises `LeaseLost`:
+    the process must stop. On entry it waits up to `lease_timeout` seconds for a lease
+    someone else holds — typically the dead predecessor's, which expires `ttl` seconds after
+    its last heartbeat.
     """
 
     def __init__(
         self,
-        client: Client,
+        client: C,
         run_id: str,
         owner: str,
         ttl: int = 30,
@@ -134,11 +152,428 @@ class Executor:
         self.next_step = ""
         self._run: Run | None = None
         self._lost = threading.Event()
-        self._stop = threading.Event()
-        self._beats: threading.Thread | None = None
         self._finished = False
 
+    # --- driver hooks (heartbeats run outside the flows) -----------------------------------
+
+    def _start_beats(self) -> Any:
+        raise NotImplementedError
+
+    def _stop_beats(self) -> Any:
+        raise NotImplementedError
+
     # --- the lease -------------------------------------------------------------------------
+
+    def _acquire_flow(self) -> Flow[LeaseGrant]:
+        """Take the lease, waiting out a live one; AlreadyCompleted/RunFinished propagate."""
+        deadline = time.monotonic() + self.lease_timeout
+        while True:
+            try:
+                grant = yield from ask(calls.lease(self.run_id, self.owner, self.ttl))
+                break
+            except LeaseHeld:
+                if time.monotonic() >= deadline:
+                    raise
+                yield from pause(max(0.2, min(2.0, self.ttl / 6)))
+        self.fence = grant.fence
+        self._lost.clear()
+        yield from self._refresh_flow()
+        yield from invoke(self._start_beats)
+        log.info("leased run %s as %s (fence %d)", self.run_id, self.owner, self.fence)
+        return grant
+
+    def _close_flow(self) -> Flow[None]:
+        """Stop heartbeating and hand the lease back, so a successor need not wait it out."""
+        yield from invoke(self._stop_beats)
+        if self.fence and not self._finished and not self._lost.is_set():
+            try:
+                yield from ask(calls.release(self.run_id, self.fence))
+            except HoldpointError as exc:  # the lease expires on its own anyway
+                log.warning("could not release run %s: %s", self.run_id, exc)
+
+    def _beat_flow(self) -> Flow[bool]:
+        """One heartbeat; False once the lease is lost (only a stale fence ends it)."""
+        try:
+            yield from ask(calls.heartbeat(self.run_id, self.fence, self.ttl))
+        except StaleFence:
+            log.error("run %s: lease lost (fence %d is stale)", self.run_id, self.fence)
+            self._lost.set()
+            return False
+        except HoldpointError as exc:
+            log.warning("run %s: heartbeat failed: %s", self.run_id, exc)
+        return True
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def _check(self) -> None:
+        if self._lost.is_set():
+            raise LeaseLost(f"run {self.run_id} was taken over; fence {self.fence} is stale")
+        if not self.fence:
+            raise ExecutorError("no lease: use the executor as a context manager")
+
+    def _lose(self, exc: StaleFence) -> LeaseLost:
+        self._lost.set()
+        return LeaseLost(f"run {self.run_id}: {exc.detail}")
+
+    # --- state -----------------------------------------------------------------------------
+
+    def _refresh_flow(self) -> Flow[Run]:
+        """Re-read the run (goal, revisions, checkpoint rev) from the server."""
+        self._run = yield from ask(calls.get_run(self.run_id))
+        self.rev = self._run.checkpoint_rev
+        self.next_step = self._run.next_step
+        return self._run
+
+    def _load_flow(self) -> Flow[dict[str, Any]]:
+        """The state of the run's latest checkpoint (artifacts inlined), {} before the first;
+        `next_step` is set from it, so the agent knows where to continue."""
+        run = yield from self._refresh_flow()
+        if run.checkpoint_rev == 0:
+            return {}
+        checkpoint = yield from ask(
+            calls.get_checkpoint(self.run_id, run.checkpoint_rev, inline=True)
+        )
+        self.next_step = checkpoint.next_step
+        state = checkpoint.state
+        return dict(state) if isinstance(state, Mapping) else {}
+
+    def _checkpoint_flow(
+        self, state: Mapping[str, Any], next_step: str, status: str = "running"
+    ) -> Flow[Checkpoint]:
+        """Write the next checkpoint (compare-and-swap on the rev this executor last saw).
+
+        A status other than `running` ends the lease on the server, and a heartbeat that
+        arrived after it would be refused as stale: heartbeats stop before such a write
+        (and start again if it fails).
+        """
+        self._check()
+        ending = status != "running"
+        if ending:
+            yield from invoke(self._stop_beats)
+        try:
+            checkpoint = yield from ask(
+                calls.write_checkpoint(
+                    self.run_id,
+                    fence=self.fence,
+                    expected_rev=self.rev,
+                    state=state,
+                    next_step=next_step,
+                    status=status,
+                )
+            )
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+        except Exception:
+            if ending:
+                yield from invoke(self._start_beats)
+            raise
+        self.rev = checkpoint.rev
+        self.next_step = next_step
+        self._finished = ending
+        return checkpoint
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def key_for(self, call: str) -> str:
+        """The ledger key of one call: the same after any number of restarts of the agent,
+        new when the goal is revised (an old revision's work is never reused blindly)."""
+        if not call or not call.isprintable():
+            raise ValueError("call must be a non-empty printable label")
+        if self._run is None:
+            raise ExecutorError("no lease: use the executor as a context manager")
+        key = f"{self.run_id}:{self._run.goal_rev}:ext:{call}"
+        if len(key) > MAX_KEY:
+            raise ValueError(f"call label too long: the key would exceed {MAX_KEY} characters")
+        return key
+
+    def _act_flow(
+        self,
+        tool: str,
+        params: Mapping[str, Any],
+        *,
+        call: str,
+        perform: Perform | None,
+        reason: str = "",
+        target: str = "",
+        lookup: Lookup | None = None,
+        approval_timeout: float | None = None,
+        resolution_timeout: float | None = None,
+    ) -> Flow[Action]:
+        """Prepare → (wait for approval) → dispatch → perform → record; exactly once.
+
+        `perform` None: the server sends the tool itself (executor `http`) and the
+        dispatched action's status is its outcome; this flow waits for it to settle.
+        """
+        self._check()
+        key = self.key_for(call)
+        found = yield from ask(calls.actions_page(idempotency_key=key))
+        if found.results and found.results[0].params == dict(params):
+            action = found.results[0]
+            log.info("run %s: %s found as %s (%s)", self.run_id, call, action.status, key)
+        else:
+            # New, or found with other params: a reviewer's edit (the server matches the
+            # params first asked for and returns the action) or an agent that changed its
+            # mind under the same label (refused: IdempotencyKeyReused).
+            action = yield from self._prepare(key, tool, params, reason, target)
+        approval_deadline = _deadline(approval_timeout)
+        resolution_deadline = _deadline(resolution_timeout)
+        performed = 0
+        while True:
+            self._check()
+            status = action.status
+            if status in ("confirmed", "compensated"):
+                return action
+            if status == "awaiting_approval":
+                action = yield from self._await_decision(action, approval_deadline)
+            elif status in ("prepared", "approved"):
+                action = yield from self._dispatch(action)
+                if action.status == "sent" and perform is not None:
+                    action = yield from self._perform(action, perform, replay=performed > 0)
+                    performed += 1
+            elif status in ("sent", "unknown") and perform is None:
+                action = yield from self._await_settled(action, resolution_deadline)
+            elif status in ("sent", "unknown"):
+                assert perform is not None
+                if performed >= self.replay_attempts:
+                    raise OutcomeUnknown(
+                        f"{tool}: no verifiable result after {performed} attempts; the "
+                        "server reconciles it",
+                        action=action,
+                    )
+                action = yield from self._reconcile(action, perform, lookup, attempt=performed)
+                performed += 1
+            elif status == "failed":
+                raise ActionFailed(f"{tool} failed: {action.last_error}", action=action)
+            elif status == "cancelled":
+                raise (yield from self._cancelled(action))
+            elif status == "manual_review":
+                action = yield from self._await_resolution(action, resolution_deadline)
+            else:
+                raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
+
+    def _prepare(
+        self, key: str, tool: str, params: Mapping[str, Any], reason: str, target: str
+    ) -> Flow[Action]:
+        try:
+            return (
+                yield from ask(
+                    calls.prepare_action(
+                        self.run_id,
+                        fence=self.fence,
+                        tool=tool,
+                        params=params,
+                        reason=reason,
+                        target=target,
+                        idempotency_key=key,
+                    )
+                )
+            )
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+
+    def _cancelled(self, action: Action) -> Flow[ExecutorError]:
+        """A rejection (found again after a restart, too) or another withdrawal."""
+        if action.approval is not None:
+            approval = yield from ask(calls.get_approval(action.approval))
+            if approval.status == "rejected":
+                return Rejected(
+                    f"{action.tool} was rejected: {approval.decision_reason}",
+                    action=action,
+                    reason=approval.decision_reason,
+                )
+        return ActionWithdrawn(f"{action.tool} was cancelled: {action.last_error}", action=action)
+
+    def _await_decision(self, action: Action, deadline: float | None) -> Flow[Action]:
+        """Long-poll the approval until it is decided; the lease stays renewed meanwhile.
+
+        The first read does not wait: the server's long poll answers on a *change*, and an
+        approval decided before we asked would otherwise cost a full wait.
+        """
+        while True:
+            self._check()
+            if action.approval is None:  # the request is raised in the same transaction
+                yield from pause(self.retry_pause)
+                action = yield from ask(calls.get_action(action.action_id))
+                continue
+            approval = yield from ask(calls.get_approval(action.approval))
+            if approval.pending:
+                fault("awaiting_approval")
+            while approval.pending:
+                self._check()
+                wait = float(min(30, self.ttl))
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ApprovalTimeout(
+                            f"{action.tool}: no decision yet on approval {approval.id}; "
+                            "everything is kept — run the agent again to go on waiting",
+                            action=action,
+                        )
+                    wait = max(1.0, min(wait, left))
+                approval = yield from ask(calls.get_approval(approval.id, wait))
+            action = yield from ask(calls.get_action(action.action_id))
+            if action.status != "awaiting_approval" or action.approval != approval.id:
+                fault("after_decision")
+                return action  # approved, cancelled (rejected, expired) or held anew
+            yield from pause(self.retry_pause)
+
+    def _dispatch(self, action: Action) -> Flow[Action]:
+        """Mark `sent`. A refusal or an ambiguous failure is settled by re-reading the
+        action: its status, not our guess, decides what happens next."""
+        try:
+            return (yield from ask(calls.dispatch(action.action_id, self.fence)))
+        except StaleFence as exc:
+            raise self._lose(exc) from exc
+        except StaleGoalRev as exc:
+            raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=action) from exc
+        except (ApprovalRequired, ApprovalExpired):
+            # The server holds the action again under a new request: wait for that one.
+            reread = yield from ask(calls.get_action(action.action_id))
+            if reread.status in ("prepared", "approved"):
+                raise  # refused with nothing to wait for: never loop on it
+            return reread
+        except (ActionCancelled, InvalidTransition):
+            return (yield from ask(calls.get_action(action.action_id)))
+        except TransportError as exc:
+            if not exc.may_have_applied:
+                raise
+            return (yield from ask(calls.get_action(action.action_id)))
+
+    def _perform(self, action: Action, perform: Perform, *, replay: bool) -> Flow[Action]:
+        """Call the tool once and report what came of it; the server applies the tool's
+        contract to the report (an `unknown` of a tool it cannot reconcile goes to a
+        person at once) and the returned action says what happens next."""
+        call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
+        fault("after_sent_mark")
+        try:
+            effect = yield from invoke(perform, call)
+        except ToolRefused as exc:
+            return (yield from self._record(action, "failed", result={"error": str(exc)}))
+        except Exception as exc:  # the request may have applied: never a clean failure
+            log.warning("run %s: %s: %r", self.run_id, action.tool, exc)
+            error = {"error": repr(exc)[:2000]}
+            return (yield from self._record(action, "unknown", result=error))
+        fault("after_tool_response")
+        return (yield from self._confirm(action, effect))
+
+    def _reconcile(
+        self, action: Action, perform: Perform, lookup: Lookup | None, *, attempt: int
+    ) -> Flow[Action]:
+        """Settle an action that may have happened, as the server's `reconcile` says."""
+        how = action.reconcile
+        if not how:
+            how = (yield from ask(calls.get_action(action.action_id))).reconcile
+        if attempt:
+            yield from pause(self.retry_pause * (2 ** min(attempt - 1, 5)))
+        if how == "replay_same_key":
+            return (yield from self._perform(action, perform, replay=True))
+        if how == "lookup":
+            if lookup is None:
+                raise ExecutorError(
+                    f"{action.tool} is reconciled by looking it up: pass lookup= to act",
+                    action=action,
+                )
+            call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
+            found = yield from invoke(lookup, call)
+            if found is not None:
+                return (yield from self._confirm(action, found))
+            return (yield from self._not_found(action))
+        # manual_review (or a server that names no way): say we cannot tell; the server
+        # hands it to a person.
+        error = {"error": "the outcome is not known"}
+        return (yield from self._record(action, "unknown", result=error))
+
+    def _not_found(self, action: Action) -> Flow[Action]:
+        """Report a lookup that found nothing; the server accepts it only once the first
+        request can no longer be in flight — until then, wait and look again."""
+        try:
+            return (yield from self._record(action, "not_found"))
+        except InvalidTransition:
+            reread = yield from ask(calls.get_action(action.action_id))
+            if reread.status not in ("sent", "unknown"):
+                return reread
+            after = reread.not_found_after
+            wait = 0.5 if after is None else (after - datetime.now(UTC)).total_seconds() + 0.2
+            yield from pause(min(max(wait, 0.2), float(self.ttl)))
+            return reread
+
+    def _await_resolution(self, action: Action, deadline: float | None) -> Flow[Action]:
+        """A person resolves the action (API `resolve`, the Reconcile page): applied makes
+        it confirmed, not applied sends it again with the same key. Long-poll the run (it
+        leaves needs_reconciliation when they answer); the lease stays renewed meanwhile."""
+        log.info("run %s: %s waits for a person to resolve it", self.run_id, action.tool)
+        return (yield from self._await_leaving(action, "manual_review", deadline))
+
+    def _await_settled(self, action: Action, deadline: float | None) -> Flow[Action]:
+        """A tool the server sends itself (executor `http`): its answer settles the action;
+        until then (or while the server reconciles it) wait on the run."""
+        return (yield from self._await_leaving(action, action.status, deadline))
+
+    def _await_leaving(self, action: Action, status: str, deadline: float | None) -> Flow[Action]:
+        while True:
+            self._check()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise OutcomeUnknown(f"{action.tool} is still {status}", action=action)
+            action = yield from ask(calls.get_action(action.action_id))
+            if action.status != status:
+                return action
+            wait = float(min(30, self.ttl))
+            if deadline is not None:
+                wait = max(1.0, min(wait, deadline - time.monotonic()))
+            yield from ask(calls.get_run(self.run_id, wait))
+
+    def _confirm(self, action: Action, effect: Any) -> Flow[Action]:
+        external_id, result = effect
+        if not str(external_id).strip():  # confirmed needs proof (DESIGN.md invariant 2)
+            action = yield from self._record(action, "unknown", result=result)
+            raise OutcomeUnknown(f"{action.tool} answered without an external id", action=action)
+        return (
+            yield from self._record(
+                action, "confirmed", external_id=str(external_id), result=result
+            )
+        )
+
+    def _record(
+        self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
+    ) -> Flow[Action]:
+        """Record the outcome; after an ambiguous failure, the ledger tells if it landed."""
+        for _ in range(3):
+            try:
+                return (
+                    yield from ask(
+                        calls.record_outcome(
+                            action.action_id,
+                            fence=self.fence,
+                            outcome=outcome,
+                            external_id=external_id,
+                            result=result,
+                        )
+                    )
+                )
+            except StaleFence as exc:
+                raise self._lose(exc) from exc
+            except InvalidTransition:
+                reread = yield from ask(calls.get_action(action.action_id))
+                if _moved(action, reread, outcome):  # our own earlier attempt landed
+                    return reread
+                raise
+            except TransportError as exc:
+                if not exc.may_have_applied:
+                    raise
+                reread = yield from ask(calls.get_action(action.action_id))
+                if _moved(action, reread, outcome):
+                    return reread
+        raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)
+
+
+class Executor(ExecutorCore[Client]):
+    """Hold a run's lease for the length of a `with` block and execute under it, blocking
+    (see ExecutorCore: `Executor(client, run_id, owner, ttl)`); a thread heartbeats."""
+
+    _beats: threading.Thread | None = None
+    _stop: threading.Event | None = None
 
     def __enter__(self) -> Executor:
         self.acquire()
@@ -153,74 +588,37 @@ class Executor:
         self.close()
 
     def acquire(self) -> LeaseGrant:
-        """Take the lease, waiting out a live one; AlreadyCompleted/RunFinished propagate."""
-        deadline = time.monotonic() + self.lease_timeout
-        while True:
-            try:
-                grant = self.client.lease(self.run_id, self.owner, self.ttl)
-                break
-            except LeaseHeld:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(max(0.2, min(2.0, self.ttl / 6)))
-        self.fence = grant.fence
-        self._lost.clear()
-        self._stop.clear()
-        self.refresh()
-        self._start_beats()
-        log.info("leased run %s as %s (fence %d)", self.run_id, self.owner, self.fence)
-        return grant
+        return drive(self._acquire_flow(), self.client)
 
     def close(self) -> None:
-        """Stop heartbeating and hand the lease back, so a successor need not wait it out."""
-        self._stop_beats()
-        if self.fence and not self._finished and not self._lost.is_set():
-            try:
-                self.client.release(self.run_id, self.fence)
-            except HoldpointError as exc:  # the lease expires on its own anyway
-                log.warning("could not release run %s: %s", self.run_id, exc)
+        drive(self._close_flow(), self.client)
 
-    @property
-    def lost(self) -> bool:
-        return self._lost.is_set()
-
-    def _heartbeat(self) -> None:
-        interval = self.ttl / 3
-        while not self._stop.wait(interval):
-            try:
-                self.client.heartbeat(self.run_id, self.fence, ttl_seconds=self.ttl)
-            except StaleFence:
-                log.error("run %s: lease lost (fence %d is stale)", self.run_id, self.fence)
-                self._lost.set()
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 3):
+            if not drive(self._beat_flow(), self.client):
                 return
-            except HoldpointError as exc:  # keep trying: only a stale fence ends the lease
-                log.warning("run %s: heartbeat failed: %s", self.run_id, exc)
 
     def _start_beats(self) -> None:
-        self._stop.clear()
+        self._stop = threading.Event()
         self._beats = threading.Thread(
-            target=self._heartbeat, name=f"holdpoint-lease-{self.run_id}", daemon=True
+            target=self._heartbeat,
+            args=(self._stop,),
+            name=f"holdpoint-lease-{self.run_id}",
+            daemon=True,
         )
         self._beats.start()
 
     def _stop_beats(self) -> None:
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._beats is not None and self._beats is not threading.current_thread():
             self._beats.join(timeout=self.client.timeout + 1)
         self._beats = None
 
-    def _check(self) -> None:
-        if self._lost.is_set():
-            raise LeaseLost(f"run {self.run_id} was taken over; fence {self.fence} is stale")
-        if not self.fence:
-            raise ExecutorError("no lease: use the executor as a context manager")
-
     def _lose(self, exc: StaleFence) -> LeaseLost:
-        self._lost.set()
-        self._stop.set()
-        return LeaseLost(f"run {self.run_id}: {exc.detail}")
-
-    # --- state -----------------------------------------------------------------------------
+        if self._stop is not None:
+            self._stop.set()
+        return super()._lose(exc)
 
     @property
     def run(self) -> Run:
@@ -233,67 +631,15 @@ class Executor:
         return self.run.goal
 
     def refresh(self) -> Run:
-        """Re-read the run (goal, revisions, checkpoint rev) from the server."""
-        self._run = self.client.get_run(self.run_id)
-        self.rev = self._run.checkpoint_rev
-        self.next_step = self._run.next_step
-        return self._run
+        return drive(self._refresh_flow(), self.client)
 
     def load(self) -> dict[str, Any]:
-        """The state of the run's latest checkpoint (artifacts inlined), {} before the first;
-        `next_step` is set from it, so the agent knows where to continue."""
-        run = self.refresh()
-        if run.checkpoint_rev == 0:
-            return {}
-        checkpoint = self.client.get_checkpoint(self.run_id, run.checkpoint_rev, inline=True)
-        self.next_step = checkpoint.next_step
-        state = checkpoint.state
-        return dict(state) if isinstance(state, Mapping) else {}
+        return drive(self._load_flow(), self.client)
 
     def checkpoint(
         self, state: Mapping[str, Any], next_step: str, status: str = "running"
     ) -> Checkpoint:
-        """Write the next checkpoint (compare-and-swap on the rev this executor last saw).
-
-        A status other than `running` ends the lease on the server, and a heartbeat that
-        arrived after it would be refused as stale: heartbeats stop before such a write
-        (and start again if it fails).
-        """
-        self._check()
-        ending = status != "running"
-        if ending:
-            self._stop_beats()
-        try:
-            checkpoint = self.client.write_checkpoint(
-                self.run_id,
-                fence=self.fence,
-                expected_rev=self.rev,
-                state=state,
-                next_step=next_step,
-                status=status,
-            )
-        except StaleFence as exc:
-            raise self._lose(exc) from exc
-        except BaseException:
-            if ending:
-                self._start_beats()
-            raise
-        self.rev = checkpoint.rev
-        self.next_step = next_step
-        self._finished = ending
-        return checkpoint
-
-    # --- actions ---------------------------------------------------------------------------
-
-    def key_for(self, call: str) -> str:
-        """The ledger key of one call: the same after any number of restarts of the agent,
-        new when the goal is revised (an old revision's work is never reused blindly)."""
-        if not call or not call.isprintable():
-            raise ValueError("call must be a non-empty printable label")
-        key = f"{self.run_id}:{self.run.goal_rev}:ext:{call}"
-        if len(key) > MAX_KEY:
-            raise ValueError(f"call label too long: the key would exceed {MAX_KEY} characters")
-        return key
+        return drive(self._checkpoint_flow(state, next_step, status), self.client)
 
     def act(
         self,
@@ -301,250 +647,24 @@ class Executor:
         params: Mapping[str, Any],
         *,
         call: str,
-        perform: Perform,
-        reason: str = "",
-        target: str = "",
-        lookup: Lookup | None = None,
-        approval_timeout: float | None = None,
-        resolution_timeout: float | None = None,
+        perform: Perform | None,
+        **options: Unpack[ActOptions],
     ) -> Action:
         """Prepare → (wait for approval) → dispatch → perform → record; exactly once.
 
         `call` names this call within the run (e.g. the step name); it must be the same
-        when the agent comes back to this point after a restart. `tool` must be one the
-        agent performs itself (executor `client`). An action that may have happened is
-        settled as the server's `reconcile` says — `perform` again with the same key,
-        `lookup` (required for a tool the server reconciles by lookup), or a person's
-        answer, waited for up to `resolution_timeout` seconds (None: as long as it takes;
-        the lease is renewed meanwhile). Returns the confirmed action; raises
-        ActionRejected, ActionWithdrawn, ActionFailed, OutcomeUnknown or LeaseLost otherwise.
+        when the agent comes back to this point after a restart. `perform` does the effect
+        of a tool the agent performs itself (executor `client`); None for a tool the server
+        sends (executor `http`). An action that may have happened is settled as the
+        server's `reconcile` says — `perform` again with the same key, `lookup` (required
+        for a tool the server reconciles by lookup), or a person's answer, waited for up to
+        `resolution_timeout` seconds (None: as long as it takes; the lease is renewed
+        meanwhile); `approval_timeout` bounds the wait for a reviewer. Returns the confirmed
+        action; raises Rejected (an ActionRejected), ApprovalTimeout, ActionWithdrawn,
+        ActionFailed, OutcomeUnknown or LeaseLost.
         """
-        self._check()
-        key = self.key_for(call)
-        found = self.client.find_actions(idempotency_key=key)
-        if found and found[0].params == dict(params):
-            action = found[0]
-            log.info("run %s: %s found as %s (%s)", self.run_id, call, action.status, key)
-        else:
-            # New, or found with other params: a reviewer's edit (the server matches the
-            # params first asked for and returns the action) or an agent that changed its
-            # mind under the same label (refused: IdempotencyKeyReused).
-            action = self._prepare(key, tool, params, reason, target)
-        approval_deadline = _deadline(approval_timeout)
-        resolution_deadline = _deadline(resolution_timeout)
-        performed = 0
-        while True:
-            self._check()
-            status = action.status
-            if status in ("confirmed", "compensated"):
-                return action
-            if status == "awaiting_approval":
-                action = self._await_decision(action, approval_deadline)
-            elif status in ("prepared", "approved"):
-                action = self._dispatch(action)
-                if action.status == "sent":
-                    action = self._perform(action, perform, replay=performed > 0)
-                    performed += 1
-            elif status in ("sent", "unknown"):
-                if performed >= self.replay_attempts:
-                    raise OutcomeUnknown(
-                        f"{tool}: no verifiable result after {performed} attempts; the "
-                        "server reconciles it",
-                        action=action,
-                    )
-                action = self._reconcile(action, perform, lookup, attempt=performed)
-                performed += 1
-            elif status == "failed":
-                raise ActionFailed(f"{tool} failed: {action.last_error}", action=action)
-            elif status == "cancelled":
-                raise self._cancelled(action)
-            elif status == "manual_review":
-                action = self._await_resolution(action, resolution_deadline)
-            else:
-                raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
-
-    def _prepare(
-        self, key: str, tool: str, params: Mapping[str, Any], reason: str, target: str
-    ) -> Action:
-        try:
-            return self.client.prepare_action(
-                self.run_id,
-                fence=self.fence,
-                tool=tool,
-                params=params,
-                reason=reason,
-                target=target,
-                idempotency_key=key,
-            )
-        except StaleFence as exc:
-            raise self._lose(exc) from exc
-
-    def _cancelled(self, action: Action) -> ExecutorError:
-        """A rejection (found again after a restart, too) or another withdrawal."""
-        if action.approval is not None:
-            approval = self.client.get_approval(action.approval)
-            if approval.status == "rejected":
-                return ActionRejected(
-                    f"{action.tool} was rejected: {approval.decision_reason}",
-                    action=action,
-                    reason=approval.decision_reason,
-                )
-        return ActionWithdrawn(f"{action.tool} was cancelled: {action.last_error}", action=action)
-
-    def _await_decision(self, action: Action, deadline: float | None) -> Action:
-        """Long-poll the approval until it is decided; the lease stays renewed meanwhile.
-
-        The first read does not wait: the server's long poll answers on a *change*, and an
-        approval decided before we asked would otherwise cost a full wait.
-        """
-        while True:
-            self._check()
-            if action.approval is None:  # the request is raised in the same transaction
-                time.sleep(self.retry_pause)
-                action = self.client.get_action(action.action_id)
-                continue
-            approval = self.client.get_approval(action.approval)
-            while approval.pending:
-                self._check()
-                wait = float(min(30, self.ttl))
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ExecutorError("no decision within approval_timeout", action=action)
-                    wait = max(1.0, min(wait, left))
-                approval = self.client.get_approval(approval.id, wait=wait)
-            action = self.client.get_action(action.action_id)
-            if action.status != "awaiting_approval" or action.approval != approval.id:
-                return action  # approved, cancelled (rejected, expired) or held anew
-            time.sleep(self.retry_pause)
-
-    def _dispatch(self, action: Action) -> Action:
-        """Mark `sent`. A refusal or an ambiguous failure is settled by re-reading the
-        action: its status, not our guess, decides what happens next."""
-        try:
-            return self.client.dispatch(action.action_id, self.fence)
-        except StaleFence as exc:
-            raise self._lose(exc) from exc
-        except StaleGoalRev as exc:
-            raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=action) from exc
-        except (ApprovalRequired, ApprovalExpired):
-            # The server holds the action again under a new request: wait for that one.
-            reread = self.client.get_action(action.action_id)
-            if reread.status in ("prepared", "approved"):
-                raise  # refused with nothing to wait for: never loop on it
-            return reread
-        except (ActionCancelled, InvalidTransition):
-            return self.client.get_action(action.action_id)
-        except TransportError as exc:
-            if not exc.may_have_applied:
-                raise
-            return self.client.get_action(action.action_id)
-
-    def _perform(self, action: Action, perform: Perform, *, replay: bool) -> Action:
-        """Call the tool once and report what came of it; the server applies the tool's
-        contract to the report (an `unknown` of a tool it cannot reconcile goes to a
-        person at once) and the returned action says what happens next."""
-        call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
-        try:
-            effect = perform(call)
-        except ToolRefused as exc:
-            return self._record(action, "failed", result={"error": str(exc)})
-        except Exception as exc:  # the request may have applied: never a clean failure
-            log.warning("run %s: %s: %r", self.run_id, action.tool, exc)
-            return self._record(action, "unknown", result={"error": repr(exc)[:2000]})
-        return self._confirm(action, effect)
-
-    def _reconcile(
-        self, action: Action, perform: Perform, lookup: Lookup | None, *, attempt: int
-    ) -> Action:
-        """Settle an action that may have happened, as the server's `reconcile` says."""
-        how = action.reconcile or self.client.get_action(action.action_id).reconcile
-        if attempt:
-            time.sleep(self.retry_pause * (2 ** min(attempt - 1, 5)))
-        if how == "replay_same_key":
-            return self._perform(action, perform, replay=True)
-        if how == "lookup":
-            if lookup is None:
-                raise ExecutorError(
-                    f"{action.tool} is reconciled by looking it up: pass lookup= to act",
-                    action=action,
-                )
-            call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
-            found = lookup(call)
-            if found is not None:
-                return self._confirm(action, found)
-            return self._not_found(action)
-        # manual_review (or a server that names no way): say we cannot tell; the server
-        # hands it to a person.
-        return self._record(action, "unknown", result={"error": "the outcome is not known"})
-
-    def _not_found(self, action: Action) -> Action:
-        """Report a lookup that found nothing; the server accepts it only once the first
-        request can no longer be in flight — until then, wait and look again."""
-        try:
-            return self._record(action, "not_found")
-        except InvalidTransition:
-            reread = self.client.get_action(action.action_id)
-            if reread.status not in ("sent", "unknown"):
-                return reread
-            after = reread.not_found_after
-            wait = 0.5 if after is None else (after - datetime.now(UTC)).total_seconds() + 0.2
-            time.sleep(min(max(wait, 0.2), float(self.ttl)))
-            return reread
-
-    def _await_resolution(self, action: Action, deadline: float | None) -> Action:
-        """A person resolves the action (API `resolve`, the Reconcile page): applied makes
-        it confirmed, not applied sends it again with the same key. Long-poll the run (it
-        leaves needs_reconciliation when they answer); the lease stays renewed meanwhile."""
-        log.info("run %s: %s waits for a person to resolve it", self.run_id, action.tool)
-        while True:
-            self._check()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise OutcomeUnknown(
-                    f"{action.tool} waits for a person to resolve it", action=action
-                )
-            action = self.client.get_action(action.action_id)
-            if action.status != "manual_review":
-                return action
-            wait = float(min(30, self.ttl))
-            if deadline is not None:
-                wait = max(1.0, min(wait, deadline - time.monotonic()))
-            self.client.get_run(self.run_id, wait=wait)
-
-    def _confirm(self, action: Action, effect: tuple[str, Any]) -> Action:
-        external_id, result = effect
-        if not str(external_id).strip():  # confirmed needs proof (DESIGN.md invariant 2)
-            action = self._record(action, "unknown", result=result)
-            raise OutcomeUnknown(f"{action.tool} answered without an external id", action=action)
-        return self._record(action, "confirmed", external_id=str(external_id), result=result)
-
-    def _record(
-        self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
-    ) -> Action:
-        """Record the outcome; after an ambiguous failure, the ledger tells if it landed."""
-        for _ in range(3):
-            try:
-                return self.client.record_outcome(
-                    action.action_id,
-                    fence=self.fence,
-                    outcome=outcome,
-                    external_id=external_id,
-                    result=result,
-                )
-            except StaleFence as exc:
-                raise self._lose(exc) from exc
-            except InvalidTransition:
-                reread = self.client.get_action(action.action_id)
-                if _moved(action, reread, outcome):  # our own earlier attempt landed
-                    return reread
-                raise
-            except TransportError as exc:
-                if not exc.may_have_applied:
-                    raise
-                reread = self.client.get_action(action.action_id)
-                if _moved(action, reread, outcome):
-                    return reread
-        raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)
+        flow = self._act_flow(tool, params, call=call, perform=perform, **options)
+        return drive(flow, self.client)
 
 
 def _moved(before: Action, now: Action, outcome: str) -> bool:

@@ -16,13 +16,11 @@ from typing import Any
 import httpx
 import pytest
 from django.conf import settings
-from django.contrib.auth.models import Group
 from django.core.cache import caches
 from django.test import Client as DjangoClient
 
 import holdpoint_client.errors as errors
 from approvals.models import ApprovalPolicy
-from approvals.policies import grant
 from holdpoint_client import (
     Action,
     ActionFailed,
@@ -42,6 +40,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Action as ActionRow
 from runtime.models import Run as RunRow
 from runtime.models import Tenant
+from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona, issue_token_for
 from tests.runtime.helpers import expire_lease
 
@@ -148,14 +147,6 @@ def reviewer_api(live_server: Any, reviewer_a: Persona) -> Iterator[Client]:
     http.cookies.set(settings.CSRF_COOKIE_NAME, csrf)
     yield client
     client.close()
-
-
-@pytest.fixture
-def hold_point(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
-    """agent.tasks.create waits for tenant A's reviewers."""
-    policy = ApprovalPolicy.objects.create(tenant=tenant_a, name="review", tool=TOOL)
-    grant(policy, Group.objects.get(name="acme-reviewers"))
-    return policy
 
 
 # --- typed results and problem codes ------------------------------------------------------
@@ -390,7 +381,9 @@ def test_events_and_checkpoints_are_iterated_in_order(api: Client) -> None:
 
 
 def test_approvals_are_read_and_decided_through_the_client(
-    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+    api: Client,
+    reviewer_api: Client,
+    hold_point: ApprovalPolicy,  # noqa: F811
 ) -> None:
     run = api.create_run("api-review", GOAL, external=True)
     grant_ = api.lease(run.run_id, "me", 30)
@@ -475,7 +468,9 @@ def test_executor_continues_a_sent_action_of_a_dead_process_with_the_same_key(
 
 
 def test_executor_waits_at_the_hold_point_for_the_decision(
-    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+    api: Client,
+    reviewer_api: Client,
+    hold_point: ApprovalPolicy,  # noqa: F811
 ) -> None:
     run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
@@ -504,7 +499,9 @@ def test_executor_waits_at_the_hold_point_for_the_decision(
 
 
 def test_a_rejection_stops_the_action_before_the_tool(
-    api: Client, reviewer_api: Client, hold_point: ApprovalPolicy
+    api: Client,
+    reviewer_api: Client,
+    hold_point: ApprovalPolicy,  # noqa: F811
 ) -> None:
     run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()

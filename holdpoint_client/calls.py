@@ -1,0 +1,455 @@
+"""Holdpoint's API calls as data: what to send and how to read the answer, without I/O.
+
+`Client` (httpx.Client) and `AsyncClient` (httpx.AsyncClient) send the same `Call`s: each
+endpoint's path, body, idempotency and replay safety is written here once, and the two
+clients differ only in how they wait for the socket. The same goes for the retry policy
+(`RetryPolicy`): which failures are repeated, after how long, and when `Retry-After` wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
+
+import httpx
+
+from holdpoint_client.errors import (
+    HoldpointAPIError,
+    IdempotencyKeyInFlight,
+    ServerError,
+    ServiceUnavailable,
+    Throttled,
+    TransportError,
+    error_from_response,
+)
+from holdpoint_client.models import (
+    Action,
+    Approval,
+    Checkpoint,
+    JournalEntry,
+    LeaseGrant,
+    Page,
+    Run,
+    parse_time,
+)
+
+log = logging.getLogger("holdpoint_client")
+T = TypeVar("T")
+API_PREFIX = "/api/v1/"
+MAX_WAIT = 30.0  # the server's ceiling for ?wait=
+USER_AGENT = "holdpoint-client/0.2"
+# Failures where the request certainly never reached the server: always safe to repeat.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def api_root(base_url: str) -> str:
+    """Accept the server root or the API root: both name the same API."""
+    root = base_url.rstrip("/")
+    if root.endswith(API_PREFIX.rstrip("/")):
+        return root + "/"
+    return root + API_PREFIX
+
+
+def default_headers(token: str) -> dict[str, str]:
+    return {
+        "Authorization": f"Token {token}",
+        "Accept": "application/json, application/problem+json",
+        "User-Agent": USER_AGENT,
+    }
+
+
+def dumps(body: Any) -> bytes:
+    """Strict JSON: the server refuses NaN and Infinity, so fail here, before sending."""
+    return json.dumps(body, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _identity(data: Any) -> Any:
+    return data
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One logical API call. `replay_safe`: repeating it after an ambiguous failure cannot
+    apply it twice (reads, creating POSTs under one Idempotency-Key, decisions)."""
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    params: Mapping[str, str] = field(default_factory=dict)
+    body: Any = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    replay_safe: bool = False
+    extra_timeout: float = 0.0
+
+    def request(self, timeout: float) -> dict[str, Any]:
+        """httpx's `request` arguments; every attempt of the call sends the same bytes."""
+        headers = dict(self.headers)
+        if self.body is not None:
+            headers["Content-Type"] = "application/json"
+        return {
+            "method": self.method,
+            "url": self.path,
+            "params": self.params,
+            "content": None if self.body is None else dumps(self.body),
+            "headers": headers,
+            "timeout": httpx.Timeout(timeout + self.extra_timeout),
+        }
+
+    def answer(self, response: httpx.Response) -> T:
+        return self.parse(response.json() if response.content else {})
+
+
+def get(
+    path: str, parse: Callable[[Any], T], params: Mapping[str, str] | None = None, wait: float = 0
+) -> Call[T]:
+    return Call("GET", path, parse, dict(params or {}), replay_safe=True, extra_timeout=wait)
+
+
+def post(
+    path: str,
+    body: Any,
+    parse: Callable[[Any], T],
+    *,
+    create: bool = False,
+    idempotency_key: str | None = None,
+    replay_safe: bool = False,
+) -> Call[T]:
+    """A POST; `create` gives it an Idempotency-Key (one per logical call, reused by every
+    retry of it), which also makes it safe to repeat."""
+    headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex} if create else {}
+    return Call("POST", path, parse, body=body, headers=headers, replay_safe=replay_safe or create)
+
+
+def wait_params(wait: float | None) -> tuple[dict[str, str], float]:
+    if not wait:
+        return {}, 0.0
+    seconds = min(max(0.0, wait), MAX_WAIT)
+    return {"wait": f"{seconds:g}"}, seconds
+
+
+def filters(**values: str | None) -> dict[str, str]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def page_of(parse: Callable[[Mapping[str, Any]], T]) -> Callable[[Any], Page[T]]:
+    return lambda data: Page.from_json(data, parse)
+
+
+# --- the endpoints (API.md) --------------------------------------------------------------
+
+
+def create_run(
+    graph: str,
+    goal: Any,
+    *,
+    thread_id: str | None = None,
+    graph_version: str | None = None,
+    idempotency_key: str | None = None,
+    external: bool = False,
+) -> Call[Run]:
+    body: dict[str, Any] = {"graph": graph, "goal": goal}
+    if external:
+        body["external"] = True
+    if thread_id is not None:
+        body["thread_id"] = thread_id
+    if graph_version is not None:
+        body["graph_version"] = graph_version
+    return post("runs/", body, Run.from_json, create=True, idempotency_key=idempotency_key)
+
+
+def get_run(run_id: str, wait: float | None = None) -> Call[Run]:
+    params, extra = wait_params(wait)
+    return get(f"runs/{run_id}/", Run.from_json, params, extra)
+
+
+def runs_page(**query: str | None) -> Call[Page[Run]]:
+    return get("runs/", page_of(Run.from_json), filters(**query))
+
+
+def revise(run_id: str, goal: Any, *, expected_goal_rev: int) -> Call[Run]:
+    body = {"goal": goal, "expected_goal_rev": expected_goal_rev}
+    return post(f"runs/{run_id}/revisions/", body, Run.from_json)
+
+
+def provide_input(run_id: str, data: Any, *, expected_rev: int) -> Call[Run]:
+    body = {"data": data, "expected_rev": expected_rev}
+    return post(f"runs/{run_id}/input/", body, Run.from_json)
+
+
+def cancel(run_id: str, reason: str = "") -> Call[Run]:
+    return post(f"runs/{run_id}/cancel/", {"reason": reason}, Run.from_json)
+
+
+def resume(run_id: str, *, expected_rev: int | None = None) -> Call[Run]:
+    body = {} if expected_rev is None else {"expected_rev": expected_rev}
+    return post(f"runs/{run_id}/resume/", body, Run.from_json)
+
+
+def checkpoints_page(run_id: str, **query: str | None) -> Call[Page[Checkpoint]]:
+    return get(f"runs/{run_id}/checkpoints/", page_of(Checkpoint.from_json), filters(**query))
+
+
+def events_after(run_id: str, after: int) -> Call[list[JournalEntry]]:
+    return get(
+        f"runs/{run_id}/events/",
+        lambda data: [JournalEntry.from_json(item) for item in data.get("results") or []],
+        {"after": str(after)},
+    )
+
+
+def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:
+    return get(f"runs/{run_id}/actions/", page_of(Action.from_json), filters(**query))
+
+
+def approvals_page(**query: str | None) -> Call[Page[Approval]]:
+    return get("approvals/", page_of(Approval.from_json), filters(**query))
+
+
+def get_checkpoint(run_id: str, rev: int, *, inline: bool = False) -> Call[Checkpoint]:
+    params = {"inline": "1"} if inline else {}
+    return get(f"runs/{run_id}/checkpoints/{rev}/", Checkpoint.from_json, params)
+
+
+def lease(run_id: str, owner: str, ttl_seconds: int) -> Call[LeaseGrant]:
+    body = {"owner": owner, "ttl_seconds": ttl_seconds}
+    return post(f"runs/{run_id}/lease/", body, LeaseGrant.from_json)
+
+
+def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call[datetime | None]:
+    body: dict[str, Any] = {"fence": fence}
+    if ttl_seconds is not None:
+        body["ttl_seconds"] = ttl_seconds
+    return post(
+        f"runs/{run_id}/lease/heartbeat/",
+        body,
+        lambda data: parse_time(data.get("expires_at")),
+        replay_safe=True,
+    )
+
+
+def release(run_id: str, fence: int) -> Call[Any]:
+    return post(f"runs/{run_id}/lease/release/", {"fence": fence}, _identity, replay_safe=True)
+
+
+def write_checkpoint(
+    run_id: str,
+    *,
+    fence: int,
+    expected_rev: int,
+    state: Mapping[str, Any],
+    next_step: str,
+    status: str = "running",
+    idempotency_key: str | None = None,
+) -> Call[Checkpoint]:
+    body = {
+        "fence": fence,
+        "expected_rev": expected_rev,
+        "state": dict(state),
+        "next_step": next_step,
+        "status": status,
+    }
+    return post(
+        f"runs/{run_id}/checkpoints/",
+        body,
+        Checkpoint.from_json,
+        create=True,
+        idempotency_key=idempotency_key,
+    )
+
+
+def prepare_action(
+    run_id: str,
+    *,
+    fence: int,
+    tool: str,
+    params: Mapping[str, Any],
+    reason: str = "",
+    target: str = "",
+    idempotency_key: str | None = None,
+) -> Call[Action]:
+    body: dict[str, Any] = {
+        "fence": fence,
+        "tool": tool,
+        "params": dict(params),
+        "reason": reason,
+        "target": target,
+    }
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
+    return post(f"runs/{run_id}/actions/", body, Action.from_json, create=True)
+
+
+def get_action(action_id: str) -> Call[Action]:
+    return get(f"actions/{action_id}/", Action.from_json)
+
+
+def dispatch(action_id: str, fence: int) -> Call[Action]:
+    return post(f"actions/{action_id}/dispatch/", {"fence": fence}, Action.from_json)
+
+
+def record_outcome(
+    action_id: str, *, fence: int, outcome: str, external_id: str = "", result: Any = None
+) -> Call[Action]:
+    body = {"fence": fence, "outcome": outcome, "external_id": external_id, "result": result}
+    return post(f"actions/{action_id}/outcome/", body, Action.from_json)
+
+
+def actions_page(**query: str | None) -> Call[Page[Action]]:
+    return get("actions/", page_of(Action.from_json), filters(**query))
+
+
+def get_approval(approval_id: str, wait: float | None = None) -> Call[Approval]:
+    params, extra = wait_params(wait)
+    return get(f"approvals/{approval_id}/", Approval.from_json, params, extra)
+
+
+def decide(
+    approval_id: str,
+    decision: str,
+    *,
+    action_hash: str,
+    reason: str = "",
+    edits: Mapping[str, Any] | None = None,
+) -> Call[Approval]:
+    body: dict[str, Any] = {"decision": decision, "action_hash": action_hash, "reason": reason}
+    if edits is not None:
+        body["edits"] = dict(edits)
+    return post(f"approvals/{approval_id}/decision/", body, Approval.from_json, replay_safe=True)
+
+
+def resolve(action_id: str, outcome: str, *, external_id: str = "", note: str = "") -> Call[Action]:
+    body = {"outcome": outcome, "external_id": external_id, "note": note}
+    return post(f"actions/{action_id}/resolve/", body, Action.from_json)
+
+
+# --- what both clients are configured with ------------------------------------------------
+
+
+class ClientSettings(TypedDict, total=False):
+    """`timeout` (seconds per request, 10), and the retry policy: `retries` (4), `backoff`
+    (0.5 s), `max_backoff` (20 s), `max_retry_after` (60 s) — see RetryPolicy."""
+
+    timeout: float
+    retries: int
+    backoff: float
+    max_backoff: float
+    max_retry_after: float
+
+
+class Configured:
+    """The base URL, timeout and retry policy of `Client` and `AsyncClient`."""
+
+    def __init__(self, base_url: str, token: str, **settings: Unpack[ClientSettings]) -> None:
+        self.base_url = api_root(base_url)
+        self.timeout = settings.get("timeout", 10.0)
+        self.policy = RetryPolicy(
+            settings.get("retries", 4),
+            settings.get("backoff", 0.5),
+            settings.get("max_backoff", 20.0),
+            settings.get("max_retry_after", 60.0),
+        )
+        self._http_options: dict[str, Any] = {
+            "base_url": self.base_url,
+            "headers": default_headers(token),
+            "timeout": self.timeout,
+        }
+
+    @property
+    def retries(self) -> int:
+        return self.policy.retries
+
+
+# --- the retry policy --------------------------------------------------------------------
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    raw = response.headers.get("Retry-After")
+    if not raw:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential backoff and jitter, or what the server asked for.
+
+    `retries` is how many times one logical call may be repeated; `backoff` the first pause,
+    doubling up to `max_backoff`, each drawn with jitter so that many agents hit by the same
+    outage do not come back in lockstep. A 429/503 whose Retry-After exceeds
+    `max_retry_after` is raised rather than slept through.
+    """
+
+    retries: int = 4
+    backoff: float = 0.5
+    max_backoff: float = 20.0
+    max_retry_after: float = 60.0
+
+    def pause(
+        self,
+        call: Call[Any],
+        attempt: int,
+        *,
+        response: httpx.Response | None = None,
+        error: httpx.TransportError | None = None,
+    ) -> float:
+        """How long to wait before attempt `attempt + 1` of a call that got `response` (not
+        a success) or `error`; raises what the caller gets when it is not repeated."""
+        if error is not None:
+            delay = self.after_transport_error(call, error, attempt)
+        else:
+            assert response is not None
+            delay = self.after_refusal(call, response, attempt)
+        log.info("retrying %s %s in %.2fs (attempt %d)", call.method, call.path, delay, attempt + 1)
+        return delay
+
+    def after_transport_error(
+        self, call: Call[Any], exc: httpx.TransportError, attempt: int
+    ) -> float:
+        """The pause before repeating a call whose request failed, or raise TransportError."""
+        sent = not isinstance(exc, NOT_SENT)
+        if attempt < self.retries and (call.replay_safe or not sent):
+            return self._delay(attempt, None)
+        raise TransportError(
+            f"{call.method} {call.path}: {type(exc).__name__}: {exc}",
+            may_have_applied=sent and call.method != "GET",
+        ) from exc
+
+    def after_refusal(self, call: Call[Any], response: httpx.Response, attempt: int) -> float:
+        """The pause before repeating a call the server refused, or raise its exception."""
+        error = error_from_response(response)
+        if attempt >= self.retries or not retryable(error, call.replay_safe):
+            raise error
+        wait = retry_after(response)
+        if wait is not None and wait > self.max_retry_after:
+            raise error
+        return self._delay(attempt, wait)
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return retry_after
+        ceiling = min(self.max_backoff, self.backoff * (2**attempt))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def retryable(error: HoldpointAPIError, replay_safe: bool) -> bool:
+    """429 and a key still in flight always; 503 always (refused before any work); other
+    5xx only when repeating the call cannot apply it twice."""
+    if isinstance(error, Throttled | IdempotencyKeyInFlight | ServiceUnavailable):
+        return True
+    return isinstance(error, ServerError) and replay_safe
