@@ -79,6 +79,13 @@ class HoldPoints:
         open_requests = ApprovalRequest.objects.filter(status=A.PENDING).values("run_id")
         return runs.exclude(run_id__in=open_requests)
 
+    def tools_named(self, tenant_id: int) -> set[str]:
+        """Tools an active policy of the tenant names (see `runtime.gates`)."""
+        from approvals.models import ApprovalPolicy
+
+        policies = ApprovalPolicy.objects.filter(tenant_id=tenant_id, active=True)
+        return set(policies.values_list("tool", flat=True))
+
 
 def _no_longer_binds(approved: ApprovalRequest, action: Action) -> str:
     """Why an approved request does not let this action go now ("" if it does)."""

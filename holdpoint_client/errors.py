@@ -253,6 +253,31 @@ class ToolNotAllowed(Unprocessable):
     code = "tool_not_allowed"
 
 
+class InvalidTool(Unprocessable):
+    """A tool definition was refused; `errors` names every field that is wrong."""
+
+    code = "invalid_tool"
+
+
+class HostNotAllowed(Unprocessable):
+    """A tool definition would send requests to a host the server does not allow."""
+
+    code = "host_not_allowed"
+
+
+class ToolExists(Conflict):
+    """`POST tools/` for a name the tenant already defined (a change is a new version)."""
+
+    code = "tool_exists"
+
+
+class ToolChanged(Conflict):
+    """The tool was redefined after the action was prepared and its version in force
+    refuses the params: the action was cancelled, nothing was sent."""
+
+    code = "tool_changed"
+
+
 class Throttled(HoldpointAPIError):
     code = "throttled"
     status = 429
@@ -351,6 +376,10 @@ _CLASSES: tuple[type[HoldpointAPIError], ...] = (
     ActionRejectedByReviewer,
     UnknownGraph,
     ToolNotAllowed,
+    InvalidTool,
+    HostNotAllowed,
+    ToolExists,
+    ToolChanged,
     InvalidParams,
     IdempotencyKeyReused,
     FieldNotEditable,

@@ -61,6 +61,10 @@ class HoldPoints(Protocol):
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
         """Actions were cancelled (goal revised, run cancelled): close their requests."""
 
+    def tools_named(self, tenant_id: int) -> set[str]:
+        """Names of tools an active policy of the tenant names: for those the policy
+        decides; any other tool that changes something waits for a reviewer by default."""
+
     def sweep(self) -> int:
         """Periodic work (expiry, reminders, escalation); returns how much was done."""
 
@@ -116,6 +120,12 @@ def may_hold(action: Action, tool: Any) -> bool:
 def withdrawn(action_ids: list[str], reason: str, actor: str) -> None:
     if _impl is not None and action_ids:
         _impl.withdrawn(action_ids, reason, actor)
+
+
+def tools_named_by_policy(tenant_id: int) -> set[str]:
+    """What `HoldPoints.tools_named` says (nothing without an implementation that knows)."""
+    named = getattr(_impl, "tools_named", None)
+    return set(named(tenant_id)) if named is not None else set()
 
 
 def sweep() -> int:

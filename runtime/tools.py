@@ -368,6 +368,12 @@ _run_tenants: dict[str, int] = {}
 # --- building tools from definitions ------------------------------------------------------
 
 
+def changes_something(spec: Mapping[str, Any]) -> bool:
+    """A tenant's tool of this definition waits for the tenant's reviewers until a policy
+    names it (API.md, "Tools as data": safe by default) — unless it only reads."""
+    return spec.get("effect") != Effect.READ
+
+
 def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -> Tool:
     """The tool a validated definition (`runtime.tooldefs.parse`) describes."""
     common: dict[str, Any] = {
@@ -386,7 +392,7 @@ def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -
         "description": spec.get("description", ""),
         "executor": spec["executor"],
         "builtin": builtin,
-        "default_hold": not builtin and spec["effect"] != Effect.READ,
+        "default_hold": not builtin and changes_something(spec),
         "accepts_fence": spec["executor"] == Sender.HTTP,
     }
     if spec["executor"] != Sender.HTTP:

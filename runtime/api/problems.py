@@ -79,6 +79,9 @@ CODES = {
     "tool_unavailable": 503,
     "tool_not_allowed": 422,
     "tool_changed": 409,
+    "invalid_tool": 422,
+    "host_not_allowed": 422,
+    "tool_exists": 409,
 }
 
 
@@ -256,7 +259,7 @@ def add_problem_responses(
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             codes = ["400", "401", "404", "405", "422", "429"]
-            if method == "post":
+            if method in ("post", "put"):
                 codes += ["403", "409", "413", "415", "422"]
             for code in codes:
                 operation["responses"].setdefault(code, {"description": "Problem", **ref})

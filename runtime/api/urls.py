@@ -5,7 +5,7 @@ from csp.decorators import csp_update
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
-from runtime.api import views
+from runtime.api import toolviews, views
 
 urlpatterns = [
     path("runs/", views.RunList.as_view(), name="api-runs"),
@@ -30,6 +30,8 @@ urlpatterns = [
     path("actions/<uuid:action_id>/dispatch/", views.Dispatch.as_view(), name="api-dispatch"),
     path("actions/<uuid:action_id>/outcome/", views.Outcome.as_view(), name="api-outcome"),
     path("actions/<uuid:action_id>/resolve/", views.Resolve.as_view(), name="api-resolve"),
+    path("tools/", toolviews.ToolList.as_view(), name="api-tools"),
+    path("tools/<str:name>/", toolviews.ToolDetail.as_view(), name="api-tool"),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The split view serves its init script as a file (strict CSP); Swagger UI's stylesheet
     # draws its icons from data: URLs, so this page alone allows data: images.

@@ -49,6 +49,10 @@ CALLS: dict[tuple[str, str], tuple[int, set[int]]] = {
     ("get", "/api/v1/approvals/{approval_id}/"): (200, {404}),
     ("post", "/api/v1/approvals/{approval_id}/decision/"): (200, {403, 409, 422}),
     ("post", "/api/v1/actions/{action_id}/resolve/"): (200, {403, 409}),
+    ("get", "/api/v1/tools/"): (200, set()),
+    ("get", "/api/v1/tools/{name}/"): (200, {404}),
+    ("post", "/api/v1/tools/"): (201, {403, 409, 422}),
+    ("put", "/api/v1/tools/{name}/"): (200, {403, 404, 409, 422}),
 }
 # Every refusal code API.md names.
 API_MD_CODES = {
@@ -73,6 +77,9 @@ API_MD_CODES = {
     "field_not_editable",
     "not_found",
     "not_authenticated",
+    "invalid_tool",
+    "tool_exists",
+    "host_not_allowed",
 }
 # The object fields API.md requires, by component.
 FIELDS = {
@@ -117,6 +124,23 @@ FIELDS = {
         "decided_at",
         "decision_reason",
     },
+    "Tool": {
+        "name",
+        "version",
+        "builtin",
+        "description",
+        "effect",
+        "schema",
+        "executor",
+        "request",
+        "credential",
+        "dedup",
+        "lookup",
+        "result",
+        "timeout_seconds",
+        "compensation",
+        "approval_by_default",
+    },
 }
 LISTS = {
     "/api/v1/runs/": {"status", "thread_id", "graph", "cursor"},
@@ -124,6 +148,7 @@ LISTS = {
     "/api/v1/approvals/": {"status", "cursor"},
     "/api/v1/runs/{run_id}/checkpoints/": {"cursor"},
     "/api/v1/runs/{run_id}/actions/": {"cursor"},
+    "/api/v1/tools/": {"cursor"},
 }
 
 
@@ -228,6 +253,8 @@ def test_list_calls_document_their_page_and_filters(schema: dict[str, Any], path
         "/api/v1/runs/{run_id}/events/",
         "/api/v1/runs/{run_id}/",
         "/api/v1/approvals/{approval_id}/",
+        "/api/v1/tools/",
+        "/api/v1/tools/{name}/",
     ],
 )
 def test_get_calls_that_validate_their_query_document_422(

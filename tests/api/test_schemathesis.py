@@ -31,10 +31,11 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.core import NotSet
 from schemathesis.core.failures import Failure, FailureGroup
-from schemathesis.specs.openapi.checks import positive_data_acceptance
+from schemathesis.specs.openapi.checks import ignored_auth, positive_data_acceptance
 
 from approvals.models import ApprovalRequest
 from audit.canonical import CanonicalError, canonical_bytes
+from runtime import tooldefs
 from runtime.models import Role, Run, Tenant
 from tests.api import (
     fresh_throttle,  # noqa: F401
@@ -78,10 +79,24 @@ OPERATIONS = [
     ("GET", "/api/v1/approvals/"),
     ("GET", "/api/v1/approvals/{approval_id}/"),
     ("POST", "/api/v1/approvals/{approval_id}/decision/"),
+    ("GET", "/api/v1/tools/"),
+    ("POST", "/api/v1/tools/"),
+    ("GET", "/api/v1/tools/{name}/"),
+    ("PUT", "/api/v1/tools/{name}/"),
 ]
 
+# A tenant tool for `tools/{name}/` to find (the built-ins are there too).
+TOOL = {
+    "name": "tickets.create",
+    "effect": "write",
+    "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+    "request": {"method": "POST", "url": "http://127.0.0.1:8765/tickets"},
+    "dedup": {"mode": "key"},
+}
+# Operations fuzzed a second time as the tenant's admin (a session, not a token).
+ADMIN_OPERATIONS = [("POST", "/api/v1/tools/"), ("PUT", "/api/v1/tools/{name}/")]
 CASES = int(os.environ.get("HOLDPOINT_SCHEMATHESIS_CASES", DEFAULT_CASES))
-MAX_EXAMPLES = max(1, math.ceil(CASES / (2 * len(OPERATIONS))))
+MAX_EXAMPLES = max(1, math.ceil(CASES / (2 * (len(OPERATIONS) + len(ADMIN_OPERATIONS)))))
 TOTALS: Counter[str] = Counter()
 # All default checks. Schema-valid requests may still be refused by a documented domain rule
 # with 409 or 422 (API.md: unknown_graph, invalid_params for a tool's own parameter schema,
@@ -213,6 +228,26 @@ def steer(case: Any, world: dict[str, Any]) -> Any:
         body["expected_goal_rev"] = run.goal_rev
     if "outcome" in body and body["outcome"] == "confirmed":
         body["external_id"] = "EXT-1"
+    if "effect" in body and "dedup" in body:  # a tool definition: one the tenant may store
+        body.update(
+            executor="http",
+            schema={"type": "object"},
+            editable=[],
+            sensitive=[],
+            request={"method": "POST", "url": "http://127.0.0.1:8765/fuzzed"},
+            credential="",
+            dedup={"mode": "key"},
+            result={"external_id": "$.id"},
+            timeout_seconds=5,
+            compensation="",
+        )
+        body.pop("lookup", None)
+        if not tooldefs.NAME.match(str(body.get("name", ""))):
+            body["name"] = "fuzzed.tool"
+        if "expected_version" in body:
+            current = tooldefs.current(run.tenant_id, world["tool_name"])
+            body["name"] = world["tool_name"]
+            body["expected_version"] = current.version if current else 1
     if "action_hash" in body:
         request = ApprovalRequest.objects.filter(pk=world["approval_id"]).first()
         body["action_hash"] = request.action_hash if request else body["action_hash"]
@@ -251,7 +286,9 @@ def world(db: None, tenant_a: Tenant, reviewer_a: Persona) -> dict[str, Any]:
     action = ok(prepare(client, run["run_id"], fence), 201)
     held = ok(prepare(client, run["run_id"], fence, "tasks.close", {"task_id": "T-1"}), 201)
     assert held["status"] == "awaiting_approval" and held["approval"]
+    tool = tooldefs.define(tenant_a, TOOL, "test:schemathesis").definition
     return {
+        "tool_name": tool.name,
         "token": agent.token,
         "run_id": run["run_id"],
         "action_id": action["action_id"],
@@ -288,20 +325,43 @@ GET_422 = (
 KNOWN_SCHEMA_GAPS: dict[tuple[str, str], str] = {}
 
 
+def _session(user: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """A signed-in browser's headers and cookies: the session, and the CSRF token as cookie
+    and header (double submit), as the admin's own pages would send them."""
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    csrf = "A" * 32
+    return {"X-CSRFToken": csrf}, {
+        "sessionid": client.cookies["sessionid"].value,
+        "csrftoken": csrf,
+    }
+
+
 @pytest.mark.parametrize(
-    ("method", "path"),
-    [pytest.param(m, p, id=f"{m} {p}", marks=_known(m, p)) for m, p in OPERATIONS],
+    ("method", "path", "who"),
+    [pytest.param(m, p, "agent", id=f"{m} {p}", marks=_known(m, p)) for m, p in OPERATIONS]
+    # Defining tools is for the tenant's admin: under the agent token it is always 403, so
+    # these are fuzzed once more as the admin's session, where the definition is parsed.
+    + [pytest.param(m, p, "admin", id=f"{m} {p} as admin") for m, p in ADMIN_OPERATIONS],
 )
 def test_operation_conforms(
     method: str,
     path: str,
+    who: str,
     world: dict[str, Any],
     wsgi_app: WSGIHandler,
     report: Counter[str],
+    admin_a: Persona,
 ) -> None:
     schema = schemathesis.openapi.from_wsgi("/api/v1/schema/", wsgi_app, config=CONFIG)
     operation = schema[path][method]
-    headers = {"Authorization": f"Token {world['token']}"}
+    headers, cookies = (
+        ({"Authorization": f"Token {world['token']}"}, {})
+        if who == "agent"
+        else _session(admin_a.user)
+    )
     real = {
         name: str(world[key])
         for name, key in (
@@ -309,6 +369,7 @@ def test_operation_conforms(
             ("action_id", "action_id"),
             ("approval_id", "approval_id"),
             ("rev", "rev"),
+            ("name", "tool_name"),
         )
         if "{" + name + "}" in path
     }
@@ -336,6 +397,8 @@ def test_operation_conforms(
         strict = mode == "positive" and not _canonical(case.body)
         if strict:
             seen["strict_json"] += 1
+        if cookies:  # schemathesis sends a case's own cookies, replacing a Cookie header
+            case.cookies = {**(case.cookies or {}), **cookies}
         response = case.call(headers=headers)
         seen[f"{response.status_code // 100}xx"] += 1
         try:
@@ -344,7 +407,10 @@ def test_operation_conforms(
                 headers=headers,
                 additional_checks=[problem_json_on_4xx]
                 + ([refused_as_malformed] if strict else []),
-                excluded_checks=[positive_data_acceptance] if strict else [],
+                excluded_checks=([positive_data_acceptance] if strict else [])
+                # Its replay without credentials keeps the case's session cookie (schemathesis
+                # strips headers, not cookies); no credentials at all are tested as the agent.
+                + ([ignored_auth] if cookies else []),
                 transport_kwargs={"headers": dict(headers)},
             )
         except (Failure, FailureGroup) as exc:

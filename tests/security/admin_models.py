@@ -21,7 +21,15 @@ from django_q.models import OrmQ, Schedule, Task
 
 from approvals.models import ApprovalRequest
 from audit.models import JournalEntry
-from runtime.models import AgentAccount, AgentToken, Membership, Role, Tenant, ToolCredential
+from runtime.models import (
+    AgentAccount,
+    AgentToken,
+    Membership,
+    Role,
+    Tenant,
+    ToolCredential,
+    ToolDefinition,
+)
 from tests.security.matrix import Route
 from tests.security.world import World
 
@@ -67,6 +75,10 @@ ADMIN_MODELS: dict[str, AdminModel] = {
     ),
     "runtime.ToolCredential": AdminModel(
         lambda w: w.credential, lambda t: ToolCredential.objects.filter(tenant=t)
+    ),
+    "runtime.ToolDefinition": AdminModel(
+        lambda w: ToolDefinition.objects.get(tenant=w.tenant, name=w.tool_name),
+        lambda t: ToolDefinition.objects.filter(tenant=t),
     ),
     "approvals.ApprovalPolicy": AdminModel(
         lambda w: w.policy,
@@ -120,9 +132,10 @@ MODEL_VIEWS = {
     "<path:object_id>/delete/": "delete",
     "<path:object_id>/change/": "change",
     "<path:object_id>/": "object",
+    "<path:object_id>/test/": "test",  # a tool definition's dry run
     "<id>/password/": "password",
 }
-OBJECT_VIEWS = {"history", "delete", "change", "object", "password"}
+OBJECT_VIEWS = {"history", "delete", "change", "object", "password", "test"}
 
 
 def model_route(route: Route) -> tuple[str, str] | None:

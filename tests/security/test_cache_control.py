@@ -31,6 +31,7 @@ def values_of(world: World) -> dict[str, Any]:
         "request_id": world.approval_id,
         "approval_id": world.approval_id,
         "rev": 1,
+        "name": world.tool_name,
     }
 
 

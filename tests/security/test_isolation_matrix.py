@@ -37,14 +37,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from approvals.models import ApprovalRequest, ApprovalStatus
+from runtime import tooldefs
 from runtime.api.base import Cursor
-from runtime.models import Action, ActionStatus, Run, RunStatus
+from runtime.models import Action, ActionStatus, Run, RunStatus, ToolDefinition
 from tests.api import fresh_throttle  # noqa: F401  (the rate limit must not leak between tests)
 from tests.conftest import Persona
 from tests.security import matrix
 from tests.security.conftest import csrf_client, token_client
 from tests.security.matrix import METHODS, SAFE, Route
-from tests.security.world import World, random_ids
+from tests.security.world import World, random_ids, tool_of
 
 pytestmark = pytest.mark.django_db
 
@@ -55,6 +56,7 @@ KWARG_KINDS = {
     "action_id": "action",
     "request_id": "approval",
     "approval_id": "approval",
+    "name": "tool",  # tools/{name}/: the tenant's own tool definition
     "rev": "checkpoint",  # always together with run_id: B's run and one of its revs
 }
 # Who calls which area. Sessions are real browser sessions: CSRF enforced, token sent.
@@ -101,6 +103,7 @@ BODIES: dict[str, Callable[[dict[str, Any], World], dict[str, Any]]] = {
         "action_hash": _hash_of(v["request_id"]),
         "reason": "probe",
     },
+    "api-tool": lambda v, w: {**tool_of(w.slug), "name": v["name"], "expected_version": 1},
     "run-cancel": lambda v, w: {"reason": "probe"},
     "run-resume": lambda v, w: {},
     "run-input": lambda v, w: {"input": "{}", "expected_rev": "1"},
@@ -499,6 +502,32 @@ def api_approvals(ctx: Ctx, route: Route, caller: str, method: str) -> None:
     _api_collection(ctx, route, caller, method, "id", own, queries)
 
 
+def api_tools(ctx: Ctx, route: Route, caller: str, method: str) -> None:
+    """The built-ins and A's own definitions; B's never (its name carries B's slug)."""
+    if method == "HEAD":
+        response = ctx.call(caller, method, route.url(), area="api")
+        ctx.check(response.status_code == 200, f"HEAD /{route.pattern}: {response.status_code}")
+        return
+    names = {tool["name"] for tool in _api_list(ctx, caller, route.url())}
+    own = set(tooldefs.builtin_specs()) | set(
+        ToolDefinition.objects.filter(tenant=ctx.a.tenant).values_list("name", flat=True)
+    )
+    ctx.check(names == own, f"GET /{route.pattern} as {caller}: {sorted(names ^ own)}")
+
+
+def api_define_tool(ctx: Ctx, route: Route, caller: str, method: str) -> None:
+    """Nobody the matrix calls as is A's admin: refused, and neither tenant's tools move —
+    not even with B's tool's name and B's tenant in the body."""
+    b = ctx.b
+    before = {t: matrix.tenant_state(t.pk) for t in (ctx.a.tenant, b.tenant)}
+    body = {**tool_of(b.slug), "tenant": b.tenant.pk, "tenant_id": b.tenant.pk}
+    response = ctx.call(caller, method, route.url(), body, area="api")
+    where = f"{method} /{route.pattern} as {caller}"
+    ctx.check(response.status_code == 403, f"{where}: {response.status_code}, not 403")
+    for tenant, state in before.items():
+        ctx.check(matrix.tenant_state(tenant.pk) == state, f"{where}: {tenant.slug} changed")
+
+
 def api_create_run(ctx: Ctx, route: Route, caller: str, method: str) -> None:
     """A run created through the API is the caller's tenant's, whatever the body claims."""
     b = ctx.b
@@ -539,6 +568,7 @@ LIST_CHECKS: dict[str, dict[str, Check]] = {
     "api-runs": {"GET": api_runs, "POST": api_create_run},
     "api-actions": {"GET": api_actions},
     "api-approvals": {"GET": api_approvals},
+    "api-tools": {"GET": api_tools, "POST": api_define_tool},
     "api-schema": {"GET": same_for_everyone},
     "api-docs": {"GET": same_for_everyone},
 }

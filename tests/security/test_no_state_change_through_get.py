@@ -45,6 +45,8 @@ def object_values(route: Route, world: World) -> list[dict[str, Any]]:
     """Every combination of the tenant's own objects the route's parameters can name."""
     if "rev" in route.kwargs:
         return world.checkpoints()
+    if "name" in route.kwargs:  # tools/{name}/: a built-in and the tenant's own
+        return [{"name": "tasks.create"}, {"name": world.tool_name}]
     kinds = {"run_id": "run", "action_id": "action", "request_id": "approval"}
     kinds["approval_id"] = "approval"
     (name,) = route.kwargs

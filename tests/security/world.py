@@ -17,6 +17,7 @@ from typing import Any
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, TenantWebhook, WebhookDelivery
 from audit.models import JournalEntry
+from runtime import tooldefs
 from runtime.models import Action, ActionStatus, Checkpoint, Tenant, ToolCredential
 from tests.api import grant_policy, new_run, ok, post, prepare, take_lease
 from tests.conftest import Persona
@@ -42,6 +43,7 @@ class World:
     delivery: WebhookDelivery
     credential: ToolCredential
     idempotency_key: str
+    tool_name: str  # the tenant's own tool definition (tools/{name}/)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -54,6 +56,7 @@ class World:
             "run": [self.run_id, self.other_run_id, self.parked_run_id],
             "action": [self.action_id, self.held_action_id, self.parked_id],
             "approval": [self.approval_id, self.decided_id],
+            "tool": [self.tool_name],
         }[kind]
 
     def checkpoints(self) -> list[dict[str, Any]]:
@@ -129,6 +132,7 @@ def build_world(agent: Persona, reviewer: Persona) -> World:
     credential = ToolCredential(tenant=agent.tenant, service=f"service-of-{slug}")
     credential.set_secret(f"secret-of-{slug}", actor="test:world")
     credential.save()
+    tool = tooldefs.define(agent.tenant, tool_of(slug), "test:world").definition
     approval = ApprovalRequest.objects.get(pk=held["approval"])
     return World(
         tenant=agent.tenant,
@@ -149,7 +153,19 @@ def build_world(agent: Persona, reviewer: Persona) -> World:
         delivery=delivery,
         credential=credential,
         idempotency_key=key,
+        tool_name=tool.name,
     )
+
+
+def tool_of(slug: str) -> dict[str, Any]:
+    """A tenant's tool definition, named after the tenant (its name is one of its markers)."""
+    return {
+        "name": f"tool-of-{slug}",
+        "effect": "write",
+        "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+        "request": {"method": "POST", "url": "http://127.0.0.1:8765/tasks"},
+        "dedup": {"mode": "key"},
+    }
 
 
 def random_ids() -> dict[str, Any]:
@@ -160,4 +176,5 @@ def random_ids() -> dict[str, Any]:
         "request_id": uuid.uuid4(),
         "approval_id": uuid.uuid4(),
         "rev": 1,
+        "name": f"no-such.tool-{uuid.uuid4().hex}",
     }

@@ -56,6 +56,9 @@ TENANT_ADMIN_PERMS = [
     ("runtime", "add_toolcredential"),
     ("runtime", "change_toolcredential"),
     ("runtime", "delete_toolcredential"),
+    ("runtime", "view_tooldefinition"),
+    ("runtime", "add_tooldefinition"),
+    ("runtime", "change_tooldefinition"),  # a change stores a new version, never edits one
     ("approvals", "view_approvalpolicy"),
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),
