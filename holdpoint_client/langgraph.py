@@ -63,6 +63,7 @@ from holdpoint_client.errors import (
     Rejected,
 )
 from holdpoint_client.executor import ToolCall
+from holdpoint_client.faults import fault
 from holdpoint_client.models import Approval
 
 KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
@@ -318,6 +319,7 @@ def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = No
                     raise ApprovalTimeout(f"no decision yet on approval {approval.id}")
                 wait = max(1.0, min(wait, left))
             approval = hp.client.get_approval(approval.id, wait=wait)
+        fault("after_decision")  # decided; the graph has not resumed with it yet
         resume[found.id] = decision(approval)
     return Command(resume=resume)
 
