@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import ToolCall as LangChainToolCall
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.prebuilt import ToolNode
@@ -163,7 +164,11 @@ class HoldpointGraph:
         outer = self
 
         class HoldpointMiddleware(AgentMiddleware):  # type: ignore[misc]
-            def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+            """Holdpoint in the tool-call position of a `create_agent` agent."""
+
+            def wrap_tool_call(
+                self, request: ToolCallRequest, handler: Execute
+            ) -> ToolMessage | Command[Any]:
                 return outer(request, handler)
 
         return HoldpointMiddleware()
@@ -183,7 +188,9 @@ class HoldpointGraph:
         def perform(call: ToolCall) -> Any:
             token = _call.set(call)
             try:
-                approved = {**tool_call, "args": dict(call.params)}
+                approved = LangChainToolCall(
+                    name=tool_call["name"], args=dict(call.params), id=tool_call["id"]
+                )
                 return _answer(execute(request.override(tool_call=approved)))
             finally:
                 _call.reset(token)

@@ -23,12 +23,14 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import tool
 from langgraph.types import Command
 
 from audit.verification import verify_all
 from holdpoint_client import Holdpoint
-from holdpoint_client.langgraph import KIND, HoldpointGraph
+from holdpoint_client.langgraph import KIND, HoldpointGraph, current_call
 from runtime.models import Action, Run, RunStatus, Tenant
 from tests import procs
 from tests.api import get, ok, post, session
@@ -334,3 +336,45 @@ def test_a_forged_resume_approves_nothing(
 
     assert agent.box.tasks() == []
     assert the_action("lg-forged").status == "awaiting_approval"
+
+
+@pytest.mark.usefixtures("hold_point")
+def test_create_agent_with_the_middleware(
+    agent: Agent, reviewer_a: Persona, tmp_path: Path
+) -> None:
+    """LangChain 1.x's `create_agent`: the same ledgering in the middleware's tool-call
+    position (where HumanInTheLoopMiddleware sits)."""
+    module = example()
+    hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01)
+    hg = HoldpointGraph(hp, graph="api-review")
+
+    @hg.action("agent.tasks.create", reason="a task for the review")
+    @tool
+    def create_task(title: str, body: str) -> dict[str, Any]:
+        """Create a task in the team's tracker."""
+        sent = httpx.post(
+            agent.box.url + "/tasks", json={"title": title}, headers=current_call().headers()
+        )
+        return dict(sent.raise_for_status().json())
+
+    config, first = start("lg-create-agent")
+    try:
+        with module.saver(str(tmp_path / "create-agent.sqlite3")) as checkpointer:
+            app = create_agent(
+                module.TaskModel(messages=iter(())),
+                tools=[create_task],
+                middleware=[hg.middleware()],
+                checkpointer=checkpointer,
+            )
+            (held,) = app.invoke(first, config)["__interrupt__"]
+            assert held.value["type"] == KIND and agent.box.tasks() == []
+            decide(reviewer_a, the_action("lg-create-agent", "awaiting_approval"))
+
+            values = hg.invoke(app, None, config)
+    finally:
+        hp.close()
+
+    (task,) = agent.box.tasks()
+    assert task["id"] in values["messages"][-1].content
+    assert the_action("lg-create-agent").status == "confirmed"
+    assert Run.objects.get(thread_id="lg-create-agent").status == RunStatus.COMPLETED
