@@ -6,11 +6,12 @@
 
 An ordinary LangGraph agent — a model node, a `ToolNode`, a checkpointer — whose
 `create_task` tool POSTs to the sandbox task tracker (`python manage.py sandbox_tasks`).
-The lines marked `# +hp` are all that Holdpoint changes in it (8: two imports, the
-`HoldpointGraph`, the `@hg.action` line, two for the headers, the tool node, the invoke); nothing
-else of the agent knows about Holdpoint. The model is a fake from `langchain_core` (no
-network, no API key) that asks for one task and then reports the tool's answer; put any
-chat model in its place.
+The lines marked `# +hp` are all that Holdpoint changes in it — 9: two imports, the
+`HoldpointGraph`, `build` taking it (and its call), the `@hg.action` line, the headers
+of the POST, the tool node and the invoke (an agent without a `build` function changes 8:
+README.md, "LangGraph"). Nothing else of the agent knows about Holdpoint. The model is a
+fake from `langchain_core` (no network, no API key) that asks for one task and then reports
+the tool's answer; put any chat model in its place.
 
 If the tenant's policy holds `agent.tasks.create`, the graph pauses with LangGraph's
 `interrupt()` carrying the approval (id, hash, expiry, link); `hg.invoke` long-polls it and
@@ -42,6 +43,8 @@ from langgraph.prebuilt import tools_condition
 from holdpoint_client import Holdpoint  # +hp
 from holdpoint_client.langgraph import HoldpointGraph, current_call  # +hp
 
+Saver = BaseCheckpointSaver[Any]
+
 
 class TaskModel(GenericFakeChatModel):
     """Stands in for a chat model: asks for one task, then reports the tool's answer."""
@@ -68,17 +71,16 @@ class TaskModel(GenericFakeChatModel):
         return ChatResult(generations=[ChatGeneration(message=reply)])
 
 
-def build(hp: Holdpoint, tasks_url: str, checkpointer: BaseCheckpointSaver[Any]) -> Any:
-    """The agent: (HoldpointGraph, compiled graph)."""
-    hg = HoldpointGraph(hp, graph="api-review")  # +hp
+def build(hg: HoldpointGraph, tasks_url: str, checkpointer: Saver) -> Any:  # +hp
+    """The agent, compiled with its checkpointer."""
     tasks = tasks_url.rstrip("/") + "/tasks"
 
     @hg.action("agent.tasks.create")  # +hp
     @tool
     def create_task(title: str, body: str) -> dict[str, Any]:
         """Create a task in the team's tracker."""
-        headers = current_call().headers()  # +hp  (Idempotency-Key, run, fence)
-        sent = httpx.post(tasks, json={"title": title, "body": body}, headers=headers)  # +hp
+        task = {"title": title, "body": body}
+        sent = httpx.post(tasks, json=task, headers=current_call().headers())  # +hp
         return dict(sent.raise_for_status().json())
 
     model = TaskModel(messages=iter(())).bind_tools([create_task])
@@ -92,7 +94,7 @@ def build(hp: Holdpoint, tasks_url: str, checkpointer: BaseCheckpointSaver[Any])
     builder.add_edge(START, "agent")
     builder.add_conditional_edges("agent", tools_condition)
     builder.add_edge("tools", "agent")
-    return hg, builder.compile(checkpointer=checkpointer)
+    return builder.compile(checkpointer=checkpointer)
 
 
 @contextmanager
@@ -121,9 +123,9 @@ def main() -> None:
     parser.add_argument("--checkpoints", required=True, help="a SQLite file or a postgres:// URL")
     parser.add_argument("--ttl", type=int, default=30, help="Holdpoint lease seconds")
     args = parser.parse_args()
-    hp = Holdpoint.from_env(ttl=args.ttl)
+    hg = HoldpointGraph(Holdpoint.from_env(ttl=args.ttl), graph="api-review")  # +hp
     with saver(args.checkpoints) as checkpointer:
-        hg, graph = build(hp, args.tasks_url, checkpointer)
+        graph = build(hg, args.tasks_url, checkpointer)  # +hp
         config: Any = {"configurable": {"thread_id": args.thread}}
         start = {"messages": [HumanMessage(args.thread)]}
         values = hg.invoke(graph, start, config)  # +hp  (was graph.invoke(start, config))

@@ -252,9 +252,8 @@ def graph_of(agent: Agent, tmp_path: Path) -> Iterator[Callable[..., tuple[Holdp
         hp = Holdpoint(agent.url, agent.token, ttl=3, backoff=0.01)
         made.append(hp)
         savers.append(module.saver(str(tmp_path / "in-process.sqlite3")))
-        hg, graph = module.build(hp, agent.box.url, savers[-1].__enter__())
-        hg.approval_timeout = options.get("approval_timeout")
-        return hg, graph
+        hg = HoldpointGraph(hp, graph="api-review", **options)
+        return hg, module.build(hg, agent.box.url, savers[-1].__enter__())
 
     yield make
     for cm in savers:
