@@ -1,0 +1,437 @@
+"""LangGraph / LangChain 1.x: each tool call of an agent is a Holdpoint action.
+
+    hg = HoldpointGraph(Holdpoint.from_env(), graph="api-review")
+
+    @hg.action("agent.tasks.create")
+    @tool
+    def create_task(title: str) -> dict:
+        "Create a task in the tracker."
+        return httpx.post(TASKS, json={"title": title}, headers=current_call().headers()).json()
+
+    builder.add_node("tools", hg.tool_node([create_task]))   # or ToolNode(..., wrap_tool_call=hg)
+    result = hg.invoke(app, {"messages": [...]}, {"configurable": {"thread_id": "review-42"}})
+
+Why it is shaped so:
+
+- A LangGraph node re-runs from its first line after a crash or a resume, and the model's
+  `tool_call_id` is checkpointed before the tool node runs. The action's label is
+  `lc:<tool_call_id>` inside the run of the LangGraph thread, so a re-run meets the action
+  its predecessor prepared — waiting, approved, sent or confirmed — and continues it; the
+  tool is never called for it again once its outcome is recorded.
+- A hold point pauses the graph with LangGraph's own `interrupt()`, carrying the approval
+  (id, action hash, expiry, the request page's link). The resume value is never trusted:
+  on resume the node asks Holdpoint again, and what runs is the *approved* params (a
+  reviewer's edits included); a rejection becomes the tool's message with the reviewer's
+  reason, so the model sees it. A forged `Command(resume={"approved": True})` approves
+  nothing: a still pending approval is waited for (long-poll) instead.
+- The Holdpoint run's lease is held only while a call is being settled, so several
+  processes may resume one thread at once: the lease's fence lets one of them act, the
+  other finds the recorded outcome. LangGraph's checkpointer is untouched — any saver works.
+- An unknown outcome (the tool raised, the process died after the call) is settled as the
+  server's `reconcile` says for the tool (`run.act` does it): the call again with the same
+  Idempotency-Key, the tool's `lookup`, or a person.
+
+Only the tools named with `action()` are ledgered; the others run as before. Imported only
+by agents that use LangGraph: `import holdpoint_client` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import ToolCall as LangChainToolCall
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.prebuilt import ToolNode
+from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
+from pydantic import BaseModel, ValidationError
+
+from holdpoint_client.agent import Holdpoint, Proof
+from holdpoint_client.calls import API_PREFIX
+from holdpoint_client.errors import (
+    ActionFailed,
+    ActionWithdrawn,
+    ApprovalTimeout,
+    ExecutorError,
+    Rejected,
+)
+from holdpoint_client.executor import ToolCall
+from holdpoint_client.faults import fault
+from holdpoint_client.models import Approval
+
+KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
+T = TypeVar("T", bound=BaseTool)
+Execute = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
+_call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
+    "holdpoint_tool_call", default=None
+)
+
+
+def current_call() -> ToolCall:
+    """The ledger's view of the tool call being performed: `.params` (the approved ones),
+    `.headers()` (Idempotency-Key, Holdpoint-Run, Holdpoint-Fence) for the service.
+
+    A LangChain tool cannot be handed it as an argument: ToolNode strips every injected
+    argument the caller supplies (a model could forge one), so it travels in a context
+    variable set around the tool's execution."""
+    call = _call.get()
+    if call is None:
+        raise ExecutorError("current_call() outside a Holdpoint-ledgered tool call")
+    return call
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one LangChain tool is ledgered (see HoldpointGraph.action)."""
+
+    tool: str
+    reason: str | Callable[[dict[str, Any]], str] | None
+    lookup: Callable[[ToolCall], Any] | None
+    external_id: Proof
+
+
+class ToolErrored(Exception):
+    """The tool node turned an exception of the tool into an error message: whether the
+    effect happened cannot be told from it, so the server's reconcile decides."""
+
+
+class HoldpointGraph:
+    """Holdpoint for one LangGraph agent: which tools are ledgered, and as what.
+
+    `graph` names the agent in Holdpoint (the run's graph); `goal` is the run's goal when the
+    first ledgered call of a thread creates it. `approval_timeout` bounds the wait for a
+    reviewer after a resume (None: as long as it takes; the lease is renewed meanwhile).
+    """
+
+    def __init__(
+        self,
+        hp: Holdpoint,
+        *,
+        graph: str,
+        goal: Any = None,
+        approval_timeout: float | None = None,
+    ) -> None:
+        self.hp = hp
+        self.graph = graph
+        self.goal = goal
+        self.approval_timeout = approval_timeout
+        self.specs: dict[str, Spec] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    # --- declaring -------------------------------------------------------------------------
+
+    def action(
+        self,
+        tool: str,
+        *,
+        reason: str | Callable[[dict[str, Any]], str] | None = None,
+        lookup: Callable[[ToolCall], Any] | None = None,
+        external_id: Proof = "id",
+    ) -> Callable[[T], T]:
+        """Ledger the LangChain tool under Holdpoint's tool `tool` (put it above `@tool`).
+
+        `reason` (a string, or a function of the params) is what the reviewer reads; by
+        default the model's text before the call, else the tool's description. `lookup(call)`
+        finds the effect by `call.idempotency_key` for a tool Holdpoint reconciles by lookup
+        (the service's answer, or None). `external_id` is the answer's key holding the proof
+        (or a function of the answer). The tool itself is returned unchanged.
+        """
+
+        def register(fn: T) -> T:
+            self.specs[fn.name] = Spec(tool, reason, lookup, external_id)
+            return fn
+
+        return register
+
+    def tool_node(self, tools: Sequence[BaseTool | Callable[..., Any]], **options: Any) -> ToolNode:
+        """A `ToolNode` running `tools`, the ledgered ones through Holdpoint."""
+        return ToolNode(tools, wrap_tool_call=self, **options)
+
+    def middleware(self) -> Any:
+        """For `langchain.agents.create_agent(..., middleware=[hg.middleware()])`: the same
+        wrapping in the agent's tool-call position (needs the `langchain` package)."""
+        from langchain.agents.middleware import AgentMiddleware
+
+        outer = self
+
+        class HoldpointMiddleware(AgentMiddleware):  # type: ignore[misc]
+            """Holdpoint in the tool-call position of a `create_agent` agent."""
+
+            def wrap_tool_call(
+                self, request: ToolCallRequest, handler: Execute
+            ) -> ToolMessage | Command[Any]:
+                return outer(request, handler)
+
+        return HoldpointMiddleware()
+
+    # --- one tool call ---------------------------------------------------------------------
+
+    def __call__(self, request: ToolCallRequest, execute: Execute) -> ToolMessage | Command[Any]:
+        """The `wrap_tool_call` of a ToolNode: a ledgered tool's call becomes an action."""
+        tool_call = request.tool_call
+        spec = self.specs.get(tool_call["name"])
+        if spec is None or not _valid(request):
+            return execute(request)  # not ledgered, or the node reports the bad arguments
+        config = request.runtime.config if request.runtime is not None else None
+        thread = thread_of(config)
+        params = dict(tool_call["args"])
+
+        def perform(call: ToolCall) -> Any:
+            token = _call.set(call)
+            try:
+                approved = LangChainToolCall(
+                    name=tool_call["name"], args=dict(call.params), id=tool_call["id"]
+                )
+                return _answer(execute(request.override(tool_call=approved)))
+            finally:
+                _call.reset(token)
+
+        def act(approval_timeout: float | None) -> Any:
+            with (
+                self._lock(thread),
+                self.hp.run(thread, graph=self.graph, goal=self.goal, complete=False) as run,
+            ):
+                return run.act(
+                    spec.tool,
+                    params,
+                    reason=_reason(spec, request, params),
+                    perform=perform,
+                    lookup=spec.lookup,
+                    label=f"lc:{tool_call['id']}",
+                    external_id=spec.external_id,
+                    approval_timeout=approval_timeout,
+                )
+
+        try:
+            try:
+                result = act(0)  # settled, or held: never blocks on a reviewer here
+            except ApprovalTimeout as held:
+                # Raises GraphInterrupt (the graph pauses, the checkpointer keeps it) unless
+                # this is a resume; then the decision is read from Holdpoint, not from it.
+                interrupt(self._pending(held, thread, tool_call))
+                result = act(self.approval_timeout)
+        except Rejected as no:
+            return _message(request, f"A reviewer rejected {spec.tool}: {no.reason}", "error")
+        except (ActionWithdrawn, ActionFailed) as gone:
+            return _message(request, f"{spec.tool} did not run: {gone}", "error")
+        return _message(request, result if isinstance(result, str) else _dumps(result))
+
+    def _lock(self, thread: str) -> threading.Lock:
+        """One call at a time per thread in this process: ToolNode runs a message's tool
+        calls in parallel threads, and they share one lease owner."""
+        with self._guard:
+            return self._locks.setdefault(thread, threading.Lock())
+
+    def _pending(self, held: ApprovalTimeout, thread: str, tool_call: Any) -> dict[str, Any]:
+        """The interrupt's value: what a person or a resumer needs to find the decision."""
+        action = held.action
+        approval = self.hp.client.get_approval(action.approval)
+        return {
+            "type": KIND,
+            "approval_id": approval.id,
+            "action_id": action.action_id,
+            "action_hash": approval.action_hash,
+            "expires_at": approval.expires_at.isoformat() if approval.expires_at else None,
+            "url": request_page(self.hp, approval.id),
+            "tool": action.tool,
+            "params": action.params,
+            "run_id": action.run_id,
+            "thread_id": thread,
+            "tool_call_id": tool_call["id"],
+        }
+
+    # --- driving a thread ------------------------------------------------------------------
+
+    def invoke(
+        self,
+        graph: Any,
+        input: Any,
+        config: RunnableConfig,
+        *,
+        timeout: float | None = None,
+        complete: bool = True,
+        **options: Any,
+    ) -> Any:
+        """Start the thread with `input`, or continue it where it stopped (a crash, a hold
+        point), waiting for reviewers (long-poll) and resuming with their decisions until
+        the graph ends; then the Holdpoint run is completed (`complete=False`: left open,
+        for a conversation's next turn). A thread that already ended is not run again.
+        Returns the graph's last values; an interrupt that is not Holdpoint's is returned
+        to the caller, with the graph paused on it. `durability` defaults to "sync": the
+        model's tool call is stored before the tool runs."""
+        options.setdefault("durability", "sync")
+        snapshot = graph.get_state(config)
+        if snapshot.interrupts:
+            values = graph.invoke(
+                self.wait_for_decision(snapshot, timeout=timeout), config, **options
+            )
+        elif snapshot.next:
+            values = graph.invoke(None, config, **options)  # a predecessor died mid-step
+        elif snapshot.created_at is not None:
+            values = snapshot.values
+        else:
+            values = graph.invoke(input, config, **options)
+        while True:
+            snapshot = graph.get_state(config)
+            if not snapshot.interrupts:
+                break
+            if not all(_ours(pending) for pending in snapshot.interrupts):
+                return values
+            values = graph.invoke(
+                self.wait_for_decision(snapshot, timeout=timeout), config, **options
+            )
+        if complete and not snapshot.next:
+            self.complete(thread_of(config))
+        return values
+
+    def wait_for_decision(self, pending: Any, *, timeout: float | None = None) -> Command[Any]:
+        """See the module-level `wait_for_decision`."""
+        return wait_for_decision(self.hp, pending, timeout=timeout)
+
+    def complete(self, thread: str) -> None:
+        """Complete the thread's Holdpoint run (created if no call was ledgered in it)."""
+        with self.hp.run(thread, graph=self.graph, goal=self.goal):
+            pass
+
+
+def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = None) -> Command[Any]:
+    """Block until each Holdpoint approval the graph waits on is decided; return the
+    `Command(resume=...)` that continues it.
+
+    `pending`: what `graph.invoke` returned, `graph.get_state(config)`, or interrupts. The
+    approvals are long-polled (no busy loop); `timeout` raises ApprovalTimeout (nothing is
+    lost: call again). The resume value only informs the graph — the ledgered tool reads the
+    decision from Holdpoint itself.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    resume: dict[str, Any] = {}
+    for found in _interrupts(pending):
+        if not _ours(found):
+            continue
+        approval = hp.client.get_approval(found.value["approval_id"])
+        while approval.pending:
+            wait = 30.0
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ApprovalTimeout(f"no decision yet on approval {approval.id}")
+                wait = max(1.0, min(wait, left))
+            approval = hp.client.get_approval(approval.id, wait=wait)
+        fault("after_decision")  # decided; the graph has not resumed with it yet
+        resume[found.id] = decision(approval)
+    return Command(resume=resume)
+
+
+def decision(approval: Approval) -> dict[str, Any]:
+    """The resume value for one approval: its status and the reviewer's reason."""
+    return {
+        "type": KIND,
+        "approval_id": approval.id,
+        "status": approval.status,
+        "reason": approval.decision_reason,
+    }
+
+
+def request_page(hp: Holdpoint, approval_id: str) -> str:
+    """The approval's page in Holdpoint's web UI, where a reviewer decides."""
+    root = hp.client.base_url.rstrip("/").removesuffix(API_PREFIX.rstrip("/"))
+    return f"{root}/approvals/{approval_id}/"
+
+
+def thread_of(config: RunnableConfig | None) -> str:
+    """The LangGraph thread id, which names the Holdpoint run."""
+    thread = ((config or {}).get("configurable") or {}).get("thread_id")
+    if not thread:
+        raise ExecutorError(
+            "a Holdpoint-ledgered tool needs a checkpointer and "
+            "config={'configurable': {'thread_id': ...}}"
+        )
+    return str(thread)
+
+
+def _interrupts(pending: Any) -> Iterable[Interrupt]:
+    if isinstance(pending, StateSnapshot):
+        return pending.interrupts
+    if isinstance(pending, Mapping):
+        return pending.get("__interrupt__") or ()
+    if isinstance(pending, Interrupt):
+        return (pending,)
+    return tuple(pending)
+
+
+def _ours(found: Interrupt) -> bool:
+    return isinstance(found.value, Mapping) and found.value.get("type") == KIND
+
+
+def _valid(request: ToolCallRequest) -> bool:
+    """Whether the model's arguments fit the tool: a call that cannot run is reported by
+    the tool node as usual and never shown to a reviewer."""
+    schema = request.tool.tool_call_schema if request.tool is not None else None
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        try:
+            schema.model_validate(request.tool_call["args"])
+        except ValidationError:
+            return False
+    return True
+
+
+def _reason(spec: Spec, request: ToolCallRequest, params: dict[str, Any]) -> str:
+    if callable(spec.reason):
+        return spec.reason(params)
+    if spec.reason:
+        return spec.reason
+    state = request.state
+    messages = state.get("messages", ()) if isinstance(state, Mapping) else state
+    for message in reversed(list(messages or ())):
+        if isinstance(message, AIMessage):
+            if isinstance(message.content, str) and message.content.strip():
+                return message.content.strip()
+            break
+    description = request.tool.description if request.tool is not None else ""
+    return (description or spec.tool).strip().splitlines()[0]
+
+
+def _answer(message: ToolMessage | Command[Any]) -> Any:
+    """The service's answer in what the tool node made of the tool's return value."""
+    if not isinstance(message, ToolMessage):
+        raise ToolErrored("a ledgered tool must return data, not a Command")
+    if message.status == "error":
+        raise ToolErrored(str(message.content))
+    if message.artifact is not None:
+        return message.artifact
+    content = message.content
+    if isinstance(content, str):
+        try:
+            return json.loads(content)
+        except ValueError:
+            return content
+    return content
+
+
+def _message(request: ToolCallRequest, content: str, status: str = "success") -> ToolMessage:
+    call = request.tool_call
+    return ToolMessage(content=content, name=call["name"], tool_call_id=call["id"], status=status)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+__all__ = [
+    "HoldpointGraph",
+    "KIND",
+    "current_call",
+    "decision",
+    "request_page",
+    "thread_of",
+    "wait_for_decision",
+]

@@ -1,0 +1,1 @@
+"""LangGraph adapter tests (holdpoint_client.langgraph, examples/langgraph_agent.py)."""
