@@ -28,7 +28,8 @@ imports the SDK. Why each piece is where it is:
 Resuming: `run_agent` waits for the decision itself (long-poll, lease heartbeated), which is
 what a script wants. A service that should not hold a process per paused run passes
 `approval_timeout=0` (it returns by raising `ApprovalTimeout`, everything kept) and calls
-`run_agent` again for the thread when Holdpoint's signed `approval.decided` webhook arrives;
+`run_agent` again for the thread when Holdpoint's signed `approval.decided` webhook arrives
+(it only wakes the agent: the decision is read from the server, not from the webhook body);
 `wait_for_decision` long-polls a paused thread's approvals without taking its lease.
 """
 
