@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from agents import Agent, Model, ModelResponse, ModelSettings, Usage
+from agents import Agent, Model, ModelResponse, ModelSettings, Usage, set_tracing_disabled
 from agents.models.interface import ModelTracing
 from openai.types.responses import (
     ResponseFunctionToolCall,
@@ -87,6 +87,9 @@ class ScriptedModel(Model):
 
     def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         raise NotImplementedError("this example does not stream")
+
+
+set_tracing_disabled(True)  # no API key to export traces with: the model is scripted
 
 
 # --- agent code -----------------------------------------------------------------------

@@ -57,6 +57,7 @@ from holdpoint_client.errors import (
     VersionConflict,
 )
 from holdpoint_client.executor import ToolCall
+from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, adrive, ask
 from holdpoint_client.models import Action, Approval
 
@@ -219,6 +220,8 @@ async def _decide(run: AsyncRunHandle, state: RunState[Any, Any], timeout: float
                 raise refusal  # withdrawn: goal revised, run cancelled, approval expired
             state.reject(item, rejection_message=_rejection(refusal.reason))
         else:  # approved, or already sent/confirmed by a predecessor: the ledger goes on
+            if action.status == "approved":  # decided before we looked, too: nothing sent yet
+                fault("after_decision")
             state.approve(item)
 
 
