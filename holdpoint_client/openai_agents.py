@@ -1,0 +1,325 @@
+"""The OpenAI Agents SDK on Holdpoint: approval-gated tools that act exactly once.
+
+    from holdpoint_client.openai_agents import holdpoint_tool, run_agent
+
+    @holdpoint_tool("agent.tasks.create")           # instead of @function_tool
+    async def create_task(title: str, *, call: ToolCall) -> dict: ...
+
+    output = await run_agent(hp, "thread-42", agent, "Review the change", graph="api-review")
+
+Install with `pip install "holdpoint[openai-agents]"`; `import holdpoint_client` itself never
+imports the SDK. Why each piece is where it is:
+
+- `needs_approval` is the tenant's policy, not a flag in the agent's code: the wrapper
+  prepares the call as a Holdpoint action (key: the run, its goal revision and the SDK's
+  `call_id`) and the SDK pauses exactly when the server holds the action for a reviewer.
+- The paused `RunState` is written into the Holdpoint run's checkpoint (fenced,
+  compare-and-swap), not kept in the process: a restarted agent, or another machine, loads
+  it and resumes from the reviewer's decision as the inbox recorded it — approved (the
+  ledger then hands the tool the approved params, a reviewer's edits included) or rejected
+  (`RunState.reject` with the reviewer's reason, which is what the model reads next).
+- The tool body runs only through the ledger (`run.act` with the call id as label): after a
+  crash the recorded outcome is returned, an uncertain one is settled as the tool's dedup
+  contract says (same Idempotency-Key, lookup, or a person), and the function is not called
+  a second time for an effect that happened.
+- The final output is recorded in the run, which is completed on return: running the same
+  thread again returns it without asking the model or the tools anything.
+
+Resuming: `run_agent` waits for the decision itself (long-poll, lease heartbeated), which is
+what a script wants. A service that should not hold a process per paused run passes
+`approval_timeout=0` (it returns by raising `ApprovalTimeout`, everything kept) and calls
+`run_agent` again for the thread when Holdpoint's signed `approval.decided` webhook arrives
+(it only wakes the agent: the decision is read from the server, not from the webhook body);
+`wait_for_decision` long-polls a paused thread's approvals without taking its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agents import Agent, FunctionTool, RunContextWrapper, Runner, RunState
+from agents.function_schema import function_schema
+from agents.items import ToolApprovalItem
+from agents.tool_context import ToolContext
+
+from holdpoint_client import calls
+from holdpoint_client.agent import STEP, AsyncHoldpoint, AsyncRunHandle, Proof, current_run
+from holdpoint_client.errors import (
+    ApprovalTimeout,
+    ExecutorError,
+    Rejected,
+    VersionConflict,
+)
+from holdpoint_client.executor import ToolCall
+from holdpoint_client.faults import fault
+from holdpoint_client.flow import Flow, adrive, ask
+from holdpoint_client.models import Action, Approval
+
+__all__ = ["STATE_KEY", "holdpoint_tool", "label_of", "run_agent", "wait_for_decision"]
+
+# Where the paused RunState lives in the run's checkpoint state, and the final output's record.
+STATE_KEY = "openai_agents"
+FINAL = "openai-agents:final"
+Reason = str | Callable[..., str]
+
+
+def label_of(call_id: str) -> str:
+    """The ledger label of one SDK tool call: its key is `<run>:<goal_rev>:ext:oa:<call_id>`,
+    the same in every process that meets this call."""
+    return f"oa:{call_id}"
+
+
+def _run() -> AsyncRunHandle:
+    run = current_run()
+    if not isinstance(run, AsyncRunHandle):
+        raise ExecutorError("Holdpoint tools run inside run_agent(...) (an AsyncHoldpoint run)")
+    return run
+
+
+def _prepared(
+    run: AsyncRunHandle, tool: str, params: Mapping[str, Any], label: str, reason: str, target: str
+) -> Flow[Action]:
+    """The call's action, found by its key or prepared now (the policy decides there)."""
+    key = run.ex.key_for(label)
+    found = yield from ask(calls.actions_page(idempotency_key=key))
+    if found.results:
+        return found.results[0]
+    return (yield from run.ex._prepare(key, tool, params, reason, target))
+
+
+def holdpoint_tool(
+    tool: str,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    reason: Reason | None = None,
+    lookup: Callable[[ToolCall], Any] | None = None,
+    external_id: Proof = "id",
+    target: str = "",
+    strict: bool = True,
+) -> Callable[[Callable[..., Any]], FunctionTool]:
+    """Make `fn` an SDK `FunctionTool` whose calls are the Holdpoint tool `tool`'s actions.
+
+    The model sees `fn`'s signature and docstring, as with `@function_tool` (minus `call`).
+    `fn` runs with the *approved* params as keyword arguments, plus `call=` (the ToolCall:
+    `call.headers()` carry the ledger's Idempotency-Key) if it declares `call`; what it
+    returns (JSON) is recorded and given to the model. `reason` (text, or a function of the
+    params; default the docstring's first line) is what the reviewer reads; `lookup` and
+    `external_id` are `run.act`'s. Exceptions propagate and stop the run (nothing is sent to
+    the model as if it were an answer): a Holdpoint error means the ledger must decide.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> FunctionTool:
+        signature = inspect.signature(fn)
+        takes_call = "call" in signature.parameters
+        why = reason or (inspect.getdoc(fn) or tool).splitlines()[0]
+
+        @functools.wraps(fn)
+        def visible(*args: Any, **kwargs: Any) -> Any:  # never called: the model's view of fn
+            raise NotImplementedError
+
+        # The model never fills `call`: the schema is made from the signature without it.
+        visible.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for n, p in signature.parameters.items() if n != "call"]
+        )
+        visible.__annotations__ = {
+            k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != "call"
+        }
+        schema = function_schema(
+            visible,
+            name_override=name,
+            description_override=description,
+            strict_json_schema=strict,
+        )
+
+        def reason_for(params: Mapping[str, Any]) -> str:
+            return why(**params) if callable(why) else why
+
+        async def perform(call: ToolCall) -> Any:
+            extra = {"call": call} if takes_call else {}
+            if inspect.iscoroutinefunction(fn):
+                return await fn(**call.params, **extra)
+            return await asyncio.to_thread(fn, **call.params, **extra)
+
+        async def needs_approval(
+            ctx: RunContextWrapper[Any], params: dict[str, Any], call_id: str
+        ) -> bool:
+            run = _run()
+            flow = _prepared(run, tool, params, label_of(call_id), reason_for(params), target)
+            action = await adrive(flow, run.client)
+            return action.status == "awaiting_approval" or (
+                action.status == "cancelled" and action.approval is not None
+            )
+
+        async def invoke(ctx: ToolContext[Any], arguments: str) -> Any:
+            run = _run()
+            params = json.loads(arguments or "{}")
+            try:
+                result = await run.act(
+                    tool,
+                    params,
+                    reason=reason_for(params),
+                    perform=perform,
+                    lookup=lookup,
+                    label=label_of(ctx.tool_call_id),
+                    target=target,
+                    external_id=external_id,
+                )
+            except Rejected as rejected:  # decided after the SDK let the call through
+                return _rejection(rejected.reason)
+            return json.dumps(result)
+
+        return FunctionTool(
+            name=schema.name,
+            description=schema.description or "",
+            params_json_schema=schema.params_json_schema,
+            on_invoke_tool=invoke,
+            strict_json_schema=strict,
+            needs_approval=needs_approval,
+        )
+
+    return wrap
+
+
+def _rejection(reason: str) -> str:
+    return f"A reviewer rejected this call: {reason}" if reason else "A reviewer rejected it."
+
+
+def _call_id(item: ToolApprovalItem) -> str:
+    raw = item.raw_item
+    found = raw.get("call_id") if isinstance(raw, Mapping) else getattr(raw, "call_id", None)
+    if not found:
+        raise ExecutorError(f"the SDK's approval of {item.name} names no call id")
+    return str(found)
+
+
+async def _decide(run: AsyncRunHandle, state: RunState[Any, Any], timeout: float | None) -> None:
+    """Apply the inbox's decisions to the paused state, waiting for them (up to `timeout`
+    s; ApprovalTimeout leaves everything as it is for the next try)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for item in state.get_interruptions():
+        key = run.ex.key_for(label_of(_call_id(item)))
+        page = await run.client.send(calls.actions_page(idempotency_key=key))
+        if not page.results:
+            raise ExecutorError(
+                f"the SDK paused for {item.name}, which is not a Holdpoint tool: approve it "
+                "in your own code, or wrap it with holdpoint_tool"
+            )
+        action = page.results[0]
+        while action.status == "awaiting_approval":
+            action = await adrive(run.ex._await_decision(action, deadline), run.client)
+        if action.status == "cancelled":
+            refusal = await adrive(run.ex._cancelled(action), run.client)
+            if not isinstance(refusal, Rejected):
+                raise refusal  # withdrawn: goal revised, run cancelled, approval expired
+            state.reject(item, rejection_message=_rejection(refusal.reason))
+        else:  # approved, or already sent/confirmed by a predecessor: the ledger goes on
+            if action.status == "approved":  # decided before we looked, too: nothing sent yet
+                fault("after_decision")
+            state.approve(item)
+
+
+async def _keep(run: AsyncRunHandle, paused: dict[str, Any]) -> None:
+    """Write the paused RunState into the run's checkpoint, before anyone waits on it."""
+    for _ in range(3):
+        state = {**run.state, STATE_KEY: paused}
+        try:
+            await adrive(run.ex._checkpoint_flow(state, STEP), run.client)
+        except VersionConflict:  # someone wrote meanwhile (the server, a reviewer)
+            run.state = await adrive(run._load(), run.client)
+            continue
+        run.state = state
+        return
+    raise ExecutorError("could not store the paused run state: the checkpoint kept moving")
+
+
+async def _never() -> Any:
+    raise ExecutorError("the run finished without recording the agent's final output")
+
+
+async def run_agent(
+    hp: AsyncHoldpoint,
+    thread_id: str,
+    agent: Agent[Any],
+    input: Any = None,
+    *,
+    graph: str,
+    goal: Any = None,
+    approval_timeout: float | None = None,
+    **runner: Any,
+) -> Any:
+    """`Runner.run(agent, input, **runner)` as the Holdpoint run of `thread_id`; returns the
+    final output (recorded, JSON).
+
+    The run is found again by `thread_id` (or created, external, with `goal`). A paused
+    RunState stored in it is resumed — `input` is then ignored — after the reviewers'
+    decisions are applied; each new pause is stored, then waited for. `approval_timeout`:
+    seconds to wait for a decision (None: as long as it takes; 0: not at all — a service
+    calls again on the `approval.decided` webhook); ApprovalTimeout keeps everything.
+    A completed run returns its recorded output without running anything.
+    """
+    async with hp.run(thread_id, graph=graph, goal=goal) as run:
+        if run.finished:
+            return await run.record(FINAL, _never)
+        saved = run.state.get(STATE_KEY)
+        start: Any
+        if isinstance(saved, Mapping):
+            paused: RunState[Any, Any] = await RunState.from_json(agent, dict(saved))
+            await _decide(run, paused, approval_timeout)
+            start = paused
+        elif input is None:
+            raise ExecutorError(f"thread {thread_id!r} has no paused agent: pass the input")
+        else:
+            start = input
+        while True:
+            result = await Runner.run(agent, start, **runner)
+            if not result.interruptions:
+                break
+            paused = result.to_state()
+            await _keep(run, paused.to_json())
+            await _decide(run, paused, approval_timeout)
+            start = paused
+        final = result.final_output
+
+        async def output() -> Any:
+            return final
+
+        return await run.record(FINAL, output)
+
+
+async def wait_for_decision(
+    hp: AsyncHoldpoint, thread_id: str, *, timeout: float | None = None
+) -> list[Approval]:
+    """Long-poll until no approval of the thread's run is pending; its approvals.
+
+    For a script that resumes a paused agent itself (`run_agent` again) once reviewers
+    answered. It takes no lease, so it may run beside the agent or in another process.
+    Raises ApprovalTimeout after `timeout` seconds with a decision still pending.
+    """
+    client = hp.client
+    deadline = None if timeout is None else time.monotonic() + timeout
+    page = await client.send(calls.runs_page(thread_id=thread_id))
+    if not page.results:
+        raise ExecutorError(f"no run for thread {thread_id!r}")
+    run = page.results[0]
+    decided: list[Approval] = []
+    async for action in client.run_actions(run.run_id):
+        if action.approval is None:
+            continue
+        approval = await client.get_approval(action.approval)
+        while approval.pending:
+            wait = 30.0
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ApprovalTimeout(f"approval {approval.id} is still pending", action=action)
+                wait = max(1.0, min(wait, left))
+            approval = await client.get_approval(approval.id, wait=wait)
+        decided.append(approval)
+    return decided
