@@ -28,6 +28,7 @@ from runtime import gates, toolcatalog, tooldefs
 from runtime.admin import TenantScopedAdmin, _actor, admin_tenants
 from runtime.errors import HoldpointError, InvalidParams
 from runtime.models import McpServer, Tenant, ToolDefinition
+from runtime.models.mcp import ADDRESS
 
 # The order an admin reads a definition in (API.md's example); anything else follows.
 ORDER = [
@@ -355,6 +356,11 @@ class McpServerAdmin(TenantScopedAdmin):
         "active",
     ]
     actions = ["import_tools"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Where a registered server is reached cannot change (`McpServer.clean`)."""
+        fixed = ADDRESS if obj is not None else ()
+        return (*super().get_readonly_fields(request, obj), *fixed)
 
     def has_import_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("runtime.add_tooldefinition"))

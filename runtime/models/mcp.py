@@ -29,6 +29,10 @@ class McpTransport(models.TextChoices):
     STDIO = "stdio", "stdio (a local command; only with HOLDPOINT_MCP_STDIO)"
 
 
+# The fields that say where a server is reached.
+ADDRESS = ("transport", "url", "command", "args")
+
+
 class McpServer(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="mcp_servers")
     name = models.CharField(
@@ -95,5 +99,15 @@ class McpServer(models.Model):
                 errors.setdefault("command", []).append("stdio needs a command")
             if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
                 errors.setdefault("args", []).append("a list of strings")
+        if self.pk is not None:
+            # Where a server is reached is part of what its tools' approvals were given
+            # for, and the definitions name the server, not the address: a server that
+            # moves is a new server (register it, import its tools: new definitions).
+            before = McpServer.objects.filter(pk=self.pk).values(*ADDRESS).first()
+            for field in ADDRESS:
+                if before is not None and before[field] != getattr(self, field):
+                    errors.setdefault(field, []).append(
+                        "fixed once registered: register the moved server under a new name"
+                    )
         if errors:
             raise ValidationError(errors)

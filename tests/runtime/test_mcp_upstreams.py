@@ -322,3 +322,19 @@ def test_a_tenant_admin_sees_only_their_servers_and_imports_in_admin(
     assert b"3 tool(s), 3 new version(s)" in response.content
     assert ToolDefinition.objects.filter(tenant=admin_a.tenant).count() == 3
     assert not ToolDefinition.objects.filter(tenant=tenant_b).exists()
+
+
+def test_a_registered_server_cannot_be_moved_under_its_tools(tenant_a: Tenant) -> None:
+    """The definitions (and the approvals given for them) name the server: changing where
+    it is reached would send an approved call somewhere else."""
+    server = McpServer.objects.create(
+        tenant=tenant_a, name="ops", transport="streamable_http", url="http://127.0.0.1:9/mcp"
+    )
+    server.url = "http://localhost:9/mcp"
+    with pytest.raises(ValidationError) as refused:
+        server.save()
+    assert "url" in refused.value.message_dict
+    assert McpServer.objects.get(pk=server.pk).url == "http://127.0.0.1:9/mcp"
+    server.url = "http://127.0.0.1:9/mcp"
+    server.active = False  # anything else may change
+    server.save()
