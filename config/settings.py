@@ -425,6 +425,10 @@ HOLDPOINT_TOOL_PRIVATE_NETWORKS = env_list(
 HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = env_int(
     "HOLDPOINT_TOOL_MAX_RESPONSE_BYTES", 1024 * 1024, minimum=1
 )
+# MCP upstreams over stdio are commands Holdpoint starts on its own host with its own
+# environment: registering one runs code on the operator's machine. Off unless an operator
+# of a local, single-user setup turns it on (runtime/models/mcp.py).
+HOLDPOINT_MCP_STDIO = env_bool("HOLDPOINT_MCP_STDIO", False)
 # Checked by the functions that apply them at send time, so both agree on what is valid.
 from runtime.outbound import check_patterns, host_allowed, parse_networks  # noqa: E402
 

@@ -26,8 +26,9 @@ from django.utils.safestring import SafeString
 
 from runtime import gates, toolcatalog, tooldefs
 from runtime.admin import TenantScopedAdmin, _actor, admin_tenants
-from runtime.errors import InvalidParams
-from runtime.models import Tenant, ToolDefinition
+from runtime.errors import HoldpointError, InvalidParams
+from runtime.models import McpServer, Tenant, ToolDefinition
+from runtime.models.mcp import ADDRESS
 
 # The order an admin reads a definition in (API.md's example); anything else follows.
 ORDER = [
@@ -47,6 +48,7 @@ ORDER = [
     "timeout_seconds",
     "compensation",
     "compensation_param",
+    "mcp",
 ]
 NEEDS_APPROVAL = "needs approval by default (no policy names it)"
 TEMPLATE = {
@@ -120,7 +122,7 @@ class ToolDefinitionForm(forms.ModelForm[ToolDefinition]):
             )
             return data
         try:
-            tooldefs.parse(spec, known_tools=toolcatalog.known_names(tenant))
+            tooldefs.parse(spec, known_tools=toolcatalog.known_names(tenant), tenant_id=tenant.pk)
         except (tooldefs.InvalidTool, tooldefs.HostNotAllowed) as exc:
             _add_errors(self, "definition", exc)
             return data
@@ -328,3 +330,62 @@ class ToolDefinitionAdmin(TenantScopedAdmin):
             "headers": sorted((result.headers or {}).items()) if result else [],
         }
         return TemplateResponse(request, "admin/runtime/tooldefinition/test.html", context)
+
+
+# --- upstream MCP servers ----------------------------------------------------------------
+
+
+@admin.register(McpServer)
+class McpServerAdmin(TenantScopedAdmin):
+    """A tenant's upstream MCP servers (issue 19). "Import tools" asks the server for its
+    tools and stores each as a definition through `tooldefs.define` (an unchanged tool
+    keeps its version); its `executor: mcp` tools are then held, sent and reconciled like
+    any other."""
+
+    list_display = ["name", "tenant", "transport", "url", "command", "active", "updated_at"]
+    search_fields = ["name"]
+    fields = [
+        "tenant",
+        "name",
+        "transport",
+        "url",
+        "command",
+        "args",
+        "credential",
+        "timeout_seconds",
+        "active",
+    ]
+    actions = ["import_tools"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Where a registered server is reached cannot change (`McpServer.clean`)."""
+        fixed = ADDRESS if obj is not None else ()
+        return (*super().get_readonly_fields(request, obj), *fixed)
+
+    def has_import_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("runtime.add_tooldefinition"))
+
+    @admin.action(description="Import tools (stores new versions of changed tools)")
+    def import_tools(self, request: HttpRequest, queryset: QuerySet[McpServer]) -> None:
+        from runtime import mcp
+
+        for server in queryset.select_related("tenant"):
+            try:
+                defined = mcp.import_tools(server, _actor(request))
+            except HoldpointError as exc:
+                errors = exc.extra.get("errors") or {}
+                lines = "".join(f"; {k}: {', '.join(v)}" for k, v in errors.items())
+                self.message_user(
+                    request,
+                    f"{server.name}: nothing imported ({exc.detail}{lines})",
+                    messages.ERROR,
+                )
+                continue
+            created = sum(1 for item in defined if item.created)
+            self.message_user(
+                request,
+                f"{server.name}: {len(defined)} tool(s), {created} new version(s), "
+                f"{len(defined) - created} unchanged.",
+            )
+
+    import_tools.allowed_permissions = ("import",)  # type: ignore[attr-defined]

@@ -338,6 +338,25 @@ def resolve(host: str, port: int) -> list[str]:
     return addresses
 
 
+@dataclass(frozen=True)
+class Vetted:
+    """Where one connection may go: an allowed host and the addresses it resolved to, every
+    one allowed. A client connects to these, never to a second DNS answer."""
+
+    host: str
+    port: int
+    scheme: str
+    addresses: tuple[str, ...]
+
+
+def vet(url: str) -> Vetted:
+    """The checks `send` makes before connecting, for a caller with its own client (an MCP
+    session): OutboundRefused (nothing sent), or httpx.ConnectError if the name does not
+    resolve (nothing sent either)."""
+    host, port, scheme = _allowed_host(url)
+    return Vetted(host, port, scheme, tuple(resolve(host, port)))
+
+
 # --- Sending ----------------------------------------------------------------------------
 
 

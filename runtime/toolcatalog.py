@@ -227,7 +227,7 @@ def import_definitions(tenant: Tenant, data: Any, actor: str) -> list[tooldefs.D
         if isinstance(name, str) and names.count(name) > 1:
             invalid.setdefault(f"{label}: name", []).append("defined more than once in the file")
         try:
-            tooldefs.parse(item, known_tools=known)
+            tooldefs.parse(item, known_tools=known, tenant_id=tenant.pk)
         except tooldefs.InvalidTool as exc:
             for field, messages in (exc.extra.get("errors") or {}).items():
                 invalid.setdefault(f"{label}: {field}", []).extend(messages)

@@ -14,7 +14,10 @@ What is checked, because each would otherwise fail at send time, on a tenant's b
   and their hosts are allowed by `HOLDPOINT_TOOL_HOSTS` (422 `host_not_allowed`);
 - JSONPath expressions (`lookup.found`, `result.external_id`) parse (RFC 9535);
 - extra headers cannot replace the ones Holdpoint sets (the key, the fence, the credential);
-- a compensation names a tool that exists.
+- a compensation names a tool that exists;
+- an `mcp` tool names an upstream server the tenant registered (runtime.models.McpServer)
+  whose URL host is allowed, and declares dedup `none`: MCP has no idempotency contract,
+  so a lost answer goes to a person.
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ from audit import journal
 from audit.canonical import canonical_bytes, sha256_hex
 from runtime import jsonpaths, outbound
 from runtime.errors import HoldpointError
-from runtime.models import Tenant, ToolDefinition
+from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
 
 NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$")
 SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
 EFFECTS = ("read", "write", "irreversible")
-EXECUTORS = ("http", "client")  # `mcp` tools are imported from an MCP server, not written
+EXECUTORS = ("http", "client", "mcp")  # `mcp`: usually imported (runtime.mcp)
 MODES = ("key", "lookup", "none")
 METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
 # Headers Holdpoint sets itself on every request: a definition cannot replace them.
@@ -71,7 +74,9 @@ FIELDS = {
     "timeout_seconds",
     "compensation",
     "compensation_param",
+    "mcp",
 }
+MAX_TOOL_NAME = 200  # an upstream tool's own name, as MCP spells it
 MAX_TIMEOUT = 60.0
 
 
@@ -105,11 +110,14 @@ class _Errors:
         self.hosts.setdefault(where, []).append(message)
 
 
-def parse(data: Any, *, known_tools: Iterable[str] = ()) -> dict[str, Any]:
+def parse(
+    data: Any, *, known_tools: Iterable[str] = (), tenant_id: int | None = None
+) -> dict[str, Any]:
     """The normalised definition, or InvalidTool / HostNotAllowed with field errors.
 
     `known_tools`: names a compensation may cite besides the tenant's (a file imported as a
-    whole may define a tool and its compensation together)."""
+    whole may define a tool and its compensation together). `tenant_id`: whose registered
+    MCP servers an `mcp` tool may name (without it, none)."""
     errors = _Errors({}, {})
     if not isinstance(data, Mapping):
         raise InvalidTool("a tool definition is a JSON object", errors={"tool": ["not an object"]})
@@ -150,9 +158,17 @@ def parse(data: Any, *, known_tools: Iterable[str] = ()) -> dict[str, Any]:
     if executor == "http":
         spec["request"] = _request(data.get("request"), params, errors)
     elif "request" in data:
-        errors.add("request", "a client tool is performed by the agent: no request")
+        errors.add("request", f"an {executor} tool has no http request")
+    if executor == "mcp":
+        spec["mcp"] = _mcp(data.get("mcp"), tenant_id, errors)
+        if mode and mode != "none":
+            errors.add("dedup.mode", "none: MCP has no idempotency contract")
+        if "lookup" in data:
+            errors.add("lookup", "an mcp tool has no lookup (yet): unknown outcomes go to a person")
+    elif "mcp" in data:
+        errors.add("mcp", "only an mcp tool names an upstream MCP server")
     lookup = data.get("lookup")
-    if lookup is not None:
+    if lookup is not None and executor != "mcp":
         spec["lookup"] = _lookup(lookup, params, errors, needs_url=executor == "http")
     elif mode == "lookup" and executor == "http":
         errors.add("lookup", "dedup mode lookup needs a lookup request")
@@ -304,6 +320,37 @@ def _lookup(lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool) 
     return spec
 
 
+def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
+    """`{"server": <the tenant's McpServer name>, "tool": <the upstream's tool name>}`."""
+    if not isinstance(value, Mapping):
+        errors.add("mcp", "an object: {server, tool}")
+        return {}
+    for extra in sorted(set(value) - {"server", "tool"}):
+        errors.add(f"mcp.{extra}", "unknown field")
+    server_name, tool = value.get("server"), value.get("tool")
+    if not isinstance(tool, str) or not tool or len(tool) > MAX_TOOL_NAME:
+        errors.add("mcp.tool", f"the upstream tool's name (1 to {MAX_TOOL_NAME} characters)")
+    if not isinstance(server_name, str) or not server_name:
+        errors.add("mcp.server", "the name of one of the tenant's MCP servers")
+        return {"server": server_name, "tool": tool}
+    server = (
+        McpServer.objects.filter(tenant_id=tenant_id, name=server_name).first()
+        if tenant_id is not None
+        else None
+    )
+    if server is None:
+        errors.add("mcp.server", f"no MCP server {server_name!r} is registered for the tenant")
+    elif server.transport == McpTransport.STREAMABLE_HTTP:
+        try:
+            outbound.check_url(server.url)
+        except outbound.OutboundRefused as exc:
+            if exc.code == "host_not_allowed":
+                errors.host("mcp.server", exc.detail)
+            else:
+                errors.add("mcp.server", exc.detail)
+    return {"server": server_name, "tool": tool}
+
+
 def _path(expr: Any, where: str, errors: _Errors) -> str:
     if not isinstance(expr, str) or not expr:
         errors.add(where, "a JSONPath expression (RFC 9535), e.g. $.id")
@@ -372,7 +419,7 @@ def define(
     left as it is. Either way the definition is validated first and nothing is stored if it
     is refused."""
     known = set(known_tools) | set(tenant_tool_names(tenant.pk)) | set(builtin_names())
-    spec = parse(data, known_tools=known)
+    spec = parse(data, known_tools=known, tenant_id=tenant.pk)
     name, fingerprint = spec["name"], digest(spec)
     with transaction.atomic():
         # One writer per tenant at a time: the tenant row is the lock (versions are

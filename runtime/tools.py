@@ -342,6 +342,17 @@ def credential_for_run(service: str, run_id: str) -> Secret | None:
     read (and decrypted) on every call, so a replaced secret is used at once."""
     if not service:
         return None
+    tenant_id = tenant_of_run(run_id)
+    if tenant_id is None:
+        return None
+    from runtime.models import ToolCredential
+
+    return ToolCredential.lookup(tenant_id, service)
+
+
+def tenant_of_run(run_id: str) -> int | None:
+    """The tenant a run belongs to (None: not a run). A run never changes tenant, so the
+    answer is remembered per process."""
     tenant_id = _run_tenants.get(run_id)
     if tenant_id is None:
         from runtime.models import Run
@@ -357,9 +368,7 @@ def credential_for_run(service: str, run_id: str) -> Secret | None:
         if len(_run_tenants) >= 10_000:
             _run_tenants.clear()
         _run_tenants[run_id] = tenant_id
-    from runtime.models import ToolCredential
-
-    return ToolCredential.lookup(tenant_id, service)
+    return tenant_id
 
 
 _run_tenants: dict[str, int] = {}
@@ -395,6 +404,15 @@ def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -
         "default_hold": not builtin and changes_something(spec),
         "accepts_fence": spec["executor"] == Sender.HTTP,
     }
+    if spec["executor"] == Sender.MCP:
+        from runtime.mcp import McpTool  # it builds on Tool
+
+        return McpTool(
+            **common,
+            server=spec["mcp"]["server"],
+            upstream_tool=spec["mcp"]["tool"],
+            id_path=spec.get("result", {}).get("external_id", "$.id"),
+        )
     if spec["executor"] != Sender.HTTP:
         return Tool(**common)
     request, lookup = spec["request"], spec.get("lookup") or {}

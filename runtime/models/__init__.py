@@ -3,6 +3,7 @@
 from runtime.models.actions import UNSENT, Action, ActionStatus
 from runtime.models.idempotency import IdempotencyRecord
 from runtime.models.logins import FailedLoginWindow
+from runtime.models.mcp import McpServer, McpTransport
 from runtime.models.runs import (
     RUNNABLE,
     TERMINAL,
@@ -31,6 +32,8 @@ __all__ = [
     "Checkpoint",
     "FailedLoginWindow",
     "IdempotencyRecord",
+    "McpServer",
+    "McpTransport",
     "Membership",
     "RecordedCall",
     "Role",

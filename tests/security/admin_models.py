@@ -24,6 +24,7 @@ from audit.models import JournalEntry
 from runtime.models import (
     AgentAccount,
     AgentToken,
+    McpServer,
     Membership,
     Role,
     Tenant,
@@ -79,6 +80,12 @@ ADMIN_MODELS: dict[str, AdminModel] = {
     "runtime.ToolDefinition": AdminModel(
         lambda w: ToolDefinition.objects.get(tenant=w.tenant, name=w.tool_name),
         lambda t: ToolDefinition.objects.filter(tenant=t),
+    ),
+    "runtime.McpServer": AdminModel(
+        lambda w: McpServer.objects.get_or_create(
+            tenant=w.tenant, name="helpdesk", defaults={"url": "http://127.0.0.1:9/mcp"}
+        )[0],
+        lambda t: McpServer.objects.filter(tenant=t),
     ),
     "approvals.ApprovalPolicy": AdminModel(
         lambda w: w.policy,

@@ -59,6 +59,10 @@ TENANT_ADMIN_PERMS = [
     ("runtime", "view_tooldefinition"),
     ("runtime", "add_tooldefinition"),
     ("runtime", "change_tooldefinition"),  # a change stores a new version, never edits one
+    ("runtime", "view_mcpserver"),
+    ("runtime", "add_mcpserver"),
+    ("runtime", "change_mcpserver"),
+    ("runtime", "delete_mcpserver"),
     ("approvals", "view_approvalpolicy"),
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),

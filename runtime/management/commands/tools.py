@@ -6,6 +6,8 @@ import  FILE (JSON: one definition or a list) all or nothing: every tool of the 
         version) or `unchanged vN` (the same definition is already current).
 export  the current definitions as a JSON list (stdout, or --output FILE): importing it
         again changes nothing.
+import-mcp --server NAME: the tools the tenant's upstream MCP server lists, each stored as
+        an `executor: mcp` definition (`unchanged vN` when it did not change).
 list    name, version, effect, executor, dedup and approval note of every tool the tenant
         may use, built-ins included.
 
@@ -37,16 +39,17 @@ class Command(BaseCommand):
     help = "Import, export or list a tenant's tool definitions."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("action", choices=["import", "export", "list"])
+        parser.add_argument("action", choices=["import", "import-mcp", "export", "list"])
         parser.add_argument("file", nargs="?", help="import: the JSON file (- for stdin)")
         parser.add_argument("--tenant", required=True, help="tenant slug")
+        parser.add_argument("--server", help="import-mcp: the upstream MCP server's name")
         parser.add_argument("--output", help="export: write to this file instead of stdout")
 
     def handle(self, *args: Any, **options: Any) -> None:
         tenant = Tenant.objects.filter(slug=options["tenant"]).first()
         if tenant is None:
             raise CommandError(f"no tenant {options['tenant']!r}")
-        getattr(self, f"do_{options['action']}")(tenant, options)
+        getattr(self, f"do_{options['action'].replace('-', '_')}")(tenant, options)
 
     def do_import(self, tenant: Tenant, options: dict[str, Any]) -> None:
         source = options["file"]
@@ -72,6 +75,27 @@ class Command(BaseCommand):
             row = item.definition
             state = "created" if item.created else "unchanged"
             self.stdout.write(f"{row.name}: {state} v{row.version}")
+
+    def do_import_mcp(self, tenant: Tenant, options: dict[str, Any]) -> None:
+        from runtime import mcp
+        from runtime.errors import HoldpointError
+        from runtime.models import McpServer
+
+        server = McpServer.objects.filter(tenant=tenant, name=options["server"] or "").first()
+        if server is None:
+            raise CommandError(f"no MCP server {options['server']!r} for tenant {tenant.slug}")
+        try:
+            defined = mcp.import_tools(server, f"system:tools import-mcp ({_os_user()})")
+        except HoldpointError as exc:
+            for where, messages in (exc.extra.get("errors") or {}).items():
+                for message in messages:
+                    self.stderr.write(f"{where}: {message}")
+            raise CommandError(f"{exc.code}: {exc.detail}; nothing was stored") from None
+        for item in defined:
+            row = item.definition
+            self.stdout.write(
+                f"{row.name}: {'created' if item.created else 'unchanged'} v{row.version}"
+            )
 
     def do_export(self, tenant: Tenant, options: dict[str, Any]) -> None:
         text = json.dumps(

@@ -1,0 +1,377 @@
+"""Upstream MCP servers: importing their tools as definitions, and sending `executor: mcp`
+tools to them (API.md, "Tools as data"; issue 19).
+
+Holdpoint is the MCP *client* here, through the official `mcp` SDK, one short-lived session
+per import or call (a worker holds no connection between actions, and a session cannot leak
+one action's state into the next). The SDK is asyncio; workers are synchronous, so each
+session runs in `asyncio.run` on a helper thread, with every database read done before.
+
+A streamable HTTP upstream is held to the rules of http tools (runtime.outbound): its host
+must be allowed, the name is resolved once and every address checked, and the connection
+goes to the vetted address with the real name in `Host` and TLS's SNI.
+
+What a call's answer means for the effect (runtime.tools.CallResult):
+- a result with `isError` false → applied; the proof id is the result's own id (the
+  definition's `result.external_id` over `structuredContent`) or else the action's
+  idempotency key, and the result is recorded;
+- `isError` true, or a protocol error saying the request was not acceptable (unknown
+  method, invalid params) → refused for good;
+- no session could be opened (refused connection, failed handshake) → refused, transient:
+  `tools/call` was never sent;
+- a timeout or a lost connection after `tools/call` was sent → unknown. MCP has no
+  idempotency contract and these tools have no lookup, so the ledger hands the question to
+  a person (`manual_review`) instead of sending again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import ssl
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import httpx2
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult
+from mcp_types import Tool as UpstreamTool
+
+from runtime import jsonpaths, outbound
+from runtime.crypto import Secret, SecretUnreadable
+from runtime.errors import HoldpointError
+from runtime.models import McpServer, McpTransport, ToolCredential
+from runtime.tools import CallResult, Effect, Tool, credential_for_run, tenant_of_run
+
+T = TypeVar("T")
+# JSON-RPC errors that say the server did not take the request: nothing was done.
+NOT_TAKEN = {-32700, -32600, -32601, -32602}
+MAX_TOOLS = 500  # one import; an upstream listing more is refused, not truncated
+
+
+class UpstreamUnavailable(HoldpointError):
+    """The upstream could not be asked (refused connection, failed handshake, timeout)."""
+
+    code = "upstream_unavailable"
+    status = 502
+    title = "The MCP server could not be reached"
+
+
+@dataclass(frozen=True)
+class Target:
+    """How to reach one server for one session, every check already made."""
+
+    transport: str
+    url: str = ""
+    vetted: outbound.Vetted | None = None
+    command: str = ""
+    args: tuple[str, ...] = ()
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout: float = 10.0
+
+
+def target_for(server: McpServer, secret: Secret | None, timeout: float | None = None) -> Target:
+    """The server as this connection may reach it. OutboundRefused (host or address not
+    allowed, stdio off) or httpx.ConnectError (the name does not resolve): nothing sent."""
+    from django.conf import settings
+
+    headers = {"Authorization": f"Bearer {secret.reveal()}"} if secret is not None else {}
+    seconds = float(timeout if timeout is not None else server.timeout_seconds)
+    if server.transport == McpTransport.STDIO:
+        if not settings.HOLDPOINT_MCP_STDIO:
+            raise outbound.OutboundRefused(
+                "host_not_allowed", "stdio MCP servers are off (HOLDPOINT_MCP_STDIO)"
+            )
+        return Target(
+            McpTransport.STDIO,
+            command=server.command,
+            args=tuple(server.args),
+            timeout=seconds,
+        )
+    return Target(
+        McpTransport.STREAMABLE_HTTP,
+        url=server.url,
+        vetted=outbound.vet(server.url),
+        headers=headers,
+        timeout=seconds,
+    )
+
+
+class _Pinned(httpx2.AsyncBaseTransport):
+    """Sends every request of the session to the vetted address, for the vetted host only
+    (the SDK follows same-origin redirects itself: another host is refused here too)."""
+
+    def __init__(self, vetted: outbound.Vetted) -> None:
+        self.vetted = vetted
+        self.inner = httpx2.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if (request.url.host or "").lower() != self.vetted.host or request.url.scheme != (
+            self.vetted.scheme
+        ):
+            raise httpx2.ConnectError(f"not sent: {request.url.host} is not the vetted host")
+        request.url = request.url.copy_with(host=self.vetted.addresses[0].split("%", 1)[0])
+        if self.vetted.scheme == "https":
+            request.extensions = {**request.extensions, "sni_hostname": self.vetted.host}
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+_ssl: list[ssl.SSLContext] = []
+
+
+def _ssl_context() -> ssl.SSLContext:
+    if not _ssl:
+        _ssl.append(httpx.create_ssl_context(trust_env=False))
+    return _ssl[0]
+
+
+async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
+    """Open a session, do `work` in it, close it."""
+    if target.transport == McpTransport.STDIO:
+        params = StdioServerParameters(command=target.command, args=list(target.args))
+        async with Client(params, read_timeout_seconds=target.timeout, cache=None) as client:
+            return await work(client)
+    assert target.vetted is not None
+    http = httpx2.AsyncClient(
+        transport=_Pinned(target.vetted),
+        headers=target.headers,
+        timeout=httpx2.Timeout(target.timeout),
+        follow_redirects=False,
+        trust_env=False,
+    )
+    async with http:
+        transport = streamable_http_client(target.url, http_client=http)
+        async with Client(transport, read_timeout_seconds=target.timeout, cache=None) as client:
+            return await work(client)
+
+
+def _run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
+    """Run an SDK coroutine from synchronous code: its own event loop on a helper thread
+    (the caller may itself be inside a loop), the whole of it bounded by `timeout`."""
+    box: dict[str, Any] = {}
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(make(), timeout)
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(bounded())
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="mcp-session", daemon=True)
+    thread.start()
+    thread.join(timeout + 10)
+    if thread.is_alive():
+        raise TimeoutError(f"the MCP session did not end within {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _protocol_error(exc: BaseException) -> MCPError | None:
+    if isinstance(exc, MCPError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _protocol_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+# --- importing ---------------------------------------------------------------------------
+
+
+def _secret(server: McpServer) -> Secret | None:
+    return ToolCredential.lookup(server.tenant_id, server.credential) if server.credential else None
+
+
+def fetch_tools(server: McpServer) -> list[UpstreamTool]:
+    """The server's `tools/list`, every page. HostNotAllowed before any connection;
+    UpstreamUnavailable if it cannot be asked."""
+    from runtime.tooldefs import HostNotAllowed
+
+    try:
+        target = target_for(server, _secret(server))
+    except outbound.OutboundRefused as exc:
+        raise HostNotAllowed(exc.detail, errors={"url": [exc.detail]}) from None
+    except (httpx.ConnectError, SecretUnreadable) as exc:
+        raise UpstreamUnavailable(f"{server.name}: {exc}") from None
+
+    async def listing(client: Client) -> list[UpstreamTool]:
+        found: list[UpstreamTool] = []
+        cursor: str | None = None
+        while True:
+            page = await client.list_tools(cursor=cursor)
+            found.extend(page.tools)
+            cursor = page.next_cursor
+            if not cursor or len(found) > MAX_TOOLS:
+                return found
+
+    try:
+        tools = _run(lambda: _session(target, listing), target.timeout)
+    except BaseException as exc:  # noqa: BLE001 (whatever the SDK raised: not reached)
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise UpstreamUnavailable(f"{server.name}: {_describe(exc)}") from None
+    if len(tools) > MAX_TOOLS:
+        raise UpstreamUnavailable(f"{server.name} lists more than {MAX_TOOLS} tools")
+    return tools
+
+
+_NOT_NAME = re.compile(r"[^a-z0-9_-]+")
+
+
+def definition_name(server: str, tool: str) -> str:
+    """`<server>.<tool>` within the definition name rules: lower case, anything else `_`."""
+    part = _NOT_NAME.sub("_", tool.lower()).strip("_-")
+    if not part or not part[0].isalpha():
+        part = f"t_{part}".rstrip("_")
+    return f"{server}.{part}"[:100]
+
+
+def effect_of(tool: UpstreamTool) -> str:
+    """From the upstream's hints (which are its word, not proof: an admin reviews them)."""
+    hints = tool.annotations
+    if hints is not None and hints.read_only_hint:
+        return Effect.READ
+    if hints is not None and hints.destructive_hint:
+        return Effect.IRREVERSIBLE
+    return Effect.WRITE
+
+
+def definition_of(server: McpServer, tool: UpstreamTool) -> dict[str, Any]:
+    """The definition an upstream tool is imported as (validated by `tooldefs.parse`)."""
+    title = (tool.annotations.title if tool.annotations else None) or tool.title or ""
+    spec: dict[str, Any] = {
+        "name": definition_name(server.name, tool.name),
+        "description": (tool.description or "")[:2000],
+        # A reviewer's card title; braces would be placeholders, and the upstream's text
+        # is no template.
+        "title": re.sub(r"[{}]", "", title)[:300],
+        "effect": effect_of(tool),
+        "schema": dict(tool.input_schema),
+        "executor": "mcp",
+        "mcp": {"server": server.name, "tool": tool.name},
+        "dedup": {"mode": "none"},
+        "timeout_seconds": server.timeout_seconds,
+    }
+    if server.credential:
+        spec["credential"] = server.credential
+    return spec
+
+
+def import_tools(server: McpServer, actor: str) -> list[Any]:
+    """Import every tool the server lists, all or nothing (`toolcatalog.import_definitions`
+    validates the whole listing first). An unchanged tool keeps its version."""
+    from runtime import toolcatalog, tooldefs
+
+    if not server.active:
+        raise tooldefs.InvalidTool(
+            f"{server.name} is inactive", errors={"server": ["inactive: nothing imported"]}
+        )
+    listed = fetch_tools(server)
+    items = [definition_of(server, tool) for tool in listed]
+    if not items:
+        raise tooldefs.InvalidTool(
+            f"{server.name} lists no tools", errors={"server": ["no tools to import"]}
+        )
+    names = [item["name"] for item in items]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise tooldefs.InvalidTool(
+            "upstream tools whose names normalise to the same definition name",
+            errors={name: ["two upstream tools have this name"] for name in clashes},
+        )
+    return toolcatalog.import_definitions(server.tenant, items, actor)
+
+
+# --- sending -----------------------------------------------------------------------------
+
+
+def _dump(result: CallToolResult) -> dict[str, Any]:
+    data = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return {key: data[key] for key in ("content", "structuredContent", "isError") if key in data}
+
+
+def _error_text(result: CallToolResult) -> str:
+    texts = [str(getattr(block, "text", "")) for block in result.content]
+    return " ".join(text for text in texts if text)[:1000] or "the tool reported an error"
+
+
+@dataclass
+class McpTool(Tool):
+    """A tool of an upstream MCP server, sent by Holdpoint's workers with `tools/call`."""
+
+    server: str = ""
+    upstream_tool: str = ""
+    id_path: str = "$.id"
+
+    def _server(self, run_id: str) -> McpServer | None:
+        tenant_id = tenant_of_run(run_id)
+        if tenant_id is None:
+            return None
+        return McpServer.objects.filter(tenant_id=tenant_id, name=self.server).first()
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        server = self._server(run_id)
+        if server is None or not server.active:
+            return CallResult("refused", detail=f"no active MCP server {self.server!r}")
+        try:
+            target = target_for(
+                server, credential_for_run(self.credential, run_id), timeout=self.timeout
+            )
+        except outbound.OutboundRefused as exc:
+            return CallResult("refused", detail=f"{exc.code}: {exc.detail}")
+        except (httpx.ConnectError, SecretUnreadable) as exc:
+            return CallResult("refused", transient=True, detail=str(exc))
+        arguments = json.loads(params_text)
+        sent = threading.Event()
+
+        async def calling(client: Client) -> CallToolResult:
+            sent.set()  # from here on the upstream may have acted
+            return await client.call_tool(self.upstream_tool, arguments)
+
+        try:
+            result = _run(lambda: _session(target, calling), target.timeout)
+        except BaseException as exc:  # noqa: BLE001 (the SDK's errors, grouped or not)
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            return self._failed(exc, sent.is_set())
+        if result.is_error:
+            return CallResult("refused", detail=f"{self.upstream_tool}: {_error_text(result)}")
+        return CallResult("applied", external_id=self._proof(result, key), result=_dump(result))
+
+    def _failed(self, exc: BaseException, sent: bool) -> CallResult:
+        detail = _describe(exc)
+        if not sent:  # no session was opened: tools/call never left
+            return CallResult("refused", transient=True, detail=f"not sent: {detail}")
+        error = _protocol_error(exc)
+        if error is not None and error.code in NOT_TAKEN:
+            return CallResult("refused", detail=f"{self.upstream_tool}: {detail}")
+        return CallResult("unknown", detail=f"after tools/call was sent: {detail}")
+
+    def _proof(self, result: CallToolResult, key: str) -> str:
+        """The upstream's own id for the effect if its structured result has one, else the
+        action's key (stable: the same action always has the same proof)."""
+        content = result.structured_content
+        if isinstance(content, Mapping):
+            found = jsonpaths.compile_path(self.id_path).first(content)
+            if found is not None and not isinstance(found, dict | list) and str(found):
+                return str(found)[:200]
+        return key

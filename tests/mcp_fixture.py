@@ -1,0 +1,65 @@
+"""The test MCP upstream (tests/mcp_upstream.py) as a real process on a free port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import procs
+
+
+@dataclass
+class Upstream:
+    url: str
+    data: Path
+    proc: subprocess.Popen[bytes] = field(repr=False)
+
+    def calls(self, tool: str | None = None) -> list[dict[str, Any]]:
+        """What reached the upstream's tools (its own record, written before answering)."""
+        path = self.data / "calls.jsonl"
+        lines = path.read_text("utf-8").splitlines() if path.exists() else []
+        found = [json.loads(line) for line in lines]
+        return [c for c in found if tool is None or c["tool"] == tool]
+
+    def faults(self, **faults: float) -> None:
+        (self.data / "faults.json").write_text(json.dumps(faults), "utf-8")
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def mcp_upstream(tmp_path: Path) -> Iterator[Callable[[], Upstream]]:
+    """Start help-desk upstreams (each with its own record); all are killed afterwards."""
+    started: list[Upstream] = []
+
+    def start() -> Upstream:
+        port = procs.free_port()
+        data = tmp_path / f"mcp-upstream-{len(started)}"
+        data.mkdir()
+        proc = procs.start(
+            ["--port", str(port), "--data", str(data)],
+            procs.child_env(),
+            log=data / "upstream.log",
+            program="tests.mcp_upstream",
+        )
+        upstream = Upstream(f"http://127.0.0.1:{port}/mcp", data, proc)
+        started.append(upstream)
+        procs.wait_for(lambda: _listening(port), timeout=30)
+        return upstream
+
+    yield start
+    for upstream in started:
+        procs.kill(upstream.proc)

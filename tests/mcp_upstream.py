@@ -1,0 +1,87 @@
+"""A test MCP upstream: a help desk served with the `mcp` SDK over streamable HTTP (or stdio),
+run as a real process by the tests (`python -m tests.mcp_upstream --port P --data DIR`).
+
+The oracle is its own record, not Holdpoint's: every call that reaches a tool appends one
+JSON line to DIR/calls.jsonl *before* the tool answers, so a test can count effects across a
+lost answer. DIR/faults.json, read on each call, makes the next answers misbehave:
+`{"hang": SECONDS}` applies the call (it is recorded) and then waits before answering — a
+client with a shorter timeout never learns the outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+
+DATA = Path(".")
+server = MCPServer("helpdesk")
+
+
+def _record(tool: str, arguments: dict[str, Any]) -> int:
+    """Append the call; its number (1-based) is the ticket's."""
+    path = DATA / "calls.jsonl"
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps({"tool": tool, "arguments": arguments}) + "\n")
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+async def _misbehave() -> None:
+    path = DATA / "faults.json"
+    faults = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if faults.get("hang"):
+        await asyncio.sleep(float(faults["hang"]))
+
+
+@server.tool(
+    annotations=ToolAnnotations(title="Open a ticket", read_only_hint=False, destructive_hint=False)
+)
+async def tickets_create(title: str) -> dict[str, Any]:
+    """Open a help-desk ticket."""
+    if title == "refuse me":
+        raise ToolError("the help desk refuses this title")
+    number = _record("tickets_create", {"title": title})
+    await _misbehave()
+    return {"id": f"T-{number}", "title": title}
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def tickets_list() -> list[str]:
+    """The tickets opened so far (a read: changes nothing)."""
+    path = DATA / "calls.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json.loads(line)["arguments"].get("title", "") for line in lines]
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True))
+async def tickets_purge(older_than_days: int) -> str:
+    """Delete old tickets for good."""
+    _record("tickets_purge", {"older_than_days": older_than_days})
+    return "purged"
+
+
+def main() -> None:
+    global DATA
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--data", required=True)
+    parser.add_argument(
+        "--transport", choices=["streamable-http", "stdio"], default="streamable-http"
+    )
+    args = parser.parse_args()
+    DATA = Path(args.data)
+    DATA.mkdir(parents=True, exist_ok=True)
+    if args.transport == "stdio":
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Upstream MCP servers (issue 19, first part): a tenant registers one, its tools are
+imported as `executor: mcp` definitions, and Holdpoint's workers send them with the `mcp`
+SDK — held by default, sent once, a lost answer handed to a person. The upstream is a real
+process (tests/mcp_upstream.py); the oracle is its own record of the calls that reached it."""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from approvals.decisions import decide
+from approvals.models import ApprovalPolicy, ApprovalRequest
+from runtime import mcp, tooldefs
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant, ToolDefinition
+from tests import procs
+from tests.conftest import Persona
+from tests.mcp_fixture import Upstream
+
+S = ActionStatus
+CREATE = "helpdesk.tickets_create"
+
+
+def _server(tenant: Tenant, url: str, **fields: Any) -> McpServer:
+    return McpServer.objects.create(tenant=tenant, name="helpdesk", url=url, **fields)
+
+
+def _imported(tenant: Tenant, upstream: Upstream, **fields: Any) -> McpServer:
+    server = _server(tenant, upstream.url, **fields)
+    mcp.import_tools(server, "user:admin")
+    return server
+
+
+def _run(tenant: Tenant, title: Any = "Printer on fire") -> Run:
+    return create_run(tenant, "ticketing", {"title": title, "tool": CREATE}, actor="user:starter")
+
+
+def _exempt(tenant: Tenant, tool: str = CREATE) -> None:
+    ApprovalPolicy.objects.create(tenant=tenant, name=f"{tool} goes", tool=tool, required=False)
+
+
+def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no_version(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    server = _server(tenant_a, upstream.url, credential="helpdesk", timeout_seconds=4)
+    first = mcp.import_tools(server, "user:admin")
+    specs = {item.definition.name: item.definition.spec for item in first}
+    assert sorted(specs) == [
+        "helpdesk.tickets_create",
+        "helpdesk.tickets_list",
+        "helpdesk.tickets_purge",
+    ]
+    assert all(item.created and item.definition.version == 1 for item in first)
+    create = specs[CREATE]
+    assert create["executor"] == "mcp"
+    assert create["mcp"] == {"server": "helpdesk", "tool": "tickets_create"}
+    assert create["dedup"]["mode"] == "none" and create["credential"] == "helpdesk"
+    assert create["timeout_seconds"] == 4 and create["title"] == "Open a ticket"
+    assert create["schema"]["properties"]["title"]["type"] == "string"
+    assert create["schema"]["required"] == ["title"]
+    # effect from the annotations: readOnlyHint → read, destructiveHint → irreversible
+    assert {name: spec["effect"] for name, spec in specs.items()} == {
+        "helpdesk.tickets_create": "write",
+        "helpdesk.tickets_list": "read",
+        "helpdesk.tickets_purge": "irreversible",
+    }
+    again = mcp.import_tools(server, "user:admin")
+    assert not any(item.created for item in again)
+    assert ToolDefinition.objects.filter(tenant=tenant_a).count() == 3
+    assert upstream.calls() == []  # listing tools calls none of them
+
+
+def test_the_management_command_imports_and_says_what_changed(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _server(tenant_a, upstream.url)
+    out = io.StringIO()
+    call_command(
+        "tools", "import-mcp", "--tenant", tenant_a.slug, "--server", "helpdesk", stdout=out
+    )
+    assert f"{CREATE}: created v1" in out.getvalue()
+    out = io.StringIO()
+    call_command(
+        "tools", "import-mcp", "--tenant", tenant_a.slug, "--server", "helpdesk", stdout=out
+    )
+    assert f"{CREATE}: unchanged v1" in out.getvalue()
+    with pytest.raises(CommandError):
+        call_command("tools", "import-mcp", "--tenant", tenant_a.slug, "--server", "nope")
+
+
+def test_the_imported_write_tool_is_held_approved_and_sent_once(
+    tenant_a: Tenant, reviewer_a: Persona, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL
+    assert upstream.calls() == []
+    request = ApprovalRequest.objects.get(run=run)
+    assert request.policy.any_reviewer and request.policy.tool == CREATE
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert upstream.calls() == [
+        {"tool": "tickets_create", "arguments": {"title": "Printer on fire"}}
+    ]
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1"
+    assert action.result["structuredContent"] == {"id": "T-1", "title": "Printer on fire"}
+    assert action.result["isError"] is False
+    advance_run(run.run_id, "w1")  # nothing left to do: still one call
+    assert len(upstream.calls()) == 1
+
+
+def test_an_exempting_policy_lets_it_go_without_approval(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    run = _run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert not ApprovalRequest.objects.filter(run=run).exists()
+    assert len(upstream.calls()) == 1
+
+
+def test_a_lost_answer_goes_to_a_person_and_is_not_sent_again(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream, timeout_seconds=1.5)
+    _exempt(tenant_a)
+    upstream.faults(hang=30)  # applies, then answers long after the timeout
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.MANUAL_REVIEW, action.last_error
+    assert "cannot deduplicate" in action.last_error
+    assert Run.objects.get(pk=run.pk).status == RunStatus.NEEDS_RECONCILIATION
+    advance_run(run.run_id, "w1")
+    assert len(upstream.calls()) == 1
+
+
+def test_an_upstream_refusal_fails_the_action(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    run = _run(tenant_a, title="refuse me")  # the tool answers isError: true
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.FAILED and "refuses this title" in action.last_error
+    assert upstream.calls() == []
+
+
+def test_an_upstream_that_cannot_be_reached_leaves_the_action_unsent(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    procs.kill(upstream.proc)
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.PREPARED and "not sent" in action.last_error  # transient
+
+
+def test_invalid_arguments_are_refused_by_the_schema_before_anything_is_sent(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    run = _run(tenant_a, title=42)
+    advance_run(run.run_id, "w1")
+    assert not Action.objects.filter(run=run).exists()
+    assert "schema" in Run.objects.get(pk=run.pk).last_error
+    assert upstream.calls() == []
+
+
+def test_an_unknown_upstream_tool_is_refused_by_the_upstream_and_fails(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    _server(tenant_a, upstream.url)
+    tooldefs.define(
+        tenant_a,
+        {
+            "name": CREATE,
+            "effect": "write",
+            "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+            "executor": "mcp",
+            "mcp": {"server": "helpdesk", "tool": "tickets_nope"},
+            "dedup": {"mode": "none"},
+        },
+        "user:admin",
+    )
+    _exempt(tenant_a)
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.FAILED and "Unknown tool" in action.last_error
+    assert upstream.calls() == []
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"mcp": {"server": "nowhere", "tool": "x"}}, "mcp.server"),
+        ({"mcp": {"server": "helpdesk"}}, "mcp.tool"),
+        ({"dedup": {"mode": "key"}}, "dedup.mode"),
+        ({"request": {"method": "POST", "url": "http://127.0.0.1:9/x"}}, "request"),
+    ],
+)
+def test_a_bad_mcp_definition_is_refused_with_its_field(
+    tenant_a: Tenant, change: dict[str, Any], field: str
+) -> None:
+    _server(tenant_a, "http://127.0.0.1:9/mcp")
+    spec = {
+        "name": CREATE,
+        "effect": "write",
+        "executor": "mcp",
+        "mcp": {"server": "helpdesk", "tool": "tickets_create"},
+        "dedup": {"mode": "none"},
+        **change,
+    }
+    with pytest.raises(tooldefs.InvalidTool) as refused:
+        tooldefs.define(tenant_a, spec, "user:admin")
+    assert field in refused.value.extra["errors"]
+    assert not ToolDefinition.objects.exists()
+
+
+def test_a_host_not_allowed_is_refused_and_nothing_is_stored(
+    tenant_a: Tenant, settings: Any, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    settings.HOLDPOINT_TOOL_HOSTS = ["tools.example.com"]
+    with pytest.raises(ValidationError) as refused:
+        _server(tenant_a, upstream.url)
+    assert "url" in refused.value.message_dict
+    # A server registered while its host was allowed, imported after the operator removed it.
+    settings.HOLDPOINT_TOOL_HOSTS = ["127.0.0.1"]
+    server = _server(tenant_a, upstream.url)
+    settings.HOLDPOINT_TOOL_HOSTS = ["tools.example.com"]
+    with pytest.raises(tooldefs.HostNotAllowed):
+        mcp.import_tools(server, "user:admin")
+    assert not ToolDefinition.objects.exists()
+
+
+def test_a_private_address_is_not_connected_to(
+    tenant_a: Tenant, settings: Any, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    upstream = mcp_upstream()
+    server = _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS = []  # 127.0.0.1 is no longer allowed
+    with pytest.raises(tooldefs.HostNotAllowed):
+        mcp.import_tools(server, "user:admin")
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.FAILED and "private_address" in action.last_error
+    assert upstream.calls() == []
+
+
+def test_stdio_servers_are_refused_unless_the_operator_turns_them_on(
+    tenant_a: Tenant, settings: Any, tmp_path: Any
+) -> None:
+    args = ["-m", "tests.mcp_upstream", "--transport", "stdio", "--data", str(tmp_path)]
+    with pytest.raises(ValidationError) as refused:
+        McpServer.objects.create(
+            tenant=tenant_a, name="local", transport="stdio", command=sys.executable, args=args
+        )
+    assert "transport" in refused.value.message_dict
+    settings.HOLDPOINT_MCP_STDIO = True
+    server = McpServer.objects.create(
+        tenant=tenant_a, name="local", transport="stdio", command=sys.executable, args=args
+    )
+    names = sorted(item.definition.name for item in mcp.import_tools(server, "user:admin"))
+    assert names == ["local.tickets_create", "local.tickets_list", "local.tickets_purge"]
+
+
+def test_names_are_normalised_to_the_definition_rules() -> None:
+    assert mcp.definition_name("hd", "Tickets.Create") == "hd.tickets_create"
+    assert mcp.definition_name("hd", "9lives") == "hd.t_9lives"
+    assert tooldefs.NAME.match(mcp.definition_name("hd", "ünïcode/tool name"))
+
+
+def test_a_tenant_admin_sees_only_their_servers_and_imports_in_admin(
+    client: Client,
+    admin_a: Persona,
+    tenant_b: Tenant,
+    mcp_upstream: Callable[[], Upstream],
+) -> None:
+    upstream = mcp_upstream()
+    mine = _server(admin_a.tenant, upstream.url)
+    theirs = McpServer.objects.create(tenant=tenant_b, name="secret-desk", url=upstream.url)
+    client.force_login(admin_a.user)
+    listing = client.get("/admin/runtime/mcpserver/")
+    assert listing.status_code == 200
+    assert b"helpdesk" in listing.content and b"secret-desk" not in listing.content
+    assert client.get(f"/admin/runtime/mcpserver/{theirs.pk}/change/").status_code in (302, 404)
+    response = client.post(
+        "/admin/runtime/mcpserver/",
+        {"action": "import_tools", "_selected_action": [mine.pk, theirs.pk]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    assert b"3 tool(s), 3 new version(s)" in response.content
+    assert ToolDefinition.objects.filter(tenant=admin_a.tenant).count() == 3
+    assert not ToolDefinition.objects.filter(tenant=tenant_b).exists()
+
+
+def test_a_registered_server_cannot_be_moved_under_its_tools(tenant_a: Tenant) -> None:
+    """The definitions (and the approvals given for them) name the server: changing where
+    it is reached would send an approved call somewhere else."""
+    server = McpServer.objects.create(
+        tenant=tenant_a, name="ops", transport="streamable_http", url="http://127.0.0.1:9/mcp"
+    )
+    server.url = "http://localhost:9/mcp"
+    with pytest.raises(ValidationError) as refused:
+        server.save()
+    assert "url" in refused.value.message_dict
+    assert McpServer.objects.get(pk=server.pk).url == "http://127.0.0.1:9/mcp"
+    server.url = "http://127.0.0.1:9/mcp"
+    server.active = False  # anything else may change
+    server.save()
