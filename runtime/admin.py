@@ -533,7 +533,3 @@ def _operator_tables() -> list[type[Any]]:
 
 
 close_to_tenant_admins(*_operator_tables())
-
-
-# Tool definitions' admin (its own module; it builds on the scoping above).
-from runtime import admin_tools  # noqa: E402, F401

@@ -9,7 +9,11 @@ class RuntimeConfig(AppConfig):
     def ready(self) -> None:
         from django.conf import settings
 
-        from runtime import checks  # noqa: F401  (registers system checks)
+        from runtime import (
+            admin_tools,  # noqa: F401  (tool definitions' and MCP servers' admin)
+            checks,  # noqa: F401  (registers system checks)
+            mcp,  # noqa: F401  (registers the builder of `mcp` tools)
+        )
         from runtime.graphs import load_graph_modules
 
         load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)

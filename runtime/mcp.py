@@ -45,7 +45,15 @@ from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, ToolCredential
-from runtime.tools import CallResult, Effect, Tool, credential_for_run, tenant_of_run
+from runtime.tools import (
+    CallResult,
+    Effect,
+    Sender,
+    Tool,
+    credential_for_run,
+    register_sender,
+    tenant_of_run,
+)
 
 T = TypeVar("T")
 # JSON-RPC errors that say the server did not take the request: nothing was done.
@@ -375,3 +383,15 @@ class McpTool(Tool):
             if found is not None and not isinstance(found, dict | list) and str(found):
                 return str(found)[:200]
         return key
+
+
+def _build(spec: Mapping[str, Any], fields: dict[str, Any]) -> Tool:
+    return McpTool(
+        **fields,
+        server=spec["mcp"]["server"],
+        upstream_tool=spec["mcp"]["tool"],
+        id_path=spec.get("result", {}).get("external_id", "$.id"),
+    )
+
+
+register_sender(Sender.MCP, _build)

@@ -383,6 +383,19 @@ def changes_something(spec: Mapping[str, Any]) -> bool:
     return spec.get("effect") != Effect.READ
 
 
+# Tools Holdpoint sends by other means than its HTTP client (`mcp`: runtime.mcp), built by
+# the module that knows how; each registers its builder when the app starts (runtime.apps),
+# so this module, which they build on, need not import them.
+ToolBuilder = Callable[[Mapping[str, Any], dict[str, Any]], Tool]
+_senders: dict[str, ToolBuilder] = {}
+
+
+def register_sender(executor: str, build: ToolBuilder) -> None:
+    """`build(spec, fields)` makes the tool of a definition whose `executor` is this one;
+    `fields` are the keyword arguments every tool takes (name, version, schema, ...)."""
+    _senders[executor] = build
+
+
 def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -> Tool:
     """The tool a validated definition (`runtime.tooldefs.parse`) describes."""
     common: dict[str, Any] = {
@@ -404,15 +417,9 @@ def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -
         "default_hold": not builtin and changes_something(spec),
         "accepts_fence": spec["executor"] == Sender.HTTP,
     }
-    if spec["executor"] == Sender.MCP:
-        from runtime.mcp import McpTool  # it builds on Tool
-
-        return McpTool(
-            **common,
-            server=spec["mcp"]["server"],
-            upstream_tool=spec["mcp"]["tool"],
-            id_path=spec.get("result", {}).get("external_id", "$.id"),
-        )
+    build = _senders.get(spec["executor"])
+    if build is not None:
+        return build(spec, common)
     if spec["executor"] != Sender.HTTP:
         return Tool(**common)
     request, lookup = spec["request"], spec.get("lookup") or {}
