@@ -30,26 +30,7 @@ from runtime.errors import HoldpointError, InvalidParams
 from runtime.models import McpServer, Tenant, ToolDefinition
 from runtime.models.mcp import ADDRESS
 
-# The order an admin reads a definition in (API.md's example); anything else follows.
-ORDER = [
-    "name",
-    "title",
-    "description",
-    "effect",
-    "schema",
-    "editable",
-    "sensitive",
-    "executor",
-    "request",
-    "credential",
-    "dedup",
-    "lookup",
-    "result",
-    "timeout_seconds",
-    "compensation",
-    "compensation_param",
-    "mcp",
-]
+ORDER = list(tooldefs.FIELDS)  # the order an admin reads a definition in
 NEEDS_APPROVAL = "needs approval by default (no policy names it)"
 TEMPLATE = {
     "name": "tickets.create",

@@ -57,10 +57,11 @@ RESERVED_HEADERS = {
     "holdpoint-run",
     "cookie",
 }
-FIELDS = {
+# The fields of a definition, in the order an admin reads them (API.md's example).
+FIELDS = (
     "name",
-    "description",
     "title",
+    "description",
     "effect",
     "schema",
     "editable",
@@ -75,7 +76,7 @@ FIELDS = {
     "compensation",
     "compensation_param",
     "mcp",
-}
+)
 MAX_TOOL_NAME = 200  # an upstream tool's own name, as MCP spells it
 MAX_TIMEOUT = 60.0
 
@@ -121,7 +122,7 @@ def parse(
     errors = _Errors({}, {})
     if not isinstance(data, Mapping):
         raise InvalidTool("a tool definition is a JSON object", errors={"tool": ["not an object"]})
-    for extra in sorted(set(data) - FIELDS):
+    for extra in sorted(set(data) - set(FIELDS)):
         errors.add(extra, "unknown field")
     spec: dict[str, Any] = {}
     name = data.get("name")

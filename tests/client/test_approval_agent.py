@@ -23,8 +23,7 @@ import pytest
 from holdpoint_client import ApprovalTimeout, Holdpoint, Rejected, ToolCall
 from runtime.models import Action, Run, RunStatus
 from tests import procs
-from tests.api import get, ok, post, session
-from tests.client import hold_point  # noqa: F401  (a fixture)
+from tests.client import decide, hold_point, the_action  # noqa: F401  (hold_point: a fixture)
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
@@ -101,35 +100,6 @@ def holdpoint(agent: Agent) -> Iterator[Callable[..., Holdpoint]]:
     yield make
     for hp in made:
         hp.close()
-
-
-def the_action(thread: str, status: str | None = None, timeout: float = 60) -> Action:
-    def found() -> Action | None:
-        rows = Action.objects.filter(run__thread_id=thread)
-        return (rows.filter(status=status) if status else rows).first()
-
-    return procs.wait_for(found, timeout=timeout)
-
-
-def decide(
-    reviewer: Persona,
-    action: Action,
-    decision: str = "approve",
-    reason: str = "fine",
-    edits: dict[str, Any] | None = None,
-) -> None:
-    """The reviewer decides through the REST API, on the hash they were shown."""
-    browser = session(reviewer.user)
-    approval_id = ok(get(browser, f"actions/{action.action_id}/"))["approval"]
-    approval = ok(get(browser, f"approvals/{approval_id}/"))
-    body: dict[str, Any] = {
-        "decision": decision,
-        "action_hash": approval["action_hash"],
-        "reason": reason,
-    }
-    if edits:
-        body["edits"] = edits
-    ok(post(browser, f"approvals/{approval_id}/decision/", body))
 
 
 def assert_done_once(agent: Agent, thread: str) -> None:

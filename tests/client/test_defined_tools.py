@@ -13,7 +13,7 @@ import pytest
 
 from holdpoint_client import Holdpoint
 from runtime.models import Action, Run, RunStatus
-from tests.client.test_approval_agent import decide, the_action
+from tests.client import decide, the_action
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 from tests.tooldefs import define_tickets

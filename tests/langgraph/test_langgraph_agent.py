@@ -33,8 +33,7 @@ from holdpoint_client import Holdpoint
 from holdpoint_client.langgraph import KIND, HoldpointGraph, current_call
 from runtime.models import Action, Run, RunStatus, Tenant
 from tests import procs
-from tests.api import get, ok, post, session
-from tests.client import hold_point  # noqa: F401  (a fixture)
+from tests.client import decide, hold_point, the_action  # noqa: F401  (hold_point: a fixture)
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
@@ -131,35 +130,6 @@ def agent(
     checkpoints = str(tmp_path / "checkpoints.sqlite3")
     box = sandbox_factory("key")
     return Agent(live_server.url, agent_a.token, box, tmp_path / "agent.log", checkpoints)
-
-
-def the_action(thread: str, status: str | None = None, timeout: float = 60) -> Action:
-    def found() -> Action | None:
-        rows = Action.objects.filter(run__thread_id=thread)
-        return (rows.filter(status=status) if status else rows).first()
-
-    return procs.wait_for(found, timeout=timeout)
-
-
-def decide(
-    reviewer: Persona,
-    action: Action,
-    decision: str = "approve",
-    reason: str = "fine",
-    edits: dict[str, Any] | None = None,
-) -> None:
-    """The reviewer decides through the REST API, on the hash they were shown."""
-    browser = session(reviewer.user)
-    approval_id = ok(get(browser, f"actions/{action.action_id}/"))["approval"]
-    approval = ok(get(browser, f"approvals/{approval_id}/"))
-    body: dict[str, Any] = {
-        "decision": decision,
-        "action_hash": approval["action_hash"],
-        "reason": reason,
-    }
-    if edits:
-        body["edits"] = edits
-    ok(post(browser, f"approvals/{approval_id}/decision/", body))
 
 
 def assert_done_once(agent: Agent, thread: str, tenant: Tenant) -> None:
