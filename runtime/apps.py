@@ -1,4 +1,13 @@
+from collections.abc import Mapping
+from typing import Any
+
 from django.apps import AppConfig
+
+
+def _build_mcp_tool(spec: Mapping[str, Any], fields: dict[str, Any]) -> Any:
+    from runtime import mcp
+
+    return mcp.build(spec, fields)
 
 
 class RuntimeConfig(AppConfig):
@@ -12,8 +21,12 @@ class RuntimeConfig(AppConfig):
         from runtime import (
             admin_tools,  # noqa: F401  (tool definitions' and MCP servers' admin)
             checks,  # noqa: F401  (registers system checks)
-            mcp,  # noqa: F401  (registers the builder of `mcp` tools)
         )
+        from runtime.tools import Sender, register_sender
+
+        # `mcp` tools are built by runtime.mcp, imported only when one is: the MCP SDK
+        # costs every process about 0.6 s to import (workers, commands, tests).
+        register_sender(Sender.MCP, _build_mcp_tool)
         from runtime.graphs import load_graph_modules
 
         load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)

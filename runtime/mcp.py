@@ -48,10 +48,8 @@ from runtime.models import McpServer, McpTransport, ToolCredential
 from runtime.tools import (
     CallResult,
     Effect,
-    Sender,
     Tool,
     credential_for_run,
-    register_sender,
     tenant_of_run,
 )
 
@@ -385,13 +383,11 @@ class McpTool(Tool):
         return key
 
 
-def _build(spec: Mapping[str, Any], fields: dict[str, Any]) -> Tool:
+def build(spec: Mapping[str, Any], fields: dict[str, Any]) -> Tool:
+    """The tool of an `executor: mcp` definition (`tools.register_sender`, runtime.apps)."""
     return McpTool(
         **fields,
         server=spec["mcp"]["server"],
         upstream_tool=spec["mcp"]["tool"],
         id_path=spec.get("result", {}).get("external_id", "$.id"),
     )
-
-
-register_sender(Sender.MCP, _build)
