@@ -75,6 +75,7 @@ class JournalEntry(models.Model):
     objects = JournalQuerySet.as_manager()
 
     class Meta:
+        verbose_name_plural = "journal entries"
         constraints = [
             models.UniqueConstraint(fields=["stream", "seq"], name="audit_journalentry_one_seq"),
         ]

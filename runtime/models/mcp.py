@@ -60,6 +60,7 @@ class McpServer(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
+        verbose_name = "MCP server"
         ordering = ["tenant__slug", "name"]
         constraints = [
             models.UniqueConstraint(fields=["tenant", "name"], name="runtime_mcpserver_name"),

@@ -98,3 +98,11 @@ def test_superuser_sees_every_tenant(client: Client, tenant_a: Tenant, tenant_b:
     client.force_login(root)
     page = client.get("/admin/runtime/tenant/")
     assert b"acme" in page.content and b"globex" in page.content
+
+
+def test_the_admin_index_names_its_tables_in_english(client: Client, db: None) -> None:
+    root = User.objects.create_superuser("root", password="pw")
+    client.force_login(root)
+    page = client.get("/admin/").content.decode()
+    assert "Journal entries" in page and "MCP servers" in page
+    assert "Journal entrys" not in page and "Mcp servers" not in page
