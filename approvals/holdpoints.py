@@ -54,11 +54,12 @@ class HoldPoints:
         ).select_related("policy")
         approved = requests.filter(status=A.APPROVED).order_by("-decided_at").first()
         if approved is None:
+            tool = tool_of(action)
             held = (
                 requests.exists()
                 or policy_for(action.tenant_id, action.tool, params, action.target) is not None
-                or tool_of(action).needs_approval(params)
-                or held_by_default(tool_of(action), action.tenant_id)
+                or tool.needs_approval(params)
+                or held_by_default(tool, action.tenant_id)
             )
             return Verdict("approval_required") if held else GO
         refusal = _no_longer_binds(approved, action)

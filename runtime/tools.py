@@ -244,11 +244,18 @@ class HttpTool(Tool):
             "Holdpoint-Fence": str(fence),
             "Holdpoint-Run": run_id,
         }
-        secret = credential_for_run(self.credential, run_id)
-        if secret is not None:
-            headers["Authorization"] = "Bearer " + (secret.reveal() if reveal else "********")
+        headers.update(self.authorization(run_id, reveal=reveal))
         content = b"" if self.method in ("GET", "DELETE") else text.encode("utf-8")
         return OutboundRequest(self.method, self.url.render(params), headers, content)
+
+    def authorization(self, run_id: str, *, reveal: bool = True) -> dict[str, str]:
+        """The run's tenant's credential for this tool as a bearer token, if it has one
+        (masked unless `reveal`). httpx masks Authorization in its reprs; the value is never
+        logged or recorded."""
+        secret = credential_for_run(self.credential, run_id)
+        if secret is None:
+            return {}
+        return {"Authorization": "Bearer " + (secret.reveal() if reveal else "********")}
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         """Send exactly the stored canonical bytes; classify what came back."""
@@ -310,10 +317,7 @@ class HttpTool(Tool):
         try:
             params = json.loads(params_text)
             url = self.lookup_url.render({**params, "idempotency_key": key})
-            headers = {"Holdpoint-Run": run_id}
-            secret = credential_for_run(self.credential, run_id)
-            if secret is not None:
-                headers["Authorization"] = f"Bearer {secret.reveal()}"
+            headers = {"Holdpoint-Run": run_id, **self.authorization(run_id)}
             response = outbound.send(
                 self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )
