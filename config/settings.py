@@ -318,7 +318,7 @@ else:
 Q_CLUSTER["cache"] = "q"
 # The API's and the decision pages' rate limits count in the default cache, so it is shared
 # by every web process (Redis, or files under var/ on one host): with per-process memory,
-# N gunicorn workers would allow N times the limit.
+# N web server processes would allow N times the limit.
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -84,7 +84,7 @@ start() {
 }
 start sandbox $PY manage.py sandbox_tasks --port "$SANDBOX_PORT" --mode key
 start worker $PY manage.py qcluster
-start web $PY manage.py runserver "127.0.0.1:$WEB_PORT" --noreload
+start web $PY manage.py serve --port "$WEB_PORT"
 sleep 2
 cat <<MSG
 

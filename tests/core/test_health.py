@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+
 import httpx
 import pytest
 from django.test import Client
@@ -35,13 +38,11 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
 
 @pytest.mark.slow
 def test_readyz_fails_when_the_database_is_unreachable() -> None:
-    port = procs.free_port()
     closed = procs.free_port()  # nothing listens there
     env = procs.child_env(DATABASE_URL=f"postgres://nobody@127.0.0.1:{closed}/nowhere")
-    # gunicorn, as in production: runserver itself refuses to start without a database.
-    server = procs.start(["config.wsgi", "-b", f"127.0.0.1:{port}"], env, program="gunicorn")
+    # The production server: runserver itself refuses to start without a database.
+    server, base = procs.start_web(env)
     try:
-        base = f"http://127.0.0.1:{port}"
         procs.wait_for(lambda: _get(base + "/healthz"), timeout=60)
         alive = httpx.get(base + "/healthz")
         assert alive.status_code == 200
@@ -59,3 +60,27 @@ def _get(url: str) -> httpx.Response | None:
         return httpx.get(url, timeout=2)
     except httpx.HTTPError:
         return None
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_asgi_server_serves_pages_static_files_and_the_api(tmp_path: Path) -> None:
+    """What `make run` and production serve: uvicorn over config.asgi, Django behind it."""
+    log = tmp_path / "web.log"
+    server, base = procs.start_web(procs.child_env(), log)
+    try:
+        login = httpx.get(base + "/login/", timeout=30)
+        assert login.status_code == 200
+        assert "Log in" in login.text
+        assert login.headers["x-frame-options"] == "DENY"  # Django's middleware ran
+        css = httpx.get(base + "/static/holdpoint/app.css", timeout=30)
+        assert css.status_code == 200
+        assert css.headers["content-type"].startswith("text/css")
+        api = httpx.get(base + "/api/v1/runs/", timeout=30)
+        assert api.status_code == 401
+        assert api.headers["content-type"] == "application/problem+json"
+        assert httpx.get(base + "/nowhere/", timeout=30).status_code == 404
+    finally:
+        procs.kill(server, signal.SIGTERM)
+    # A graceful stop (uvicorn re-raises the signal after it, hence no exit status 0).
+    assert "Application shutdown complete." in log.read_text()

@@ -145,7 +145,7 @@ def start_and_stop(
         wait_for(lambda: answers(f"{web}/readyz"), 60)  # the worker cluster's heartbeat
         started = marked(marker)
         commands = " | ".join(started.values())
-        for part in ("scripts/run.sh", "sandbox_tasks", "qcluster", "runserver"):
+        for part in ("scripts/run.sh", "sandbox_tasks", "qcluster", "serve"):
             assert part in commands, commands
         assert len(started) >= 6, commands  # bash, sandbox, web, cluster main + workers
 
