@@ -37,7 +37,11 @@ Lifespan = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 def mounts() -> list[tuple[BaseRoute, Lifespan | None]]:
-    return []
+    # The MCP gateway (/mcp/<tenant>/). Imported here, and only here: the MCP SDK costs a
+    # process 0.6 s to import, which workers and management commands never need.
+    from gateway.server import mount
+
+    return [mount()]
 
 
 def build(extra: list[tuple[BaseRoute, Lifespan | None]]) -> Starlette:

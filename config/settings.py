@@ -429,6 +429,14 @@ HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = env_int(
 # environment: registering one runs code on the operator's machine. Off unless an operator
 # of a local, single-user setup turns it on (runtime/models/mcp.py).
 HOLDPOINT_MCP_STDIO = env_bool("HOLDPOINT_MCP_STDIO", False)
+# The MCP gateway (gateway/, README "MCP gateway"). How long one tools/call waits for a
+# reviewer (with progress notifications when the client asked for them) before it answers
+# "pending approval" with the request's link; the same call later gets the decision.
+HOLDPOINT_MCP_WAIT_SECONDS = env_int("HOLDPOINT_MCP_WAIT_SECONDS", 30, minimum=0)
+# A call's arguments (canonical JSON) larger than this are refused with an MCP error,
+# nothing stored; a request body larger than HOLDPOINT_MCP_MAX_BODY_BYTES gets HTTP 413.
+HOLDPOINT_MCP_MAX_ARGUMENT_BYTES = env_int("HOLDPOINT_MCP_MAX_ARGUMENT_BYTES", 64 * 1024, minimum=1)
+HOLDPOINT_MCP_MAX_BODY_BYTES = env_int("HOLDPOINT_MCP_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 # Checked by the functions that apply them at send time, so both agree on what is valid.
 from runtime.outbound import check_patterns, host_allowed, parse_networks  # noqa: E402
 
