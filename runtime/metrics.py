@@ -58,9 +58,9 @@ BACKLOG = (ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW)
 # The takeovers the journal records: `lease_taken` entries whose payload says `takeover`.
 # Runtime migration 0022 gives this exact predicate a partial index (only takeovers are in
 # it), so the count reads that small index, never the journal.
-_TAKEOVERS = {
-    "postgresql": "SELECT COUNT(*) FROM {table} WHERE type = %s AND payload @> '{{\"takeover\": true}}'",
-    "sqlite": "SELECT COUNT(*) FROM {table} WHERE type = %s AND json_extract(payload, '$.takeover') = 1",
+_TAKEOVER = {
+    "postgresql": "payload @> '{\"takeover\": true}'",
+    "sqlite": "json_extract(payload, '$.takeover') = 1",
 }
 
 
@@ -77,7 +77,8 @@ def observe_action(tool: str, began: float) -> None:
 
 
 def takeovers_sql(vendor: str) -> str:
-    return _TAKEOVERS[vendor].format(table=JournalEntry._meta.db_table)
+    table = JournalEntry._meta.db_table
+    return f"SELECT COUNT(*) FROM {table} WHERE type = %s AND {_TAKEOVER[vendor]}"
 
 
 def _by_status(name: str, doc: str, counts: dict[str, int], statuses: Iterable[str]) -> Metric:

@@ -6,7 +6,9 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(client: Client | None = None, **headers: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    client: Client | None = None, **headers: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of one scrape: (name, sorted labels) -> value."""
     response = (client or Client()).get("/metrics", **headers)
     assert response.status_code == 200, response.content[:300]
@@ -17,5 +19,7 @@ def scrape(client: Client | None = None, **headers: str) -> dict[tuple[str, tupl
     return samples
 
 
-def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+def value(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)

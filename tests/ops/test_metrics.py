@@ -9,7 +9,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
 import time_machine
 from django.db import connection
 from django.test import Client
@@ -52,13 +51,15 @@ def test_values_match_the_database_after_a_scenario(tenant_a: Tenant) -> None:
         samples = scrape()
 
     for status in RunStatus.values:
-        assert value(samples, "holdpoint_runs", status=status) == Run.objects.filter(
-            status=status
-        ).count(), status
+        assert (
+            value(samples, "holdpoint_runs", status=status)
+            == Run.objects.filter(status=status).count()
+        ), status
     for status in ActionStatus.values:
-        assert value(samples, "holdpoint_actions", status=status) == Action.objects.filter(
-            status=status
-        ).count(), status
+        assert (
+            value(samples, "holdpoint_actions", status=status)
+            == Action.objects.filter(status=status).count()
+        ), status
     # …and the database holds what the scenario made.
     assert value(samples, "holdpoint_runs", status="queued") == 1
     assert value(samples, "holdpoint_runs", status="completed") == 2
@@ -101,7 +102,11 @@ def test_a_scrape_costs_the_same_statements_whatever_the_data(tenant_a: Tenant) 
 def test_refused_without_the_token_when_one_is_set(settings: Any, db: None) -> None:
     settings.HOLDPOINT_METRICS_TOKEN = "s3cret-token"
     client = Client()
-    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer wrong"}, {"HTTP_AUTHORIZATION": "Token s3cret-token"}):
+    for headers in (
+        {},
+        {"HTTP_AUTHORIZATION": "Bearer wrong"},
+        {"HTTP_AUTHORIZATION": "Token s3cret-token"},
+    ):
         refused = client.get("/metrics", **headers)
         assert refused.status_code == 401
         assert refused.content == b""
@@ -117,11 +122,7 @@ def _exported(samples: dict[tuple[str, Any], float]) -> set[str]:
 
 def test_every_metric_the_dashboard_queries_is_exported(db: None) -> None:
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "holdpoint.json").read_text())
-    exprs = [
-        target["expr"]
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     queried = {name for expr in exprs for name in re.findall(r"\bholdpoint_[a-z_]+", expr)}
     assert len(queried) >= 8
     # Both histograms are in every scrape once any process observed one (multiprocess files).
@@ -130,3 +131,18 @@ def test_every_metric_the_dashboard_queries_is_exported(db: None) -> None:
     metrics.observe_step(metrics.clock())
     metrics.observe_action("tasks.create", metrics.clock())
     assert queried <= _exported(scrape())
+
+
+def test_the_takeover_count_reads_its_partial_index(db: None) -> None:
+    """The count's predicate is the one migration 0022 indexed: a scrape never scans the
+    journal (which grows by every step of every run) to count the few takeovers."""
+    from runtime.metrics import takeovers_sql
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute("EXPLAIN " + takeovers_sql("postgresql"), ["lease_taken"])
+        else:
+            cursor.execute("EXPLAIN QUERY PLAN " + takeovers_sql("sqlite"), ["lease_taken"])
+        plan = " ".join(str(row) for row in cursor.fetchall())
+    assert "runtime_journal_takeovers" in plan
