@@ -9,7 +9,8 @@ Two sources, chosen per metric for exactness:
 - The two duration histograms are observed where the work happens (worker and web
   processes) in prometheus-client's multiprocess mode: each process writes its own small
   file under PROMETHEUS_MULTIPROC_DIR and a scrape sums them, dead processes included, so
-  every process on a host counts once and a restart loses nothing. Computing them from
+  every process on a host counts once and a restart loses nothing (runtime.metricfiles
+  folds the files of processes that are gone, so the directory stays small). Computing them from
   recorded timestamps instead would mean reading every step's journal entries on each
   scrape (the journal has no step start time; a step is not one row).
 
@@ -31,11 +32,11 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from audit.models import JournalEntry
 from runtime.events import RunEvent
+from runtime.metricfiles import HostMetrics
 from runtime.models import Action, ActionStatus, Run, RunStatus
 
 # From a local read to an LLM call or a slow tracker, up to the default step timeout.
@@ -124,7 +125,7 @@ def add_collector(collector: Collector) -> None:
 def registry() -> CollectorRegistry:
     """What one scrape reports: every process's histograms, then the database's counts."""
     scrape = CollectorRegistry(auto_describe=False)
-    MultiProcessCollector(scrape, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    scrape.register(HostMetrics(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
     for collector in _collectors:
         scrape.register(collector)
     return scrape
