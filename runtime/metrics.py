@@ -21,9 +21,12 @@ multiplies every series by their number. Per-tenant counts are in the admin and 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from django.conf import settings
 from django.db import connection
@@ -38,6 +41,8 @@ from audit.models import JournalEntry
 from runtime.events import RunEvent
 from runtime.metricfiles import HostMetrics
 from runtime.models import Action, ActionStatus, Run, RunStatus
+
+log = logging.getLogger("holdpoint.metrics")
 
 # From a local read to an LLM call or a slow tracker, up to the default step timeout.
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -131,12 +136,15 @@ def registry() -> CollectorRegistry:
     return scrape
 
 
-def _authorized(request: HttpRequest) -> bool:
+CHALLENGE = 'Bearer realm="metrics"'
+
+
+def authorized(header: str) -> bool:
+    """Whether an Authorization header value may read the metrics."""
     token = settings.HOLDPOINT_METRICS_TOKEN
     if not token:
         return True
-    given = request.headers.get("Authorization", "")
-    scheme, _, credential = given.partition(" ")
+    scheme, _, credential = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(
         credential.strip().encode(), token.encode()
     )
@@ -144,8 +152,38 @@ def _authorized(request: HttpRequest) -> bool:
 
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
-    if not _authorized(request):
+    if not authorized(request.headers.get("Authorization", "")):
         refused = HttpResponse(status=401)
-        refused["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        refused["WWW-Authenticate"] = CHALLENGE
         return refused
     return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)
+
+
+def serve(host: str, port: int) -> None:
+    """`manage.py metrics_server`: the same answer as /metrics, for a host that runs workers
+    and no web process (its processes' histograms are in its own directory)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404)
+            elif not authorized(self.headers.get("Authorization", "")):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", CHALLENGE)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                try:
+                    body = generate_latest(registry())
+                finally:
+                    connection.close()  # this request's thread's own: it ends with it
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.info("metrics_server %s", format % args)
+
+    ThreadingHTTPServer((host, port), Handler).serve_forever()

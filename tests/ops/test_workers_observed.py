@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from audit.models import JournalEntry
@@ -66,3 +67,26 @@ def test_worker_histograms_and_log_lines(tenant_a: Tenant, tmp_path: Path) -> No
     assert failed, log.read_text()[-2000:]
     assert all(line["tenant"] == tenant_a.pk and line["fence"] == flaky.fence for line in failed)
     assert any("failed" in str(line["event"]) for line in failed)
+
+
+def test_metrics_server_answers_like_the_web(tenant_a: Tenant, tmp_path: Path) -> None:
+    create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    port = procs.free_port()
+    env = procs.child_env(HOLDPOINT_METRICS_TOKEN="s3cret-token")
+    server = procs.start(["metrics_server", "--port", str(port)], env, log=tmp_path / "m.log")
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+
+        def up() -> httpx.Response | None:
+            try:
+                return httpx.get(url, headers={"Authorization": "Bearer s3cret-token"})
+            except httpx.TransportError:
+                return None
+
+        answer = procs.wait_for(up, timeout=60, every=0.2)
+        refused = httpx.get(url)
+    finally:
+        procs.kill(server)
+    assert answer.status_code == 200
+    assert 'holdpoint_runs{status="queued"} 1.0' in answer.text
+    assert refused.status_code == 401 and refused.content == b""
