@@ -1,9 +1,13 @@
-"""/readyz answers "can do useful work": database, migrations, a live worker cluster."""
+"""/readyz answers "can do useful work": database, migrations, a live worker cluster; its
+details are `manage.py doctor`'s checks (tests/core/test_doctor.py)."""
 
 from __future__ import annotations
 
+import io
+
 import httpx
 import pytest
+from django.core.management import call_command
 from django.test import Client
 
 from tests import procs
@@ -28,6 +32,12 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
             lambda: (r := client.get("/readyz")).status_code == 200 and r.json(), timeout=60
         )
         assert ready["checks"]["worker"]["clusters"]
+        # With a worker up, the test settings pass every check doctor makes (SQLite or
+        # PostgreSQL, as CI runs them), and /readyz reports each of them as passed.
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        assert out.getvalue().splitlines() == [f"All {len(ready['checks'])} checks pass."]
+        assert all(check["ok"] for check in ready["checks"].values()), ready
     finally:
         procs.kill(worker)
     procs.wait_for(lambda: client.get("/readyz").status_code == 503, timeout=30)

@@ -1,0 +1,38 @@
+"""`manage.py doctor`: the settings that would silently break a guarantee, one line each.
+
+The checks are `runtime.health`'s, the same /readyz reports in its details. Exit 0 when
+every check passes; 1 when any problem at or above --fail-level is found (by default every
+problem, warnings included: `--fail-level error` accepts the warnings). `--json` prints the
+results as /readyz does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from runtime.health import ERROR, WARNING, problems, run_checks
+
+
+class Command(BaseCommand):
+    help = "Check durability, workers, clocks, secrets and tool limits; exit 1 on a problem."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--fail-level", choices=[WARNING, ERROR], default=WARNING)
+        parser.add_argument("--json", action="store_true", help="print every check's result")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        results = run_checks()
+        found = problems(results)
+        if options["json"]:
+            self.stdout.write(json.dumps(results, indent=2, default=str, ensure_ascii=False))
+        else:
+            for level, check, line in found:
+                self.stdout.write(f"{level.upper()} {check}: {line}")
+        failing = [p for p in found if options["fail_level"] == WARNING or p[0] == ERROR]
+        if failing:
+            raise CommandError(f"{len(failing)} problem(s) found by {len(results)} checks")
+        if not options["json"]:
+            self.stdout.write(f"All {len(results)} checks pass.")
