@@ -271,7 +271,10 @@ def check_connections() -> Result:
                 "set CONN_HEALTH_CHECKS = True (config/settings.py)",
             )
         )
-    extra = {"conn_max_age": db.get("CONN_MAX_AGE"), "health_checks": db.get("CONN_HEALTH_CHECKS")}
+    extra: dict[str, Any] = {
+        "conn_max_age": db.get("CONN_MAX_AGE"),
+        "health_checks": db.get("CONN_HEALTH_CHECKS"),
+    }
     return _fail(problems, **extra) if problems else _ok(**extra)
 
 
@@ -294,7 +297,7 @@ def check_clock() -> Result:
     db = _database_now()
     # Half the round trip is when the database most likely read its clock.
     skew = (db - app).total_seconds() - (time.monotonic() - before) / 2
-    extra = {"skew_seconds": round(skew, 3), "max_seconds": MAX_CLOCK_SKEW}
+    extra: dict[str, Any] = {"skew_seconds": round(skew, 3), "max_seconds": MAX_CLOCK_SKEW}
     if abs(skew) <= MAX_CLOCK_SKEW:
         return _ok(**extra)
     return _fail(
@@ -381,7 +384,7 @@ def check_tool_timeouts() -> Result:
         for owner, name, spec in _sent_by_holdpoint()
         if float(spec.get("timeout_seconds", 5)) > limit
     ]
-    extra = {"lease_ttl": ttl, "max_timeout": round(limit, 2)}
+    extra: dict[str, Any] = {"lease_ttl": ttl, "max_timeout": round(limit, 2)}
     if not over:
         return _ok(**extra)
     return _fail(
