@@ -172,9 +172,7 @@ def test_a_write_tool_no_policy_names(tenant_a: Tenant) -> None:
     assert line.startswith("WARNING write_policies: write tool(s) no approval policy names: ")
     assert "acme/tickets.close" in line and "tickets.create" not in line
     assert "held by default" in line
-    # Accepting warnings: only the missing worker still fails.
-    _, errors_only = doctor("--fail-level", "error")
-    assert "WARNING" in " ".join(errors_only)
+    # That a warning alone exits 0 unless --fail-level warning: test_health.py's cluster test.
 
 
 def test_no_worker_heartbeat() -> None:

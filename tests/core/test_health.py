@@ -8,9 +8,12 @@ import io
 import httpx
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 
+from runtime.models import Tenant
 from tests import procs
+from tests.tooldefs import define_tickets
 
 
 @pytest.mark.django_db
@@ -38,6 +41,16 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
         call_command("doctor", stdout=out)
         assert out.getvalue().splitlines() == [f"All {len(ready['checks'])} checks pass."]
         assert all(check["ok"] for check in ready["checks"].values()), ready
+        # A warning (a write tool no policy names: held by default) is said, and fails
+        # doctor only when asked to.
+        define_tickets(Tenant.objects.create(slug="acme", name="Acme"), "http://127.0.0.1:9")
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        said = out.getvalue().splitlines()
+        assert said[0].startswith("WARNING write_policies: ") and "acme/tickets.create" in said[0]
+        assert said[-1] == f"{len(ready['checks'])} checks: no errors, 1 warning(s)."
+        with pytest.raises(CommandError):
+            call_command("doctor", "--fail-level", "warning", stdout=io.StringIO())
     finally:
         procs.kill(worker)
     procs.wait_for(lambda: client.get("/readyz").status_code == 503, timeout=30)

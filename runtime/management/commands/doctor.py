@@ -1,9 +1,9 @@
 """`manage.py doctor`: the settings that would silently break a guarantee, one line each.
 
-The checks are `runtime.health`'s, the same /readyz reports in its details. Exit 0 when
-every check passes; 1 when any problem at or above --fail-level is found (by default every
-problem, warnings included: `--fail-level error` accepts the warnings). `--json` prints the
-results as /readyz does.
+The checks are `runtime.health`'s, the same /readyz reports in its details. Exit 1 when any
+error is found. A warning (a write tool no policy names: safe, held by default, but the
+admin should know) is printed and, as with `manage.py check`, fails only with
+`--fail-level warning`. `--json` prints the results as /readyz does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Command(BaseCommand):
     help = "Check durability, workers, clocks, secrets and tool limits; exit 1 on a problem."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--fail-level", choices=[WARNING, ERROR], default=WARNING)
+        parser.add_argument("--fail-level", choices=[WARNING, ERROR], default=ERROR)
         parser.add_argument("--json", action="store_true", help="print every check's result")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -35,4 +35,9 @@ class Command(BaseCommand):
         if failing:
             raise CommandError(f"{len(failing)} problem(s) found by {len(results)} checks")
         if not options["json"]:
-            self.stdout.write(f"All {len(results)} checks pass.")
+            warned = len(found)
+            self.stdout.write(
+                f"{len(results)} checks: no errors, {warned} warning(s)."
+                if warned
+                else f"All {len(results)} checks pass."
+            )
