@@ -518,9 +518,32 @@ def problems(results: dict[str, Result]) -> list[tuple[str, str, str]]:
     ]
 
 
+# /readyz answers anyone who can reach it: checks of the deployment show their problems, the
+# checks that read tenants' tools and credentials say only how many (`manage.py doctor`
+# names them), so no tenant's names leak to a probe.
+DEPLOYMENT_CHECKS = {
+    "database",
+    "migrations",
+    "worker",
+    "broker",
+    "durability",
+    "connections",
+    "clock",
+    "debug",
+}
+
+
+def _public(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    if name in DEPLOYMENT_CHECKS:
+        return result
+    count = len(result.get("problems", []))
+    problems = [f"{count} problem(s) in tenants' tools: run manage.py doctor"] if count else []
+    return {"ok": result["ok"], "problems": problems}
+
+
 @require_GET
 def readyz(request: HttpRequest) -> JsonResponse:
-    checks = run_checks()
+    checks = {name: _public(name, result) for name, result in run_checks().items()}
     ready = all(checks[name]["ok"] for name in READINESS)
     return JsonResponse(
         {"status": "ok" if ready else "unavailable", "checks": checks}, status=200 if ready else 503
