@@ -28,7 +28,7 @@ from runtime.accounts import record_tenant_act
 from runtime.auth import DEFAULT_OVERLAP, Issued, issue_token, revoke_token, rotate_tokens
 from runtime.crypto import SecretUnreadable
 from runtime.errors import HoldpointError, InvalidTransition
-from runtime.lifecycle import RESUMABLE, cancel_run, resume_run
+from runtime.lifecycle import cancel_run, has_something_to_resume, resume_run
 from runtime.models import (
     TERMINAL,
     AgentAccount,
@@ -469,7 +469,7 @@ def _resume(run: Run, actor: str) -> None:
     """resume_run wakes nothing in a run that waits for a person or works (and says nothing
     of it): the admin says so instead of reporting it resumed. A finished run is refused
     by resume_run itself."""
-    if run.status not in TERMINAL and run.status not in RESUMABLE and run.wake_at is None:
+    if run.status not in TERMINAL and not has_something_to_resume(run):
         raise InvalidTransition(f"the run is {run.status}: nothing to resume")
     resume_run(run, actor=actor)
 
