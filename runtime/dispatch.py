@@ -366,7 +366,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         if result.outcome == "refused" and not result.transient:
             return _settle(action, fence, actor, S.FAILED, result.detail)
         return _again(action, fence, actor, result.detail)
-    found = tool.lookup(action.idempotency_key, action.params)
+    found = tool.lookup(action.idempotency_key, action.params, run_id=str(action.run_id))
     fault(FaultPoint.DURING_RECONCILE)
     if found.found:
         return _settle(
