@@ -80,7 +80,7 @@ async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> A
 
 def _progress_token(params: types.CallToolRequestParams) -> Any:
     meta = params.meta or {}
-    return meta.get("progress_token", meta.get("progressToken"))  # type: ignore[misc]
+    return meta.get("progress_token", meta.get("progressToken"))
 
 
 async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
@@ -162,8 +162,16 @@ class Endpoint:
         if session and not await db(calls.adopt, caller, session):
             await _plain(send, 404, "unknown or finished session: initialize a new one")
             return
-        if method == "DELETE":  # the run stays: its actions and trail are Holdpoint's
-            await _plain(send, 204 if session else 400, "")
+        if method == "DELETE":
+            if not session:
+                await _plain(send, 400, "Bad Request: no Mcp-Session-Id")
+                return
+            try:
+                await db(calls.close_session, caller, session)
+            except calls.Busy:
+                await _plain(send, 409, "a call of this session is being sent; try again")
+                return
+            await _plain(send, 204, "")
             return
         if method != "POST":
             await _plain(send, 405, "POST requests", allow="POST, DELETE")
@@ -173,8 +181,8 @@ class Endpoint:
             limit = settings.HOLDPOINT_MCP_MAX_BODY_BYTES
             await _plain(send, 413, f"request body larger than {limit} bytes")
             return
+        first = _message(body)
         if not session:
-            first = _message(body)
             if first.get("method") != "initialize":
                 await _plain(send, 400, "Bad Request: no Mcp-Session-Id (initialize first)")
                 return
@@ -182,6 +190,9 @@ class Endpoint:
             session = await db(
                 calls.open_session, caller, client if isinstance(client, dict) else {}
             )
+        if first.get("method") == "initialize":
+            # A new session's id, or the carried-on one's again: the client's SDK then knows
+            # it (and sends DELETE with it when it closes).
             send = _with_session(send, session)
         scope = {**scope, SCOPE_KEY: {"caller": caller, "session": session}}
         await self.manager.handle_request(scope, _replay(body, receive), send)

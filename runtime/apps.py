@@ -30,8 +30,8 @@ class RuntimeConfig(AppConfig):
         from runtime.graphs import load_graph_modules
 
         load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)
-        from runtime.agents import mcp_session  # noqa: F401  (the MCP gateway's runs)
         from runtime import accounts
+        from runtime.agents import mcp_session  # noqa: F401  (the MCP gateway's runs)
 
         accounts.connect()
         from django_q.signals import post_spawn

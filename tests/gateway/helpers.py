@@ -28,9 +28,17 @@ class Progress:
 
 
 async def in_session(
-    url: str, key: str, work: Callable[[ClientSession], Awaitable[T]], scheme: str = "Bearer"
+    url: str,
+    key: str,
+    work: Callable[[ClientSession], Awaitable[T]],
+    scheme: str = "Bearer",
+    session_id: str = "",
 ) -> T:
+    """`session_id`: carry on that session (as a client that kept its id across a reconnect
+    or a gateway restart does) instead of opening a new one."""
     headers = {"Authorization": f"{scheme} {key}"} if key else {}
+    if session_id:
+        headers["Mcp-Session-Id"] = session_id
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(120)) as http:
         async with streamable_http_client(url, http_client=http) as (read, write):
             async with ClientSession(read, write) as session:

@@ -9,7 +9,6 @@ and counts the upstream's calls by a title of its own); the crash tests start th
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -157,6 +156,8 @@ def test_a_session_lists_the_gated_tools_and_a_call_waits_for_the_browser_approv
     # The session is a run: on the run page, its journal telling the call's story.
     run = Run.objects.get(pk=action.run_id)
     assert run.graph == "mcp-session" and run.external and run.tenant_id == tenant_a.pk
+    # The client closed its session (the SDK sends DELETE) with every answer delivered.
+    assert run.status == "completed", run.status
     page.goto(f"{web}/runs/{run.run_id}/")
     assert CREATE in page.content()
     types = list(
@@ -190,6 +191,9 @@ def test_without_a_progress_token_the_answer_is_pending_and_the_same_call_gets_t
     # same call gets the decision.
     assert text(again).startswith("PENDING")
     run_id = Action.objects.get(approvals=request).run_id
+    # Its client closed that session with the call still open: the run stays open, so the
+    # decision lands and the session can be carried on.
+    assert Run.objects.get(pk=run_id).status == "queued"
 
     async def retry(client: Any) -> Any:
         return await client.call_tool(CREATE, {"title": title})
@@ -197,28 +201,12 @@ def test_without_a_progress_token_the_answer_is_pending_and_the_same_call_gets_t
     retried = _in_run(url, str(agent_a.token), str(run_id), retry)
     assert retried.is_error and "Not needed" in text(retried), text(retried)
     assert _reached(upstream, title) == []
+    assert Run.objects.get(pk=run_id).status == "completed"  # now every answer is out
 
 
 def _in_run(url: str, key: str, run_id: str, work: Any) -> Any:
-    """A client that carries on an existing session (as one that kept its session id across
-    a reconnect does): the gateway adopts the session id it issued."""
-    import httpx2
-    from mcp.client.session import ClientSession
-    from mcp.client.streamable_http import streamable_http_client
-
-    async def go() -> Any:
-        headers = {"Authorization": f"Bearer {key}", "Mcp-Session-Id": run_id}
-        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(120)) as http:
-            async with streamable_http_client(url, http_client=http) as (read, write):
-                async with ClientSession(read, write) as client:
-                    await client.initialize()
-                    return await work(client)
-
-    box: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: box.update(value=asyncio.run(go())))
-    thread.start()  # a thread of its own: the browser tests' thread runs Playwright's loop
-    thread.join(120)
-    return box["value"]
+    """A client that carries on an existing session: the gateway adopts the id it issued."""
+    return Background(url, key, work, session_id=run_id).result()
 
 
 def test_edited_params_are_what_the_upstream_receives_and_a_retry_acts_once(
