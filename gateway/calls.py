@@ -406,7 +406,11 @@ def answer(action: Action | None) -> Answer:
         return Answer(
             "Holdpoint: another call of this session is being sent; waiting.", waiting=True
         )
-    meta = {"holdpoint/action_id": str(action.action_id), "holdpoint/status": action.status}
+    meta = {
+        "holdpoint/action_id": str(action.action_id),
+        "holdpoint/status": action.status,
+        "holdpoint/session": str(action.run_id),  # the Mcp-Session-Id, and the run's id
+    }
     if action.status == S.CONFIRMED:
         result = action.result if isinstance(action.result, dict) else {}
         content = list(result.get("content") or [])

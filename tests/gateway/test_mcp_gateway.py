@@ -9,6 +9,10 @@ and counts the upstream's calls by a title of its own); the crash tests start th
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,9 +27,10 @@ from audit.models import JournalEntry
 from runtime import mcp, toolcatalog
 from runtime.auth import revoke_token
 from runtime.models import Action, ActionStatus, AgentToken, McpServer, Run, Tenant
+from runtime.models.tenancy import Role
 from tests import procs
 from tests.browser import log_in
-from tests.conftest import Persona, issue_token_for
+from tests.conftest import Persona, issue_token_for, make_persona
 from tests.gateway.helpers import Background, Progress, session, text
 from tests.mcp_fixture import Upstream, _listening
 
@@ -310,6 +315,61 @@ def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
     assert post(f"Token {agent_a.token}").status_code == 200  # the API's spelling works too
     assert Run.objects.count() == runs + 1  # only the accepted initialize made a session
 
+    # A session id is the account's own: another agent of the tenant, or the other tenant's
+    # agent at its own endpoint, cannot carry it on (404: "initialize a new session").
+    # (The raw initialize above left its session open; the SDK's sessions closed theirs.)
+    session_id = str(Run.objects.get(tenant=tenant_a, graph="mcp-session", status="queued").pk)
+    colleague = make_persona(tenant_a, "agent-a2", Role.AGENT)
+
+    def carry_on(key: str, endpoint: str) -> httpx.Response:
+        headers = {**accept, "Authorization": f"Bearer {key}", "Mcp-Session-Id": session_id}
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        return httpx.post(endpoint, json=listing, headers=headers, timeout=30)
+
+    assert carry_on(str(colleague.token), url).status_code == 404
+    assert carry_on(str(agent_b.token), _endpoint(web, tenant_b)).status_code == 404
+    assert carry_on(str(agent_a.token), url).status_code == 200  # its own account: carried on
+
     assert not Action.objects.exists()
     assert not ApprovalRequest.objects.exists()
     assert _reached(upstream, title) == []
+
+
+def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """examples/mcp_gateway_client.py, the README's command, as a process of its own."""
+    _setup(tenant_a, upstream)
+    title = _title()
+
+    def example(arguments: dict[str, Any]) -> subprocess.Popen[str]:
+        command = [
+            sys.executable,
+            "examples/mcp_gateway_client.py",
+            _endpoint(web, tenant_a),
+            CREATE,
+            json.dumps(arguments),
+        ]
+        env = {**os.environ, "HOLDPOINT_TOKEN": str(agent_a.token)}
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+
+    approved = example({"title": title})
+    request = _wait_for_request(title)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    out, _ = approved.communicate(timeout=120)
+    assert approved.returncode == 0, out
+    assert f"tool {CREATE}: " in out and "waits for a reviewer's approval" in out
+    assert "progress " in out  # it waited, told by progress notifications
+    action = Action.objects.get(approvals=request)
+    assert f"session {action.run_id}" in out
+    assert f'result {{"id": "{action.external_id}", "title": "{title}"}}' in out
+    assert len(_reached(upstream, title)) == 1
+
+    other = _title()
+    rejected = example({"title": other})
+    request = _wait_for_request(other)
+    decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="Duplicate")
+    out, _ = rejected.communicate(timeout=120)
+    assert rejected.returncode == 1, out
+    assert "REJECTED" in out and "Duplicate" in out
+    assert _reached(upstream, other) == []
