@@ -133,6 +133,10 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     if env_bool("HOLDPOINT_PG_PREPARE", True):
         _db.setdefault("OPTIONS", {})["prepare_threshold"] = 0
 DATABASES = {"default": _db}
+# What the workers keep their connections for: the ASGI web process sets its own to 0
+# (config/asgi.py), and doctor's "connections" check, served there by /readyz too, is about
+# the workers (runtime.health.check_connections).
+HOLDPOINT_WORKER_CONN_MAX_AGE = _db["CONN_MAX_AGE"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

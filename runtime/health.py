@@ -252,10 +252,12 @@ def check_connections() -> Result:
     one (the ORM broker on PostgreSQL ran 30 instead of 294 tasks/s, NOTES.md), and a
     kept connection needs health checks so a database restart does not fail the next task."""
     db = _db().settings_dict
+    # The workers' value: this process may be the ASGI web, which keeps none (config/asgi.py).
+    kept = settings.HOLDPOINT_WORKER_CONN_MAX_AGE
     if db["ENGINE"] != POSTGRES:  # SQLite opens a file: nothing to keep
-        return _ok(conn_max_age=db.get("CONN_MAX_AGE"))
+        return _ok(conn_max_age=kept)
     problems = []
-    if db.get("CONN_MAX_AGE") == 0:
+    if kept == 0:
         problems.append(
             _line(
                 "CONN_MAX_AGE is 0 on PostgreSQL",
@@ -272,7 +274,7 @@ def check_connections() -> Result:
             )
         )
     extra: dict[str, Any] = {
-        "conn_max_age": db.get("CONN_MAX_AGE"),
+        "conn_max_age": kept,
         "health_checks": db.get("CONN_HEALTH_CHECKS"),
     }
     return _fail(problems, **extra) if problems else _ok(**extra)

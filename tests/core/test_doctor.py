@@ -112,12 +112,8 @@ def test_postgres_synchronous_commit_off(postgres_only: None) -> None:
 
 @pytest.mark.postgres
 def test_postgres_without_persistent_connections(postgres_only: None) -> None:
-    saved = connection.settings_dict["CONN_MAX_AGE"]
-    connection.settings_dict["CONN_MAX_AGE"] = 0
-    try:
+    with override_settings(HOLDPOINT_WORKER_CONN_MAX_AGE=0):  # DB_CONN_MAX_AGE=0
         ok, lines = doctor()
-    finally:
-        connection.settings_dict["CONN_MAX_AGE"] = saved
     assert not ok
     assert "CONN_MAX_AGE is 0 on PostgreSQL" in line_of("connections", lines)
 
