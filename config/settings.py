@@ -495,6 +495,8 @@ LOGGING = {
         # time beside the root's: in `make run` each refused request showed two tracebacks.
         "django": {"handlers": []},
         "django.db.backends": {"level": "INFO"},
+        # django-axes says its version at every process start (every manage.py command).
+        "axes.apps": {"level": "WARNING"},
         # django-q2 gives its logger a handler of its own in its own format unless it has one
         # already: this one, so its lines come out like every other.
         "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},

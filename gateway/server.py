@@ -38,6 +38,9 @@ from gateway import calls
 T = TypeVar("T")
 SESSION_HEADER = b"mcp-session-id"
 POLL_SECONDS = 0.5
+# A waiting call reads its action every POLL_SECONDS but tells the client only this often
+# (and at once): a host shows each notification, and a reviewer takes minutes, not ticks.
+PROGRESS_SECONDS = 5.0
 SCOPE_KEY = "holdpoint.mcp"
 
 
@@ -92,6 +95,7 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
     token = _progress_token(params)
     bound = settings.HOLDPOINT_MCP_WAIT_SECONDS if token is not None else 0
     started = time.monotonic()
+    told = -PROGRESS_SECONDS
     while True:
         try:
             action = await db(calls.drive, caller, call)
@@ -101,10 +105,12 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
         waited = time.monotonic() - started
         if not said.waiting or waited >= bound:
             break
-        # On this request's own stream (the POST's SSE answer): there is no GET stream.
-        await ctx.session.send_progress_notification(
-            token, waited, bound, said.text, related_request_id=ctx.request_id
-        )
+        if waited - told >= PROGRESS_SECONDS:
+            told = waited
+            # On this request's own stream (the POST's SSE answer): there is no GET stream.
+            await ctx.session.send_progress_notification(
+                token, waited, bound, said.text, related_request_id=ctx.request_id
+            )
         await anyio.sleep(POLL_SECONDS)
     if said.final and action is not None:
         await db(calls.settle_delivery, caller, call, action)
