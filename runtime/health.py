@@ -474,6 +474,28 @@ def check_debug() -> Result:
     )
 
 
+def check_metrics() -> Result:
+    """/metrics answers anyone who reaches it unless HOLDPOINT_METRICS_TOKEN is set: counts
+    of runs, actions and approvals (no tenant's names), but a figure of the business all the
+    same. Said as a warning on a host others can reach; a local setup needs no token."""
+    exposed = [h for h in settings.ALLOWED_HOSTS if h not in _LOCAL_HOSTS]
+    if settings.HOLDPOINT_METRICS_TOKEN or not exposed:
+        return _ok(token=bool(settings.HOLDPOINT_METRICS_TOKEN))
+    return _fail(
+        [
+            _line(
+                f"/metrics needs no token while ALLOWED_HOSTS names {', '.join(exposed)}",
+                "anyone who reaches the web port reads the deployment's run, action and "
+                "approval figures",
+                "set HOLDPOINT_METRICS_TOKEN (Prometheus: authorization.credentials), or "
+                "serve /metrics only to the scraper's network",
+            )
+        ],
+        level=WARNING,
+        token=False,
+    )
+
+
 # --- all of them ---------------------------------------------------------------------------------
 
 # The checks /readyz's status code rests on (its contract since the first release).
@@ -491,9 +513,10 @@ CHECKS: dict[str, Callable[[], Result]] = {
     "write_policies": check_write_policies,
     "tool_hosts": check_tool_hosts,
     "debug": check_debug,
+    "metrics": check_metrics,
 }
 # Checks that read settings only, and so still answer with the database down.
-_WITHOUT_DATABASE = {"database", "worker", "connections", "debug"}
+_WITHOUT_DATABASE = {"database", "worker", "connections", "debug", "metrics"}
 
 
 def run_checks() -> dict[str, Result]:
@@ -532,6 +555,7 @@ DEPLOYMENT_CHECKS = {
     "connections",
     "clock",
     "debug",
+    "metrics",
 }
 
 

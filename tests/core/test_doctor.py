@@ -194,6 +194,17 @@ def test_debug_on_a_reachable_host() -> None:
     assert "DEBUG is on while ALLOWED_HOSTS names holdpoint.example.com" in line_of("debug", lines)
 
 
+@override_settings(ALLOWED_HOSTS=["holdpoint.example.com"], HOLDPOINT_METRICS_TOKEN="")
+def test_metrics_without_a_token_on_a_reachable_host_is_a_warning() -> None:
+    ok, lines = doctor()
+    line = line_of("metrics", lines)
+    assert line.startswith("WARNING metrics: /metrics needs no token while ALLOWED_HOSTS")
+    assert "HOLDPOINT_METRICS_TOKEN" in line
+    with override_settings(HOLDPOINT_METRICS_TOKEN="s3cret"):
+        _, lines = doctor()
+    assert not [line for line in lines if " metrics: " in line]
+
+
 def test_broker_retry_not_above_the_task_timeout() -> None:
     conf = {**settings.Q_CLUSTER, "retry": settings.Q_CLUSTER["timeout"]}
     with override_settings(Q_CLUSTER=conf):
