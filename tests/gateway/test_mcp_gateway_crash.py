@@ -6,6 +6,7 @@ effects is the upstream's own record of the calls that reached it."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,6 +101,23 @@ def _plain(tenant: Tenant, upstream: Upstream) -> None:
     ApprovalPolicy.objects.create(tenant=tenant, name="creates go", tool=CREATE, required=False)
 
 
+def _killed_at(
+    gateway: Gateway, point: str, tenant: Tenant, agent: Persona, tool: str
+) -> tuple[Action, Callable[[], Any]]:
+    """A call made while the gateway is armed with `point`; the process dies there, a new
+    one starts. The action as the dead process left it, and the same call again (in the same
+    session, by a client that kept its id)."""
+    title = f"Printer {uuid.uuid4().hex[:8]} on fire"
+    url, key = gateway.endpoint(tenant), str(agent.token)
+    gateway.start(faults=point)
+    _lost(url, key, tool, {"title": title})
+    gateway.died_at(point)
+    action = Action.objects.get(tenant=tenant, params__contains=title)
+    gateway.start()
+    session = str(_session_of(tenant).run_id)
+    return action, lambda: _carry_on(url, key, session, tool, {"title": title})
+
+
 def test_killed_after_the_outcome_was_recorded_the_same_call_returns_it_and_acts_once(
     gateway: Gateway,
     mcp_upstream: Callable[..., Upstream],
@@ -108,21 +126,14 @@ def test_killed_after_the_outcome_was_recorded_the_same_call_returns_it_and_acts
 ) -> None:
     upstream = mcp_upstream()
     _plain(tenant_a, upstream)
-    title = f"Printer {uuid.uuid4().hex[:8]} on fire"
-    url, key = gateway.endpoint(tenant_a), str(agent_a.token)
-
-    gateway.start(faults="after_confirm")
-    _lost(url, key, CREATE, {"title": title})
-    gateway.died_at("after_confirm")
-    action = Action.objects.get(tenant=tenant_a, params__contains=title)
+    action, again = _killed_at(gateway, "after_confirm", tenant_a, agent_a, CREATE)
     assert action.status == S.CONFIRMED  # recorded, but the client never got it
     assert len(upstream.calls("tickets_create")) == 1
 
-    gateway.start()
-    run = _session_of(tenant_a)
-    again = _carry_on(url, key, str(run.run_id), CREATE, {"title": title})
-    assert not again.is_error, text(again)
-    assert again.structured_content == {"id": action.external_id, "title": title}
+    answer = again()
+    assert not answer.is_error, text(answer)
+    title = json.loads(action.params)["title"]
+    assert answer.structured_content == {"id": action.external_id, "title": title}
     assert len(upstream.calls("tickets_create")) == 1  # the answer came from the ledger
     assert Action.objects.filter(tenant=tenant_a).count() == 1
 
@@ -135,27 +146,19 @@ def test_killed_after_the_upstream_answered_a_tool_without_lookup_goes_to_a_pers
 ) -> None:
     upstream = mcp_upstream()
     _plain(tenant_a, upstream)
-    title = f"Printer {uuid.uuid4().hex[:8]} on fire"
-    url, key = gateway.endpoint(tenant_a), str(agent_a.token)
-
-    gateway.start(faults="after_tool_response")
-    _lost(url, key, CREATE, {"title": title})
-    gateway.died_at("after_tool_response")
-    action = Action.objects.get(tenant=tenant_a, params__contains=title)
+    action, again = _killed_at(gateway, "after_tool_response", tenant_a, agent_a, CREATE)
     assert action.status == S.SENT  # the effect happened; nothing says so
     assert len(upstream.calls("tickets_create")) == 1
 
-    gateway.start()
-    run = _session_of(tenant_a)
     # The dead process's lease runs out (tool timeout + margin); the call waits that long
     # (progress notifications) and then the takeover hands the action to a person.
-    again = _carry_on(url, key, str(run.run_id), CREATE, {"title": title})
-    assert again.is_error and text(again).startswith("NEEDS A PERSON"), text(again)
-    assert again.meta["holdpoint/reconcile_url"].endswith(f"/reconcile/{action.pk}/")
+    answer = again()
+    assert answer.is_error and text(answer).startswith("NEEDS A PERSON"), text(answer)
+    assert answer.meta["holdpoint/reconcile_url"].endswith(f"/reconcile/{action.pk}/")
     action.refresh_from_db()
     assert action.status == S.MANUAL_REVIEW
     assert len(upstream.calls("tickets_create")) == 1  # never sent again
-    run.refresh_from_db()
+    run = _session_of(tenant_a)
     assert run.status == RunStatus.NEEDS_RECONCILIATION  # open for the person, on the inbox
     assert not ApprovalRequest.objects.filter(action=action).exists()
 
@@ -191,20 +194,11 @@ def test_killed_after_the_upstream_answered_a_lookup_tool_finds_the_effect_by_it
         "user:admin",
     )
     ApprovalPolicy.objects.create(tenant=tenant_a, name="opens go", tool=OPEN, required=False)
-    title = f"Printer {uuid.uuid4().hex[:8]} on fire"
-    url, key = gateway.endpoint(tenant_a), str(agent_a.token)
-
-    gateway.start(faults="after_tool_response")
-    _lost(url, key, OPEN, {"title": title})
-    gateway.died_at("after_tool_response")
-    action = Action.objects.get(tenant=tenant_a, params__contains=title)
+    action, again = _killed_at(gateway, "after_tool_response", tenant_a, agent_a, OPEN)
     assert action.status == S.SENT
-
-    gateway.start()
-    run = _session_of(tenant_a)
-    again = _carry_on(url, key, str(run.run_id), OPEN, {"title": title})
+    answer = again()
     action.refresh_from_db()
-    assert not again.is_error, (text(again), action.last_error)
+    assert not answer.is_error, (text(answer), action.last_error)
     assert action.status == S.CONFIRMED and action.external_id == "T-1"
     opened = upstream.calls("tickets_open")
     # Found by asking the lookup tool with the gateway's own key, not by sending again.
