@@ -151,6 +151,7 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
     pages = {
         "inbox": "/inbox/",
         "inbox-history": "/inbox/history/",
+        "overview": "/overview/",
         "request": f"/approvals/{world['request'].pk}/",
         "runs": "/runs/",
         "run": f"/runs/{run.run_id}/",
