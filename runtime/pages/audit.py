@@ -287,6 +287,8 @@ class LogRow:
 class LogPage:
     rows: list[LogRow]
     next_before: int | None
+    # False when the reader filtered by event type: they asked for exactly those entries.
+    folds: bool = True
 
     @property
     def groups(self) -> list[Fold]:
@@ -294,7 +296,7 @@ class LogPage:
         consecutive worker entries (FOLDED_TYPES), which come as one fold."""
         groups: list[list[LogRow]] = []
         for row in self.rows:
-            folds = row.entry.type in FOLDED_TYPES
+            folds = self.folds and row.entry.type in FOLDED_TYPES
             last = groups[-1] if groups else None
             if folds and last is not None and last[0].entry.type in FOLDED_TYPES:
                 last.append(row)
@@ -362,7 +364,7 @@ def log_page(principal: Principal, filters: AuditFilters, before: int | None) ->
     found = list(log_query(principal, filters, before))
     shown = found[:PAGE_SIZE]
     rows = [LogRow(e, summarise(e.payload), pretty(e.payload), run_of(e.object_ref)) for e in shown]
-    return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None)
+    return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None, folds=not filters.type)
 
 
 @reviewer_page(no_tenant="audit/log.html")

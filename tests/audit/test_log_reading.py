@@ -67,3 +67,8 @@ def test_a_decision_shows_once_and_lease_events_fold(
     # Filtering by type still finds the run's copy of the decision.
     only = client.get(reverse("audit-log"), {"type": "approval_decided"})
     assert [r.entry.stream for r in only.context["rows"]] == [f"run:{run.run_id}"]
+
+    # Asking for one worker event type shows each entry on its own line: nothing folded.
+    leases = client.get(reverse("audit-log"), {"type": "lease_taken"})
+    assert len(leases.context["rows"]) >= 2
+    assert not [g for g in leases.context["groups"] if g.folded]
