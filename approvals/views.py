@@ -46,6 +46,7 @@ from approvals.inbox import (
     similar_decisions,
 )
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision
+from approvals.overview import tenant_overview
 from approvals.policies import may_decide, shaped_by
 from approvals.scoping import approvals_for
 from approvals.wording import done_text, expiry_of, refusal_text
@@ -112,6 +113,13 @@ def history(request: HttpRequest, principal: Principal) -> HttpResponse:
     """Decided requests (any end state), newest first, with who decided and why."""
     page = Paginator(decided_requests(principal), PAGE_SIZE).get_page(request.GET.get("page"))
     return render(request, "approvals/history.html", {"page_obj": page})
+
+
+@reviewer_page(no_tenant="approvals/overview.html")
+def overview(request: HttpRequest, principal: Principal) -> HttpResponse:
+    """How the tenant's work stands: runs, waiting approvals, turnaround, backlog."""
+    context = {"overview": tenant_overview(principal, timezone.now())}
+    return render(request, "approvals/overview.html", context)
 
 
 # --- one request: the page --------------------------------------------------------------
