@@ -202,6 +202,8 @@ def run_readme_shell_blocks(var_dir: Path, web_port: int, sandbox_port: int) -> 
     outputs = "\n".join(out for _, out in ran)
     assert '"graph":"api-review"' in outputs.replace(" ", ""), outputs
     assert (var_dir / "demo-tools.json").is_file()
+    # The MCP gateway's example: a session listed the demo's tools and its call is held.
+    assert "tool tasks.create: " in outputs and "result PENDING: " in outputs, outputs
     print(f"README: {len(ran)} shell blocks ran: {', '.join(b.where() for b, _ in ran)}")
 
 
@@ -214,6 +216,8 @@ def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
         HOLDPOINT_WEB_PORT=str(web_port),
         HOLDPOINT_SANDBOX_PORT=str(sandbox_port),
         HOLDPOINT_DEMO_PASSWORD="demo-password-for-the-test",
+        # The README's MCP call waits for a reviewer nobody is: 2 s, not 30, before PENDING.
+        HOLDPOINT_MCP_WAIT_SECONDS="2",
         TERM="dumb",
     )
     web = f"http://127.0.0.1:{web_port}"

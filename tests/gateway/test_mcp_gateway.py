@@ -338,7 +338,7 @@ def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
 def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
     web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
 ) -> None:
-    """examples/mcp_gateway_client.py, the README's command, as a process of its own."""
+    """examples/mcp_gateway_client.py, the command in the README (there with make run; here approved and rejected)."""
     _setup(tenant_a, upstream)
     title = _title()
 
