@@ -338,7 +338,8 @@ def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
 def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
     web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
 ) -> None:
-    """examples/mcp_gateway_client.py, the command in the README (there with make run; here approved and rejected)."""
+    """examples/mcp_gateway_client.py, the README's command (run there against make run by
+    tests/core/test_run_script.py; here through an approval and a rejection)."""
     _setup(tenant_a, upstream)
     title = _title()
 
