@@ -25,6 +25,7 @@ from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
+from runtime.tracing import action_phase
 
 if TYPE_CHECKING:
     from runtime.context import StepContext
@@ -146,6 +147,7 @@ class ActionRunner:
             fault(FaultPoint.AFTER_PREPARE)
         return self.drive(ctx, tool, action)
 
+    @action_phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
     def prepare(
         self,
         ctx: StepContext,
@@ -206,6 +208,7 @@ class ActionRunner:
             action = self.send(tool, action)
         raise Park("needs_reconciliation", f"{action.tool} did not settle", action=action)
 
+    @action_phase("send", lambda self, tool, action: (action, None, tool.name))
     def send(self, tool: Tool, action: Action) -> Action:
         if tool.precheck is not None:
             tool.precheck(_params(action))
@@ -233,6 +236,7 @@ class ActionRunner:
         fault(FaultPoint.AFTER_CONFIRM)
         return action
 
+    @action_phase("outcome", lambda self, action, result: (action, None, action.tool))
     def record(self, action: Action, result: CallResult) -> Action:
         """Write what the call said, with a checkpoint; an old revision's result is kept
         on the action but advances nothing."""
@@ -262,6 +266,7 @@ class ActionRunner:
         return action  # settled: the transition refreshed it
 
 
+@action_phase("send", lambda action, fence, tool, *_, **__: (action, None, tool.name))
 def perform(
     action: Action,
     fence: int,
@@ -322,6 +327,7 @@ class Verdict:
     until: datetime | None = None
 
 
+@action_phase("reconcile", lambda action, *_: (action, None, action.tool))
 def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
     """Recovery checks before it acts (invariant 3), by dedup mode:
 

@@ -29,7 +29,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
 from audit.models import JournalEntry
 from fastsql import statements
-from runtime import stepcommit
+from runtime import stepcommit, tracing
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Park
@@ -175,7 +175,7 @@ class Executor:
     def execute(self, slice_seconds: float) -> AdvanceResult:
         # While it runs, this executor is the run stream's writer: its appends carry the head
         # through instead of re-reading it (audit.journal.owning).
-        with journal.owning(self.stream):
+        with journal.owning(self.stream), tracing.advance(self.run):
             return self._execute(slice_seconds)
 
     def _execute(self, slice_seconds: float) -> AdvanceResult:
@@ -207,7 +207,8 @@ class Executor:
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
             try:
-                outcome = call_with_timeout(graph.step_timeout, step, ctx)
+                with tracing.step(ctx, quiet=(Park, _Aborted)):
+                    outcome = call_with_timeout(graph.step_timeout, step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
             except StaleFence:

@@ -39,6 +39,7 @@ from runtime.leases import Lease
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.stepcommit import StepCommit
 from runtime.tools import Dedup, Tool, get_tool, tool_of
+from runtime.tracing import action_phase
 
 if TYPE_CHECKING:
     from runtime.tenancy import Principal
@@ -306,6 +307,7 @@ def _writable(run: Run, fence: int, expected_rev: int) -> Run:
 # --- actions -----------------------------------------------------------------------------------
 
 
+@action_phase("prepare", lambda run, fence, tool_name, *_, **__: (None, run, tool_name))
 def prepare(
     run: Run,
     fence: int,
@@ -526,6 +528,7 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
     return {"how": how}
 
 
+@action_phase("outcome", lambda action, *_, **__: (action, None, action.tool))
 def record_outcome(
     action: Action,
     fence: int,
