@@ -12,7 +12,7 @@ from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
 from fastsql.statements import tenant_check
-from runtime import tracing
+from runtime import observe
 from runtime.errors import InvalidParams
 from runtime.events import RunEvent, record
 from runtime.faults import FaultPoint, fault
@@ -89,12 +89,12 @@ class StepContext:
         return self._record(key or f"{self.step}@{self._visit}#{self._index}", call, "record")
 
     def _record(self, key: str, call: Callable[[], Any], kind: str) -> Any:
-        with tracing.call(self, key, kind) as span:
+        with observe.recording(self, key, kind) as span:
             return self._recorded(key, call, span)
 
     def _recorded(self, key: str, call: Callable[[], Any], span: Any) -> Any:
         reused = key in self.recorded
-        tracing.reused(span, reused)
+        observe.reused(span, reused)
         if reused:
             self.calls_reused += 1
             return self.recorded[key]

@@ -19,13 +19,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fastsql.statements import tenant_check
-from runtime import gates, ledger
+from runtime import gates, ledger, observe
 from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
 from runtime.models import Action, ActionStatus, Run
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
-from runtime.tracing import action_phase
 
 if TYPE_CHECKING:
     from runtime.context import StepContext
@@ -147,7 +146,7 @@ class ActionRunner:
             fault(FaultPoint.AFTER_PREPARE)
         return self.drive(ctx, tool, action)
 
-    @action_phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
+    @observe.phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
     def prepare(
         self,
         ctx: StepContext,
@@ -208,7 +207,6 @@ class ActionRunner:
             action = self.send(tool, action)
         raise Park("needs_reconciliation", f"{action.tool} did not settle", action=action)
 
-    @action_phase("send", lambda self, tool, action: (action, None, tool.name))
     def send(self, tool: Tool, action: Action) -> Action:
         if tool.precheck is not None:
             tool.precheck(_params(action))
@@ -224,19 +222,20 @@ class ActionRunner:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
         fault(FaultPoint.AFTER_SENT_MARK)
-        result = tool.call(
-            action.params,
-            key=action.idempotency_key,
-            fence=self.lease.fence,
-            run_id=str(action.run_id),
-        )
+        with observe.sending(action):
+            result = tool.call(
+                action.params,
+                key=action.idempotency_key,
+                fence=self.lease.fence,
+                run_id=str(action.run_id),
+            )
         tool.breaker.record(result.outcome == "applied")
         fault(FaultPoint.AFTER_TOOL_RESPONSE)
         action = self.record(action, result)
         fault(FaultPoint.AFTER_CONFIRM)
         return action
 
-    @action_phase("outcome", lambda self, action, result: (action, None, action.tool))
+    @observe.phase("outcome", lambda self, action, result: (action, None, action.tool))
     def record(self, action: Action, result: CallResult) -> Action:
         """Write what the call said, with a checkpoint; an old revision's result is kept
         on the action but advances nothing."""
@@ -266,7 +265,6 @@ class ActionRunner:
         return action  # settled: the transition refreshed it
 
 
-@action_phase("send", lambda action, fence, tool, *_, **__: (action, None, tool.name))
 def perform(
     action: Action,
     fence: int,
@@ -290,9 +288,10 @@ def perform(
         raise ToolUnavailable(f"{tool.name}: {exc}") from None
     action = ledger.mark_sent(action, fence, ttl, tool, actor, then=then)
     fault(FaultPoint.AFTER_SENT_MARK)
-    result = tool.call(
-        action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
-    )
+    with observe.sending(action):
+        result = tool.call(
+            action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
+        )
     tool.breaker.record(result.outcome == "applied")
     fault(FaultPoint.AFTER_TOOL_RESPONSE)
     if result.outcome == "stale":
@@ -327,7 +326,7 @@ class Verdict:
     until: datetime | None = None
 
 
-@action_phase("reconcile", lambda action, *_: (action, None, action.tool))
+@observe.phase("reconcile", lambda action, *_: (action, None, action.tool))
 def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
     """Recovery checks before it acts (invariant 3), by dedup mode:
 

@@ -29,7 +29,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
 from audit.models import JournalEntry
 from fastsql import statements
-from runtime import stepcommit, tracing
+from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Park
@@ -118,6 +118,7 @@ def advance_run(
             lease = take_lease(run_id, owner, ttl)
         except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
             return AdvanceResult("skipped", detail=exc.code)
+        observe.lease_taken(lease)
         executor = Executor(lease)
         try:
             return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
@@ -175,7 +176,7 @@ class Executor:
     def execute(self, slice_seconds: float) -> AdvanceResult:
         # While it runs, this executor is the run stream's writer: its appends carry the head
         # through instead of re-reading it (audit.journal.owning).
-        with journal.owning(self.stream), tracing.advance(self.run):
+        with journal.owning(self.stream), observe.advancing(self.run):
             return self._execute(slice_seconds)
 
     def _execute(self, slice_seconds: float) -> AdvanceResult:
@@ -206,8 +207,9 @@ class Executor:
                 )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
+            step_watch = observe.step_begins(ctx, quiet=(Park, _Aborted))
             try:
-                with tracing.step(ctx, quiet=(Park, _Aborted)):
+                with step_watch:
                     outcome = call_with_timeout(graph.step_timeout, step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
@@ -238,6 +240,7 @@ class Executor:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
             self.steps += 1
+            observe.step_done(step_watch)
             fault(FaultPoint.AFTER_CHECKPOINT)
             if self.run.status != RunStatus.RUNNING:
                 return AdvanceResult(_OUTCOME[self.run.status], self.steps)

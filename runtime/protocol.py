@@ -20,7 +20,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import gates, leases, ledger, stepcommit
+from runtime import gates, leases, ledger, observe, stepcommit
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -39,7 +39,6 @@ from runtime.leases import Lease
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.stepcommit import StepCommit
 from runtime.tools import Dedup, Tool, get_tool, tool_of
-from runtime.tracing import action_phase
 
 if TYPE_CHECKING:
     from runtime.tenancy import Principal
@@ -307,7 +306,7 @@ def _writable(run: Run, fence: int, expected_rev: int) -> Run:
 # --- actions -----------------------------------------------------------------------------------
 
 
-@action_phase("prepare", lambda run, fence, tool_name, *_, **__: (None, run, tool_name))
+@observe.phase("prepare", lambda run, fence, tool_name, *_, **__: (None, run, tool_name))
 def prepare(
     run: Run,
     fence: int,
@@ -528,7 +527,7 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
     return {"how": how}
 
 
-@action_phase("outcome", lambda action, *_, **__: (action, None, action.tool))
+@observe.phase("outcome", lambda action, *_, **__: (action, None, action.tool))
 def record_outcome(
     action: Action,
     fence: int,

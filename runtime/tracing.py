@@ -200,6 +200,14 @@ def call(ctx: Any, key: str, kind: str) -> AbstractContextManager[Span]:
     return _span(f"holdpoint.{kind}", attributes)
 
 
+def send(action: Any) -> AbstractContextManager[Span]:
+    """The request for `action` to its tool: current while the call is made, so the tool's
+    HTTP request carries this span's `traceparent` (`inject`)."""
+    if not _on:
+        return _NOOP
+    return _span("holdpoint.action.send", _action_attributes(action), kind=SpanKind.CLIENT)
+
+
 def reused(span: Span, value: bool) -> None:
     if span.is_recording():
         span.set_attribute("holdpoint.call.reused", value)

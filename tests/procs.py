@@ -92,3 +92,33 @@ def wait_for(check: Callable[[], T | None], timeout: float = 30.0, every: float 
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s")
         time.sleep(every)
+
+
+def start_web(env: dict[str, str], log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """The production web server (`uvicorn config.asgi:application`) on a free port, and its
+    base URL once /healthz answers — for the tests that need a real ASGI server (live event
+    streams, the MCP gateway), where pytest-django's threaded WSGI live_server will not do."""
+    port = free_port()
+    server = start(
+        ["config.asgi:application", "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on"],
+        env,
+        log,
+        program="uvicorn",
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        if server.poll() is not None:
+            raise RuntimeError(f"the web server exited with {server.returncode} (log: {log})")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(answers, timeout=60, every=0.05)
+    except BaseException:
+        kill(server)
+        raise
+    return server, base

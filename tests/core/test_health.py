@@ -1,12 +1,21 @@
-"""/readyz answers "can do useful work": database, migrations, a live worker cluster."""
+"""/readyz answers "can do useful work": database, migrations, a live worker cluster; its
+details are `manage.py doctor`'s checks (tests/core/test_doctor.py)."""
 
 from __future__ import annotations
 
+import io
+import signal
+from pathlib import Path
+
 import httpx
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 
+from runtime.models import Tenant
 from tests import procs
+from tests.tooldefs import define_tickets
 
 
 @pytest.mark.django_db
@@ -28,6 +37,22 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
             lambda: (r := client.get("/readyz")).status_code == 200 and r.json(), timeout=60
         )
         assert ready["checks"]["worker"]["clusters"]
+        # With a worker up, the test settings pass every check doctor makes (SQLite or
+        # PostgreSQL, as CI runs them), and /readyz reports each of them as passed.
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        assert out.getvalue().splitlines() == [f"All {len(ready['checks'])} checks pass."]
+        assert all(check["ok"] for check in ready["checks"].values()), ready
+        # A warning (a write tool no policy names: held by default) is said, and fails
+        # doctor only when asked to.
+        define_tickets(Tenant.objects.create(slug="acme", name="Acme"), "http://127.0.0.1:9")
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        said = out.getvalue().splitlines()
+        assert said[0].startswith("WARNING write_policies: ") and "acme/tickets.create" in said[0]
+        assert said[-1] == f"{len(ready['checks'])} checks: no errors, 1 warning(s)."
+        with pytest.raises(CommandError):
+            call_command("doctor", "--fail-level", "warning", stdout=io.StringIO())
     finally:
         procs.kill(worker)
     procs.wait_for(lambda: client.get("/readyz").status_code == 503, timeout=30)
@@ -35,13 +60,11 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
 
 @pytest.mark.slow
 def test_readyz_fails_when_the_database_is_unreachable() -> None:
-    port = procs.free_port()
     closed = procs.free_port()  # nothing listens there
     env = procs.child_env(DATABASE_URL=f"postgres://nobody@127.0.0.1:{closed}/nowhere")
-    # gunicorn, as in production: runserver itself refuses to start without a database.
-    server = procs.start(["config.wsgi", "-b", f"127.0.0.1:{port}"], env, program="gunicorn")
+    # The production server: runserver itself refuses to start without a database.
+    server, base = procs.start_web(env)
     try:
-        base = f"http://127.0.0.1:{port}"
         procs.wait_for(lambda: _get(base + "/healthz"), timeout=60)
         alive = httpx.get(base + "/healthz")
         assert alive.status_code == 200
@@ -59,3 +82,27 @@ def _get(url: str) -> httpx.Response | None:
         return httpx.get(url, timeout=2)
     except httpx.HTTPError:
         return None
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_asgi_server_serves_pages_static_files_and_the_api(tmp_path: Path) -> None:
+    """What `make run` and production serve: uvicorn over config.asgi, Django behind it."""
+    log = tmp_path / "web.log"
+    server, base = procs.start_web(procs.child_env(), log)
+    try:
+        login = httpx.get(base + "/login/", timeout=30)
+        assert login.status_code == 200
+        assert "Log in" in login.text
+        assert login.headers["x-frame-options"] == "DENY"  # Django's middleware ran
+        css = httpx.get(base + "/static/holdpoint/app.css", timeout=30)
+        assert css.status_code == 200
+        assert css.headers["content-type"].startswith("text/css")
+        api = httpx.get(base + "/api/v1/runs/", timeout=30)
+        assert api.status_code == 401
+        assert api.headers["content-type"] == "application/problem+json"
+        assert httpx.get(base + "/nowhere/", timeout=30).status_code == 404
+    finally:
+        procs.kill(server, signal.SIGTERM)
+    # A graceful stop (uvicorn re-raises the signal after it, hence no exit status 0).
+    assert "Application shutdown complete." in log.read_text()

@@ -72,10 +72,12 @@ def test_debug_off_in_the_environment_ignores_the_file(var_dir: Path) -> None:
 
 
 def test_the_web_entry_point_does_not_read_it(var_dir: Path) -> None:
-    """gunicorn config.wsgi is production: its settings come from its environment alone."""
-    started = run(["-c", "import config.wsgi"], var_dir)
-    assert started.returncode != 0
-    assert "EnvError: SECRET_KEY is required when DEBUG is off" in started.stderr
+    """`uvicorn config.asgi:application` (and config.wsgi) is production: its settings come
+    from its environment alone."""
+    for module in ("config.asgi", "config.wsgi"):
+        started = run(["-c", f"import {module}"], var_dir)
+        assert started.returncode != 0
+        assert "EnvError: SECRET_KEY is required when DEBUG is off" in started.stderr
 
 
 def test_a_malformed_line_names_the_file_and_line(var_dir: Path) -> None:

@@ -131,8 +131,9 @@ def test_one_approved_action_is_one_span_tree_and_the_tracker_gets_the_send_span
     assert [link.context.span_id for link in decision.links] == [
         reviewer.get_span_context().span_id
     ]
-    assert _parent(send) == _context(step2).span_id
-    assert _parent(outcome) == _context(send).span_id
+    assert _parent(send) == _parent(outcome) == _context(step2).span_id
+    assert send.end_time is not None and outcome.start_time is not None
+    assert send.end_time <= outcome.start_time  # the request, then what it said is written
     assert step1.attributes is not None and step1.attributes["holdpoint.stopped_by"] == "Park"
     # Recorded calls: paid in the first visit, answered from the record when it re-runs.
     record1, record2 = spans.named("holdpoint.record")

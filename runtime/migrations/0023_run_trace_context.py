@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("runtime", "0021_admin_names"),
+        ("runtime", "0022_journal_takeovers_index"),
     ]
 
     operations = [
