@@ -71,7 +71,11 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", "holdpoint")})
+    # The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES); "holdpoint" only
+    # where neither names the service (the SDK would say "unknown_service").
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "holdpoint"}))
     provider = TracerProvider(resource=resource)
     for name in names:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name, environ)))
@@ -92,10 +96,12 @@ def _exporter(name: str, environ: Mapping[str, str]) -> Any:
         name = "otlp_proto_grpc" if protocol == "grpc" else "otlp_proto_http"
     found = entry_points(group="opentelemetry_traces_exporter", name=name)
     if not found:
-        raise RuntimeError(
-            f"OTEL_TRACES_EXPORTER: no exporter {name!r} is installed"
-            + (' (pip install "holdpoint[otlp]")' if name.startswith("otlp") else "")
-        )
+        hint = {
+            "otlp_proto_http": ' (pip install "holdpoint[otlp]")',
+            "otlp_proto_grpc": " (holdpoint[otlp] is http/protobuf: pip install "
+            "opentelemetry-exporter-otlp-proto-grpc, or unset OTEL_EXPORTER_OTLP_PROTOCOL)",
+        }.get(name, "")
+        raise RuntimeError(f"OTEL_TRACES_EXPORTER: no exporter {name!r} is installed{hint}")
     return next(iter(found)).load()()
 
 

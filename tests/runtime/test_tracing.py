@@ -3,18 +3,22 @@ send span's `traceparent` at the real tracker (the sandbox process lists what it
 an agent's `traceparent` on the API as the parent, and nothing at all while tracing is off.
 
 The spans are read from the SDK's in-memory exporter, so the executor runs in this process
-(`advance_run`, as the other runtime tests drive runs); `test_a_worker_process_continues_the
-_agents_trace` runs a real `qcluster` configured by `OTEL_*` variables alone."""
+(`advance_run`, as the other runtime tests drive runs); the two `test_a_worker_…` tests run a
+real `qcluster` configured by `OTEL_*` variables alone: the README's console line, and OTLP
+over HTTP to a collector socket (the otlp extra)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -31,10 +35,12 @@ from runtime.models import Action, Run, RunStatus, Tenant
 from tests import procs
 from tests.api import API, new_run, ok, post, take_lease
 from tests.conftest import Persona
+from tests.httpservers import Behaviour, Server
 from tests.sandbox import Sandbox
 from tests.tooldefs import define_tickets
 
 Factory = Callable[[str], Sandbox]
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 traced = Graph("traced", version="1", tools=("tickets.create",))
 
@@ -277,55 +283,138 @@ def test_configure_names_an_exporter_that_is_not_installed() -> None:
     assert not tracing.enabled()
 
 
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
-def test_a_worker_process_continues_the_agents_trace(
-    spans: Spans, tenant_a: Tenant, agent_a: Persona, sandbox_factory: Factory, tmp_path: Path
-) -> None:
-    """A hosted run: the agent's request stores the trace, a real worker — tracing turned on
-    by OTEL_TRACES_EXPORTER / OTEL_SERVICE_NAME alone — sends in it, hours later if need be."""
-    box = sandbox_factory("key")
-    _held(tenant_a, box.url)
+def readme_worker_line() -> dict[str, str]:
+    """The variables of the README's "Traces" console line (`VAR=value … python manage.py
+    qcluster`): the worker test starts its qcluster with exactly those."""
+    section = README.read_text().split("## Traces", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```sh\n(.*?)\n```", section, re.S)
+    assert match, "the README's Traces example is gone"
+    *assignments, python, manage, command = match.group(1).split()
+    assert (python, manage, command) == ("python", "manage.py", "qcluster")
+    return dict(a.split("=", 1) for a in assignments)
+
+
+def _hosted_run_in_a_worker(
+    tenant: Tenant, agent: Persona, box: Sandbox, log: Path, done: Callable[[], bool], **env: str
+) -> tuple[str, int, dict[str, Any]]:
+    """An agent creates a hosted run with its own traceparent; a real `qcluster`, tracing
+    turned on by the `OTEL_*` variables `env` alone, runs it until `done()` (its spans are
+    out). Returns the run id, the agent's trace id and the tracker's record of the create."""
+    _held(tenant, box.url)
     ApprovalPolicy.objects.create(
-        tenant=tenant_a, name="tickets go", tool="tickets.create", required=False
+        tenant=tenant, name="tickets go", tool="tickets.create", required=False
     )
     agent_trace = 0x5B8EFFF798038103D269B633813FC60C
     sent = f"00-{agent_trace:032x}-{0xEEE19B7EC3C1B174:016x}-01"
-    created = ok(
-        post(
-            agent_a.api(),
-            "runs/",
-            {"graph": "ticketing", "goal": {"title": "w"}},
-            HTTP_TRACEPARENT=sent,
-        ),
-        201,
+    body = {"graph": "ticketing", "goal": {"title": "w"}}
+    created = ok(post(agent.api(), "runs/", body, HTTP_TRACEPARENT=sent), 201)
+    worker = procs.start(
+        ["qcluster"], procs.child_env(OTEL_BSP_SCHEDULE_DELAY="100", **env, **box.env()), log=log
     )
-    log = tmp_path / "worker.log"
-    env = procs.child_env(
-        OTEL_TRACES_EXPORTER="console",
-        OTEL_SERVICE_NAME="holdpoint-worker-test",
-        OTEL_BSP_SCHEDULE_DELAY="100",
-        **box.env(),
-    )
-    worker = procs.start(["qcluster"], env, log=log)
     try:
 
         def finished() -> bool:
             return Run.objects.get(pk=created["run_id"]).status == RunStatus.COMPLETED
 
         procs.wait_for(finished, timeout=90, every=0.3)
-        # The console exporter prints each finished span as JSON: wait for the send span.
-        procs.wait_for(lambda: '"holdpoint.action.send"' in log.read_text(), timeout=30)
+        procs.wait_for(done, timeout=30)  # the batch processor exports every 0.1 s
     finally:
         procs.kill(worker)
     [create] = [r for r in box.requests() if r["path"] == "/tasks"]
     assert create["traceparent"].split("-")[1] == f"{agent_trace:032x}"
+    return created["run_id"], agent_trace, create
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_process_continues_the_agents_trace(
+    spans: Spans, tenant_a: Tenant, agent_a: Persona, sandbox_factory: Factory, tmp_path: Path
+) -> None:
+    """A hosted run: the agent's request stores the trace, a real worker started as the
+    README's console line says sends in it, hours later if need be."""
+    log = tmp_path / "worker.log"
+    variables = readme_worker_line()
+    assert variables["OTEL_TRACES_EXPORTER"] == "console"
+    run_id, agent_trace, create = _hosted_run_in_a_worker(
+        tenant_a,
+        agent_a,
+        sandbox_factory("key"),
+        log,
+        # The console exporter prints each finished span as JSON: wait for the send span.
+        lambda: '"holdpoint.action.send"' in log.read_text(),
+        **variables,
+    )
     exported = _console_spans(log.read_text())
     [send] = [s for s in exported if s["name"] == "holdpoint.action.send"]
     assert send["context"]["trace_id"] == f"0x{agent_trace:032x}"
     assert create["traceparent"].split("-")[2] == send["context"]["span_id"][2:]
-    assert send["resource"]["attributes"]["service.name"] == "holdpoint-worker-test"
-    assert send["attributes"]["holdpoint.run_id"] == created["run_id"]
+    assert send["resource"]["attributes"]["service.name"] == variables["OTEL_SERVICE_NAME"]
+    assert send["attributes"]["holdpoint.run_id"] == run_id
+
+
+def _otlp_ok(handler: BaseHTTPRequestHandler, server: Server) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-protobuf")
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
+def _otlp_spans(server: Server) -> list[dict[str, Any]]:
+    """Every span the collector was sent (OTLP/HTTP protobuf), with its resource's name."""
+    found = []
+    for request in list(server.requests):
+        if request["path"] != "/v1/traces":
+            continue
+        export = ExportTraceServiceRequest.FromString(request["body"])
+        for resource_spans in export.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    found.append(
+                        {
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_span_id": span.parent_span_id.hex(),
+                            "attributes": {a.key: a.value.string_value for a in span.attributes},
+                            "service": resource.get("service.name"),
+                        }
+                    )
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_exports_over_otlp_to_the_collector_the_variables_name(
+    spans: Spans,
+    tenant_a: Tenant,
+    agent_a: Persona,
+    sandbox_factory: Factory,
+    serve: Callable[[Behaviour], Server],
+    tmp_path: Path,
+) -> None:
+    """The otlp extra: OTEL_TRACES_EXPORTER=otlp and OTEL_EXPORTER_OTLP_ENDPOINT send the
+    worker's spans to a real HTTP collector (here a socket in the test), as protobuf."""
+    collector = serve(_otlp_ok)
+    run_id, agent_trace, create = _hosted_run_in_a_worker(
+        tenant_a,
+        agent_a,
+        sandbox_factory("key"),
+        tmp_path / "worker.log",
+        lambda: any(s["name"] == "holdpoint.action.send" for s in _otlp_spans(collector)),
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        OTEL_SERVICE_NAME="holdpoint-otlp-test",
+    )
+    exported = _otlp_spans(collector)
+    [send] = [s for s in exported if s["name"] == "holdpoint.action.send"]
+    assert send["trace_id"] == f"{agent_trace:032x}" and send["service"] == "holdpoint-otlp-test"
+    assert create["traceparent"] == f"00-{send['trace_id']}-{send['span_id']}-01"
+    assert send["attributes"]["holdpoint.run_id"] == run_id
+    assert send["attributes"]["holdpoint.tool"] == "tickets.create"
+    [advance] = [s for s in exported if s["name"] == "holdpoint.run.advance"]
+    step_ids = {s["span_id"] for s in exported if s["name"] == "holdpoint.step"}
+    assert advance["trace_id"] == send["trace_id"] and send["parent_span_id"] in step_ids
 
 
 def _console_spans(text: str) -> list[dict[str, Any]]:
