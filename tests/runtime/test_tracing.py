@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -275,6 +277,54 @@ def test_configure_leaves_tracing_off_without_an_exporter(
 ) -> None:
     assert tracing.configure(environ) is on
     assert not tracing.enabled()
+
+
+def test_a_grpc_protocol_without_the_grpc_exporter_says_what_to_install() -> None:
+    environ = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    with pytest.raises(
+        RuntimeError, match="'otlp_proto_grpc'.*opentelemetry-exporter-otlp-proto-grpc"
+    ):
+        tracing.configure(environ)
+    assert not tracing.enabled()
+
+
+SERVICE_NAME = (
+    "import django; django.setup(); from opentelemetry import trace; "
+    "print(trace.get_tracer_provider().resource.attributes['service.name'])"
+)
+
+
+@pytest.mark.parametrize(
+    ("environ", "service"),
+    [
+        ({}, "holdpoint"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes"}, "from-attributes"),
+        (
+            {"OTEL_RESOURCE_ATTRIBUTES": "service.name=attrs", "OTEL_SERVICE_NAME": "svc"},
+            "svc",
+        ),
+    ],
+)
+def test_the_service_name_is_the_sdks_reading_of_the_variables(
+    environ: dict[str, str], service: str
+) -> None:
+    """A process started with an exporter (console) names its service as the SDK reads the
+    standard variables; "holdpoint" only when none names it (OTEL_RESOURCE_ATTRIBUTES'
+    service.name was overridden by "holdpoint" before)."""
+    env = procs.child_env(OTEL_TRACES_EXPORTER="console")
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        env.pop(name, None)  # only the case's own
+    env.update(environ)
+    done = subprocess.run(
+        [sys.executable, "-c", SERVICE_NAME],
+        cwd=procs.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == service
 
 
 def test_configure_names_an_exporter_that_is_not_installed() -> None:
