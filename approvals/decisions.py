@@ -21,7 +21,7 @@ from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Deci
 from approvals.policies import may_decide, shaped_by
 from approvals.requests import close_request, request_approval, wake_run
 from audit import journal
-from runtime import ledger
+from runtime import ledger, observe
 from runtime.errors import (
     AlreadyDecided,
     Expired,
@@ -111,7 +111,10 @@ def decide(
                 request_approval(action, run, label, previous=request)
             changed = True
         else:
-            _vote(request, action, run, user, decision, seen_hash, reason, edits, label, shapers)
+            with observe.deciding(request, action, run, decision):
+                _vote(
+                    request, action, run, user, decision, seen_hash, reason, edits, label, shapers
+                )
     if changed:
         raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()

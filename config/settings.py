@@ -65,6 +65,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "runtime.middleware.ClientHeaders",  # first: nothing stores a control character
+    "runtime.tracing.TraceRequests",  # a span per request, continuing the agent's traceparent
     "runtime.logs.RequestContext",  # each request's log lines: its run, action, tenant
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
