@@ -19,7 +19,7 @@ from django.utils import timezone
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
 from approvals.policies import may_decide, shaped_by
-from approvals.requests import close_request, request_approval, wake_run
+from approvals.requests import close_request, record_edits, request_approval, wake_run
 from audit import journal
 from runtime import ledger, observe
 from runtime.errors import (
@@ -218,11 +218,7 @@ def _apply_edits(
     params = {**_params(action.params), **edits}
     tool.validate(params)
     action = ledger.edit_params(action, params, actor)
-    new_hash = action_hash(action)
-    ApprovalRequest.objects.filter(pk=request.pk).update(
-        edits=edits, edited_params=action.params, action_hash=new_hash
-    )
-    request.action_hash = new_hash
+    record_edits(request, action, edits, action_hash(action))
     return action
 
 

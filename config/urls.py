@@ -48,6 +48,11 @@ urlpatterns = [
         approval_views.decide_page,
         name="approval-page-decide",
     ),
+    path(
+        "approvals/for-action/<uuid:action_id>/",
+        approval_views.request_for_action,
+        name="approval-for-action",
+    ),
     path("tenant/switch/", tenant.switch_tenant_view, name="switch-tenant"),
     path("runs/", pages.runs_page, name="runs"),
     path("runs/<uuid:run_id>/", pages.run_page, name="run"),
