@@ -205,6 +205,60 @@ def events_after(run_id: str, after: int) -> Call[list[JournalEntry]]:
     )
 
 
+# The run statuses after which a run's journal ends (the server closes its stream there).
+FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+STREAM_READ_TIMEOUT = 45.0  # the server sends a comment line at least every 15 s
+
+
+@dataclass
+class EventFeed:
+    """A run's live journal (`GET runs/{id}/events/?stream=1`) across reconnects, without
+    I/O: where to resume (`last`, sent as Last-Event-ID), which events are new, and whether
+    a closed stream is the end. `Client.events` and `AsyncClient.events` drive it."""
+
+    run_id: str
+    last: int = 0
+    final: bool = False
+    received: int = 0  # events taken on the current connection
+
+    def call(self) -> Call[None]:
+        """The request (a Call, so the retry policy treats it as a safe read)."""
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": str(self.last)}
+        return Call(
+            "GET",
+            f"runs/{self.run_id}/events/",
+            lambda _: None,
+            {"stream": "1", "after": str(self.last)},
+            headers=headers,
+            replay_safe=True,
+        )
+
+    def request(self, timeout: float) -> dict[str, Any]:
+        args = self.call().request(timeout)
+        args["timeout"] = httpx.Timeout(timeout, read=STREAM_READ_TIMEOUT)
+        self.received = 0
+        return args
+
+    def take(self, data: str) -> JournalEntry | None:
+        """The entry an event carries, or None for one already seen (ids only grow) or for
+        a comment line (the server's keep-alive)."""
+        if not data:
+            return None
+        entry = JournalEntry.from_json(json.loads(data))
+        if entry.seq <= self.last:
+            return None
+        self.last, self.received = entry.seq, self.received + 1
+        status = entry.payload.get("status") if isinstance(entry.payload, dict) else None
+        self.final = status in FINAL_STATUSES
+        return entry
+
+    def ended(self) -> bool:
+        """After the server closed the stream cleanly: is that the end of the run's journal?
+        It closes after the final entry, and at once for a run already finished; a close
+        right after other entries (a server restarting) is resumed."""
+        return self.final or self.received == 0
+
+
 def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:
     return get(f"runs/{run_id}/actions/", page_of(Action.from_json), filters(**query))
 
