@@ -1,5 +1,9 @@
 """Django admin for hold points: policies, requests (read-only), webhooks and deliveries.
 
+Operations (admin actions calling the domain's writers, which journal): re-notify or
+reassign a pending request (`approvals.notify.renotify`, `approvals.requests.
+reassign_request`), redeliver a webhook message (`approvals.notify.redeliver`).
+
 Scoped like `runtime.admin`: a tenant admin (staff, not superuser) sees only their tenants'
 rows, and every choice — tenant, reviewer group, escalation group — is narrowed to them, so
 another tenant's object is absent, not merely read-only. Requests are read-only for
@@ -14,12 +18,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.auth.models import Group
 from django.db import transaction
 from django.db.models import ForeignKey, Q, QuerySet
 from django.forms import ModelChoiceField
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from guardian.shortcuts import remove_perm
 
 from approvals.models import (
@@ -30,9 +36,11 @@ from approvals.models import (
     TenantWebhook,
     WebhookDelivery,
 )
+from approvals.notify import redeliver, renotify
 from approvals.policies import DECIDE, grant
+from approvals.requests import reassign_request
 from audit import journal
-from runtime.admin import ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
+from runtime.admin import OperationsAdmin, ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
 from runtime.models import Tenant
 
 # Not a tenant's group even when a tenant's slug would prefix it ("tenant-admins").
@@ -249,8 +257,21 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
 # --- requests: read-only -------------------------------------------------------------------
 
 
+class ReassignForm(forms.Form):
+    """The reassign action's page: a policy of the selected requests' tenant."""
+
+    policy = forms.ModelChoiceField(queryset=ApprovalPolicy.objects.none())
+    reason = forms.CharField(max_length=2000, required=False, widget=forms.Textarea)
+
+    def __init__(self, *args: Any, policies: QuerySet[ApprovalPolicy], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        choice = self.fields["policy"]
+        assert isinstance(choice, forms.ModelChoiceField)  # declared above
+        choice.queryset = policies  # a per-instance field: never shared between requests
+
+
 @admin.register(ApprovalRequest)
-class ApprovalRequestAdmin(ReadOnlyAdmin, TenantScopedAdmin):
+class ApprovalRequestAdmin(ReadOnlyAdmin, OperationsAdmin, TenantScopedAdmin):
     list_display = [
         "title",
         "status",
@@ -273,6 +294,47 @@ class ApprovalRequestAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     list_select_related = ["tenant", "policy", "decided_by"]
     search_fields = ["title"]
     ordering = ["-expires_at"]
+    actions = ["renotify_selected", "reassign_selected"]
+
+    @admin.action(
+        description="Re-notify who may decide the selected pending requests",
+        permissions=["operate"],
+    )
+    def renotify_selected(self, request: HttpRequest, queryset: QuerySet[ApprovalRequest]) -> None:
+        self.operate(request, queryset, "Re-notified", renotify)
+
+    @admin.action(
+        description="Reassign the selected pending requests to another policy…",
+        permissions=["operate"],
+    )
+    def reassign_selected(
+        self, request: HttpRequest, queryset: QuerySet[ApprovalRequest]
+    ) -> TemplateResponse | None:
+        """A page to pick the policy (of the requests' one tenant), then reassign_request."""
+        tenants = set(queryset.values_list("tenant_id", flat=True))
+        if len(tenants) != 1:
+            self.message_user(request, "Select requests of one tenant.", messages.ERROR)
+            return None
+        policies = ApprovalPolicy.objects.filter(tenant_id__in=tenants, active=True)
+        form = ReassignForm(request.POST if "apply" in request.POST else None, policies=policies)
+        if form.is_valid():
+            policy, reason = form.cleaned_data["policy"], form.cleaned_data["reason"]
+            self.operate(
+                request,
+                queryset,
+                "Reassigned",
+                lambda item, actor: reassign_request(item, policy, actor, reason),
+            )
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Reassign approval requests",
+            "opts": self.model._meta,
+            "form": form,
+            "selected": queryset,
+            "checkbox": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/approvals/reassign.html", context)
 
 
 # --- webhooks ------------------------------------------------------------------------------
@@ -352,7 +414,7 @@ class TenantWebhookAdmin(TenantScopedAdmin):
 
 
 @admin.register(WebhookDelivery)
-class WebhookDeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
+class WebhookDeliveryAdmin(ReadOnlyAdmin, OperationsAdmin, TenantScopedAdmin):
     tenant_path = "webhook__tenant"
     list_display = [
         "created_at",
@@ -367,6 +429,14 @@ class WebhookDeliveryAdmin(ReadOnlyAdmin, TenantScopedAdmin):
     list_filter = ["event_type", "status_code"]
     list_select_related = ["webhook__tenant"]
     search_fields = ["message_id"]
+    actions = ["redeliver_selected"]
+
+    @admin.action(
+        description="Redeliver the selected messages (same id and body, a new attempt)",
+        permissions=["operate"],
+    )
+    def redeliver_selected(self, request: HttpRequest, queryset: QuerySet[WebhookDelivery]) -> None:
+        self.operate(request, queryset, "Queued for redelivery", redeliver)
 
     @admin.display(description="error")
     def short_error(self, obj: WebhookDelivery) -> str:

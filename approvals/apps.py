@@ -8,6 +8,8 @@ class ApprovalsConfig(AppConfig):
 
     def ready(self) -> None:
         from approvals.holdpoints import HoldPoints
-        from runtime import gates
+        from approvals.metrics import PendingApprovals
+        from runtime import gates, metrics
 
         gates.install(HoldPoints())
+        metrics.add_collector(PendingApprovals())

@@ -247,6 +247,8 @@ class WebhookDelivery(models.Model):
     event_type = models.CharField(max_length=64)
     message_id = models.CharField(max_length=64)
     attempt = models.PositiveSmallIntegerField()
+    # What was sent, so an operator can send the same message again (admin: redeliver).
+    body = models.TextField(blank=True, default="")
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
     next_attempt_at = models.DateTimeField(null=True, blank=True)

@@ -93,6 +93,65 @@ def notify_decided(request: ApprovalRequest) -> None:
     on_commit_task(DELIVER, "decided", str(request.pk))
 
 
+# --- an operator's acts (the admin): journalled, then queued like the hooks above -------------
+
+
+def renotify(request: ApprovalRequest, actor: str) -> None:
+    """Remind who may decide a pending request now (email and the approval.reminder
+    webhook), at an admin's word: journalled in the tenant's stream, sent by a worker."""
+    from audit import journal
+    from runtime.errors import AlreadyDecided
+
+    with transaction.atomic():
+        current = ApprovalRequest.objects.select_for_update().get(
+            pk=request.pk, tenant_id=request.tenant_id
+        )
+        if current.status != ApprovalStatus.PENDING:
+            raise AlreadyDecided(f"the request is {current.status}: nobody is waiting to decide")
+        journal.append(
+            journal.tenant_stream(current.tenant_id),
+            "approval_renotified",
+            tenant_id=current.tenant_id,
+            actor=actor,
+            object_ref=f"approvalrequest:{current.pk}",
+            payload={"approval_id": str(current.pk), "run_id": str(current.run_id)},
+        )
+        notify_reminder(current)
+
+
+def redeliver(delivery: WebhookDelivery, actor: str) -> int:
+    """Send a delivered (or failed) webhook message again, at an admin's word: the same
+    message id and body (receivers deduplicate on the id), the next attempt number, from a
+    worker after commit. Journalled in the tenant's stream; returns the attempt number."""
+    from django.db.models import Max
+
+    from audit import journal
+    from runtime.errors import InvalidParams
+
+    if not delivery.body:  # recorded before bodies were kept
+        raise InvalidParams("this delivery's body was not kept: it cannot be sent again")
+    hook = TenantWebhook.objects.get(pk=delivery.webhook_id)
+    with transaction.atomic():
+        sent = WebhookDelivery.objects.filter(webhook=hook, message_id=delivery.message_id)
+        attempt = int(sent.aggregate(top=Max("attempt"))["top"] or 0) + 1
+        journal.append(
+            journal.tenant_stream(hook.tenant_id),
+            "webhook_redelivered",
+            tenant_id=hook.tenant_id,
+            actor=actor,
+            object_ref=f"webhookdelivery:{delivery.pk}",
+            payload={
+                "message_id": delivery.message_id,
+                "event_type": delivery.event_type,
+                "url": hook.url,
+                "attempt": attempt,
+            },
+        )
+        args = (hook.pk, delivery.message_id, delivery.event_type, delivery.body, attempt)
+        on_commit_task(SEND_WEBHOOK, *args)
+    return attempt
+
+
 # --- the task ------------------------------------------------------------------------------
 
 
@@ -392,6 +451,7 @@ def send_webhook(
             event_type=event_type,
             message_id=msg_id,
             attempt=attempt,
+            body=body,
             status_code=status,
             error=error[:2000],
             next_attempt_at=next_at,

@@ -1,4 +1,4 @@
-"""An approval request's life outside a decision: opened, closed, and the run woken.
+"""An approval request's life outside a decision: opened, closed, reassigned, the run woken.
 
 Decisions (`approvals.decisions`), expiry (`approvals.expiry`) and the dispatch re-check
 (`approvals.holdpoints`) all open, close and wake the same way, so each of those is one
@@ -19,7 +19,9 @@ from django.utils import timezone
 from approvals.hashing import action_hash
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
 from approvals.policies import policy_for
+from audit import journal
 from fastsql.statements import tenant_check
+from runtime.errors import AlreadyDecided, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, Run
@@ -163,3 +165,41 @@ def _record_closed(
 def wake_run(run: Run, actor: str) -> None:
     """The decision is made: the waiting run goes on (its step sees approved or rejected)."""
     wake_from_approval(run, actor)
+
+
+def reassign_request(
+    request: ApprovalRequest, policy: ApprovalPolicy, actor: str, reason: str = ""
+) -> ApprovalRequest:
+    """Hand a pending request to another policy of its tenant: that policy's deciders (and
+    its quorum, separation of duties, escalation group) decide it from now on, and they are
+    told. A compare-and-swap on `pending`, journalled in the tenant's stream; votes already
+    cast stay and count under the new quorum."""
+    from approvals.notify import notify_requested
+
+    if policy.tenant_id != request.tenant_id:
+        raise NotPermitted("a request is reassigned only to a policy of its own tenant")
+    with transaction.atomic():
+        previous = ApprovalPolicy.objects.get(pk=request.policy_id)
+        moved = ApprovalRequest.objects.filter(
+            tenant_check(request.tenant_id), pk=request.pk, status=A.PENDING
+        ).update(policy=policy, quorum=policy.quorum, escalated=False, updated_at=Now())
+        if moved != 1:
+            request.refresh_from_db()
+            raise AlreadyDecided(f"the request is {request.status}, not pending")
+        journal.append(
+            journal.tenant_stream(request.tenant_id),
+            "approval_reassigned",
+            tenant_id=request.tenant_id,
+            actor=actor,
+            object_ref=f"approvalrequest:{request.pk}",
+            payload={
+                "approval_id": str(request.pk),
+                "run_id": str(request.run_id),
+                "from_policy": previous.name,
+                "to_policy": policy.name,
+                "reason": reason[:2000],
+            },
+        )
+        request.refresh_from_db()
+        notify_requested(request)
+    return request

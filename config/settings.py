@@ -65,6 +65,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "runtime.middleware.ClientHeaders",  # first: nothing stores a control character
+    "runtime.logs.RequestContext",  # each request's log lines: its run, action, tenant
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -454,13 +455,36 @@ if HOLDPOINT_TASKS_URL:
 if TESTING:
     PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
+# --- Metrics and logs (README, "Metrics and logs") --------------------------------------
+# /metrics answers only with this bearer token when it is set.
+HOLDPOINT_METRICS_TOKEN = env_str("HOLDPOINT_METRICS_TOKEN", "")
+# prometheus-client's multiprocess mode: every process (web, each qcluster worker) writes its
+# histograms to files here and a scrape sums them. prometheus-client reads the variable when
+# it is first imported, so it is put in the environment here, before anything imports it.
+PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = PROMETHEUS_MULTIPROC_DIR
+Path(PROMETHEUS_MULTIPROC_DIR).mkdir(parents=True, exist_ok=True)
+# One line per record: JSON (production) or a readable line (`make run` sets console).
+HOLDPOINT_LOG_FORMAT = env_str("HOLDPOINT_LOG_FORMAT", "json")
+if HOLDPOINT_LOG_FORMAT not in {"json", "console"}:
+    raise EnvError(f"HOLDPOINT_LOG_FORMAT must be json or console, got {HOLDPOINT_LOG_FORMAT!r}")
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    # Django's own console handler (DEBUG only) would print every django.* line a second
-    # time beside the root's: in `make run` each refused request showed two tracebacks.
-    "loggers": {"django": {"handlers": []}, "django.db.backends": {"level": "INFO"}},
+    "formatters": {
+        "holdpoint": {"()": "runtime.logs.formatter", "format": HOLDPOINT_LOG_FORMAT},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "holdpoint"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        # Django's own console handler (DEBUG only) would print every django.* line a second
+        # time beside the root's: in `make run` each refused request showed two tracebacks.
+        "django": {"handlers": []},
+        "django.db.backends": {"level": "INFO"},
+        # django-q2 gives its logger a handler of its own in its own format unless it has one
+        # already: this one, so its lines come out like every other.
+        "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+    },
 }

@@ -6,7 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from approvals import views as approval_views
-from runtime import health
+from runtime import health, metrics
 from runtime.accounts import ReviewerLoginForm
 from runtime.pages import audit as audit_pages
 from runtime.pages import reconcile as reconcile_pages
@@ -73,6 +73,7 @@ urlpatterns = [
     path("audit/export.jsonl", audit_pages.export_jsonl, name="audit-export-jsonl"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", metrics.metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/", include("runtime.api.urls")),
     path("api/v1/", include("approvals.api_urls")),

@@ -27,7 +27,18 @@ from audit.models import JournalEntry
 from runtime.accounts import record_tenant_act
 from runtime.auth import DEFAULT_OVERLAP, Issued, issue_token, revoke_token, rotate_tokens
 from runtime.crypto import SecretUnreadable
-from runtime.models import AgentAccount, AgentToken, Membership, Role, Tenant, ToolCredential
+from runtime.errors import HoldpointError, InvalidTransition
+from runtime.lifecycle import cancel_run, has_something_to_resume, resume_run
+from runtime.models import (
+    TERMINAL,
+    AgentAccount,
+    AgentToken,
+    Membership,
+    Role,
+    Run,
+    Tenant,
+    ToolCredential,
+)
 from runtime.pages.audit import KNOWN_TYPES
 
 User = get_user_model()
@@ -110,6 +121,41 @@ class ReadOnlyAdmin(admin.ModelAdmin[Any]):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class OperationsAdmin(admin.ModelAdmin[Any]):
+    """Admin actions that call a domain writer on each selected row ("operations": resume a
+    run, reassign a request, redeliver a webhook). The rows come from `get_queryset`, so a
+    tenant admin's selection is narrowed to their tenants — another tenant's id in the POST
+    selects nothing. The writer journals; the action only reports what it did."""
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """Operating needs the model's change permission (tenant admins hold it, through
+        the tenant-admins group), although no field of these rows is ever edited."""
+        opts = self.model._meta
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+    def operate(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Any],
+        verb: str,
+        writer: Any,
+    ) -> None:
+        """`writer(obj, actor)` on each row; a refusal (HoldpointError) is reported for its
+        row and the others go on."""
+        done, refused = 0, []
+        for obj in queryset:
+            try:
+                writer(obj, _actor(request))
+            except HoldpointError as exc:
+                refused.append(f"{obj}: {exc}")
+            else:
+                done += 1
+        if done:
+            self.message_user(request, f"{verb}: {done}.", messages.SUCCESS)
+        for line in refused:
+            self.message_user(request, f"Not {verb.lower()}: {line}", messages.ERROR)
 
 
 class TenantScopedAdmin(AuditedAdmin):
@@ -414,6 +460,46 @@ class ToolCredentialAdmin(TenantScopedAdmin):
         if form.cleaned_data.get("secret"):
             obj.set_secret(form.cleaned_data["secret"], actor=_actor(request))
         super().save_model(request, obj, form, change)
+
+
+# --- runs: inspected, resumed, cancelled -----------------------------------------------------
+
+
+def _resume(run: Run, actor: str) -> None:
+    """resume_run wakes nothing in a run that waits for a person or works (and says nothing
+    of it): the admin says so instead of reporting it resumed. A finished run is refused
+    by resume_run itself."""
+    if run.status not in TERMINAL and not has_something_to_resume(run):
+        raise InvalidTransition(f"the run is {run.status}: nothing to resume")
+    resume_run(run, actor=actor)
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyAdmin, OperationsAdmin, TenantScopedAdmin):
+    """Runs are read-only here (their writers are the executor and runtime.lifecycle); the
+    two operations call lifecycle's writers, which journal in the run's stream."""
+
+    list_display = ["run_id", "graph", "status", "attention_reason", "tenant", "updated_at"]
+    list_filter = ["status", ("tenant", admin.RelatedOnlyFieldListFilter)]
+    list_select_related = ["tenant"]
+    ordering = ["-updated_at"]
+    actions = ["resume_selected", "cancel_selected"]
+
+    @admin.action(
+        description="Resume selected runs (after needs attention, or wake a retrying one now)",
+        permissions=["operate"],
+    )
+    def resume_selected(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        self.operate(request, queryset, "Resumed", _resume)
+
+    @admin.action(
+        description="Cancel selected runs (unsent actions are withdrawn)", permissions=["operate"]
+    )
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        reason = f"cancelled in the admin by {request.user.get_username()}"
+        self.operate(
+            request, queryset, "Cancelled", lambda run, actor: cancel_run(run, reason, actor=actor)
+        )
 
 
 # --- the journal ---------------------------------------------------------------------------

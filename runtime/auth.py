@@ -27,6 +27,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
+from runtime import logs
 from runtime.accounts import record_tenant_act
 from runtime.models import AgentToken, Membership, Role, Tenant
 from runtime.models.tokens import PREFIX_LENGTH, hash_key, new_key
@@ -55,6 +56,7 @@ class AgentTokenAuthentication(BaseAuthentication):
         if token is None:
             raise AuthenticationFailed("Invalid token.")
         token.touch(now)
+        logs.bind_tenant(token.tenant_id)
         return token.user, token
 
     def authenticate_header(self, request: Request) -> str:

@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fastsql.statements import tenant_check
-from runtime import gates, ledger
+from runtime import gates, ledger, observe
 from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
@@ -221,12 +221,14 @@ class ActionRunner:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
         fault(FaultPoint.AFTER_SENT_MARK)
+        began = observe.sending(action)
         result = tool.call(
             action.params,
             key=action.idempotency_key,
             fence=self.lease.fence,
             run_id=str(action.run_id),
         )
+        observe.answered(action, began)
         tool.breaker.record(result.outcome == "applied")
         fault(FaultPoint.AFTER_TOOL_RESPONSE)
         action = self.record(action, result)
@@ -285,9 +287,11 @@ def perform(
         raise ToolUnavailable(f"{tool.name}: {exc}") from None
     action = ledger.mark_sent(action, fence, ttl, tool, actor, then=then)
     fault(FaultPoint.AFTER_SENT_MARK)
+    began = observe.sending(action)
     result = tool.call(
         action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
     )
+    observe.answered(action, began)
     tool.breaker.record(result.outcome == "applied")
     fault(FaultPoint.AFTER_TOOL_RESPONSE)
     if result.outcome == "stale":

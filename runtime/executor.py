@@ -29,7 +29,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
 from audit.models import JournalEntry
 from fastsql import statements
-from runtime import stepcommit
+from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Park
@@ -118,6 +118,7 @@ def advance_run(
             lease = take_lease(run_id, owner, ttl)
         except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
             return AdvanceResult("skipped", detail=exc.code)
+        observe.lease_taken(lease)
         executor = Executor(lease)
         try:
             return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
@@ -206,6 +207,7 @@ class Executor:
                 )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
+            began = observe.step_begins()
             try:
                 outcome = call_with_timeout(graph.step_timeout, step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
@@ -237,6 +239,7 @@ class Executor:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
             self.steps += 1
+            observe.step_done(began)
             fault(FaultPoint.AFTER_CHECKPOINT)
             if self.run.status != RunStatus.RUNNING:
                 return AdvanceResult(_OUTCOME[self.run.status], self.steps)

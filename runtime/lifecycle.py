@@ -170,6 +170,16 @@ def provide_input(run: Run, data: Any, expected_rev: int, *, actor: str) -> Run:
     return run
 
 
+# What resume_run wakes: an escalated or retrying run, or a queued one waiting for its back-off.
+WAKEABLE = Q(status__in=RESUMABLE) | Q(status=RunStatus.QUEUED, wake_at__isnull=False)
+
+
+def has_something_to_resume(run: Run) -> bool:
+    """Whether resume_run would wake the run now (the same rule, WAKEABLE): resume_run itself
+    says nothing when it wakes nothing, as the API asks; the admin tells its user instead."""
+    return Run.objects.filter(WAKEABLE, tenant_check(run.tenant_id), pk=run.pk).exists()
+
+
 def resume_run(run: Run, *, actor: str, expected_rev: int | None = None) -> Run:
     """Let a run go on: after escalation (a human looked), or to wake a retrying one now.
 
@@ -180,8 +190,7 @@ def resume_run(run: Run, *, actor: str, expected_rev: int | None = None) -> Run:
         _finished(current)
         if expected_rev is not None and current.checkpoint_rev != expected_rev:
             raise VersionConflict(f"checkpoint_rev is {current.checkpoint_rev}")
-        wakeable = Q(status__in=RESUMABLE) | Q(status=RunStatus.QUEUED, wake_at__isnull=False)
-        changed = Run.objects.filter(wakeable, tenant_check(run.tenant_id), pk=run.pk).update(
+        changed = Run.objects.filter(WAKEABLE, tenant_check(run.tenant_id), pk=run.pk).update(
             status=RunStatus.QUEUED,
             wake_at=None,
             consecutive_failures=0,

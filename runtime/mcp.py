@@ -19,8 +19,11 @@ What a call's answer means for the effect (runtime.tools.CallResult):
 - no session could be opened (refused connection, failed handshake) → refused, transient:
   `tools/call` was never sent;
 - a timeout or a lost connection after `tools/call` was sent → unknown. MCP has no
-  idempotency contract and these tools have no lookup, so the ledger hands the question to
-  a person (`manual_review`) instead of sending again.
+  idempotency contract: the ledger hands the question to a person (`manual_review`) instead
+  of sending again — unless the definition declares a lookup (dedup `lookup`): every call
+  then carries the action's key in `mcp.key_argument`, and reconciliation asks the upstream's
+  lookup tool for the effect with that key (found → confirmed; a clean answer without it →
+  absent; an error or no answer → ask again later, then a person).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, ToolCredential
 from runtime.tools import (
     CallResult,
+    Dedup,
     Effect,
+    LookupResult,
     Tool,
     credential_for_run,
     tenant_of_run,
@@ -327,6 +332,10 @@ class McpTool(Tool):
     server: str = ""
     upstream_tool: str = ""
     id_path: str = "$.id"
+    key_argument: str = ""
+    lookup_tool: str = ""
+    lookup_arguments: Mapping[str, Any] = field(default_factory=dict)
+    found_path: str = "$.id"
 
     def _server(self, run_id: str) -> McpServer | None:
         tenant_id = tenant_of_run(run_id)
@@ -347,6 +356,8 @@ class McpTool(Tool):
         except (httpx.ConnectError, SecretUnreadable) as exc:
             return CallResult("refused", transient=True, detail=str(exc))
         arguments = json.loads(params_text)
+        if self.key_argument:
+            arguments[self.key_argument] = key
         sent = threading.Event()
 
         async def calling(client: Client) -> CallToolResult:
@@ -372,6 +383,40 @@ class McpTool(Tool):
             return CallResult("refused", detail=f"{self.upstream_tool}: {detail}")
         return CallResult("unknown", detail=f"after tools/call was sent: {detail}")
 
+    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
+        """Ask the upstream's lookup tool for the effect with `key`. `found` None when it
+        could not tell (no session, an error result, a timeout): never "absent" then."""
+        if self.dedup_mode() != Dedup.LOOKUP or not self.lookup_tool:
+            return LookupResult(found=None, detail=f"{self.name} has no lookup by key")
+        run_id = key.split(":", 1)[0]  # ledger keys start with the run
+        server = self._server(run_id)
+        if server is None or not server.active:
+            return LookupResult(found=None, detail=f"no active MCP server {self.server!r}")
+        values = {**json.loads(params_text), "idempotency_key": key}
+        arguments = {
+            name: values.get(value[1:-1]) if _is_placeholder(value) else value
+            for name, value in self.lookup_arguments.items()
+        }
+        try:
+            target = target_for(
+                server, credential_for_run(self.credential, run_id), timeout=self.timeout
+            )
+            result = _run(
+                lambda: _session(target, lambda c: c.call_tool(self.lookup_tool, arguments)),
+                target.timeout,
+            )
+        except BaseException as exc:  # noqa: BLE001 (refused, unreachable, the SDK's errors)
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            return LookupResult(found=None, detail=f"lookup failed: {_describe(exc)}")
+        if result.is_error:
+            return LookupResult(found=None, detail=f"lookup: {_error_text(result)}")
+        content = _structured(result)
+        found = jsonpaths.compile_path(self.found_path).first(content)
+        if found is None or isinstance(found, dict | list) or not str(found):
+            return LookupResult(found=False)
+        return LookupResult(found=True, external_id=str(found)[:200], result=_dump(result))
+
     def _proof(self, result: CallToolResult, key: str) -> str:
         """The upstream's own id for the effect if its structured result has one, else the
         action's key (stable: the same action always has the same proof)."""
@@ -383,11 +428,35 @@ class McpTool(Tool):
         return key
 
 
+def _is_placeholder(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("{") and value.endswith("}")
+
+
+def _structured(result: CallToolResult) -> Any:
+    """What a lookup's `found` path reads: the structured result, else the first text block
+    parsed as JSON (servers that answer in text only), else nothing."""
+    if result.structured_content is not None:
+        return result.structured_content
+    for block in result.content:
+        text = getattr(block, "text", None)
+        if isinstance(text, str):
+            try:
+                return json.loads(text)
+            except ValueError:
+                return None
+    return None
+
+
 def build(spec: Mapping[str, Any], fields: dict[str, Any]) -> Tool:
     """The tool of an `executor: mcp` definition (`tools.register_sender`, runtime.apps)."""
+    lookup = spec.get("lookup") or {}
     return McpTool(
         **fields,
         server=spec["mcp"]["server"],
         upstream_tool=spec["mcp"]["tool"],
         id_path=spec.get("result", {}).get("external_id", "$.id"),
+        key_argument=spec["mcp"].get("key_argument", ""),
+        lookup_tool=lookup.get("tool", ""),
+        lookup_arguments=dict(lookup.get("arguments", {})),
+        found_path=lookup.get("found", "$.id"),
     )

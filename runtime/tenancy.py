@@ -17,6 +17,7 @@ from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse
 
+from runtime import logs
 from runtime.errors import NotFound
 from runtime.models import Membership, Role, Tenant
 
@@ -130,9 +131,11 @@ class CurrentTenantMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        request.principal = principal_for(  # type: ignore[attr-defined]
+        request.principal = principal = principal_for(  # type: ignore[attr-defined]
             request.user, request.session.get(SESSION_KEY)
         )
+        if principal is not None:
+            logs.bind_tenant(principal.tenant.pk)
         return self.get_response(request)
 
 

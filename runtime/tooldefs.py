@@ -16,8 +16,10 @@ What is checked, because each would otherwise fail at send time, on a tenant's b
 - extra headers cannot replace the ones Holdpoint sets (the key, the fence, the credential);
 - a compensation names a tool that exists;
 - an `mcp` tool names an upstream server the tenant registered (runtime.models.McpServer)
-  whose URL host is allowed, and declares dedup `none`: MCP has no idempotency contract,
-  so a lost answer goes to a person.
+  whose URL host is allowed, and declares dedup `none` (MCP has no idempotency contract, so
+  a lost answer goes to a person) or `lookup`: then Holdpoint passes the action's key in the
+  argument `mcp.key_argument` of every call, and `lookup` names the upstream tool that finds
+  an effect by that key (`{"tool", "arguments", "found"}`), as http tools do with a URL.
 """
 
 from __future__ import annotations
@@ -160,15 +162,19 @@ def parse(
         spec["request"] = _request(data.get("request"), params, errors)
     elif "request" in data:
         errors.add("request", f"an {executor} tool has no http request")
+    lookup = data.get("lookup")
     if executor == "mcp":
         spec["mcp"] = _mcp(data.get("mcp"), tenant_id, errors)
-        if mode and mode != "none":
-            errors.add("dedup.mode", "none: MCP has no idempotency contract")
-        if "lookup" in data:
-            errors.add("lookup", "an mcp tool has no lookup (yet): unknown outcomes go to a person")
+        if mode == "key":
+            errors.add("dedup.mode", "none or lookup: MCP has no idempotency contract")
+        if mode == "lookup" and not spec["mcp"].get("key_argument"):
+            errors.add("mcp.key_argument", "dedup mode lookup needs the argument the key goes in")
+        if spec["mcp"].get("key_argument") in params:
+            errors.add("mcp.key_argument", "Holdpoint fills it: not a param of the schema")
+        if mode == "lookup" or lookup is not None:
+            spec["lookup"] = _mcp_lookup(lookup, params, errors)
     elif "mcp" in data:
         errors.add("mcp", "only an mcp tool names an upstream MCP server")
-    lookup = data.get("lookup")
     if lookup is not None and executor != "mcp":
         spec["lookup"] = _lookup(lookup, params, errors, needs_url=executor == "http")
     elif mode == "lookup" and executor == "http":
@@ -321,19 +327,59 @@ def _lookup(lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool) 
     return spec
 
 
+def _mcp_lookup(lookup: Any, params: set[str], errors: _Errors) -> dict[str, Any]:
+    """`{"tool": <upstream tool>, "arguments": {...}, "found": JSONPath}`: the call that finds
+    an effect by key. An argument whose value is exactly `"{name}"` takes the action's param
+    `name` (or its key, `{idempotency_key}`) with its JSON type; other values are literal."""
+    if not isinstance(lookup, Mapping):
+        errors.add("lookup", "an object: {tool, arguments, found}")
+        return {}
+    for extra in sorted(set(lookup) - {"tool", "arguments", "found"}):
+        errors.add(f"lookup.{extra}", "unknown field")
+    tool, arguments = lookup.get("tool"), lookup.get("arguments", {})
+    if not isinstance(tool, str) or not tool or len(tool) > MAX_TOOL_NAME:
+        errors.add("lookup.tool", f"the upstream lookup tool's name (1 to {MAX_TOOL_NAME} chars)")
+    if not isinstance(arguments, Mapping):
+        errors.add("lookup.arguments", "an object of the lookup tool's arguments")
+        arguments = {}
+    for name, value in arguments.items():
+        placeholder = _placeholder(value)
+        if placeholder is not None and placeholder not in params | {"idempotency_key"}:
+            errors.add(f"lookup.arguments.{name}", f"{{{placeholder}}} is not a param")
+    if "{idempotency_key}" not in arguments.values():
+        errors.add("lookup.arguments", 'one argument must be "{idempotency_key}"')
+    found = _path(lookup.get("found", "$.id"), "lookup.found", errors)
+    return {"tool": tool, "arguments": dict(arguments), "found": found}
+
+
+def _placeholder(value: Any) -> str | None:
+    """`name` for a value that is exactly `"{name}"`."""
+    if isinstance(value, str) and value.startswith("{") and value.endswith("}"):
+        return value[1:-1]
+    return None
+
+
 def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
-    """`{"server": <the tenant's McpServer name>, "tool": <the upstream's tool name>}`."""
+    """`{"server": <the tenant's McpServer name>, "tool": <the upstream's tool name>}`, and
+    `key_argument`: the argument Holdpoint fills with the action's key (for `lookup`)."""
     if not isinstance(value, Mapping):
         errors.add("mcp", "an object: {server, tool}")
         return {}
-    for extra in sorted(set(value) - {"server", "tool"}):
+    for extra in sorted(set(value) - {"server", "tool", "key_argument"}):
         errors.add(f"mcp.{extra}", "unknown field")
     server_name, tool = value.get("server"), value.get("tool")
     if not isinstance(tool, str) or not tool or len(tool) > MAX_TOOL_NAME:
         errors.add("mcp.tool", f"the upstream tool's name (1 to {MAX_TOOL_NAME} characters)")
+    key_argument = value.get("key_argument", "")
+    if not isinstance(key_argument, str) or len(key_argument) > MAX_TOOL_NAME:
+        errors.add("mcp.key_argument", "the name of the argument the action's key goes in")
+        key_argument = ""
+    named = {"server": server_name, "tool": tool}
+    if key_argument:
+        named["key_argument"] = key_argument
     if not isinstance(server_name, str) or not server_name:
         errors.add("mcp.server", "the name of one of the tenant's MCP servers")
-        return {"server": server_name, "tool": tool}
+        return named
     server = (
         McpServer.objects.filter(tenant_id=tenant_id, name=server_name).first()
         if tenant_id is not None
@@ -349,7 +395,7 @@ def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
                 errors.host("mcp.server", exc.detail)
             else:
                 errors.add("mcp.server", exc.detail)
-    return {"server": server_name, "tool": tool}
+    return named
 
 
 def _path(expr: Any, where: str, errors: _Errors) -> str:

@@ -4,7 +4,7 @@
 # within STOP_GRACE seconds.
 #
 # Ports and place (README, "Configuration"): HOLDPOINT_WEB_PORT (8000), HOLDPOINT_SANDBOX_PORT
-# (8765), HOLDPOINT_VAR_DIR (./var).
+# (8765), HOLDPOINT_VAR_DIR (./var), HOLDPOINT_LOG_FORMAT (console).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -13,6 +13,8 @@ WEB_PORT="${HOLDPOINT_WEB_PORT:-8000}"
 SANDBOX_PORT="${HOLDPOINT_SANDBOX_PORT:-8765}"
 SANDBOX_URL="http://127.0.0.1:$SANDBOX_PORT"
 export HOLDPOINT_BASE_URL="${HOLDPOINT_BASE_URL:-http://127.0.0.1:$WEB_PORT}"
+# Readable log lines in a terminal; production writes JSON (README, "Metrics and logs").
+export HOLDPOINT_LOG_FORMAT="${HOLDPOINT_LOG_FORMAT:-console}"
 # Seconds the processes get to stop by themselves before their process groups are killed.
 STOP_GRACE=3
 

@@ -41,16 +41,16 @@ def _listening(port: int) -> bool:
 
 
 @pytest.fixture
-def mcp_upstream(tmp_path: Path) -> Iterator[Callable[[], Upstream]]:
+def mcp_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
     """Start help-desk upstreams (each with its own record); all are killed afterwards."""
     started: list[Upstream] = []
 
-    def start() -> Upstream:
+    def start(*, keyed: bool = False) -> Upstream:
         port = procs.free_port()
         data = tmp_path / f"mcp-upstream-{len(started)}"
         data.mkdir()
         proc = procs.start(
-            ["--port", str(port), "--data", str(data)],
+            ["--port", str(port), "--data", str(data), *(["--keyed"] if keyed else [])],
             procs.child_env(),
             log=data / "upstream.log",
             program="tests.mcp_upstream",

@@ -6,6 +6,10 @@ JSON line to DIR/calls.jsonl *before* the tool answers, so a test can count effe
 lost answer. DIR/faults.json, read on each call, makes the next answers misbehave:
 `{"hang": SECONDS}` applies the call (it is recorded) and then waits before answering — a
 client with a shorter timeout never learns the outcome.
+
+With `--keyed` it also serves a help desk that stores a client's request id with each ticket
+and finds a ticket by it (`tickets_open`, `tickets_find`): what an MCP definition with dedup
+`lookup` needs. `{"find_fails": 1}` makes the finder answer with an error.
 """
 
 from __future__ import annotations
@@ -66,6 +70,26 @@ async def tickets_purge(older_than_days: int) -> str:
     return "purged"
 
 
+async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
+    """Open a ticket, remembering the client's request id (`--keyed`)."""
+    number = _record("tickets_open", {"title": title, "request_id": request_id})
+    await _misbehave()
+    return {"id": f"T-{number}", "title": title}
+
+
+async def tickets_find(request_id: str) -> dict[str, Any]:
+    """The ticket opened with this request id, or `{"found": false}` (a read)."""
+    path = DATA / "faults.json"
+    if path.exists() and json.loads(path.read_text(encoding="utf-8")).get("find_fails"):
+        raise ToolError("the finder is down")
+    calls = DATA / "calls.jsonl"
+    lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
+    for number, line in enumerate(lines, 1):
+        if json.loads(line)["arguments"].get("request_id") == request_id:
+            return {"id": f"T-{number}"}
+    return {"found": False}
+
+
 def main() -> None:
     global DATA
     parser = argparse.ArgumentParser()
@@ -74,7 +98,11 @@ def main() -> None:
     parser.add_argument(
         "--transport", choices=["streamable-http", "stdio"], default="streamable-http"
     )
+    parser.add_argument("--keyed", action="store_true", help="also tickets_open/tickets_find")
     args = parser.parse_args()
+    if args.keyed:
+        server.tool(annotations=ToolAnnotations(read_only_hint=False))(tickets_open)
+        server.tool(annotations=ToolAnnotations(read_only_hint=True))(tickets_find)
     DATA = Path(args.data)
     DATA.mkdir(parents=True, exist_ok=True)
     if args.transport == "stdio":

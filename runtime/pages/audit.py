@@ -61,6 +61,8 @@ TENANT_EVENTS = (
     "admin_changed",
     "admin_deleted",
     "approval_decided",
+    "approval_reassigned",
+    "approval_renotified",
     "audit_exported",
     "chain_break_detected",
     "login",
@@ -71,6 +73,7 @@ TENANT_EVENTS = (
     "token_revoked",
     "webhook_changed",
     "webhook_deleted",
+    "webhook_redelivered",
 )
 KNOWN_TYPES = tuple(sorted({*RunEvent.values, *TENANT_EVENTS}))
 # The fields the log renders; prev_hash (and the rest of the row) stays in the database.

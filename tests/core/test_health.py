@@ -1,15 +1,21 @@
-"""/readyz answers "can do useful work": database, migrations, a live worker cluster."""
+"""/readyz answers "can do useful work": database, migrations, a live worker cluster; its
+details are `manage.py doctor`'s checks (tests/core/test_doctor.py)."""
 
 from __future__ import annotations
 
+import io
 import signal
 from pathlib import Path
 
 import httpx
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 
+from runtime.models import Tenant
 from tests import procs
+from tests.tooldefs import define_tickets
 
 
 @pytest.mark.django_db
@@ -31,6 +37,22 @@ def test_readyz_ready_while_a_cluster_runs(client: Client, tmp_path: object) -> 
             lambda: (r := client.get("/readyz")).status_code == 200 and r.json(), timeout=60
         )
         assert ready["checks"]["worker"]["clusters"]
+        # With a worker up, the test settings pass every check doctor makes (SQLite or
+        # PostgreSQL, as CI runs them), and /readyz reports each of them as passed.
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        assert out.getvalue().splitlines() == [f"All {len(ready['checks'])} checks pass."]
+        assert all(check["ok"] for check in ready["checks"].values()), ready
+        # A warning (a write tool no policy names: held by default) is said, and fails
+        # doctor only when asked to.
+        define_tickets(Tenant.objects.create(slug="acme", name="Acme"), "http://127.0.0.1:9")
+        out = io.StringIO()
+        call_command("doctor", stdout=out)
+        said = out.getvalue().splitlines()
+        assert said[0].startswith("WARNING write_policies: ") and "acme/tickets.create" in said[0]
+        assert said[-1] == f"{len(ready['checks'])} checks: no errors, 1 warning(s)."
+        with pytest.raises(CommandError):
+            call_command("doctor", "--fail-level", "warning", stdout=io.StringIO())
     finally:
         procs.kill(worker)
     procs.wait_for(lambda: client.get("/readyz").status_code == 503, timeout=30)

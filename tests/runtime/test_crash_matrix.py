@@ -58,7 +58,7 @@ def _until(condition: Callable[[], bool], timeout: float = 60) -> None:
         sweep_once()
         return condition()
 
-    procs.wait_for(tick, timeout=timeout, every=0.3)
+    procs.wait_for(tick, timeout=timeout, every=0.1)
 
 
 def _after_crash(run: Run) -> None:

@@ -27,6 +27,7 @@ from runtime.models import (
     McpServer,
     Membership,
     Role,
+    Run,
     Tenant,
     ToolCredential,
     ToolDefinition,
@@ -80,6 +81,9 @@ ADMIN_MODELS: dict[str, AdminModel] = {
     "runtime.ToolDefinition": AdminModel(
         lambda w: ToolDefinition.objects.get(tenant=w.tenant, name=w.tool_name),
         lambda t: ToolDefinition.objects.filter(tenant=t),
+    ),
+    "runtime.Run": AdminModel(
+        lambda w: Run.objects.get(pk=w.run_id), lambda t: Run.objects.filter(tenant=t)
     ),
     "runtime.McpServer": AdminModel(
         lambda w: McpServer.objects.get_or_create(

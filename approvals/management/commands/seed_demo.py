@@ -67,12 +67,16 @@ TENANT_ADMIN_PERMS = [
     ("approvals", "add_approvalpolicy"),
     ("approvals", "change_approvalpolicy"),
     ("approvals", "view_approvalrequest"),
+    ("approvals", "change_approvalrequest"),  # admin actions: reassign, re-notify (no form)
     ("audit", "view_journalentry"),
     ("approvals", "view_tenantwebhook"),
     ("approvals", "add_tenantwebhook"),
     ("approvals", "change_tenantwebhook"),
     ("approvals", "delete_tenantwebhook"),
     ("approvals", "view_webhookdelivery"),
+    ("approvals", "change_webhookdelivery"),  # admin action: redeliver (no form)
+    ("runtime", "view_run"),
+    ("runtime", "change_run"),  # admin actions: resume, cancel (no form)
 ]
 
 

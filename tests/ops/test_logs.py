@@ -1,0 +1,84 @@
+"""Log lines say what they are about: JSON with run_id/action_id/fence/tenant, bound where a
+request is authenticated or a run advanced; a readable line for `make run`."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from runtime import logs
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Run, Tenant
+from tests.conftest import Persona
+
+
+@pytest.fixture
+def lines() -> Iterator[io.StringIO]:
+    """Lines formatted as they are emitted (the contextvars of that moment), as production."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.formatter("json"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield out
+    finally:
+        root.removeHandler(handler)
+
+
+def _parsed(out: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_an_api_request_line_carries_its_tenant_and_run(
+    agent_a: Persona, tenant_b: Tenant, lines: io.StringIO
+) -> None:
+    foreign = create_run(tenant_b, "chain", {"steps": 1}, actor="t")
+    lines.truncate(0)
+    response = agent_a.api().get(f"/api/v1/runs/{foreign.run_id}/")
+    assert response.status_code == 404
+    refused = [e for e in _parsed(lines) if "cross-tenant" in str(e["event"])]
+    assert len(refused) == 1
+    assert refused[0]["tenant"] == agent_a.tenant.pk
+    assert refused[0]["run_id"] == str(foreign.run_id)
+    assert refused[0]["action_id"] is None and refused[0]["fence"] is None
+
+
+def test_a_worker_line_carries_run_fence_and_tenant(tenant_a: Tenant, lines: io.StringIO) -> None:
+    run = create_run(tenant_a, "flaky", {"fail_times": 1}, actor="t")
+    with logs.scope():
+        advance_run(run.run_id, "w1")
+    run.refresh_from_db()
+    failed = [e for e in _parsed(lines) if e["logger"] == "holdpoint.executor"]
+    assert failed and all(
+        e["run_id"] == str(run.run_id)
+        and e["fence"] == run.fence == 1
+        and e["tenant"] == tenant_a.pk
+        for e in failed
+    )
+    assert Run.objects.get(pk=run.run_id).status == "retrying"
+
+
+def test_nothing_bound_outlives_its_scope(tenant_a: Tenant, lines: io.StringIO) -> None:
+    with logs.scope():
+        logs.bind_lease("r1", tenant_a.pk, 3)
+    logging.getLogger("holdpoint.test").warning("after")
+    (line,) = _parsed(lines)
+    assert (line["run_id"], line["fence"], line["tenant"]) == (None, None, None)
+
+
+def test_console_format_is_one_readable_line() -> None:
+    record = logging.LogRecord(
+        "holdpoint.x", logging.INFO, __file__, 1, "run %s done", ("r1",), None
+    )
+    with logs.scope():
+        logs.bind_lease("r1", 7, 2)
+        text = logs.formatter("console").format(record)
+    assert "\n" not in text and "run r1 done" in text and "fence=2" in text and "{" not in text
+    with pytest.raises(ValueError):
+        logs.formatter("xml")

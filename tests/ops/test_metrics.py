@@ -1,0 +1,148 @@
+"""/metrics against the database after a scripted scenario, the token, the query budget and
+the Grafana dashboard's queries (API.md, "Metrics")."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import time_machine
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from approvals.models import ApprovalRequest, ApprovalStatus
+from runtime.executor import advance_run
+from runtime.leases import take_lease
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.tools import tool_of  # noqa: F401  (registers the test tools through tests.graphs)
+from tests.ops.metrics import scrape, value
+from tests.runtime.helpers import expire_lease
+
+ROOT = Path(__file__).resolve().parents[2]
+T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
+
+
+def _scenario(tenant: Tenant) -> dict[str, Run]:
+    """Runs in several statuses, an action waiting for approval, one lease takeover."""
+    runs = {
+        "queued": create_run(tenant, "chain", {"steps": 2}, actor="t"),
+        "completed": create_run(tenant, "chain", {"steps": 2}, actor="t"),
+        "waiting_input": create_run(tenant, "asker", {}, actor="t"),
+        "waiting_approval": create_run(tenant, "proposer", {"title": "x"}, actor="t"),
+        "taken_over": create_run(tenant, "chain", {"steps": 2}, actor="t"),
+    }
+    for name in ("completed", "waiting_input", "waiting_approval"):
+        advance_run(runs[name].run_id, "w1")
+    take_lease(runs["taken_over"].run_id, "w1", 5)  # w1 dies holding it…
+    expire_lease(runs["taken_over"])
+    advance_run(runs["taken_over"].run_id, "w2")  # …and w2 takes over and finishes
+    return runs
+
+
+def test_values_match_the_database_after_a_scenario(tenant_a: Tenant) -> None:
+    with time_machine.travel(T0, tick=False):
+        runs = _scenario(tenant_a)
+    with time_machine.travel(T0 + timedelta(seconds=3600), tick=False):
+        samples = scrape()
+
+    for status in RunStatus.values:
+        assert (
+            value(samples, "holdpoint_runs", status=status)
+            == Run.objects.filter(status=status).count()
+        ), status
+    for status in ActionStatus.values:
+        assert (
+            value(samples, "holdpoint_actions", status=status)
+            == Action.objects.filter(status=status).count()
+        ), status
+    # …and the database holds what the scenario made.
+    assert value(samples, "holdpoint_runs", status="queued") == 1
+    assert value(samples, "holdpoint_runs", status="completed") == 2
+    assert value(samples, "holdpoint_runs", status="waiting_input") == 1
+    assert value(samples, "holdpoint_runs", status="waiting_approval") == 1
+    assert value(samples, "holdpoint_actions", status="awaiting_approval") == 1
+    assert value(samples, "holdpoint_reconcile_backlog") == 0
+    pending = ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING)
+    assert value(samples, "holdpoint_approvals_pending") == pending.count() == 1
+    assert value(samples, "holdpoint_oldest_pending_approval_seconds") == 3600
+    assert value(samples, "holdpoint_lease_takeovers_total") == 1
+    assert runs["taken_over"].actions.count() == 0
+
+
+def test_reconcile_backlog_counts_unknown_and_manual_review(tenant_a: Tenant) -> None:
+    run = create_run(tenant_a, "proposer", {"title": "x"}, actor="t")
+    advance_run(run.run_id, "w1")
+    # Moving data, not driving a tracker: the backlog is a count of these two statuses.
+    Action.objects.filter(run=run).update(status=ActionStatus.UNKNOWN)
+    assert value(scrape(), "holdpoint_reconcile_backlog") == 1
+    Action.objects.filter(run=run).update(status=ActionStatus.MANUAL_REVIEW)
+    samples = scrape()
+    assert value(samples, "holdpoint_reconcile_backlog") == 1
+    assert value(samples, "holdpoint_actions", status="manual_review") == 1
+
+
+def test_a_scrape_costs_the_same_statements_whatever_the_data(tenant_a: Tenant) -> None:
+    def statements() -> int:
+        with CaptureQueriesContext(connection) as queries:
+            scrape()
+        return len(queries)
+
+    empty = statements()
+    _scenario(tenant_a)
+    for _ in range(5):
+        advance_run(create_run(tenant_a, "chain", {"steps": 2}, actor="t").run_id, "w1")
+    assert statements() == empty == 4
+
+
+def test_refused_without_the_token_when_one_is_set(settings: Any, db: None) -> None:
+    settings.HOLDPOINT_METRICS_TOKEN = "s3cret-token"
+    client = Client()
+    for headers in (
+        {},
+        {"HTTP_AUTHORIZATION": "Bearer wrong"},
+        {"HTTP_AUTHORIZATION": "Token s3cret-token"},
+    ):
+        refused = client.get("/metrics", **headers)
+        assert refused.status_code == 401
+        assert refused.content == b""
+        assert refused["WWW-Authenticate"].startswith("Bearer")
+    samples = scrape(client, HTTP_AUTHORIZATION="Bearer s3cret-token")
+    assert ("holdpoint_approvals_pending", ()) in samples
+
+
+def _exported(samples: dict[tuple[str, Any], float]) -> set[str]:
+    names = {name for name, _ in samples}
+    return names | {re.sub(r"_(bucket|count|sum|total|created)$", "", name) for name in names}
+
+
+def test_every_metric_the_dashboard_queries_is_exported(db: None) -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "holdpoint.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queried = {name for expr in exprs for name in re.findall(r"\bholdpoint_[a-z_]+", expr)}
+    assert len(queried) >= 8
+    # Both histograms are in every scrape once any process observed one (multiprocess files).
+    from runtime import metrics
+
+    metrics.observe_step(metrics.clock())
+    metrics.observe_action("tasks.create", metrics.clock())
+    assert queried <= _exported(scrape())
+
+
+def test_the_takeover_count_reads_its_partial_index(db: None) -> None:
+    """The count's predicate is the one migration 0022 indexed: a scrape never scans the
+    journal (which grows by every step of every run) to count the few takeovers."""
+    from runtime.metrics import takeovers_sql
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute("EXPLAIN " + takeovers_sql("postgresql"), ["lease_taken"])
+        else:
+            cursor.execute("EXPLAIN QUERY PLAN " + takeovers_sql("sqlite"), ["lease_taken"])
+        plan = " ".join(str(row) for row in cursor.fetchall())
+    assert "runtime_journal_takeovers" in plan

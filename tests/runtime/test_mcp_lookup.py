@@ -1,0 +1,161 @@
+"""An MCP tool whose definition declares a lookup (issue 19): MCP itself has no idempotency
+contract, but an upstream that stores a client's request id with the effect and can find it
+by that id gives one. Holdpoint then passes the action's key in `mcp.key_argument` on every
+call, and a lost answer is settled by asking the upstream's lookup tool — not by a person,
+and never by sending again while the effect may exist. The upstream is a real process
+(tests/mcp_upstream.py --keyed); the oracle is its own record of calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from approvals.models import ApprovalPolicy
+from runtime import tooldefs
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant, ToolDefinition
+from tests.mcp_fixture import Upstream
+
+S = ActionStatus
+OPEN = "helpdesk.tickets_open"
+
+
+def _definition(**change: Any) -> dict[str, Any]:
+    return {
+        "name": OPEN,
+        "effect": "write",
+        "schema": {
+            "type": "object",
+            "properties": {"title": {"type": "string"}},
+            "required": ["title"],
+        },
+        "executor": "mcp",
+        "mcp": {"server": "helpdesk", "tool": "tickets_open", "key_argument": "request_id"},
+        "dedup": {"mode": "lookup"},
+        "lookup": {
+            "tool": "tickets_find",
+            "arguments": {"request_id": "{idempotency_key}"},
+            "found": "$.id",
+        },
+        "timeout_seconds": 1.5,
+        **change,
+    }
+
+
+def _keyed(tenant: Tenant, upstream: Upstream) -> None:
+    McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, timeout_seconds=2)
+    tooldefs.define(tenant, _definition(), "user:admin")
+    ApprovalPolicy.objects.create(tenant=tenant, name="opens go", tool=OPEN, required=False)
+
+
+def _run(tenant: Tenant) -> Run:
+    return create_run(
+        tenant, "ticketing", {"title": "Printer on fire", "tool": OPEN}, actor="user:starter"
+    )
+
+
+def test_every_call_carries_the_actions_key_in_the_key_argument(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    upstream = mcp_upstream(keyed=True)
+    _keyed(tenant_a, upstream)
+    run = _run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1"
+    assert upstream.calls() == [
+        {
+            "tool": "tickets_open",
+            "arguments": {"title": "Printer on fire", "request_id": action.idempotency_key},
+        }
+    ]
+    assert json.loads(action.params) == {"title": "Printer on fire"}  # what was hashed
+
+
+def test_a_lost_answer_is_found_by_its_key_and_not_sent_again(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    upstream = mcp_upstream(keyed=True)
+    _keyed(tenant_a, upstream)
+    upstream.faults(hang=30)  # applies, then answers long after the timeout
+    run = _run(tenant_a)
+    for _ in range(5):  # unknown → reconciled by the lookup (in the same turn or a later one)
+        if Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED:
+            break
+        advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED, (action.status, action.last_error)
+    assert action.external_id == "T-1"
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+    assert len(upstream.calls("tickets_open")) == 1
+
+
+def test_a_lookup_that_cannot_tell_never_sends_again_and_ends_with_a_person(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream], settings: Any
+) -> None:
+    settings.HOLDPOINT_RECONCILE_ATTEMPTS = 2
+    upstream = mcp_upstream(keyed=True)
+    _keyed(tenant_a, upstream)
+    upstream.faults(hang=30, find_fails=1)  # the answer is lost, and so is every lookup's
+    run = _run(tenant_a)
+    outcomes = []
+    for _ in range(6):  # HOLDPOINT_RECONCILE_ATTEMPTS lookups, each unable to tell
+        Run.objects.filter(pk=run.pk).update(wake_at=None)  # the retry's back-off is over
+        outcomes.append(advance_run(run.run_id, "w1").outcome)
+        if Action.objects.get(run=run).status == S.MANUAL_REVIEW:
+            break
+    action = Action.objects.get(run=run)
+    assert action.status == S.MANUAL_REVIEW, (outcomes, action.reconcile_attempts)
+    assert "the finder is down" in action.last_error
+    assert Run.objects.get(pk=run.pk).status == RunStatus.NEEDS_RECONCILIATION
+    assert len(upstream.calls("tickets_open")) == 1
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"mcp": {"server": "helpdesk", "tool": "tickets_open"}}, "mcp.key_argument"),
+        ({"lookup": None}, "lookup"),
+        (
+            {"lookup": {"tool": "tickets_find", "arguments": {}, "found": "$.id"}},
+            "lookup.arguments",
+        ),
+        (
+            {"lookup": {"tool": "tickets_find", "arguments": {"x": "{nope}"}, "found": "$.id"}},
+            "lookup.arguments.x",
+        ),
+        (
+            {"lookup": {"arguments": {"request_id": "{idempotency_key}"}, "found": "$.id"}},
+            "lookup.tool",
+        ),
+        (
+            {
+                "lookup": {
+                    "tool": "tickets_find",
+                    "arguments": {"request_id": "{idempotency_key}"},
+                    "found": "$[",
+                }
+            },
+            "lookup.found",
+        ),
+        (
+            {
+                "mcp": {"server": "helpdesk", "tool": "tickets_open", "key_argument": "title"},
+            },
+            "mcp.key_argument",
+        ),
+        ({"dedup": {"mode": "key"}}, "dedup.mode"),
+    ],
+)
+def test_a_bad_lookup_declaration_is_refused_with_its_field(
+    tenant_a: Tenant, change: dict[str, Any], field: str
+) -> None:
+    McpServer.objects.create(tenant=tenant_a, name="helpdesk", url="http://127.0.0.1:9/mcp")
+    with pytest.raises(tooldefs.InvalidTool) as refused:
+        tooldefs.define(tenant_a, _definition(**change), "user:admin")
+    assert field in refused.value.extra["errors"], refused.value.extra["errors"]
+    assert not ToolDefinition.objects.exists()
