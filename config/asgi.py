@@ -37,7 +37,9 @@ Lifespan = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 def mounts() -> list[tuple[BaseRoute, Lifespan | None]]:
-    return []
+    from runtime.api import sse
+
+    return [*sse.mounts(django_application)]
 
 
 def build(extra: list[tuple[BaseRoute, Lifespan | None]]) -> Starlette:

@@ -97,11 +97,11 @@ class AsyncClient(Configured):
                         attempt += 1
                         continue
                     async for sse in EventSource(response).aiter_sse():
-                        entry = feed.take(sse.data)
-                        if entry is not None:
+                        taken = feed.take(sse.data)
+                        if taken is not None:
                             attempt = 0
-                            yield entry
-                if feed.ended():
+                            yield taken
+                if feed.ended((await self.get_run(run_id)).status):
                     return
             except httpx.TransportError as exc:
                 await asyncio.sleep(self.policy.pause(feed.call(), attempt, error=exc))

@@ -218,7 +218,6 @@ class EventFeed:
 
     run_id: str
     last: int = 0
-    final: bool = False
     received: int = 0  # events taken on the current connection
 
     def call(self) -> Call[None]:
@@ -248,15 +247,15 @@ class EventFeed:
         if entry.seq <= self.last:
             return None
         self.last, self.received = entry.seq, self.received + 1
-        status = entry.payload.get("status") if isinstance(entry.payload, dict) else None
-        self.final = status in FINAL_STATUSES
         return entry
 
-    def ended(self) -> bool:
-        """After the server closed the stream cleanly: is that the end of the run's journal?
-        It closes after the final entry, and at once for a run already finished; a close
-        right after other entries (a server restarting) is resumed."""
-        return self.final or self.received == 0
+    def ended(self, status: str) -> bool:
+        """After the server closed the stream cleanly, the run now being in `status`: is that
+        the end of its journal? The server closes after the run's final entry, and at once
+        (nothing new) for a run already finished. Which entry is final only the run's status
+        tells, so a close is resumed from `last` unless the run is finished and the last
+        connection brought nothing new — any other close (a server restarting) is resumed."""
+        return status in FINAL_STATUSES and self.received == 0
 
 
 def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:

@@ -345,7 +345,7 @@ class Client(Configured):
                         if entry is not None:
                             attempt = 0
                             yield entry
-                if feed.ended():
+                if feed.ended(self.get_run(feed.run_id).status):
                     return
             except httpx.TransportError as exc:
                 self._sleep(self.policy.pause(feed.call(), attempt, error=exc))

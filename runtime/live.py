@@ -1,8 +1,9 @@
 """Live event streams' plumbing: one doorbell per web process, bounded reads, SSE framing.
 
 A stream client (runtime/api/streams.py, approvals/api.py) is an async generator on the
-server's event loop, not a sync worker. While it waits it holds no thread of a pool and no
-database connection: it awaits an `asyncio.Event` that the process's one doorbell rings.
+server's event loop (runtime.api.sse serves it), not a sync worker. While it waits it holds
+no thread and no database connection: it awaits an `asyncio.Event` that the process's one
+doorbell rings.
 
 - PostgreSQL: one `LISTEN holdpoint_journal` connection per process (psycopg 3, async). A
   trigger on the stream head (audit migration 0006) notifies "<tenant_id> <stream>" in the
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, connection
 from django.http import StreamingHttpResponse
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,16 @@ class Doorbell:
         for events in self.waiters.values():
             for event in events:
                 event.set()
+
+    async def stop(self) -> None:
+        """Stop listening or polling (the LISTEN connection is closed) and the readers."""
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.readers.shutdown(wait=False, cancel_futures=True)
+        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -198,29 +209,27 @@ def event(data: bytes, *, type: str, id: int | None = None) -> bytes:
 
 
 async def _framed(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The response body: the request thread's database connection is closed first (the
-    view and middleware are done with it; a stream must not keep it), then the events."""
-    from asgiref.sync import sync_to_async
-
-    await sync_to_async(_close_request_connection)()
     yield b": stream open\n\n"  # headers and a first byte go out at once
     async for chunk in events:
         yield chunk
 
 
-def _close_request_connection() -> None:
-    if not connection.in_atomic_block:  # in-process tests run inside a test transaction
-        close_old_connections()
-        connection.close()
-
-
 def response(events: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    """`text/event-stream` over ASGI (Django consumes an async iterator on its event loop;
-    a WSGI server would buffer it whole, so streams need `uvicorn config.asgi`)."""
+    """`text/event-stream`, consumed on the event loop by runtime.api.sse (config.asgi
+    routes `?stream=1` there; a WSGI server would buffer it whole)."""
     answer = StreamingHttpResponse(_framed(events), content_type="text/event-stream")
     answer["Cache-Control"] = "no-cache"
     answer["X-Accel-Buffering"] = "no"  # a fronting nginx must not buffer the stream
     return answer
+
+
+@contextlib.asynccontextmanager
+async def lifespan() -> AsyncIterator[None]:
+    """The web process's doorbell, stopped at shutdown (config.asgi enters this once)."""
+    try:
+        yield
+    finally:
+        await doorbell.stop()
 
 
 async def heartbeat_or_wake(wake: asyncio.Event) -> bool:

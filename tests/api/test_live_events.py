@@ -8,14 +8,19 @@ with the entry `GET runs/{id}/events/` lists for that seq.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Iterator
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from httpx_sse import EventSource
 
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -38,36 +43,58 @@ from tests.conftest import Persona
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 STREAM = {"stream": "1"}
 TERMINAL = {"completed", "failed", "cancelled"}
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
-def web(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(
+    django_db_setup: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """One real web server for the module (the database is emptied between tests, the server
-    keeps no state of its own)."""
+    keeps no state of its own): its process and base URL."""
     log = tmp_path_factory.mktemp("web") / "web.log"
     env = procs.child_env()
     if connection.vendor == "postgresql":  # its connections are counted by this name
         env["DATABASE_URL"] += "?application_name=holdpoint-web"
-    server, base = procs.start_web(env, log)
+    proc, base = procs.start_web(env, log)
     try:
-        yield base
+        yield proc, base
     finally:
-        procs.kill(server)
+        procs.kill(proc)
+
+
+@pytest.fixture
+def web(server: tuple[subprocess.Popen[bytes], str]) -> str:
+    return server[1]
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread, its database connection closed after (a thread's connection
+    left open would keep the test database from being dropped)."""
+
+    def call() -> T:
+        try:
+            return fn(*args)
+        finally:
+            connections.close_all()
+
+    return await asyncio.to_thread(call)
 
 
 def headers(persona: Persona) -> dict[str, str]:
     return {"Authorization": f"Token {persona.token}"}
 
 
-def reviewer_session(web: str, persona: Persona) -> httpx.Client:
-    """A person on the API: logged in at /login/, then session + CSRF (NOTES.md)."""
-    http = httpx.Client(base_url=web + "/", timeout=60)
-    http.get("login/")
-    name = persona.user.get_username()
-    form = {"username": name, "password": f"pw-{name}"}
-    form["csrfmiddlewaretoken"] = http.cookies["csrftoken"]
-    assert http.post("login/", data=form).status_code == 302
-    return http
+def session_cookie(persona: Persona) -> dict[str, str]:
+    """A person's session (as the login page makes it), sent as a header: outside DEBUG the
+    cookie is Secure, and httpx keeps a Secure cookie off plain http (a browser does not for
+    127.0.0.1)."""
+    from django.conf import settings
+    from django.test import Client as DjangoClient
+
+    django_client = DjangoClient()
+    django_client.force_login(persona.user)
+    return {"Cookie": f"{settings.SESSION_COOKIE_NAME}={django_client.cookies['sessionid'].value}"}
 
 
 def journal_json(run_id: str) -> list[dict[str, Any]]:
@@ -81,13 +108,19 @@ def as_json(events: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
 
 
 def read(
-    http: httpx.Client, url: str, *, last: int | None = None, until: str | None = None
+    http: httpx.Client,
+    url: str,
+    *,
+    last: int | None = None,
+    until: str | None = None,
+    after: int | None = None,
 ) -> tuple[list[tuple[str, str, str]], bool]:
     """(id, event, data) of each event until the server closes the stream (True), or until
     an event of type `until` arrived (then this client disconnects: False)."""
     extra = {} if last is None else {"Last-Event-ID": str(last)}
     got: list[tuple[str, str, str]] = []
-    with http.stream("GET", url, params=STREAM, headers=extra) as response:
+    params = STREAM if after is None else {**STREAM, "after": str(after)}
+    with http.stream("GET", url, params=params, headers=extra) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         for sse in EventSource(response).iter_sse():
@@ -116,16 +149,15 @@ def test_a_worker_run_with_an_approval_streams_every_entry_once_across_a_reconne
             first, closed = read(http, url, until="approval_requested")
             assert not closed
             approval = ApprovalRequest.objects.get(run_id=run_id, status=ApprovalStatus.PENDING)
-            with reviewer_session(web, reviewer_a) as reviewer:
-                decided = reviewer.post(
-                    f"api/v1/approvals/{approval.pk}/decision/",
-                    json={"decision": "approve", "action_hash": approval.action_hash},
-                    headers={"X-CSRFToken": reviewer.cookies["csrftoken"]},
-                )
-            assert decided.status_code == 200, decided.text
-            # Resume where the first connection stopped, while the worker finishes the run.
-            rest, closed = read(http, url, last=int(first[-1][0]))
+            decision = {"decision": "approve", "action_hash": approval.action_hash}
+            ok(post(reviewer_a.api(), f"approvals/{approval.pk}/decision/", decision))
+            # Resume where the first connection stopped, while the worker finishes the run;
+            # hang up again after the decision, and resume once more to the end.
+            second, closed = read(http, url, last=int(first[-1][0]), until="approval_decided")
+            assert not closed
+            rest, closed = read(http, url, last=int(second[-1][0]))
             assert closed  # the server closed the stream after the run's final entry
+            rest = second + rest
     finally:
         procs.kill(worker)
 
@@ -139,13 +171,11 @@ def test_a_worker_run_with_an_approval_streams_every_entry_once_across_a_reconne
     assert journal[-1]["payload"]["status"] == "completed"
     # A stream opened after the end replays from `after` and closes at once.
     with httpx.Client(base_url=web + "/api/v1/", headers=headers(agent_a), timeout=30) as http:
-        again, closed = read(http, f"runs/{run_id}/events/?after={journal[-2]['seq']}")
+        again, closed = read(http, f"runs/{run_id}/events/", after=journal[-2]["seq"])
     assert closed and as_json(again) == journal[-1:]
 
 
-def test_streams_are_scoped_like_every_call(
-    web: str, agent_a: Persona, agent_b: Persona
-) -> None:
+def test_streams_are_scoped_like_every_call(web: str, agent_a: Persona, agent_b: Persona) -> None:
     run = new_run(agent_a.api())
     url = f"{web}/api/v1/runs/{run['run_id']}/events/"
     anonymous = httpx.get(url, params=STREAM, timeout=30)
@@ -156,14 +186,41 @@ def test_streams_are_scoped_like_every_call(
     assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
     approvals = httpx.get(f"{web}/api/v1/approvals/", params=STREAM, timeout=30)
     assert approvals.status_code == 401
+    # Without stream=1 the same paths are the plain lists, answered by Django as before.
+    listed = httpx.get(url, headers=headers(agent_a), timeout=30)
+    assert listed.status_code == 200 and listed.json()["results"][0]["type"] == "run_created"
+    pending = httpx.get(f"{web}/api/v1/approvals/", headers=headers(agent_a), timeout=30)
+    assert pending.status_code == 200 and pending.json()["results"] == []
     bad = httpx.get(
         url, params=STREAM, headers={**headers(agent_a), "Last-Event-ID": "x"}, timeout=30
     )
     assert bad.status_code == 422 and bad.json()["code"] == "invalid_params"
 
 
+def test_a_reviewer_page_streams_with_its_session_cookie(
+    web: str, agent_a: Persona, reviewer_a: Persona, outsider_b: Persona
+) -> None:
+    """The pages' EventSource sends the session cookie, no token: it is authenticated and
+    scoped like the session's API calls (a member of another tenant gets the 404)."""
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    _finish(agent_a, run_id, fence, 0)
+    url = f"{web}/api/v1/runs/{run_id}/events/"
+    with httpx.Client(headers=session_cookie(reviewer_a), timeout=30) as http:
+        events, closed = read(http, url)
+    assert closed and as_json(events) == journal_json(run_id)
+    foreign = httpx.get(url, params=STREAM, headers=session_cookie(outsider_b), timeout=30)
+    assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
+
+
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
-    body = {"fence": fence, "expected_rev": rev, "state": {}, "next_step": "", "status": "completed"}
+    body = {
+        "fence": fence,
+        "expected_rev": rev,
+        "state": {},
+        "next_step": "",
+        "status": "completed",
+    }
     ok(post(agent.api(), f"runs/{run_id}/checkpoints/", body), 201)
 
 
@@ -192,9 +249,9 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
     async def act() -> None:
         await opened.wait()
         await asyncio.sleep(1)  # the stream's first read is done: what follows is new
-        approval = await asyncio.to_thread(_create)
+        approval = await off_loop(_create)
         await created.wait()  # seen pending (a change faster than a wake-up shows its result)
-        await asyncio.to_thread(_decide, approval)
+        await off_loop(_decide, approval)
 
     def _create() -> ApprovalRequest:
         action = prepare(agent_a.api(), run["run_id"], fence).json()
@@ -233,7 +290,7 @@ def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) ->
             async for entry in client.events(second, follow=True):
                 seqs.append(entry.seq)
                 if entry.type == "lease_taken":  # the run is live: finish it meanwhile
-                    await asyncio.to_thread(_finish, agent_a, second, second_fence, 0)
+                    await off_loop(_finish, agent_a, second, second_fence, 0)
             return seqs
 
     second = new_run(agent_a.api())["run_id"]
@@ -242,23 +299,134 @@ def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) ->
     assert seqs == [e["seq"] for e in journal_json(second)]
 
 
+class CuttingProxy:
+    """A TCP proxy to the web server that hangs up on its first connection as soon as it has
+    passed on an event of type `cut_after` — a lost connection mid-stream, as a client sees
+    one — and passes every later connection whole. `requests`: what each connection sent."""
+
+    def __init__(self, upstream: str, cut_after: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.marker = f"event: {cut_after}\n".encode()
+        self.requests: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            index = len(self.requests)
+            self.requests.append(b"")
+            threading.Thread(target=self._serve, args=(down, index), daemon=True).start()
+
+    def _serve(self, down: socket.socket, index: int) -> None:
+        cut = index == 0
+        up = socket.create_connection(self.upstream)
+
+        def upward() -> None:
+            with contextlib.suppress(OSError):
+                while chunk := down.recv(65536):
+                    self.requests[index] += chunk
+                    up.sendall(chunk)
+
+        threading.Thread(target=upward, daemon=True).start()
+        seen = b""
+        with contextlib.suppress(OSError), down, up:
+            while chunk := up.recv(65536):
+                down.sendall(chunk)
+                seen += chunk
+                at = seen.find(self.marker)
+                if cut and at >= 0 and seen.find(b"\n\n", at) >= 0:  # that event is out
+                    down.shutdown(socket.SHUT_RDWR)
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def last_event_ids(proxy: CuttingProxy) -> list[str | None]:
+    """The Last-Event-ID each connection through the proxy sent (None: none)."""
+    found = []
+    for raw in proxy.requests:
+        header = [line for line in raw.split(b"\r\n") if line.lower().startswith(b"last-event-id:")]
+        found.append(header[0].split(b":", 1)[1].strip().decode() if header else None)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_client_events_resume_after_a_lost_connection_with_last_event_id(
+    web: str, agent_a: Persona, kind: str
+) -> None:
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    lease_seq = journal_json(run_id)[-1]["seq"]
+    proxy = CuttingProxy(web, cut_after="lease_taken")
+    seqs: list[int] = []
+    try:
+        if kind == "sync":
+            with Client(proxy.url, agent_a.token or "") as client:
+                for entry in client.events(run_id, follow=True):
+                    seqs.append(entry.seq)
+                    if entry.type == "lease_taken":  # the connection is being cut meanwhile
+                        _finish(agent_a, run_id, fence, 0)
+        else:
+
+            async def follow() -> None:
+                async with AsyncClient(proxy.url, agent_a.token or "") as client:
+                    async for entry in client.events(run_id, follow=True):
+                        seqs.append(entry.seq)
+                        if entry.type == "lease_taken":
+                            await off_loop(_finish, agent_a, run_id, fence, 0)
+
+            asyncio.run(asyncio.wait_for(follow(), 60))
+    finally:
+        proxy.close()
+    assert seqs == [e["seq"] for e in journal_json(run_id)]  # each once, in order, to the end
+    streams = [r for r in proxy.requests if b"stream=1" in r.split(b"\r\n", 1)[0]]
+    assert len(streams) >= 2  # it did reconnect
+    resumed = last_event_ids(proxy)
+    assert resumed[0] == "0" and str(lease_seq) in resumed[1:]
+
+
+def server_threads(proc: subprocess.Popen[bytes]) -> int:
+    """The web server process's threads (Linux: one /proc task each)."""
+    return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+
 @pytest.mark.postgres
-def test_200_stream_clients_hold_on_postgresql(web: str, agent_a: Persona) -> None:
+def test_200_stream_clients_hold_on_postgresql(
+    server: tuple[subprocess.Popen[bytes], str], agent_a: Persona
+) -> None:
+    """200 clients of one uvicorn process: each gets every entry once, other calls answer,
+    and the server's database connections and threads stay bounded — a stream holds
+    neither (runtime.api.sse: at most OPENERS + READERS threads and READERS + 1 connections
+    for all streams together)."""
     if connection.vendor != "postgresql":
         pytest.skip("the connection count is a PostgreSQL figure")
+    proc, web = server
     clients = 200
     run_id = new_run(agent_a.api())["run_id"]
     fence = take_lease(agent_a.api(), run_id)
     database = connection.settings_dict["NAME"]
 
     def server_connections() -> int:
+        """Every connection to the test database but this test process's own."""
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
-                " AND application_name IN ('holdpoint-web', 'holdpoint-live')",
+                " AND pid <> pg_backend_pid()",
                 [database],
             )
-            return int(cursor.fetchone()[0])
+            row = cursor.fetchone()
+            assert row is not None
+            return int(row[0])
+
+    def figures() -> tuple[int, int]:
+        return server_connections(), server_threads(proc)
 
     async def one(http: httpx.AsyncClient, ready: asyncio.Queue[None]) -> list[int]:
         seqs: list[int] = []
@@ -271,34 +439,48 @@ def test_200_stream_clients_hold_on_postgresql(web: str, agent_a: Persona) -> No
                     ready.put_nowait(None)
         return seqs
 
-    async def scenario() -> tuple[list[list[int]], list[int], list[int]]:
+    async def scenario() -> tuple[list[list[int]], list[tuple[int, int]], list[int]]:
         limits = httpx.Limits(max_connections=clients + 20, max_keepalive_connections=0)
         timeout = httpx.Timeout(120)
-        async with httpx.AsyncClient(headers=headers(agent_a), limits=limits, timeout=timeout) as http:
+        async with httpx.AsyncClient(
+            headers=headers(agent_a), limits=limits, timeout=timeout
+        ) as http:
             ready: asyncio.Queue[None] = asyncio.Queue()
             streams = [asyncio.create_task(one(http, ready)) for _ in range(clients)]
             for _ in range(clients):
                 await asyncio.wait_for(ready.get(), 120)
-            counts = [await asyncio.to_thread(server_connections)]
+            seen = [await off_loop(figures)]
             statuses = []
             for rev in range(5):  # the run moves while all 200 are connected
-                body = {"fence": fence, "expected_rev": rev, "state": {"rev": rev}, "next_step": "x"}
+                body = {
+                    "fence": fence,
+                    "expected_rev": rev,
+                    "state": {"rev": rev},
+                    "next_step": "x",
+                }
                 answer = await http.post(f"{web}/api/v1/runs/{run_id}/checkpoints/", json=body)
                 statuses.append(answer.status_code)
                 other = await http.get(f"{web}/api/v1/runs/", timeout=30)
                 statuses.append(other.status_code)
-                counts.append(await asyncio.to_thread(server_connections))
-            await asyncio.to_thread(_finish, agent_a, run_id, fence, 5)
+                seen.append(await off_loop(figures))
+            await off_loop(_finish, agent_a, run_id, fence, 5)
             results = await asyncio.wait_for(asyncio.gather(*streams), 180)
-            counts.append(await asyncio.to_thread(server_connections))
-            return results, counts, statuses
+            seen.append(await off_loop(figures))
+            return results, seen, statuses
 
-    results, counts, statuses = asyncio.run(scenario())
+    before = figures()
+    results, seen, statuses = asyncio.run(scenario())
     expected = [e["seq"] for e in journal_json(run_id)]
     assert all(seqs == expected for seqs in results), "every client got every entry once"
     assert set(statuses) == {200, 201}  # other calls answered while 200 streams were open
-    # The web server's connections (its own and its LISTEN one): one LISTEN connection, at
-    # most READERS (4) reader threads' ones, and the API request in flight — bounded,
-    # whatever the number of clients.
-    print(f"server connections to {database} with {clients} streams open: {counts}")
-    assert max(counts) <= 8, counts
+    connections, threads = max(c for c, _ in seen), max(t for _, t in seen)
+    print(
+        f"\n{clients} streams on one uvicorn process: database connections {before[0]} before,"
+        f" {[c for c, _ in seen]} while open (max {connections}); server threads {before[1]}"
+        f" before, {[t for _, t in seen]} while open (max {threads})"
+    )
+    # One LISTEN connection, at most READERS (4) readers' ones, the API calls in flight.
+    assert connections <= 8, seen
+    # The loop, OPENERS (8) + READERS (4) pool threads, a few of Django's and asyncio's:
+    # bounded and far below one per client.
+    assert threads <= 32, seen
