@@ -24,7 +24,7 @@ from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
 from runtime import live
-from runtime.api import filters, streams
+from runtime.api import filters, sse, streams
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.examples import DECIDE
 from runtime.api.serializers import StrictChar
@@ -105,7 +105,8 @@ class Approvals(streams.StreamingList):
     def get(self, request: Request) -> Response | StreamingHttpResponse:
         if streams.requested(request):
             principal = self.principal(request)
-            return live.response(approval_events(principal, timezone.now()))
+            follow = sse.follows(request._request)
+            return live.response(approval_events(principal, timezone.now(), follow=follow))
         approvals = filters.apply(
             ApprovalFilter, request, approvals_for(self.principal(request))
         ).select_related("run", "decided_by")
@@ -129,9 +130,15 @@ def _changed(
     ]
 
 
-async def approval_events(principal: Principal, since: datetime) -> AsyncIterator[bytes]:
+async def approval_events(
+    principal: Principal, since: datetime, *, follow: bool = True
+) -> AsyncIterator[bytes]:
     """Each approval of the tenant as it is created and as its status changes. Every read
-    compares the statuses with the last ones seen, so a merged wake-up loses no change."""
+    compares the statuses with the last ones seen, so a merged wake-up loses no change.
+    Without `follow` (not served on the event loop: runtime.api.sse.follows) it ends at once:
+    it shows changes after it opened, and there are none yet."""
+    if not follow:
+        return
     known: dict[Any, str] | None = None
     me = object()  # reads are this stream's own (`known` differs per stream)
     async with live.doorbell.subscription(live.tenant_key(principal.tenant.pk)) as wake:

@@ -38,6 +38,7 @@ from runtime import live
 OPENERS = 8  # threads that authenticate and scope a new stream (then let it go)
 API = "/api/v1/"
 PATHS = (API + "runs/{run_id}/events/", API + "approvals/")
+MARK = "holdpoint.live"  # in the ASGI scope of a request StreamHandler serves
 
 
 class StreamHandler(ASGIHandler):
@@ -51,7 +52,8 @@ class StreamHandler(ASGIHandler):
         self.openers = ThreadPoolExecutor(OPENERS, thread_name_prefix="holdpoint-live-open")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.handle(scope, receive, send)  # no ThreadSensitiveContext: see the module
+        # No ThreadSensitiveContext (see the module); the view learns it may follow live.
+        await self.handle({**scope, MARK: True}, receive, send)
 
     async def run_get_response(self, request: HttpRequest) -> HttpResponseBase:
         loop = asyncio.get_running_loop()
@@ -67,6 +69,15 @@ class StreamHandler(ASGIHandler):
             return self.get_response(request)
         finally:
             connections.close_all()
+
+
+def follows(request: HttpRequest) -> bool:
+    """Is this request served here, on the event loop, so its stream may follow the journal
+    live? Elsewhere (a WSGI server, Django's test client, Django's own ASGI handler) a
+    stream sends what is there and closes, and the client resumes with Last-Event-ID: a
+    long poll, never a sync worker held for the life of a stream."""
+    scope = getattr(request, "scope", None)
+    return bool(scope and scope.get(MARK))
 
 
 def wants_stream(scope: Scope) -> bool:

@@ -105,7 +105,11 @@ def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int
     return _encode(batch), status in TERMINAL and len(batch) < BATCH
 
 
-async def run_events(principal: Principal, run_id: Any, after: int) -> AsyncIterator[bytes]:
+async def run_events(
+    principal: Principal, run_id: Any, after: int, *, follow: bool = True
+) -> AsyncIterator[bytes]:
+    """The run's entries after `after`; `follow`: live, to the run's final entry (else the
+    entries there are now, then the end: runtime.api.sse.follows)."""
     last = after
     async with live.doorbell.subscription(journal.run_stream(run_id)) as wake:
         while True:
@@ -121,9 +125,9 @@ async def run_events(principal: Principal, run_id: Any, after: int) -> AsyncIter
             for seq, chunk in events:
                 yield chunk
                 last = seq
-            if finished:
-                return
             if len(events) == BATCH:
                 continue
+            if finished or not follow:
+                return
             if not await live.heartbeat_or_wake(wake):
                 yield b": keep-alive\n\n"

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 
 from runtime import ledger, lifecycle, live, protocol
 from runtime.api import examples as ex
-from runtime.api import filters, streams
+from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
@@ -227,7 +227,8 @@ class Events(streams.StreamingList):
             ) from None
         if streams.requested(request):
             after = streams.resume_after(request, after)
-            return live.response(streams.run_events(principal, run.pk, after))
+            follow = sse.follows(request._request)
+            return live.response(streams.run_events(principal, run.pk, after, follow=follow))
         entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)
         entries = entries.order_by("seq")[:500]
         return Response({"results": s.JournalEntrySerializer(entries, many=True).data})

@@ -213,6 +213,21 @@ def test_a_reviewer_page_streams_with_its_session_cookie(
     assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
 
 
+@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
+def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
+    agent_a: Persona,
+) -> None:
+    """Through Django alone (its test client here; a WSGI server alike) a stream of a live
+    run does not hold the worker: the entries so far, then the end (the client resumes)."""
+    run_id = new_run(agent_a.api())["run_id"]
+    take_lease(agent_a.api(), run_id)
+    answer = agent_a.api().get(f"/api/v1/runs/{run_id}/events/", {"stream": "1", "after": "1"})
+    assert answer.status_code == 200 and answer["Content-Type"] == "text/event-stream"
+    body = b"".join(answer).decode()  # Django consumes the async body as a WSGI server would
+    assert [line for line in body.splitlines() if line.startswith("id:")] == ["id: 2"]
+    assert "event: lease_taken" in body
+
+
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
     body = {
         "fence": fence,
