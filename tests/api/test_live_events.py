@@ -14,9 +14,10 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
@@ -38,7 +39,13 @@ from tests.api import (
     prepare,
     take_lease,
 )
+from tests.browser import log_in
 from tests.conftest import Persona
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
+
+pytest_plugins = ("tests.browser",)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 STREAM = {"stream": "1"}
@@ -499,3 +506,28 @@ def test_200_stream_clients_hold_on_postgresql(
     # The loop, OPENERS (8) + READERS (4) pool threads, a few of Django's and asyncio's:
     # bounded and far below one per client.
     assert threads <= 32, seen
+
+
+def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
+    web: str, agent_a: Persona, reviewer_a: Persona, new_page: Callable[[], Page]
+) -> None:
+    """In Chromium, on the real server: once the run's stream is open the page stops its 2 s
+    polls, and an entry the agent writes shows at once (the fragment re-fetched on it)."""
+    from playwright.sync_api import expect
+
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    page = new_page()
+    fetched: list[str] = []
+    page.on("request", lambda r: fetched.append(r.url))
+    log_in(page, web, reviewer_a.user.get_username(), f"pw-{reviewer_a.user.get_username()}")
+    page.goto(f"{web}/runs/{run_id}/")
+    expect(page.locator("#run-header-title .badge")).to_have_text("running")
+    procs.wait_for(lambda: any("stream=1" in url for url in fetched), timeout=15)
+    time.sleep(1.5)  # the stream's backlog may ring once: that re-fetch is done
+    polls = [url for url in fetched if f"/runs/{run_id}/live/" in url]
+    time.sleep(6.5)  # three polling intervals
+    assert [url for url in fetched if f"/runs/{run_id}/live/" in url] == polls
+    _finish(agent_a, run_id, fence, 0)
+    # Well before the next poll would be let through (live.js: one per 30 s while open).
+    expect(page.locator("#run-header-title .badge")).to_have_text("completed", timeout=5000)
