@@ -55,7 +55,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def server(
-    django_db_setup: None, tmp_path_factory: pytest.TempPathFactory
+    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """One real web server for the module (the database is emptied between tests, the server
     keeps no state of its own): its process and base URL."""
@@ -68,6 +68,20 @@ def server(
         yield proc, base
     finally:
         procs.kill(proc)
+        if connection.vendor == "postgresql":  # its backends gone before the test database
+            with django_db_blocker.unblock():
+                procs.wait_for(lambda: not _web_backends(), timeout=15)
+                connection.close()
+
+
+def _web_backends() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name IN ('holdpoint-web', 'holdpoint-live')"
+        )
+        row = cursor.fetchone()
+        return int(row[0]) if row else 0
 
 
 @pytest.fixture
@@ -506,6 +520,44 @@ def test_200_stream_clients_hold_on_postgresql(
     # The loop, OPENERS (8) + READERS (4) pool threads, a few of Django's and asyncio's:
     # bounded and far below one per client.
     assert threads <= 32, seen
+
+
+@pytest.mark.postgres
+def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> None:
+    """The LISTEN connection killed (a database restart, a proxy's idle cut) while a stream
+    waits: the doorbell listens again and re-reads, so the entries written meanwhile arrive,
+    once each, well before the 15 s heartbeat's re-read would bring them."""
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+
+    def listeners(kill: bool) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
+                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'",
+                [kill],
+            )
+            row = cursor.fetchone()
+            assert row is not None
+            return int(row[0])
+
+    async def scenario() -> list[int]:
+        seqs: list[int] = []
+        async with httpx.AsyncClient(headers=headers(agent_a), timeout=60) as http:
+            url = f"{web}/api/v1/runs/{run_id}/events/"
+            async with http.stream("GET", url, params=STREAM) as response:
+                async for sse in EventSource(response).aiter_sse():
+                    seqs.append(int(sse.id))
+                    if sse.event == "lease_taken":  # caught up: cut its doorbell, then write
+                        assert await off_loop(listeners, True) == 2  # one found, one killed
+                        await off_loop(_finish, agent_a, run_id, fence, 0)
+        return seqs
+
+    seqs = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert seqs == [e["seq"] for e in journal_json(run_id)]
+    assert listeners(False) == 1  # listening again
 
 
 def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
