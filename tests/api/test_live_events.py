@@ -249,6 +249,23 @@ def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     assert "event: lease_taken" in body
 
 
+def test_a_quiet_stream_sends_a_comment_line_within_15_s(web: str, agent_a: Persona) -> None:
+    """API.md: a comment line at least every 15 s (a proxy's idle timeout, a client's read
+    timeout): the first at once, the next before 15 s of quiet are over (and some margin)."""
+    url = f"{web}/api/v1/approvals/"
+    lines: list[tuple[float, str]] = []
+    start = time.monotonic()
+    with httpx.stream("GET", url, params=STREAM, headers=headers(agent_a), timeout=30) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            lines.append((time.monotonic() - start, line))
+            if len([text for _, text in lines if text.startswith(":")]) == 2:
+                break
+    comments = [(at, text) for at, text in lines if text.startswith(":")]
+    assert comments[0][0] < 5 and comments[1][0] < 15 + 3, lines
+    assert not [text for _, text in lines if text and not text.startswith(":")]  # no event
+
+
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
     body = {
         "fence": fence,
