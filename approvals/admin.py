@@ -28,6 +28,7 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from guardian.shortcuts import remove_perm
 
+from approvals import conditions
 from approvals.models import (
     WEBHOOK_EVENTS,
     ApprovalPolicy,
@@ -96,7 +97,24 @@ def _changed(form: forms.ModelForm[Any], change: bool) -> list[str]:
 # --- policies ------------------------------------------------------------------------------
 
 
+class ConditionField(forms.JSONField):
+    """The policy's condition as a tenant admin edits it: no condition is an empty box
+    saying "(always)", not the word `null` (issue 20), and the help states the language."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if value is None or value == {}:
+            return ""
+        return super().prepare_value(value)
+
+
 class ApprovalPolicyForm(forms.ModelForm[ApprovalPolicy]):
+    condition = ConditionField(
+        required=False,
+        help_text=conditions.HELP,
+        widget=forms.Textarea(
+            attrs={"rows": 3, "placeholder": f"{conditions.ALWAYS} — every action of the tool"}
+        ),
+    )
     decider_groups = forms.ModelMultipleChoiceField(
         queryset=Group.objects.none(),
         required=False,
@@ -170,6 +188,7 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
     list_display = [
         "tool",
         "name",
+        "condition_shown",
         "required",
         "quorum",
         "expiry_seconds",
@@ -198,6 +217,10 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
             },
         ),
     ]
+
+    @admin.display(description="condition")
+    def condition_shown(self, policy: ApprovalPolicy) -> str:
+        return conditions.describe(policy.condition)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # Moving a policy to another tenant would carry its grants along: create a new one.

@@ -24,6 +24,7 @@ Two rules shape this module:
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
@@ -141,6 +142,31 @@ def exempts(condition: Any, params: dict[str, Any], target: str) -> bool:
 def _message(exc: Exception) -> str:
     text = exc.args[0] if exc.args else str(exc)
     return text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+
+
+ALWAYS = "(always)"
+# The admin's help for the field: the whole language, with an example of each shape.
+HELP = (
+    "Which actions of the tool wait for a person. Empty: every action "
+    + ALWAYS
+    + '. A param compared with a value: {"param": "amount", "op": "gt", "value": 100} '
+    + f"(op: {', '.join(OPS)}; eq if left out). The action's target matched by a pattern: "
+    + '{"target_matches": "^prod-"} (RE2 syntax). A condition that cannot be evaluated '
+    + "for an action (a missing param, a value of the wrong type) holds that action."
+)
+
+
+def describe(condition: Any) -> str:
+    """A condition in a few words for lists: `(always)`, `amount gt 100`,
+    `target matches ^prod-`; anything else as its JSON."""
+    if condition in (None, {}):
+        return ALWAYS
+    if isinstance(condition, dict) and not check(condition):
+        if "target_matches" in condition:
+            return f"target matches {condition['target_matches']}"
+        value = json.dumps(condition.get("value"), ensure_ascii=False)
+        return f"{condition['param']} {condition.get('op', 'eq')} {value}"
+    return json.dumps(condition, ensure_ascii=False, default=str)
 
 
 def check(condition: Any) -> str:

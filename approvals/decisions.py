@@ -19,9 +19,9 @@ from django.utils import timezone
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
 from approvals.policies import may_decide, shaped_by
-from approvals.requests import close_request, request_approval, wake_run
+from approvals.requests import close_request, record_edits, request_approval, wake_run
 from audit import journal
-from runtime import ledger
+from runtime import ledger, observe
 from runtime.errors import (
     AlreadyDecided,
     Expired,
@@ -111,7 +111,10 @@ def decide(
                 request_approval(action, run, label, previous=request)
             changed = True
         else:
-            _vote(request, action, run, user, decision, seen_hash, reason, edits, label, shapers)
+            with observe.deciding(request, action, run, decision):
+                _vote(
+                    request, action, run, user, decision, seen_hash, reason, edits, label, shapers
+                )
     if changed:
         raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()
@@ -215,11 +218,7 @@ def _apply_edits(
     params = {**_params(action.params), **edits}
     tool.validate(params)
     action = ledger.edit_params(action, params, actor)
-    new_hash = action_hash(action)
-    ApprovalRequest.objects.filter(pk=request.pk).update(
-        edits=edits, edited_params=action.params, action_hash=new_hash
-    )
-    request.action_hash = new_hash
+    record_edits(request, action, edits, action_hash(action))
     return action
 
 

@@ -119,6 +119,27 @@ def _fallback_policy(tenant_id: int, tool: str, by_default: bool) -> ApprovalPol
     return policy
 
 
+def record_edits(
+    request: ApprovalRequest, action: Action, edits: dict[str, Any], new_hash: str
+) -> None:
+    """A reviewer's edits were applied to the action (`ledger.edit_params`): the request now
+    stands for the edited action — its edits, params, hash, and its title, which names the
+    action by its params ("Create task: <the edited title>"), so inbox, history, notices and
+    the page never show the original's title for what will actually be sent."""
+    params = json.loads(action.params)
+    request.title = tool_of(action).title_for(params, action.target)
+    request.edits = edits
+    request.edited_params = action.params
+    request.action_hash = new_hash
+    ApprovalRequest.objects.filter(tenant_check(request.tenant_id), pk=request.pk).update(
+        edits=edits,
+        edited_params=action.params,
+        action_hash=new_hash,
+        title=request.title,
+        updated_at=Now(),
+    )
+
+
 def close_request(request: ApprovalRequest, status: str, actor: str, reason: str) -> bool:
     """A pending request ends undecided (`status`: expired, superseded, cancelled).
 

@@ -25,13 +25,14 @@ from uuid import UUID
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse, QueryDict
+from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.cache import patch_vary_headers
 
 from approvals.api import DecisionIn
+from approvals.card import card_for
 from approvals.decisions import PRESET_REJECT_REASONS, decide
 from approvals.forms import diff_rows, param_fields, property_order, typed_edits
 from approvals.hashing import action_hash, same_hash
@@ -46,6 +47,7 @@ from approvals.inbox import (
     similar_decisions,
 )
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision
+from approvals.overview import tenant_overview
 from approvals.policies import may_decide, shaped_by
 from approvals.scoping import approvals_for
 from approvals.wording import done_text, expiry_of, refusal_text
@@ -65,7 +67,9 @@ PAGE_SIZE = 50
 def _scoped_request(principal: Principal, request_id: UUID) -> ApprovalRequest:
     """The request if it is the principal's tenant's; any other case is the same plain 404."""
     return scoped_or_404(
-        approvals_for(principal).select_related("policy", "run", "action", "decided_by"),
+        approvals_for(principal).select_related(
+            "policy", "run", "run__executor_account", "action", "decided_by"
+        ),
         principal,
         pk=request_id,
     )
@@ -114,6 +118,13 @@ def history(request: HttpRequest, principal: Principal) -> HttpResponse:
     return render(request, "approvals/history.html", {"page_obj": page})
 
 
+@reviewer_page(no_tenant="approvals/overview.html")
+def overview(request: HttpRequest, principal: Principal) -> HttpResponse:
+    """How the tenant's work stands: runs, waiting approvals, turnaround, backlog."""
+    context = {"overview": tenant_overview(principal, timezone.now())}
+    return render(request, "approvals/overview.html", context)
+
+
 # --- one request: the page --------------------------------------------------------------
 
 
@@ -159,6 +170,7 @@ def _request_context(
     following = next_pending(principal, deciding_for(principal), found)
     return {
         "req": found,
+        "card": card_for(principal, found),
         "shown": shown,
         "run": found.run,
         "fields": param_fields(shown, params, enabled=can_decide, drafts=drafts, errors=errors),
@@ -223,6 +235,21 @@ def request_page(request: HttpRequest, principal: Principal, request_id: UUID) -
 
 
 @reviewer_page()
+def request_for_action(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
+    """The request an action waits on (its pending one, else its latest): how the run page,
+    which knows only the action it waits for, links to the approval (runtime does not
+    import approvals). Another tenant's action is the same 404 as no action."""
+    requests = approvals_for(principal).filter(action_id=action_id)
+    found = (
+        requests.filter(status=A.PENDING).only("id").first()
+        or requests.only("id").order_by("-created_at").first()
+    )
+    if found is None:
+        raise Http404("No approval request for this action.")
+    return redirect("approval-page", request_id=found.pk)
+
+
+@reviewer_page()
 def request_status(request: HttpRequest, principal: Principal, request_id: UUID) -> HttpResponse:
     """The status line htmx polls on the request page: the countdown, and a notice when the
     request changed or was decided elsewhere since the page was loaded."""
@@ -258,7 +285,8 @@ def _reason(post: QueryDict, decision: str) -> tuple[str, str, str]:
 @reviewer_page(methods=("POST",))
 @decision_rate_limited
 def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) -> HttpResponse:
-    """Hand the reviewer's decision to `decide`; then on to the next item of the inbox."""
+    """Hand the reviewer's decision to `decide`; an approval goes on to the next item of
+    the inbox, a rejection shows the rejected request and what the run does next."""
     found = _scoped_request(principal, request_id)  # 404 first: no oracle for other tenants
     if not may_decide(principal.user, found.policy, escalated=found.escalated):
         raise PermissionDenied("You may look at this request, not decide it.")
@@ -300,6 +328,11 @@ def decide_page(request: HttpRequest, principal: Principal, request_id: UUID) ->
         messages.error(request, refusal_text(exc, found), extra_tags=exc.code)
         return redirect("approval-page", request_id=found.pk)
     messages.success(request, done_text(decided, decision, edits))
+    if decided.status == A.REJECTED:
+        # A reject lands on the rejected request itself ("Rejected — next: ..."), never on
+        # the next item: the next request of a similar run often has the same title, and
+        # the reviewer would see no sign that anything happened (issue 20).
+        return redirect("approval-page", request_id=decided.pk)
     following = next_pending(principal, deciding_for(principal), decided)
     if following is None:
         return redirect("inbox")

@@ -9,7 +9,9 @@ names a server), in one child process on a scratch database:
 2. (bench/ledger.py) what the side-effect ledger adds to one HTTP side effect;
 3. (bench/storage.py) bytes stored per run for a state growing 1 KB/step, 50 and 200 steps;
 4. (bench/scaling.py) one worker process vs two, independent runs;
-5. (bench/recovery.py) SIGKILL of a real worker → the run's next committed step, and a
+5. (bench/tracing.py) what OpenTelemetry tracing costs a step: off, on with the API's no-op
+   provider, on with the SDK and an in-memory exporter;
+6. (bench/recovery.py) SIGKILL of a real worker → the run's next committed step, and a
    storm of 2,000 runs with expired leases drained by the sweeper.
 
 Then, PostgreSQL only, (bench/pages.py) the reviewer pages with 10,000 pending approvals
@@ -61,7 +63,7 @@ from bench.common import (  # noqa: E402
 from bench.ledger import SANDBOX_MODE, LedgerBench, sandbox  # noqa: E402
 
 PAYLOAD_BYTES = 100
-PARTS = ("throughput", "ledger", "storage", "scaling", "recovery", "storm", "pages")
+PARTS = ("throughput", "ledger", "tracing", "storage", "scaling", "recovery", "storm", "pages")
 
 
 def filesystem_of(path: str) -> str:
@@ -480,6 +482,11 @@ def run_child(args: argparse.Namespace, parts: set[str], url: str, var_dir: str)
             finally:
                 bench.ledger = None
 
+    def tracing() -> dict[str, Any]:
+        from bench.tracing import TracingBench
+
+        return TracingBench(bench).go(args.tracing_rounds)
+
     def storage() -> dict[str, Any]:
         from bench.storage import StorageBench
 
@@ -497,6 +504,7 @@ def run_child(args: argparse.Namespace, parts: set[str], url: str, var_dir: str)
     recovery = RecoveryBench(bench, url, var_dir)
     with peers(bench, url, var_dir, "throughput" in parts or "storage" in parts):
         part("throughput", throughput)
+        part("tracing", tracing)
         part("storage", storage)
         result["environment"] = bench.environment()
         result["peer_versions"] = getattr(bench, "peer_versions", {})
@@ -553,6 +561,8 @@ def driver(args: argparse.Namespace) -> int:
             str(args.actions),
             "--parts",
             ",".join(p for p in parts if p != "pages"),
+            "--tracing-rounds",
+            str(args.tracing_rounds),
             "--scaling-pairs",
             str(args.scaling_pairs),
             "--recovery-samples",
@@ -649,6 +659,12 @@ def main() -> int:
         default=",".join(PARTS),
         help=f"comma-separated subset of {','.join(PARTS)} (default: all)",
     )
+    parser.add_argument(
+        "--tracing-rounds",
+        type=int,
+        default=30,
+        help="interleaved rounds of the tracing part, one run per mode each (default 30)",
+    )
     parser.add_argument("--scaling-pairs", type=int, default=6, help="1-vs-2-worker round pairs")
     parser.add_argument("--recovery-samples", type=int, default=3, help="kills per backend")
     parser.add_argument("--storm-runs", type=int, default=2000, help="runs in the storm")
@@ -677,7 +693,7 @@ def main() -> int:
         "--report-only", action="store_true", help="rewrite latest.md and plots from latest.json"
     )
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1 or args.actions < 0:
+    if args.rounds < 1 or args.steps < 1 or args.actions < 0 or args.tracing_rounds < 1:
         parser.error("--rounds and --steps must be >= 1, --actions >= 0")
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:

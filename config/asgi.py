@@ -37,9 +37,14 @@ Lifespan = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 def mounts() -> list[tuple[BaseRoute, Lifespan | None]]:
+    # The MCP gateway (/mcp/<tenant>/). Imported here, and only here: the MCP SDK costs a
+    # process 0.6 s to import, which workers and management commands never need.
+    from gateway.server import mount
+
+    # The live event streams (?stream=1 of runs/{id}/events/ and approvals/).
     from runtime.api import sse
 
-    return [*sse.mounts(django_application)]
+    return [mount(), *sse.mounts(django_application)]
 
 
 def build(extra: list[tuple[BaseRoute, Lifespan | None]]) -> Starlette:

@@ -65,6 +65,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "runtime.middleware.ClientHeaders",  # first: nothing stores a control character
+    "runtime.tracing.TraceRequests",  # a span per request, continuing the agent's traceparent
     "runtime.logs.RequestContext",  # each request's log lines: its run, action, tenant
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
@@ -133,6 +134,10 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     if env_bool("HOLDPOINT_PG_PREPARE", True):
         _db.setdefault("OPTIONS", {})["prepare_threshold"] = 0
 DATABASES = {"default": _db}
+# What the workers keep their connections for: the ASGI web process sets its own to 0
+# (config/asgi.py), and doctor's "connections" check, served there by /readyz too, is about
+# the workers (runtime.health.check_connections).
+HOLDPOINT_WORKER_CONN_MAX_AGE = _db["CONN_MAX_AGE"]
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -430,6 +435,14 @@ HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = env_int(
 # environment: registering one runs code on the operator's machine. Off unless an operator
 # of a local, single-user setup turns it on (runtime/models/mcp.py).
 HOLDPOINT_MCP_STDIO = env_bool("HOLDPOINT_MCP_STDIO", False)
+# The MCP gateway (gateway/, README "MCP gateway"). How long one tools/call waits for a
+# reviewer (with progress notifications when the client asked for them) before it answers
+# "pending approval" with the request's link; the same call later gets the decision.
+HOLDPOINT_MCP_WAIT_SECONDS = env_int("HOLDPOINT_MCP_WAIT_SECONDS", 30, minimum=0)
+# A call's arguments (canonical JSON) larger than this are refused with an MCP error,
+# nothing stored; a request body larger than HOLDPOINT_MCP_MAX_BODY_BYTES gets HTTP 413.
+HOLDPOINT_MCP_MAX_ARGUMENT_BYTES = env_int("HOLDPOINT_MCP_MAX_ARGUMENT_BYTES", 64 * 1024, minimum=1)
+HOLDPOINT_MCP_MAX_BODY_BYTES = env_int("HOLDPOINT_MCP_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 # Checked by the functions that apply them at send time, so both agree on what is valid.
 from runtime.outbound import check_patterns, host_allowed, parse_networks  # noqa: E402
 
@@ -483,6 +496,8 @@ LOGGING = {
         # time beside the root's: in `make run` each refused request showed two tracebacks.
         "django": {"handlers": []},
         "django.db.backends": {"level": "INFO"},
+        # django-axes says its version at every process start (every manage.py command).
+        "axes.apps": {"level": "WARNING"},
         # django-q2 gives its logger a handler of its own in its own format unless it has one
         # already: this one, so its lines come out like every other.
         "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},

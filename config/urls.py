@@ -36,6 +36,7 @@ urlpatterns = [
     path("inbox/", approval_views.inbox, name="inbox"),
     path("inbox/list/", approval_views.inbox_list, name="inbox-list"),
     path("inbox/history/", approval_views.history, name="inbox-history"),
+    path("overview/", approval_views.overview, name="overview"),
     path("approvals/<uuid:request_id>/", approval_views.request_page, name="approval-page"),
     path(
         "approvals/<uuid:request_id>/status/",
@@ -46,6 +47,11 @@ urlpatterns = [
         "approvals/<uuid:request_id>/decide/",
         approval_views.decide_page,
         name="approval-page-decide",
+    ),
+    path(
+        "approvals/for-action/<uuid:action_id>/",
+        approval_views.request_for_action,
+        name="approval-for-action",
     ),
     path("tenant/switch/", tenant.switch_tenant_view, name="switch-tenant"),
     path("runs/", pages.runs_page, name="runs"),

@@ -31,6 +31,7 @@ class RuntimeConfig(AppConfig):
 
         load_graph_modules(settings.HOLDPOINT_GRAPH_MODULES)
         from runtime import accounts
+        from runtime.agents import mcp_session  # noqa: F401  (the MCP gateway's runs)
 
         accounts.connect()
         from django_q.signals import post_spawn
@@ -39,3 +40,6 @@ class RuntimeConfig(AppConfig):
 
         # Each django-q2 worker process runs a sweeper loop; they take turns (SweeperTurn).
         post_spawn.connect(start_in_worker, dispatch_uid="holdpoint-sweeper-thread")
+        from runtime import tracing
+
+        tracing.configure()  # on only when OTEL_TRACES_EXPORTER names an exporter

@@ -12,6 +12,7 @@ from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
 from fastsql.statements import tenant_check
+from runtime import observe
 from runtime.errors import InvalidParams
 from runtime.events import RunEvent, record
 from runtime.faults import FaultPoint, fault
@@ -85,8 +86,16 @@ class StepContext:
         visit runs again (after a side-effect checkpoint, a retry, a crash, a migration).
         """
         self._index += 1
-        key = key or f"{self.step}@{self._visit}#{self._index}"
-        if key in self.recorded:
+        return self._record(key or f"{self.step}@{self._visit}#{self._index}", call, "record")
+
+    def _record(self, key: str, call: Callable[[], Any], kind: str) -> Any:
+        with observe.recording(self, key, kind) as span:
+            return self._recorded(key, call, span)
+
+    def _recorded(self, key: str, call: Callable[[], Any], span: Any) -> Any:
+        reused = key in self.recorded
+        observe.reused(span, reused)
+        if reused:
             self.calls_reused += 1
             return self.recorded[key]
         result = call()
@@ -102,7 +111,7 @@ class StepContext:
 
     def model(self, name: str, call: Callable[[], Any], *, key: str | None = None) -> Any:
         """A paid model call: recorded like any other call, under `model:<name>`."""
-        return self.record(key or f"model:{name}@{self.step}@{self._visit}", call)
+        return self._record(key or f"model:{name}@{self.step}@{self._visit}", call, "model")
 
     @property
     def _visit(self) -> int:

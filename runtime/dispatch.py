@@ -146,6 +146,7 @@ class ActionRunner:
             fault(FaultPoint.AFTER_PREPARE)
         return self.drive(ctx, tool, action)
 
+    @observe.phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
     def prepare(
         self,
         ctx: StepContext,
@@ -221,20 +222,20 @@ class ActionRunner:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
         fault(FaultPoint.AFTER_SENT_MARK)
-        began = observe.sending(action)
-        result = tool.call(
-            action.params,
-            key=action.idempotency_key,
-            fence=self.lease.fence,
-            run_id=str(action.run_id),
-        )
-        observe.answered(action, began)
+        with observe.sending(action):
+            result = tool.call(
+                action.params,
+                key=action.idempotency_key,
+                fence=self.lease.fence,
+                run_id=str(action.run_id),
+            )
         tool.breaker.record(result.outcome == "applied")
         fault(FaultPoint.AFTER_TOOL_RESPONSE)
         action = self.record(action, result)
         fault(FaultPoint.AFTER_CONFIRM)
         return action
 
+    @observe.phase("outcome", lambda self, action, result: (action, None, action.tool))
     def record(self, action: Action, result: CallResult) -> Action:
         """Write what the call said, with a checkpoint; an old revision's result is kept
         on the action but advances nothing."""
@@ -287,11 +288,10 @@ def perform(
         raise ToolUnavailable(f"{tool.name}: {exc}") from None
     action = ledger.mark_sent(action, fence, ttl, tool, actor, then=then)
     fault(FaultPoint.AFTER_SENT_MARK)
-    began = observe.sending(action)
-    result = tool.call(
-        action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
-    )
-    observe.answered(action, began)
+    with observe.sending(action):
+        result = tool.call(
+            action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
+        )
     tool.breaker.record(result.outcome == "applied")
     fault(FaultPoint.AFTER_TOOL_RESPONSE)
     if result.outcome == "stale":
@@ -326,6 +326,7 @@ class Verdict:
     until: datetime | None = None
 
 
+@observe.phase("reconcile", lambda action, *_: (action, None, action.tool))
 def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
     """Recovery checks before it acts (invariant 3), by dedup mode:
 
@@ -366,7 +367,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         if result.outcome == "refused" and not result.transient:
             return _settle(action, fence, actor, S.FAILED, result.detail)
         return _again(action, fence, actor, result.detail)
-    found = tool.lookup(action.idempotency_key, action.params)
+    found = tool.lookup(action.idempotency_key, action.params, run_id=str(action.run_id))
     fault(FaultPoint.DURING_RECONCILE)
     if found.found:
         return _settle(

@@ -48,6 +48,9 @@ class RunEvent(models.TextChoices):
     RECONCILE_SCHEDULED = "reconcile_scheduled"
     NEEDS_RECONCILIATION = "needs_reconciliation"
     EXECUTOR_NAMED = "executor_named"
+    # An action's outcome was handed to the client that asked for it (the MCP gateway): the
+    # next identical call of the session is a new call (gateway/calls.py, "the same call").
+    RESULT_DELIVERED = "result_delivered"
 
 
 def record(

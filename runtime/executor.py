@@ -176,7 +176,7 @@ class Executor:
     def execute(self, slice_seconds: float) -> AdvanceResult:
         # While it runs, this executor is the run stream's writer: its appends carry the head
         # through instead of re-reading it (audit.journal.owning).
-        with journal.owning(self.stream):
+        with journal.owning(self.stream), observe.advancing(self.run):
             return self._execute(slice_seconds)
 
     def _execute(self, slice_seconds: float) -> AdvanceResult:
@@ -207,9 +207,10 @@ class Executor:
                 )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
-            began = observe.step_begins()
+            step_watch = observe.step_begins(ctx, quiet=(Park, _Aborted))
             try:
-                outcome = call_with_timeout(graph.step_timeout, step, ctx)
+                with step_watch:
+                    outcome = call_with_timeout(graph.step_timeout, step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
             except StaleFence:
@@ -239,7 +240,7 @@ class Executor:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
             self.steps += 1
-            observe.step_done(began)
+            observe.step_done(step_watch)
             fault(FaultPoint.AFTER_CHECKPOINT)
             if self.run.status != RunStatus.RUNNING:
                 return AdvanceResult(_OUTCOME[self.run.status], self.steps)

@@ -252,10 +252,12 @@ def check_connections() -> Result:
     one (the ORM broker on PostgreSQL ran 30 instead of 294 tasks/s, NOTES.md), and a
     kept connection needs health checks so a database restart does not fail the next task."""
     db = _db().settings_dict
+    # The workers' value: this process may be the ASGI web, which keeps none (config/asgi.py).
+    kept = settings.HOLDPOINT_WORKER_CONN_MAX_AGE
     if db["ENGINE"] != POSTGRES:  # SQLite opens a file: nothing to keep
-        return _ok(conn_max_age=db.get("CONN_MAX_AGE"))
+        return _ok(conn_max_age=kept)
     problems = []
-    if db.get("CONN_MAX_AGE") == 0:
+    if kept == 0:
         problems.append(
             _line(
                 "CONN_MAX_AGE is 0 on PostgreSQL",
@@ -272,7 +274,7 @@ def check_connections() -> Result:
             )
         )
     extra: dict[str, Any] = {
-        "conn_max_age": db.get("CONN_MAX_AGE"),
+        "conn_max_age": kept,
         "health_checks": db.get("CONN_HEALTH_CHECKS"),
     }
     return _fail(problems, **extra) if problems else _ok(**extra)
@@ -472,6 +474,28 @@ def check_debug() -> Result:
     )
 
 
+def check_metrics() -> Result:
+    """/metrics answers anyone who reaches it unless HOLDPOINT_METRICS_TOKEN is set: counts
+    of runs, actions and approvals (no tenant's names), but a figure of the business all the
+    same. Said as a warning on a host others can reach; a local setup needs no token."""
+    exposed = [h for h in settings.ALLOWED_HOSTS if h not in _LOCAL_HOSTS]
+    if settings.HOLDPOINT_METRICS_TOKEN or not exposed:
+        return _ok(token=bool(settings.HOLDPOINT_METRICS_TOKEN))
+    return _fail(
+        [
+            _line(
+                f"/metrics needs no token while ALLOWED_HOSTS names {', '.join(exposed)}",
+                "anyone who reaches the web port reads the deployment's run, action and "
+                "approval figures",
+                "set HOLDPOINT_METRICS_TOKEN (Prometheus: authorization.credentials), or "
+                "serve /metrics only to the scraper's network",
+            )
+        ],
+        level=WARNING,
+        token=False,
+    )
+
+
 # --- all of them ---------------------------------------------------------------------------------
 
 # The checks /readyz's status code rests on (its contract since the first release).
@@ -489,9 +513,10 @@ CHECKS: dict[str, Callable[[], Result]] = {
     "write_policies": check_write_policies,
     "tool_hosts": check_tool_hosts,
     "debug": check_debug,
+    "metrics": check_metrics,
 }
 # Checks that read settings only, and so still answer with the database down.
-_WITHOUT_DATABASE = {"database", "worker", "connections", "debug"}
+_WITHOUT_DATABASE = {"database", "worker", "connections", "debug", "metrics"}
 
 
 def run_checks() -> dict[str, Result]:
@@ -530,6 +555,7 @@ DEPLOYMENT_CHECKS = {
     "connections",
     "clock",
     "debug",
+    "metrics",
 }
 
 

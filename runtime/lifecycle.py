@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
 from fastsql.statements import tenant_check
-from runtime import gates
+from runtime import gates, observe
 from runtime.errors import (
     AlreadyCompleted,
     InvalidParams,
@@ -88,6 +88,7 @@ def create_run(
             created_by=actor,
             external=external,
             executor_account=executor_account if external else None,
+            trace_context=observe.trace_context(),
         )
         record(
             run,

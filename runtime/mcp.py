@@ -383,12 +383,11 @@ class McpTool(Tool):
             return CallResult("refused", detail=f"{self.upstream_tool}: {detail}")
         return CallResult("unknown", detail=f"after tools/call was sent: {detail}")
 
-    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
+    def lookup(self, key: str, params_text: str = "{}", *, run_id: str) -> LookupResult:
         """Ask the upstream's lookup tool for the effect with `key`. `found` None when it
         could not tell (no session, an error result, a timeout): never "absent" then."""
         if self.dedup_mode() != Dedup.LOOKUP or not self.lookup_tool:
             return LookupResult(found=None, detail=f"{self.name} has no lookup by key")
-        run_id = key.split(":", 1)[0]  # ledger keys start with the run
         server = self._server(run_id)
         if server is None or not server.active:
             return LookupResult(found=None, detail=f"no active MCP server {self.server!r}")

@@ -1,34 +1,123 @@
-"""The hooks the executor and the dispatcher call where a run is taken, a step begins and
-ends, and an action is sent: each feeds the metrics (runtime.metrics) and binds what the log
-lines that follow are about (runtime.logs). One call per site keeps those modules readable.
+"""The hooks the executor, the dispatcher and the API call where a run is taken and advanced,
+a step begins and ends, a call is recorded, an action goes through a phase, and a decision is
+made: each feeds the metrics (runtime.metrics), binds what the log lines that follow are about
+(runtime.logs) and opens the span of that moment (runtime.tracing). One call per site keeps
+those three modules out of the runtime's code, and a new signal is added here, not at the sites.
+
+Tracing off (the default), the span part of every hook is `runtime.tracing`'s shared no-op:
+no span object, attribute dict or header is built (bench/run.py's `tracing` section measures
+what is left).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
 
-from runtime import logs, metrics
+from runtime import logs, metrics, tracing
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def lease_taken(lease: Any) -> None:
     logs.bind_lease(lease.run_id, lease.tenant_id, lease.fence)
 
 
-def step_begins() -> float:
-    """A step starts: no action is in hand yet. Returns the clock reading `step_done` takes."""
-    logs.bind_action(None)
-    return metrics.clock()
+def advancing(run: Any) -> AbstractContextManager[Any]:
+    """An executor's turn on `run`: the span its steps nest under, a child of the request
+    that created the run (its stored `traceparent`), whichever process runs it."""
+    return tracing.advance(run)
 
 
-def step_done(began: float) -> None:
-    metrics.observe_step(began)
+class Step:
+    """One step's execution: `with` it around the step function (its span); `step_done`
+    takes it once the step's outcome is committed (its duration)."""
+
+    __slots__ = ("began", "_span")
+
+    def __init__(self, ctx: Any, quiet: tuple[type[BaseException], ...]) -> None:
+        logs.bind_action(None)  # a step starts: no action is in hand yet
+        self._span = tracing.step(ctx, quiet)
+        self.began = metrics.clock()
+
+    def __enter__(self) -> Step:
+        self._span.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._span.__exit__(kind, exc, tb)
 
 
-def sending(action: Any) -> float:
-    """The request for `action` leaves now. Returns the clock reading `answered` takes."""
-    logs.bind_action(action.action_id)
-    return metrics.clock()
+def step_begins(ctx: Any, quiet: tuple[type[BaseException], ...] = ()) -> Step:
+    """A step starts. An exception of a `quiet` type is how a step stops on purpose (a run
+    parks for an approval): its span notes it instead of marking an error."""
+    return Step(ctx, quiet)
 
 
-def answered(action: Any, began: float) -> None:
-    metrics.observe_action(action.tool, began)
+def step_done(step: Step) -> None:
+    metrics.observe_step(step.began)
+
+
+class Sending:
+    """The request for an action, `with` it around the tool's call: the log lines name the
+    action, the send span is current (runtime.outbound puts *its* traceparent on an HTTP
+    tool's request), and a call that answered is timed."""
+
+    __slots__ = ("action", "began", "_span")
+
+    def __init__(self, action: Any) -> None:
+        logs.bind_action(action.action_id)
+        self.action = action
+        self._span = tracing.send(action)
+        self.began = 0.0
+
+    def __enter__(self) -> Sending:
+        self._span.__enter__()
+        self.began = metrics.clock()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            metrics.observe_action(self.action.tool, self.began)
+        self._span.__exit__(kind, exc, tb)
+
+
+def sending(action: Any) -> Sending:
+    """The request for `action` leaves now."""
+    return Sending(action)
+
+
+def recording(ctx: Any, key: str, kind: str) -> AbstractContextManager[Any]:
+    """A `ctx.record` / `ctx.model` call (`kind`), paid or answered from the record
+    (`tracing.reused` marks which)."""
+    return tracing.call(ctx, key, kind)
+
+
+def phase(
+    name: str, subject: Callable[..., tuple[Any, Any, str]]
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorates the function of an action phase (prepare / outcome / reconcile): see
+    `tracing.action_phase`. The send phase is `sending`, around the call itself."""
+    return tracing.action_phase(name, subject)
+
+
+def deciding(request: Any, action: Any, run: Any, verdict: str) -> AbstractContextManager[Any]:
+    """A reviewer's vote on `action`: a span in the run's trace."""
+    return tracing.decision(request, action, run, verdict)
+
+
+def trace_context() -> str:
+    """What a new run stores to continue this request's trace later ("" when off)."""
+    return tracing.current_traceparent()
+
+
+def reused(span: Any, value: bool) -> None:
+    """Marks a `recording` span as answered from the record (True) or paid now (False)."""
+    tracing.reused(span, value)

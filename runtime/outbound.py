@@ -31,6 +31,8 @@ from urllib.parse import SplitResult, quote, unquote, urlsplit
 import httpx
 from django.conf import settings
 
+from runtime import tracing
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -451,6 +453,9 @@ def send(
     # decompression, but one chunk could still inflate a thousandfold in memory.
     if not any(k.lower() == "accept-encoding" for k in sent_headers):
         sent_headers["Accept-Encoding"] = "identity"
+    # The current (send, runtime.observe.sending) span's traceparent; nothing when tracing is off.
+    # tracing, not observe: settings imports this module before the apps (observe needs them).
+    tracing.inject(sent_headers)
     extensions = {"sni_hostname": host} if scheme == "https" else {}
     client = tool_client(host)
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import gates, leases, ledger, stepcommit
+from runtime import gates, leases, ledger, observe, stepcommit
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -306,6 +306,7 @@ def _writable(run: Run, fence: int, expected_rev: int) -> Run:
 # --- actions -----------------------------------------------------------------------------------
 
 
+@observe.phase("prepare", lambda run, fence, tool_name, *_, **__: (None, run, tool_name))
 def prepare(
     run: Run,
     fence: int,
@@ -526,6 +527,7 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
     return {"how": how}
 
 
+@observe.phase("outcome", lambda action, *_, **__: (action, None, action.tool))
 def record_outcome(
     action: Action,
     fence: int,

@@ -194,7 +194,10 @@ class Tool:
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         raise NotImplementedError
 
-    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
+    def lookup(self, key: str, params_text: str = "{}", *, run_id: str) -> LookupResult:
+        """Ask the service for the effect of the action with `key`, sent for `run_id` (whose
+        tenant's credentials and server rows apply: a key is not parsed for its run — an
+        external executor or the MCP gateway chooses keys of its own)."""
         return LookupResult(found=None, detail=f"{self.name} cannot be looked up")
 
 
@@ -310,10 +313,9 @@ class HttpTool(Tool):
             return CallResult("unknown", detail=f"HTTP {status}: {detail}")
         return CallResult("refused", detail=f"HTTP {status}: {detail}")
 
-    def lookup(self, key: str, params_text: str = "{}") -> LookupResult:
+    def lookup(self, key: str, params_text: str = "{}", *, run_id: str) -> LookupResult:
         if self.dedup_mode() == Dedup.NONE or self.lookup_url is None:
             return LookupResult(found=None, detail=f"{self.name} has no lookup by key")
-        run_id = key.split(":", 1)[0]  # ledger keys start with the run
         try:
             params = json.loads(params_text)
             url = self.lookup_url.render({**params, "idempotency_key": key})

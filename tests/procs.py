@@ -94,11 +94,14 @@ def wait_for(check: Callable[[], T | None], timeout: float = 30.0, every: float 
         time.sleep(every)
 
 
-def start_web(env: dict[str, str], log: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_web(
+    env: dict[str, str], log: Path | None = None, *, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """The production web server (`uvicorn config.asgi:application`) on a free port, and its
     base URL once /healthz answers — for the tests that need a real ASGI server (live event
-    streams, the MCP gateway), where pytest-django's threaded WSGI live_server will not do."""
-    port = free_port()
+    streams, the MCP gateway), where pytest-django's threaded WSGI live_server will not do.
+    `port`: a given one — a restart on the same address, as a client that reconnects sees."""
+    port = port or free_port()
     server = start(
         ["config.asgi:application", "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on"],
         env,

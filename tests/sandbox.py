@@ -24,6 +24,11 @@ class Sandbox:
         tasks = httpx.get(self.url + "/tasks", timeout=10).json()
         return [t for t in tasks if key is None or t["idempotency_key"] == key]
 
+    def requests(self) -> list[dict[str, Any]]:
+        """Every request the service received (method, path, key, traceparent), in order."""
+        answer: list[dict[str, Any]] = httpx.get(self.url + "/requests", timeout=10).json()
+        return answer
+
     def faults(self, **faults: float) -> None:
         httpx.post(self.url + "/_faults", json=faults, timeout=10).raise_for_status()
 

@@ -66,6 +66,11 @@ class Run(models.Model):
     last_error = models.TextField(blank=True, default="")
     attention_reason = models.TextField(blank=True, default="")
     metadata = models.JSONField(default=dict, blank=True)
+    # The W3C traceparent of the request that created the run (runtime.tracing): its
+    # advances and decisions, in whichever process and however much later, continue that
+    # trace. Empty when tracing was off. A database default too: a web or worker of the
+    # release before, still inserting runs during a rolling deploy, does not name it.
+    trace_context = models.CharField(max_length=55, blank=True, default="", db_default="")
     # Executed by an agent's own loop through the API: workers and the sweeper leave it alone
     # (the lease protocol still makes the agent the one executor).
     external = models.BooleanField(default=False)

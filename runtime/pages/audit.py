@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
@@ -95,6 +96,27 @@ EXPORT_FIELDS = (
 # tab and carriage return too, which some spreadsheets strip before looking.
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 MAX_BIGINT = 2**63 - 1
+# A worker's bookkeeping: leases taken and given back, wake-ups, recorded calls, step and
+# action checkpoints — most of a busy tenant's log, and not what a reader of the log is
+# after (who asked, who decided, what was sent and how it ended). Consecutive ones on a page
+# are folded into one line a reader can open ("7 worker events: …").
+FOLDED_TYPES = frozenset(
+    e.value
+    for e in (
+        RunEvent.LEASE_TAKEN,
+        RunEvent.LEASE_RELEASED,
+        RunEvent.WOKEN,
+        RunEvent.CALL_RECORDED,
+        RunEvent.STEP_COMMITTED,
+        RunEvent.ACTION_CHECKPOINT,
+        RunEvent.RECONCILE_SCHEDULED,
+        RunEvent.PARKED,
+    )
+)
+# A decision is journalled twice, in the run's stream (with the run as its object) and in
+# the tenant's (the tenant's human acts); the log shows the run's entry once. The exports
+# and the verification keep both: they are the record, the page is for reading.
+DECIDED_TWICE = "approval_decided"
 
 
 class BadFilter(ValueError):
@@ -265,6 +287,40 @@ class LogRow:
 class LogPage:
     rows: list[LogRow]
     next_before: int | None
+    # False when the reader filtered by event type: they asked for exactly those entries.
+    folds: bool = True
+
+    @property
+    def groups(self) -> list[Fold]:
+        """The rows as the page shows them: each alone, except runs of two or more
+        consecutive worker entries (FOLDED_TYPES), which come as one fold."""
+        groups: list[list[LogRow]] = []
+        for row in self.rows:
+            folds = self.folds and row.entry.type in FOLDED_TYPES
+            last = groups[-1] if groups else None
+            if folds and last is not None and last[0].entry.type in FOLDED_TYPES:
+                last.append(row)
+            else:
+                groups.append([row])
+        return [Fold(g) for g in groups]
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One line of the log: a single entry, or consecutive worker entries folded."""
+
+    rows: list[LogRow]
+
+    @property
+    def folded(self) -> bool:
+        return len(self.rows) > 1
+
+    @property
+    def summary(self) -> str:
+        """'7 worker events: call_recorded ×4, step_committed ×2, lease_taken'."""
+        counts = Counter(r.entry.type for r in self.rows)
+        kinds = ", ".join(f"{t} ×{n}" if n > 1 else t for t, n in counts.most_common())
+        return f"{len(self.rows)} worker events: {kinds}"
 
 
 def run_of(object_ref: str) -> UUID | None:
@@ -292,7 +348,11 @@ def log_query(
     principal: Principal, filters: AuditFilters, before: int | None
 ) -> QuerySet[JournalEntry]:
     """The page's one query (bench/audit_log.py EXPLAINs exactly this)."""
-    entries = filtered(journal_for(principal), filters).only(*LOG_FIELDS)
+    entries = (
+        filtered(journal_for(principal), filters)
+        .exclude(type=DECIDED_TWICE, stream=journal.tenant_stream(principal.tenant.pk))
+        .only(*LOG_FIELDS)
+    )
     if before is not None:
         entries = entries.filter(_older_than(principal, filters, before))
     return entries.order_by(*ordering(filters))[: PAGE_SIZE + 1]
@@ -304,7 +364,7 @@ def log_page(principal: Principal, filters: AuditFilters, before: int | None) ->
     found = list(log_query(principal, filters, before))
     shown = found[:PAGE_SIZE]
     rows = [LogRow(e, summarise(e.payload), pretty(e.payload), run_of(e.object_ref)) for e in shown]
-    return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None)
+    return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None, folds=not filters.type)
 
 
 @reviewer_page(no_tenant="audit/log.html")
@@ -323,6 +383,7 @@ def audit_log(request: HttpRequest, principal: Principal) -> HttpResponse:
         types.append(filters.type)  # an event type of older code, still in the journal
     context = {
         "rows": page.rows,
+        "groups": page.groups,
         "filters": filters,
         "form": request.GET if problems else filters.params(),
         "types": types,

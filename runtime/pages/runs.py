@@ -11,6 +11,8 @@ not exist (DESIGN.md, invariant 9).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 from uuid import UUID
@@ -229,8 +231,83 @@ def runs_page(request: HttpRequest, principal: Principal) -> HttpResponse:
 # --- one run ----------------------------------------------------------------------------
 
 
-def _live_context(principal: Principal, run: Run, seen: str) -> dict[str, Any]:
-    """What the live part shows: header, actions, timeline and whether the chain holds."""
+@dataclass(frozen=True)
+class Waiting:
+    """`run.waiting_for` as a reviewer reads it: a sentence, and a link to what is awaited."""
+
+    sentence: str
+    link_url: str = ""
+    link_text: str = ""
+    until: datetime | None = None
+    prompt: str = ""
+
+
+def waiting_of(run: Run) -> Waiting | None:
+    """What the run waits for, in words, with where to go about it: the approval request
+    (through `approval-for-action`, which finds the action's current request), the Reconcile
+    page of the unproven action, the input form on this page, or the timer's time."""
+    waiting = run.waiting_for
+    if not waiting or not isinstance(waiting, dict):
+        return None
+    kind = str(waiting.get("kind", ""))
+    tool = str(waiting.get("tool", "")) or "an action"
+    prompt = str(waiting.get("prompt", "") or "")
+    action_id = str(waiting.get("action_id", "") or "")
+    until = _when(waiting.get("until"))
+    if kind == "approval" and action_id:
+        return Waiting(
+            f"Waiting for a reviewer to approve or reject {tool}.",
+            _url("approval-for-action", action_id),
+            "Open the approval request →",
+            prompt=prompt,
+        )
+    if kind == "reconciliation" and action_id:
+        return Waiting(
+            f"Waiting for a person to settle whether {tool} happened: the service's answer "
+            "did not prove it either way.",
+            _url("reconcile-detail", action_id),
+            "Settle it on the Reconcile page →",
+            until=until,
+            prompt=prompt,
+        )
+    if kind == "input":
+        return Waiting(
+            "Waiting for input: "
+            + (prompt or "the run asks for data")
+            + ". Send it with “Provide input” on this page.",
+            "#input-data" if run.status == RunStatus.WAITING_INPUT else "",
+            "Provide input →" if run.status == RunStatus.WAITING_INPUT else "",
+        )
+    if kind == "timer" or until is not None:
+        return Waiting(
+            "Waiting for a timer" + (f" ({prompt})" if prompt else "") + ": it wakes on its own",
+            until=until,
+        )
+    return Waiting(f"Waiting ({kind or 'unknown'})" + (f": {prompt}" if prompt else "") + ".")
+
+
+def _url(name: str, action_id: str) -> str:
+    try:
+        return reverse(name, args=[UUID(action_id)])
+    except ValueError:
+        return ""
+
+
+def _when(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _live_context(
+    principal: Principal, run: Run, seen: str, state_rev: int | None = None
+) -> dict[str, Any]:
+    """What the live part shows: header, actions, timeline and whether the chain holds —
+    and the State panel, re-rendered (out of band) only when the checkpoint moved past
+    `state_rev`, the one the page shows, so a quiet poll never ships the state again."""
     stream = run_stream(run.run_id)
     entries = list(journal_for(principal).filter(stream=stream).order_by("-seq")[:TIMELINE_LIMIT])
     actions = list(
@@ -240,10 +317,17 @@ def _live_context(principal: Principal, run: Run, seen: str) -> dict[str, Any]:
         .order_by("-created_at")[: ACTION_LIMIT + 1]
     )
     chain_break: Break | None = verify_stream(stream)
+    state: dict[str, Any] = {"state_oob": False}
+    if state_rev is None or state_rev != run.checkpoint_rev:
+        value, state_error = _checkpoint_state(principal, run)
+        state = {
+            "state_json": pretty(value) if not state_error else "",
+            "state_error": state_error,
+            "state_oob": state_rev is not None,
+        }
     return {
         "run": run,
         "goal_json": pretty(run.goal),
-        "waiting_json": pretty(run.waiting_for) if run.waiting_for else "",
         "timeline": [timeline_row(e) for e in entries],
         # Seqs count from 1 without gaps (the chain check proves it), so the newest is the
         # total: no COUNT query per poll.
@@ -251,8 +335,12 @@ def _live_context(principal: Principal, run: Run, seen: str) -> dict[str, Any]:
         "actions": actions[:ACTION_LIMIT],
         "more_actions": len(actions) > ACTION_LIMIT,
         "chain_break": chain_break,
-        "live_url": reverse("run-live", args=[run.run_id]) + "?" + urlencode({"seen": seen}),
+        "live_url": reverse("run-live", args=[run.run_id])
+        + "?"
+        + urlencode({"seen": seen, "state": run.checkpoint_rev}),
         "stale": seen != _seen_token(run),
+        "waiting": waiting_of(run),
+        **state,
     }
 
 
@@ -279,11 +367,8 @@ def _render_run(
     status: int = 200,
 ) -> HttpResponse:
     drafts = drafts or {}
-    state, state_error = _checkpoint_state(principal, run)
     context = {
         **_live_context(principal, run, _seen_token(run)),
-        "state_json": pretty(state) if not state_error else "",
-        "state_error": state_error,
         "can_act": principal.may_act and not run.is_terminal,
         "resumable": run.status in RESUMABLE
         or (run.status == RunStatus.QUEUED and run.wake_at is not None),
@@ -318,7 +403,10 @@ def run_live(request: HtmxHttpRequest, principal: Principal, run_id: UUID) -> Ht
     if not request.htmx:
         return _render_run(request, principal, run)
     seen = request.GET.get("seen", "")
-    response = render(request, "runtime/_run_live.html", _live_context(principal, run, seen))
+    shown_rev = request.GET.get("state", "")
+    state_rev = int(shown_rev) if shown_rev.isdigit() else -1  # unknown: send the state
+    context = _live_context(principal, run, seen, state_rev)
+    response = render(request, "runtime/_run_live.html", context)
     patch_vary_headers(response, ("HX-Request",))
     return response
 

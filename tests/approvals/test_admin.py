@@ -193,6 +193,40 @@ def test_bad_condition_and_duplicate_name_are_form_errors(
     assert other.condition == {"param": "n", "op": "gt", "value": 3}
 
 
+def test_the_condition_field_explains_itself_and_no_condition_reads_always(
+    client: Client, admin_a: Persona
+) -> None:
+    """A policy without a condition showed `null` in an unexplained box (issue 20): now the
+    box is empty with "(always)" in it, the help shows the syntax with examples, and the
+    list says what each policy's condition is."""
+    always = ApprovalPolicy.objects.create(tenant=admin_a.tenant, name="all", tool="tasks.create")
+    big = ApprovalPolicy.objects.create(
+        tenant=admin_a.tenant,
+        name="big",
+        tool="payments.send",
+        condition={"param": "amount", "op": "gt", "value": 100},
+    )
+    client.force_login(admin_a.user)
+    page = client.get(f"{POLICIES}{always.pk}/change/")
+    html = page.content.decode()
+    field = page.context["adminform"].form["condition"]
+    assert field.value() == "" and ">null<" not in html
+    assert 'placeholder="(always) — every action of the tool"' in html
+    help_text = str(field.help_text)
+    assert '{"param": "amount", "op": "gt", "value": 100}' in help_text
+    assert '{"target_matches": "^prod-"}' in help_text and "gte" in help_text
+    # Saved with the box left empty: still no condition.
+    assert client.post(f"{POLICIES}{always.pk}/change/", _policy_form(always)).status_code == 302
+    always.refresh_from_db()
+    assert always.condition is None
+    # An existing condition is shown as its JSON, to edit.
+    shown = client.get(f"{POLICIES}{big.pk}/change/").context["adminform"].form["condition"]
+    assert '"op": "gt"' in str(shown.value())
+
+    listed = client.get(POLICIES).content.decode()
+    assert "(always)" in listed and "amount gt 100" in listed
+
+
 def test_requests_are_read_only(client: Client, admin_a: Persona, held: Any) -> None:
     _, request, _ = held
     client.force_login(admin_a.user)

@@ -158,8 +158,9 @@ def test_reject_with_a_preset_reason_creates_no_task(
     expect(page.locator("#reject-reason")).to_be_focused()
     page.check("input[name=preset][value='Not needed']")
     page.click("#reject-button")
-    page.wait_for_url(f"{live_server.url}/inbox/")
+    page.wait_for_url(f"{live_server.url}/approvals/{request.pk}/")
     expect(page.locator(".messages li.success")).to_contain_text("Rejected:")
+    expect(page.locator("#outcome h2")).to_contain_text("Rejected — next:")
     request.refresh_from_db()
     assert request.status == A.REJECTED and request.decision_reason == "Not needed"
     assert advance_run(run.run_id, "w1").outcome == "completed"

@@ -24,6 +24,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
+from approvals.card import safe_markdown
 from approvals.decisions import decide
 from approvals.hashing import action_hash
 from approvals.models import (
@@ -313,7 +314,7 @@ def test_request_page_shows_everything_and_a_form_from_the_schema(
     shown = request.shown
     for value in (shown["target"], shown["initiator"], shown["graph"], shown["policy"]):
         assert value in text
-    assert shown["reason"] in text and "tasks.create@1" in text
+    assert str(safe_markdown(shown["reason"])) in text and "tasks.create@1" in text
     # An input per schema property, editable ones enabled, in the decide form.
     names = [f.name for f in page.context["fields"]]
     assert names == ["title", "body", "assignee"]
@@ -549,16 +550,29 @@ def test_approve_then_on_to_the_next_pending_item(
     assert "by <strong>alice</strong>" in done and hidden_hashes(done) == []
 
 
-def test_the_last_decision_goes_back_to_the_inbox(
+def test_the_last_approval_goes_back_to_the_inbox(
     client: Client, reviewer_a: Persona, held: Any
 ) -> None:
+    run, request, box = held
+    login(client, reviewer_a)
+    response = client.post(
+        decide_url(request), {"decision": "approve", "action_hash": request.action_hash}
+    )
+    assert response.status_code == 302 and response["Location"] == reverse("inbox")
+
+
+def test_a_reject_stays_on_the_rejected_request(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    """Not on to the next item: a similar run's next request often has the same title, and
+    the reviewer would see no sign that their reject happened (issue 20)."""
     run, request, box = held
     login(client, reviewer_a)
     response = client.post(
         decide_url(request),
         {"decision": "reject", "action_hash": request.action_hash, "preset": "Not needed"},
     )
-    assert response.status_code == 302 and response["Location"] == reverse("inbox")
+    assert response.status_code == 302 and response["Location"] == page_url(request)
 
 
 @pytest.mark.parametrize(

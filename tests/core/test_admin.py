@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.test import Client
 
@@ -106,3 +109,21 @@ def test_the_admin_index_names_its_tables_in_english(client: Client, db: None) -
     page = client.get("/admin/").content.decode()
     assert "Journal entries" in page and "MCP servers" in page
     assert "Journal entrys" not in page and "Mcp servers" not in page
+
+
+def test_every_admin_table_has_an_english_plural() -> None:
+    """Django's default plural adds an "s" ("Journal entrys", issue 20): every model in the
+    admin, ours and the libraries', reads as English, and acronyms stay capitals."""
+    wrong = []
+    for model in admin.site._registry:
+        singular = str(model._meta.verbose_name)
+        plural = str(model._meta.verbose_name_plural)
+        if re.search(r"[^aeiou]y$", singular):
+            expected = singular[:-1] + "ies"
+        elif re.search(r"(s|x|z|ch|sh)$", singular):
+            expected = singular + "es"
+        else:
+            expected = singular + "s"
+        if plural != expected or re.search(r"\b(Mcp|Api|Url|Http|Json)\b", plural):
+            wrong.append(f"{model.__name__}: {plural!r}")
+    assert not wrong, wrong

@@ -112,12 +112,8 @@ def test_postgres_synchronous_commit_off(postgres_only: None) -> None:
 
 @pytest.mark.postgres
 def test_postgres_without_persistent_connections(postgres_only: None) -> None:
-    saved = connection.settings_dict["CONN_MAX_AGE"]
-    connection.settings_dict["CONN_MAX_AGE"] = 0
-    try:
+    with override_settings(HOLDPOINT_WORKER_CONN_MAX_AGE=0):  # DB_CONN_MAX_AGE=0
         ok, lines = doctor()
-    finally:
-        connection.settings_dict["CONN_MAX_AGE"] = saved
     assert not ok
     assert "CONN_MAX_AGE is 0 on PostgreSQL" in line_of("connections", lines)
 
@@ -196,6 +192,17 @@ def test_debug_on_a_reachable_host() -> None:
     ok, lines = doctor()
     assert not ok
     assert "DEBUG is on while ALLOWED_HOSTS names holdpoint.example.com" in line_of("debug", lines)
+
+
+@override_settings(ALLOWED_HOSTS=["holdpoint.example.com"], HOLDPOINT_METRICS_TOKEN="")
+def test_metrics_without_a_token_on_a_reachable_host_is_a_warning() -> None:
+    ok, lines = doctor()
+    line = line_of("metrics", lines)
+    assert line.startswith("WARNING metrics: /metrics needs no token while ALLOWED_HOSTS")
+    assert "HOLDPOINT_METRICS_TOKEN" in line
+    with override_settings(HOLDPOINT_METRICS_TOKEN="s3cret"):
+        _, lines = doctor()
+    assert not [line for line in lines if " metrics: " in line]
 
 
 def test_broker_retry_not_above_the_task_timeout() -> None:

@@ -102,6 +102,10 @@ def test_the_asgi_server_serves_pages_static_files_and_the_api(tmp_path: Path) -
         assert api.status_code == 401
         assert api.headers["content-type"] == "application/problem+json"
         assert httpx.get(base + "/nowhere/", timeout=30).status_code == 404
+        # This process keeps no connections (config/asgi.py); the workers do, and that is
+        # what the connections check reports here too.
+        ready = httpx.get(base + "/readyz", timeout=30).json()
+        assert ready["checks"]["connections"]["ok"] is True, ready["checks"]["connections"]
     finally:
         procs.kill(server, signal.SIGTERM)
     # A graceful stop (uvicorn re-raises the signal after it, hence no exit status 0).

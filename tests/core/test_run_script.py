@@ -8,6 +8,10 @@ process group gets SIGTERM hangs for minutes (NOTES.md). Every process the scrip
 found by a marker in its environment (its own HOLDPOINT_VAR_DIR), so one that outlived its
 parent is found too.
 
+While the services are up, every `sh` block of the README runs in a new shell
+(tests/core/readme.py has the rule and the few blocks marked not-run): the README's commands
+are executed as written, and one that breaks fails this test.
+
 The same run shows the local settings file at work: `make run` writes VAR_DIR/local.env
 (DEBUG=1, a generated SECRET_KEY, mode 600) and keeps its key on the next start, and the
 README's manage.py lines then work in a clean shell with nothing else set.
@@ -28,6 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.core.readme import localise, shell_blocks
 from tests.procs import free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -172,14 +177,47 @@ def start_and_stop(
         terminal.close()
 
 
+def run_readme_shell_blocks(var_dir: Path, web_port: int, sandbox_port: int) -> None:
+    """Every `sh` block of the README (tests/core/readme.py says which), each in `bash -e`
+    in a new shell — `.venv` activated, nothing else set but the place of var/ — while
+    `make run`'s services are up: a line that fails fails the test, naming the block."""
+    shell = clean_env(HOLDPOINT_VAR_DIR=str(var_dir))
+    shell["PATH"] = f"{ROOT / '.venv' / 'bin'}:{shell.get('PATH', '/usr/bin:/bin')}"
+    shell["VIRTUAL_ENV"] = str(ROOT / ".venv")
+    ran = []
+    for block in shell_blocks():
+        script = localise(block.text, web_port=web_port, sandbox_port=sandbox_port, var_dir=var_dir)
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", script],
+            cwd=ROOT,
+            env=shell,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, (block.where(), script, done.stdout, done.stderr)
+        ran.append((block, done.stdout))
+    # What the blocks did is there to see: the run the agent started over the API, the
+    # tools imported and exported, the tokens issued and revoked.
+    outputs = "\n".join(out for _, out in ran)
+    assert '"graph":"api-review"' in outputs.replace(" ", ""), outputs
+    assert (var_dir / "demo-tools.json").is_file()
+    # The MCP gateway's example: a session listed the demo's tools and its call is held.
+    assert "tool tasks.create: " in outputs and "result PENDING: " in outputs, outputs
+    print(f"README: {len(ran)} shell blocks ran: {', '.join(b.where() for b, _ in ran)}")
+
+
 def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
     web_port = free_port()
+    sandbox_port = free_port()
     marker = f"HOLDPOINT_VAR_DIR={var_dir}"
     env = clean_env(
         HOLDPOINT_VAR_DIR=str(var_dir),
         HOLDPOINT_WEB_PORT=str(web_port),
-        HOLDPOINT_SANDBOX_PORT=str(free_port()),
+        HOLDPOINT_SANDBOX_PORT=str(sandbox_port),
         HOLDPOINT_DEMO_PASSWORD="demo-password-for-the-test",
+        # The README's MCP call waits for a reviewer nobody is: 2 s, not 30, before PENDING.
+        HOLDPOINT_MCP_WAIT_SECONDS="2",
         TERM="dumb",
     )
     web = f"http://127.0.0.1:{web_port}"
@@ -201,7 +239,11 @@ def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
         assert not [line for line in said if not line.startswith("WARNING ")][:-1], said
         assert said[-1].endswith(("checks pass.", "no errors, 1 warning(s).")), said
 
-    exited, gone, output = start_and_stop(env, marker, web, meanwhile=doctor)
+    def while_up() -> None:
+        doctor()
+        run_readme_shell_blocks(var_dir, web_port, sandbox_port)
+
+    exited, gone, output = start_and_stop(env, marker, web, meanwhile=while_up)
     killed = "Killed after" in output  # the grace ran out: a group was SIGKILLed
     print(
         f"first start: Ctrl-C → exited in {exited:.2f} s, all gone in {gone:.2f} s, "

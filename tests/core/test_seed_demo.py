@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
+from approvals.notify import deliver
 from runtime.models import AgentToken, Membership, Role, Tenant
+from tests.approvals.test_pages import raise_request
 
 User = get_user_model()
 
@@ -97,3 +100,28 @@ def test_seed_demo_gives_the_demo_tenants_the_trackers_tools_as_their_definition
     # A new sandbox port is a new version, not an edit.
     call_command("seed_demo", "--tracker-url", "http://127.0.0.1:8800", stdout=StringIO())
     assert get_tool("tasks.create", demo.pk).version == "2"
+
+
+@pytest.mark.django_db
+def test_demo_people_get_example_com_addresses_and_notifications_reach_them(
+    mailoutbox: list[Any],
+) -> None:
+    """Without addresses no notification was ever sent in `make run` (issue 20): the people
+    get one at example.com, the agents none, and a held tasks.create in tenant demo mails
+    the two who may decide it."""
+    _seed()
+    addresses = dict(User.objects.values_list("username", "email"))
+    assert addresses == {
+        "demo-admin": "demo-admin@example.com",
+        "demo-reviewer": "demo-reviewer@example.com",
+        "demo-viewer": "demo-viewer@example.com",
+        "demo-agent": "",
+        "other-reviewer": "other-reviewer@example.com",
+        "other-agent": "",
+    }
+    request = raise_request(Tenant.objects.get(slug="demo"), actor="agent:demo-agent")
+    assert deliver("requested", str(request.pk))["emails"] == 2
+    assert sorted(m.to[0] for m in mailoutbox) == [
+        "demo-admin@example.com",
+        "demo-reviewer@example.com",
+    ]

@@ -15,6 +15,7 @@ from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, Tenant
 from tests.conftest import Persona
+from tests.core.readme import blocks
 
 
 @pytest.fixture
@@ -62,6 +63,23 @@ def test_a_worker_line_carries_run_fence_and_tenant(tenant_a: Tenant, lines: io.
         for e in failed
     )
     assert Run.objects.get(pk=run.run_id).status == "retrying"
+
+
+def test_the_readme_log_line_is_the_line_a_worker_writes(
+    tenant_a: Tenant, lines: io.StringIO
+) -> None:
+    """The README's example line (Metrics and logs) is a real one: the same fields, the same
+    logger and level, the same words — only the run's id and the time differ."""
+    (block,) = [b for b in blocks() if b.lang == "json" and '"logger"' in b.text]
+    shown = json.loads(block.text)
+    run = create_run(tenant_a, "flaky", {"fail_times": 1}, actor="t")
+    with logs.scope():
+        advance_run(run.run_id, "w1")
+    (line,) = [e for e in _parsed(lines) if e["logger"] == shown["logger"]]
+    assert set(line) == set(shown)
+    assert line["level"] == shown["level"]
+    assert line["event"] == str(shown["event"]).replace("0b8f…", str(run.run_id))
+    assert (line["tenant"], line["fence"], line["action_id"]) == (tenant_a.pk, 1, None)
 
 
 def test_nothing_bound_outlives_its_scope(tenant_a: Tenant, lines: io.StringIO) -> None:

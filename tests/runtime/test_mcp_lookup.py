@@ -18,6 +18,7 @@ from runtime import tooldefs
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant, ToolDefinition
+from tests.core.readme import blocks
 from tests.mcp_fixture import Upstream
 
 S = ActionStatus
@@ -25,25 +26,12 @@ OPEN = "helpdesk.tickets_open"
 
 
 def _definition(**change: Any) -> dict[str, Any]:
-    return {
-        "name": OPEN,
-        "effect": "write",
-        "schema": {
-            "type": "object",
-            "properties": {"title": {"type": "string"}},
-            "required": ["title"],
-        },
-        "executor": "mcp",
-        "mcp": {"server": "helpdesk", "tool": "tickets_open", "key_argument": "request_id"},
-        "dedup": {"mode": "lookup"},
-        "lookup": {
-            "tool": "tickets_find",
-            "arguments": {"request_id": "{idempotency_key}"},
-            "found": "$.id",
-        },
-        "timeout_seconds": 1.5,
-        **change,
-    }
+    """The README's declaration, exactly as written there (so the README's example is the one
+    these tests run), with a short timeout for the lost answers."""
+    (block,) = [b for b in blocks() if b.lang == "json" and '"executor": "mcp"' in b.text]
+    declared: dict[str, Any] = json.loads(block.text)
+    assert declared["name"] == OPEN
+    return {**declared, "timeout_seconds": 1.5, **change}
 
 
 def _keyed(tenant: Tenant, upstream: Upstream) -> None:

@@ -385,6 +385,23 @@ def audit_log(ctx: Ctx, route: Route, caller: str, method: str) -> None:
     ctx.check(seen[0] == seen[1], f"{method} /{route.pattern} as {caller}: B's cursor {seen}")
 
 
+def overview(ctx: Ctx, route: Route, caller: str, method: str) -> None:
+    """The overview's figures count A's rows only (B has runs, requests and a parked action
+    too), and none of B's runs is listed."""
+    response = _page(ctx, route, caller, method, "")
+    if method != "GET":
+        return
+    seen = response.context["overview"]
+    tenant = ctx.a.tenant
+    where = f"/{route.pattern} as {caller}"
+    ctx.check(seen.runs_total == Run.objects.filter(tenant=tenant).count(), f"{where}: runs")
+    pending = ApprovalRequest.objects.filter(tenant=tenant, status=ApprovalStatus.PENDING)
+    ctx.check(seen.waiting_total == pending.count(), f"{where}: waiting approvals")
+    parked = Action.objects.filter(tenant=tenant, status=ActionStatus.MANUAL_REVIEW)
+    ctx.check(seen.manual_review == parked.count(), f"{where}: reconciliation backlog")
+    ctx.check(all(r.tenant_id == tenant.pk for r in seen.attention), f"{where}: B's runs")
+
+
 def _typed_filters(b: World) -> tuple[str, ...]:
     """Filters naming B's things that A types into the audit log and the exports. An export
     records its filters in A's own stream (audit_exported), so later pages and exports show
@@ -566,6 +583,7 @@ LIST_CHECKS: dict[str, dict[str, Check]] = {
     "inbox": {"GET": inbox},
     "inbox-list": {"GET": inbox},
     "inbox-history": {"GET": history},
+    "overview": {"GET": overview},
     "switch-tenant": {"POST": switch_tenant},
     "runs": {"GET": runs_page, "POST": start_run_page},
     "reconcile": {"GET": reconcile_list},

@@ -219,8 +219,8 @@ def test_the_tracker_gets_the_tenants_credential_and_refuses_without_it(
     assert with_b.outcome == "refused" and "HTTP 401" in with_b.detail
     assert [t["idempotency_key"] for t in tasks(locked_sandbox)] == ["k1"]
     # Lookups by key carry it too (modes key and lookup).
-    assert tool.lookup(f"{run_a.run_id}:0:x").found is False
-    assert tool.lookup(f"{run_b.run_id}:0:x").found is None
+    assert tool.lookup("k-a", run_id=str(run_a.run_id)).found is False
+    assert tool.lookup("k-b", run_id=str(run_b.run_id)).found is None
     # A replaced secret is used from the next call on.
     credential = ToolCredential.objects.get(tenant=tenant_b)
     credential.set_secret(SANDBOX_TOKENS[1])

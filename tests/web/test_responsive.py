@@ -4,8 +4,10 @@ A page that scrolls sideways hides what is past the edge: the Reconcile page's "
 buttons sat off-screen at 1280 px, and on a phone the Approve and Reject buttons were three
 screens below the history. So each page is loaded at both widths in a real browser with
 realistic content (a real api-review run's state, a parked action, decided requests) and
-`document.documentElement.scrollWidth` must not exceed the window. Screenshots of each land
-in var/test/screenshots/ for a person to look at.
+`document.documentElement.scrollWidth` must not exceed the window; the header's bar must hold
+all of its contents (at 390 px it once spilled out of it), and content wider than its box
+(a long `<pre>`, a table) must scroll inside that box, not be cut off. Screenshots of each
+land in var/test/screenshots/ (git-ignored) for a person to look at.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from approvals.models import ApprovalPolicy, ApprovalRequest
 from approvals.policies import grant
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import Action, ActionStatus, Run, RunStatus
+from runtime.models import Action, ActionStatus, Membership, Role, Run, RunStatus, Tenant
 from tests.approvals.conftest import GOAL
 from tests.approvals.test_pages import raise_request
 from tests.browser import log_in, screenshot
@@ -58,8 +60,33 @@ def overflow(page: Page) -> dict[str, Any]:
                 + ' right=' + Math.round(box.right));
             }
           }
+          // The header's bar holds all of it (at 390 px it once spilled out of the bar).
+          const bar = document.querySelector('header.top').getBoundingClientRect();
+          const spilled = [];
+          for (const el of document.querySelectorAll('header.top *')) {
+            const box = el.getBoundingClientRect();
+            if (box.width > 0 && (box.bottom > bar.bottom + 1 || box.right > bar.right + 1
+                                  || box.left < bar.left - 1)) {
+              spilled.push(el.tagName.toLowerCase() + ' ' + el.textContent.trim().slice(0, 30));
+            }
+          }
+          // Content wider than its box must be reachable there: scrolled (overflow auto or
+          // scroll), never cut off by overflow hidden/clip (unless it says so with an ellipsis).
+          const clipped = [];
+          for (const el of document.querySelectorAll('body *')) {
+            if (el.scrollWidth <= el.clientWidth + 1 || el.clientWidth === 0) continue;
+            if (['INPUT', 'TEXTAREA', 'SELECT'].includes(el.tagName)) continue;  // scrolls as typed
+            const style = getComputedStyle(el);
+            if (['hidden', 'clip'].includes(style.overflowX) && style.textOverflow !== 'ellipsis'
+                && style.position !== 'absolute') {
+              clipped.push(el.tagName.toLowerCase()
+                + (el.className && typeof el.className === 'string' ? '.' + el.className : '')
+                + ' ' + el.scrollWidth + '>' + el.clientWidth);
+            }
+          }
           return {scroll: document.documentElement.scrollWidth, inner: width,
-                  culprits: culprits.slice(0, 8)};
+                  culprits: culprits.slice(0, 8), spilled: spilled.slice(0, 8),
+                  clipped: clipped.slice(0, 8)};
         }"""
     )
 
@@ -117,7 +144,7 @@ def world(reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]) -> dic
 def measure(page: Page, name: str, width: int, problems: list[str]) -> None:
     """Record a sideways scroll, and save the page for a person to look at."""
     measured = overflow(page)
-    if measured["scroll"] > measured["inner"]:
+    if measured["scroll"] > measured["inner"] or measured["spilled"] or measured["clipped"]:
         problems.append(f"{name} at {width}px: {measured}")
     screenshot(page, f"responsive-{name}-{width}.png")
 
@@ -144,13 +171,18 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
     new_page: Callable[[], Page],
     reviewer_a: Persona,
     viewer_a: Persona,
+    admin_a: Persona,
+    tenant_b: Tenant,
     world: dict[str, Any],
 ) -> None:
+    # The widest header: a staff admin (the Admin link) of two tenants (the tenant switcher).
+    Membership.objects.create(tenant=tenant_b, user=admin_a.user, role=Role.ADMIN)
     base = live_server.url
     run: Run = world["run"]
     pages = {
         "inbox": "/inbox/",
         "inbox-history": "/inbox/history/",
+        "overview": "/overview/",
         "request": f"/approvals/{world['request'].pk}/",
         "runs": "/runs/",
         "run": f"/runs/{run.run_id}/",
@@ -184,4 +216,10 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
             post_as_the_page_would(page, f"/runs/{run.run_id}/cancel/")
         expect(page.locator("h1")).to_have_text("You are not allowed to do this")
         measure(page, "forbidden", width, problems)
+
+        page.context.clear_cookies()
+        log_in(page, base, "ada", "pw-ada")
+        page.goto(f"{base}/inbox/")
+        expect(page.locator("#tenant-select")).to_be_visible()
+        measure(page, "inbox-admin-two-tenants", width, problems)
     assert not problems, "\n".join(problems)

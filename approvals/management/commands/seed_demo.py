@@ -137,6 +137,11 @@ class Command(BaseCommand):
                 user.is_staff = role == Role.ADMIN
                 user.save()
                 created.append((username, role, password))
+            if role != Role.AGENT and not user.email:
+                # An address at the reserved example.com, so the notifications `make run`
+                # sends show in its console (the console email backend under DEBUG).
+                user.email = f"{username}@example.com"
+                user.save(update_fields=["email"])
             Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": role})
             if role == Role.ADMIN:
                 user.groups.add(admins)

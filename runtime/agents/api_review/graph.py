@@ -78,6 +78,17 @@ def report(ctx: StepContext) -> Outcome:
     return Complete(update={"report": summary})
 
 
+def review_reason(report_: dict[str, Any]) -> str:
+    """The reviewer's "why": the evidence itself, one Markdown bullet per risk found, so the
+    card shows each risk instead of a generic sentence (approvals.card renders it safely)."""
+    risks = report_["risks"]
+    lines = [f"- `{r['method']} {r['path']}` — **{r['kind']}**: {r['detail']}" for r in risks]
+    return (
+        f"The new API version `{report_['new_spec']}` breaks clients of "
+        f"`{report_['old_spec']}` in {len(risks)} place(s):\n\n" + "\n".join(lines)
+    )
+
+
 @graph.step
 def propose_task(ctx: StepContext) -> Outcome:
     """Open one review task in the tracker — through the ledger, so exactly once; a hold
@@ -92,7 +103,7 @@ def propose_task(ctx: StepContext) -> Outcome:
                 f"{report_['old_spec']} → {report_['new_spec']}",
                 "body": "\n".join(lines),
             },
-            reason="The new API version breaks existing clients in these places.",
+            reason=review_reason(report_),
             target=f"{report_['new_spec']}",
         )
     except ActionRejected as rejected:

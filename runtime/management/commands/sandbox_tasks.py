@@ -15,6 +15,9 @@ credential). `/healthz` and `/_faults` stay open.
 Faults (`POST /_faults`, or the command's options), each applying to the next N creates:
 `fail_before` (503, nothing applied), `drop_after` (applied, then the connection is dropped
 without an answer), `error_after` (applied, then 500), and `delay` seconds before applying.
+Tracing: each task keeps the W3C `traceparent` its create came with, and `GET /requests` lists
+every request received since start (method, path, idempotency key, traceparent) — how a
+test sees that the trace reached the tracker, as a real one's request log would.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ from django.core.management.base import BaseCommand, CommandParser
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tasks (
         id TEXT PRIMARY KEY, seq INTEGER, idem_key TEXT, run_id TEXT, fence INTEGER,
-        title TEXT, body TEXT, status TEXT DEFAULT 'open', created_at TEXT)""",
+        title TEXT, body TEXT, status TEXT DEFAULT 'open', created_at TEXT,
+        traceparent TEXT DEFAULT '')""",
     "CREATE INDEX IF NOT EXISTS tasks_key ON tasks (idem_key)",
     "CREATE TABLE IF NOT EXISTS fences (run_id TEXT PRIMARY KEY, fence INTEGER)",
 ]
 FAULTS = ("fail_before", "drop_after", "error_after")
+REQUEST_LOG = 1000
 
 
 class TaskStore:
@@ -52,7 +57,12 @@ class TaskStore:
         self.db.execute("PRAGMA synchronous=FULL")
         for statement in SCHEMA:
             self.db.execute(statement)
+        columns = [row[1] for row in self.db.execute("PRAGMA table_info(tasks)")]
+        if "traceparent" not in columns:  # a data file from before tracing
+            self.db.execute("ALTER TABLE tasks ADD COLUMN traceparent TEXT DEFAULT ''")
         self.lock = threading.Lock()
+        # Every request received (in memory, the latest REQUEST_LOG): GET /requests.
+        self.requests: list[dict[str, Any]] = []
         self.faults: dict[str, float] = {"delay": 0.0, **dict.fromkeys(FAULTS, 0)}
 
     def take_fault(self, name: str) -> bool:
@@ -76,6 +86,20 @@ class TaskStore:
         )
         return True
 
+    def received(self, method: str, path: str, headers: Any) -> None:
+        with self.lock:
+            if len(self.requests) >= REQUEST_LOG:
+                del self.requests[0]
+            self.requests.append(
+                {
+                    "method": method,
+                    "path": path,
+                    "idempotency_key": headers.get("Idempotency-Key"),
+                    "traceparent": headers.get("traceparent"),
+                    "tracestate": headers.get("tracestate"),
+                }
+            )
+
     def create(
         self,
         body: dict[str, Any],
@@ -83,6 +107,7 @@ class TaskStore:
         mode: str,
         run_id: str | None,
         fence: int | None,
+        traceparent: str = "",
     ) -> tuple[int, dict[str, Any]]:
         with self.lock:
             if not self.fence_ok(run_id, fence):
@@ -93,9 +118,18 @@ class TaskStore:
                     return 200, found[0]
             task_id = str(uuid.uuid4())
             self.db.execute(
-                "INSERT INTO tasks (id, seq, idem_key, run_id, fence, title, body, created_at) "
-                "VALUES (?, (SELECT COUNT(*) + 1 FROM tasks), ?, ?, ?, ?, ?, datetime('now'))",
-                (task_id, key, run_id, fence, str(body.get("title", "")), json.dumps(body)),
+                "INSERT INTO tasks (id, seq, idem_key, run_id, fence, title, body, created_at, "
+                "traceparent) VALUES (?, (SELECT COUNT(*) + 1 FROM tasks), ?, ?, ?, ?, ?, "
+                "datetime('now'), ?)",
+                (
+                    task_id,
+                    key,
+                    run_id,
+                    fence,
+                    str(body.get("title", "")),
+                    json.dumps(body),
+                    traceparent,
+                ),
             )
             return 201, self.get(task_id) or {}
 
@@ -118,7 +152,8 @@ class TaskStore:
         return self._rows("WHERE idem_key = ?", (key,))
 
     def _rows(self, where: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
-        sql = "SELECT id, idem_key, title, body, status, run_id, fence, seq FROM tasks "
+        sql = "SELECT id, idem_key, title, body, status, run_id, fence, seq, traceparent "
+        sql += "FROM tasks "
         return [
             {
                 "id": r[0],
@@ -129,6 +164,7 @@ class TaskStore:
                 "run_id": r[5],
                 "fence": r[6],
                 "seq": r[7],
+                "traceparent": r[8] or "",
             }
             for r in self.db.execute(sql + where + " ORDER BY seq", args)
         ]
@@ -200,6 +236,10 @@ def make_handler(
                 return self._send(200, {"status": "ok", "mode": mode})
             if url.path == "/_faults":
                 return self._send(200, store.faults)
+            if url.path == "/requests":
+                with store.lock:
+                    return self._send(200, list(store.requests))
+            store.received("GET", url.path, self.headers)
             if self._refused():
                 return None
             if url.path != "/tasks":
@@ -211,6 +251,8 @@ def make_handler(
 
         def do_POST(self) -> None:  # noqa: N802
             path = urlparse(self.path).path
+            if path != "/_faults":
+                store.received("POST", path, self.headers)
             if self._refused():
                 return None
             try:
@@ -234,7 +276,8 @@ def make_handler(
             if store.take_fault("fail_before"):
                 return self._send(503, {"error": "unavailable (nothing applied)"})
             key = self.headers.get("Idempotency-Key")
-            status, task = store.create(body, key, mode, run_id, fence)
+            traceparent = self.headers.get("traceparent") or ""
+            status, task = store.create(body, key, mode, run_id, fence, traceparent)
             if status in (200, 201) and store.take_fault("drop_after"):
                 return self._drop()
             if status in (200, 201) and store.take_fault("error_after"):

@@ -1,0 +1,466 @@
+"""The gateway's synchronous core: who calls, the session's run, and one `tools/call`.
+
+Everything here is a short database operation (or one upstream call inside
+`runtime.dispatch.perform`), run by `gateway.server` on a worker thread with its own
+connection, closed when it returns: a call waiting for a reviewer holds neither a thread
+nor a connection between its polls.
+
+**A session is a run.** `initialize` starts an external run of the built-in graph
+`mcp-session` (runtime/agents/mcp_session.py) whose executor account is the token's agent;
+its id is the `Mcp-Session-Id`. Any later request naming it — after a restart too — is
+served in that run, for an agent token of the same account; another agent's, another
+tenant's, or a finished run's id is not found (the client then opens a new session).
+
+**One call is one action** of the run's step `api`, prepared, held and dispatched with the
+executor protocol's own functions (runtime.protocol: `take` → `prepare` → `dispatch`, which
+sends `http`/`mcp` tools through `runtime.dispatch.perform` — the fault points included),
+under a lease taken for that call alone and released after it.
+
+**The same call.** MCP has no idempotency key, and a client retrying after a lost or
+pending answer sends a new JSON-RPC id. So the call is named by what it asks: the session,
+the tool and the canonical arguments. An identical call finds the earlier one's action —
+while it waits for a reviewer, while it is being sent, once decided, and after a lost
+answer — until that action's final outcome (a result, a rejection, a refusal) has been
+handed to the client (a `result_delivered` journal entry); the next identical call after
+that is a new action. The key is `mcp:<run>:<call hash>:<n>`, n = 1 + the finals already
+delivered for that call hash. The weak spot, documented: a final answer lost on the wire
+after it was marked delivered makes the client's retry a new action (held again if the
+tool is held).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.urls import reverse
+
+from approvals.models import ApprovalPolicy, ApprovalRequest
+from audit import journal
+from audit.models import JournalEntry
+from runtime import ledger, protocol, toolcatalog
+from runtime.agents.mcp_session import NAME as GRAPH
+from runtime.dispatch import ToolUnavailable
+from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, LeaseHeld
+from runtime.events import RunEvent, record
+from runtime.lifecycle import create_run
+from runtime.models import TERMINAL, Action, ActionStatus, AgentToken, Run, Tenant
+from runtime.tools import Effect, Sender, Tool, get_tool
+
+S = ActionStatus
+# The executors whose tools the gateway can perform itself; `client` tools are the agent's.
+SENT_HERE = (Sender.HTTP, Sender.MCP)
+# How long a call's lease outlives the tool's own timeout: a gateway process that dies
+# mid-call blocks the next call of its session for at most this long past the timeout.
+LEASE_MARGIN = 5.0
+# One lease owner per gateway process (and per start of it): a restarted process is a new
+# executor, so the protocol's takeover rules settle what the dead one left `sent`.
+OWNER = f"mcp-gateway:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+# What the call finally came to: the client has its answer once one of these is handed out.
+FINAL = (S.CONFIRMED, S.FAILED, S.CANCELLED, S.COMPENSATED)
+
+
+class Refused(Exception):
+    """Not authenticated (401) or not for this endpoint (403): refused before any session."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+class CallError(Exception):
+    """A call the gateway will not take (unknown tool, invalid or oversized arguments): an
+    MCP error (JSON-RPC `code`), nothing stored and nothing sent."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+
+INVALID_PARAMS = -32602
+
+
+class Busy(Exception):
+    """Another call of the session holds the run's lease: try again in a moment."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated agent token at its tenant's endpoint."""
+
+    user_id: int
+    username: str
+    tenant_id: int
+    token_prefix: str
+
+    @property
+    def who(self) -> str:
+        return f"agent:{self.username}"
+
+
+def authenticate(header: str, slug: str) -> Caller:
+    """`Authorization: Bearer <key>` (or `Token <key>`, the API's spelling) of a usable
+    agent token (runtime.models.AgentToken: not revoked or expired, an agent account of
+    an active tenant — a person's token never authenticates) whose tenant is the endpoint's.
+    Every bad key reads the same, as on the API."""
+    parts = header.split()
+    if len(parts) != 2 or parts[0].lower() not in ("bearer", "token"):
+        raise Refused(401, "an agent token is required: Authorization: Bearer <key>")
+    token = AgentToken.objects.authenticate(parts[1])
+    if token is None:
+        raise Refused(401, "Invalid token.")
+    if token.tenant.slug != slug:
+        raise Refused(403, "this token is not for this tenant's MCP endpoint")
+    token.touch()
+    return Caller(token.user_id, token.user.get_username(), token.tenant_id, token.prefix)
+
+
+def open_session(caller: Caller, client: dict[str, Any]) -> str:
+    """A new session: a new external run of `mcp-session`, executed by the caller's agent
+    account. Its id is the session id."""
+    tenant = Tenant.objects.get(pk=caller.tenant_id)
+    user = User.objects.get(pk=caller.user_id)
+    run = create_run(
+        tenant,
+        GRAPH,
+        {"client": {k: str(v)[:200] for k, v in client.items() if k in ("name", "version")}},
+        actor=caller.who,
+        thread_id=f"mcp-{uuid.uuid4()}",
+        external=True,
+        executor_account=user,
+    )
+    return str(run.run_id)
+
+
+def adopt(caller: Caller, session_id: str) -> bool:
+    """Whether `session_id` names an unfinished session run of the caller's own account
+    (a restart loses nothing: the run is the session)."""
+    try:
+        run_id = uuid.UUID(session_id)
+    except ValueError:
+        return False
+    return (
+        Run.objects.filter(
+            pk=run_id,
+            tenant_id=caller.tenant_id,
+            graph=GRAPH,
+            external=True,
+            executor_account_id=caller.user_id,
+        )
+        .exclude(status__in=TERMINAL)
+        .exists()
+    )
+
+
+def close_session(caller: Caller, session_id: str) -> bool:
+    """The client ends its session (HTTP DELETE, which the SDK's client sends whenever it
+    closes): the run completes if every call of it has had its final answer delivered.
+    Otherwise it stays open — a call still waits for a reviewer, or a person must settle one —
+    so the decision still lands and a client that comes back with the session id gets it.
+    Whether the run was completed."""
+    if _open_calls(caller, session_id):
+        return False
+    run = Run.objects.get(pk=session_id, tenant_id=caller.tenant_id)
+    try:
+        lease = protocol.take(run, OWNER, LEASE_MARGIN, who=caller.who)
+    except LeaseHeld:
+        raise Busy() from None
+    run.refresh_from_db()
+    if _open_calls(caller, session_id):  # a call came in meanwhile
+        protocol.release(run, lease.fence, caller.who, owner=OWNER)
+        return False
+    calls = Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id).count()
+    # The completing checkpoint gives the lease up with it (nothing left to release).
+    protocol.write_checkpoint(
+        run,
+        lease.fence,
+        run.checkpoint_rev,
+        {"calls": calls, "closed_by": "client"},
+        protocol.API_STEP,
+        caller.who,
+        status="completed",
+    )
+    return True
+
+
+def _open_calls(caller: Caller, session_id: str) -> bool:
+    """Whether an action of the session has not had its final answer handed to the client."""
+    actions = set(
+        Action.objects.filter(tenant_id=caller.tenant_id, run_id=session_id).values_list(
+            "action_id", flat=True
+        )
+    )
+    delivered = set(
+        JournalEntry.objects.filter(
+            stream=journal.run_stream(session_id),
+            tenant_id=caller.tenant_id,
+            type=RunEvent.RESULT_DELIVERED.value,
+        ).values_list("payload__action_id", flat=True)
+    )
+    return bool({str(a) for a in actions} - {str(d) for d in delivered})
+
+
+# --- tools/list --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listed:
+    name: str
+    description: str
+    schema: dict[str, Any]
+    title: str = ""
+
+
+def listing(caller: Caller) -> list[Listed]:
+    """The tenant's tools the gateway performs (http and mcp definitions), each description
+    saying when a call waits for a reviewer."""
+    held_by_policy = set(
+        ApprovalPolicy.objects.filter(
+            tenant_id=caller.tenant_id, active=True, required=True
+        ).values_list("tool", flat=True)
+    )
+    found = []
+    for entry in toolcatalog.entries(caller.tenant_id):
+        spec = entry.spec
+        if spec.get("executor", Sender.HTTP) not in SENT_HERE:
+            continue
+        note = _hold_note(entry, held_by_policy)
+        text = " ".join(part for part in (str(spec.get("description", "")), note) if part)
+        found.append(
+            Listed(
+                entry.name,
+                text,
+                dict(spec.get("schema") or {"type": "object"}),
+                str(spec.get("title", "")),
+            )
+        )
+    return found
+
+
+def _hold_note(entry: toolcatalog.Entry, held_by_policy: set[str]) -> str:
+    if entry.approval_by_default:
+        return "[Holdpoint: every call waits for a reviewer's approval before it is sent.]"
+    if entry.name in held_by_policy:
+        return "[Holdpoint: a call may wait for a reviewer's approval (a policy holds it).]"
+    if entry.spec.get("effect", Effect.WRITE) == Effect.READ:
+        return ""
+    return "[Holdpoint: sent at once (a policy lets it go), recorded in the audit trail.]"
+
+
+# --- tools/call --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the gateway names it (see the module's "the same call")."""
+
+    run_id: str
+    tenant_id: int
+    tool: str
+    params: dict[str, Any]
+    call_hash: str
+    key: str
+
+
+def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
+    """Validate the call before anything is stored: a tool the gateway performs, arguments
+    within HOLDPOINT_MCP_MAX_ARGUMENT_BYTES that canonicalise and fit the tool's schema.
+    CallError otherwise."""
+    tool = _tool(caller, name)
+    params = {} if arguments is None else arguments
+    try:
+        text, fingerprint = ledger.canonical_params(params)
+    except InvalidParams as exc:
+        raise CallError(INVALID_PARAMS, f"invalid arguments: {exc.detail}") from None
+    limit = settings.HOLDPOINT_MCP_MAX_ARGUMENT_BYTES
+    if len(text.encode("utf-8")) > limit:
+        raise CallError(INVALID_PARAMS, f"arguments larger than {limit} bytes (canonical JSON)")
+    try:
+        tool.validate(params)
+    except InvalidParams as exc:
+        raise CallError(
+            INVALID_PARAMS, f"invalid arguments for {name}: {exc.detail}", exc.extra.get("errors")
+        ) from None
+    call_hash = hashlib.sha256(f"{tool.name}\n{fingerprint}".encode()).hexdigest()[:32]
+    delivered = _delivered(run_id, caller.tenant_id, call_hash).count()
+    key = f"mcp:{run_id}:{call_hash}:{delivered + 1}"
+    return Call(run_id, caller.tenant_id, tool.name, params, call_hash, key)
+
+
+def _tool(caller: Caller, name: str) -> Tool:
+    if not isinstance(name, str) or toolcatalog.entry(caller.tenant_id, name) is None:
+        raise CallError(INVALID_PARAMS, f"unknown tool: {str(name)[:100]}")
+    try:
+        tool = get_tool(name, caller.tenant_id)
+    except InvalidParams:
+        raise CallError(INVALID_PARAMS, f"unknown tool: {name}") from None
+    if tool.executor not in SENT_HERE:
+        raise CallError(INVALID_PARAMS, f"{name} is performed by the agent, not the gateway")
+    return tool
+
+
+def _delivered(run_id: str, tenant_id: int, call_hash: str) -> Any:
+    return JournalEntry.objects.filter(
+        stream=journal.run_stream(run_id),
+        tenant_id=tenant_id,
+        type=RunEvent.RESULT_DELIVERED.value,
+        payload__call=call_hash,
+    )
+
+
+def drive(caller: Caller, call: Call) -> Action:
+    """Take the call as far as it goes now: find or prepare its action, send it if it may
+    go, settle what a dead gateway left `sent`. Busy if another call holds the session."""
+    action = ledger.by_key(call.tenant_id, call.key)
+    if action is not None and action.status not in (S.PREPARED, S.APPROVED, *ledger.UNSETTLED):
+        return action  # waiting for a reviewer or a person, or settled: nothing to do now
+    tool = get_tool(call.tool, call.tenant_id)
+    with _lease(caller, call.run_id, tool.timeout + LEASE_MARGIN) as (run, fence):
+        if action is None:
+            action, _ = protocol.prepare(
+                run,
+                fence,
+                call.tool,
+                call.params,
+                reason=f"called by {caller.who} over MCP",
+                who=caller.who,
+                idempotency_key=call.key,
+            )
+        else:
+            action = ledger.reload(action)  # the takeover may have settled it
+        if action.status in (S.PREPARED, S.APPROVED, *ledger.UNSETTLED):
+            try:
+                action = protocol.dispatch(action, fence, caller.who)
+            except (ApprovalRequired, ToolUnavailable):
+                action = ledger.reload(action)
+    return action
+
+
+@contextmanager
+def _lease(caller: Caller, run_id: str, ttl: float) -> Iterator[tuple[Run, int]]:
+    """The session run's lease for one call (runtime.protocol.take: the takeover settles a
+    dead gateway's `sent` actions first), released afterwards whatever happened."""
+    run = Run.objects.get(pk=run_id, tenant_id=caller.tenant_id)
+    try:
+        lease = protocol.take(run, OWNER, ttl, who=caller.who)
+    except LeaseHeld:
+        raise Busy() from None
+    try:
+        yield run, lease.fence
+    finally:
+        try:
+            protocol.release(run, lease.fence, caller.who, owner=OWNER)
+        except HoldpointError:
+            pass  # taken over meanwhile (the lease ran out): the successor holds it
+
+
+def settle_delivery(caller: Caller, call: Call, action: Action) -> None:
+    """The client is about to get `action`'s final outcome: the next identical call of the
+    session is a new one. Journalled once per action, in the run's stream."""
+    with transaction.atomic(durable=True):
+        if (
+            _delivered(call.run_id, call.tenant_id, call.call_hash)
+            .filter(payload__action_id=str(action.action_id))
+            .exists()
+        ):
+            return
+        record(
+            ledger.RunRef(action.run_id, action.tenant_id),
+            RunEvent.RESULT_DELIVERED,
+            caller.who,
+            action_id=str(action.action_id),
+            call=call.call_hash,
+            outcome=action.status,
+        )
+
+
+# --- answers -----------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """What the client is told about its call now. `final`: the call's last word (its
+    delivery is recorded); `waiting`: it may still change while the client waits."""
+
+    text: str
+    is_error: bool = False
+    content: list[dict[str, Any]] = field(default_factory=list)
+    structured: Any = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    final: bool = False
+    waiting: bool = False
+
+
+def answer(action: Action | None) -> Answer:
+    """The MCP answer for an action as it stands (None: the session is busy)."""
+    if action is None:
+        return Answer(
+            "Holdpoint: another call of this session is being sent; waiting.", waiting=True
+        )
+    meta = {
+        "holdpoint/action_id": str(action.action_id),
+        "holdpoint/status": action.status,
+        "holdpoint/session": str(action.run_id),  # the Mcp-Session-Id, and the run's id
+    }
+    if action.status == S.CONFIRMED:
+        result = action.result if isinstance(action.result, dict) else {}
+        content = list(result.get("content") or [])
+        structured = result.get("structuredContent")
+        if not content:
+            content = [{"type": "text", "text": json.dumps(structured or action.external_id)}]
+        return Answer("", content=content, structured=structured, meta=meta, final=True)
+    if action.status == S.AWAITING_APPROVAL:
+        link = approval_link(action)
+        meta["holdpoint/approval_url"] = link
+        return Answer(
+            f"PENDING: not done yet. {action.tool} waits for a reviewer's approval: {link} . "
+            "Call it again with the same arguments to get the decided outcome.",
+            meta=meta,
+            waiting=True,
+        )
+    if action.status == S.MANUAL_REVIEW:
+        link = settings.HOLDPOINT_BASE_URL + reverse("reconcile-detail", args=[action.pk])
+        meta["holdpoint/reconcile_url"] = link
+        return Answer(
+            f"NEEDS A PERSON: Holdpoint cannot tell whether {action.tool} took effect (its "
+            f"answer was lost and the tool cannot be asked again safely). A person must "
+            f"settle it: {link} . Do not call it again with other arguments to work around "
+            "this.",
+            is_error=True,
+            meta=meta,
+        )
+    if action.status == S.CANCELLED and action.last_error.startswith("rejected"):
+        return Answer(f"REJECTED: {action.last_error}", is_error=True, meta=meta, final=True)
+    if action.status in FINAL:
+        detail = action.last_error or action.status
+        return Answer(f"FAILED: {action.tool}: {detail}", is_error=True, meta=meta, final=True)
+    if action.status == S.PREPARED and action.last_error:
+        return Answer(
+            f"NOT SENT: {action.tool} could not be reached ({action.last_error}); nothing "
+            "was done. Call it again with the same arguments to retry.",
+            is_error=True,
+            meta=meta,
+        )
+    return Answer(f"IN PROGRESS: {action.tool} is {action.status}.", meta=meta, waiting=True)
+
+
+def approval_link(action: Action) -> str:
+    """The page of the action's newest approval request (HOLDPOINT_BASE_URL + its path)."""
+    request_id = (
+        ApprovalRequest.objects.filter(tenant_id=action.tenant_id, action=action)
+        .order_by("-created_at")
+        .values_list("id", flat=True)
+        .first()
+    )
+    if request_id is None:
+        return settings.HOLDPOINT_BASE_URL + reverse("inbox")
+    return settings.HOLDPOINT_BASE_URL + reverse("approval-page", args=[request_id])

@@ -1,0 +1,276 @@
+"""The MCP side of the gateway: the `mcp` SDK's server behind Holdpoint's authentication and
+durable sessions, mounted by `config.asgi` at `/mcp/<tenant-slug>/` (streamable HTTP).
+
+The SDK keeps a session's state in the memory of one process, which a restart loses. So its
+session manager runs *stateless* (a fresh transport per request) and Holdpoint owns the
+session: `Endpoint` authenticates every request (a usable agent token of the endpoint's
+tenant, before the SDK sees a byte), issues `Mcp-Session-Id` at `initialize` — the id of the
+session's run (gateway.calls.open_session) — and re-adopts it on every later request, in
+this process or the next one. A request for an unknown session gets 404, as the transport
+spec says, so the client opens a new one.
+
+Waiting for a reviewer: the call polls its action with short database reads on worker
+threads (no thread or connection is held between polls), sending progress notifications
+when the client gave a progressToken, for at most HOLDPOINT_MCP_WAIT_SECONDS; then (or at
+once, without a progressToken) it answers "pending approval" with the request's link, and
+the same call later gets the decided outcome (gateway.calls, "the same call").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import mcp_types as types
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connections
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.shared.exceptions import MCPError
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway import calls
+
+T = TypeVar("T")
+SESSION_HEADER = b"mcp-session-id"
+POLL_SECONDS = 0.5
+# A waiting call reads its action every POLL_SECONDS but tells the client only this often
+# (and at once): a host shows each notification, and a reviewer takes minutes, not ticks.
+PROGRESS_SECONDS = 5.0
+SCOPE_KEY = "holdpoint.mcp"
+
+
+async def db(fn: Callable[..., T], *args: Any) -> T:
+    """Run a short synchronous database operation on a worker thread; its connection is
+    closed when it returns, so a waiting call holds none between polls."""
+
+    def run() -> T:
+        try:
+            return fn(*args)
+        finally:
+            for connection in connections.all(initialized_only=True):
+                connection.close()
+
+    return await sync_to_async(run, thread_sensitive=False)()
+
+
+def _caller(ctx: Any) -> tuple[calls.Caller, str]:
+    state = ctx.request.scope[SCOPE_KEY] if ctx.request is not None else None
+    if not state or not state.get("session"):
+        raise MCPError(-32600, "no Holdpoint session: send initialize first")
+    return state["caller"], state["session"]
+
+
+async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> Any:
+    caller, _ = _caller(ctx)
+    listed = await db(calls.listing, caller)
+    return types.ListToolsResult(
+        tools=[
+            types.Tool(
+                name=item.name,
+                title=item.title or None,
+                description=item.description,
+                input_schema=item.schema,
+            )
+            for item in listed
+        ]
+    )
+
+
+def _progress_token(params: types.CallToolRequestParams) -> Any:
+    meta = params.meta or {}
+    return meta.get("progress_token", meta.get("progressToken"))
+
+
+async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+    caller, session = _caller(ctx)
+    try:
+        call = await db(calls.parse, caller, session, params.name, params.arguments)
+    except calls.CallError as exc:
+        raise MCPError(exc.code, exc.message, exc.data) from None
+    token = _progress_token(params)
+    bound = settings.HOLDPOINT_MCP_WAIT_SECONDS if token is not None else 0
+    started = time.monotonic()
+    told = -PROGRESS_SECONDS
+    while True:
+        try:
+            action = await db(calls.drive, caller, call)
+        except calls.Busy:
+            action = None
+        said = await db(calls.answer, action)
+        waited = time.monotonic() - started
+        if not said.waiting or waited >= bound:
+            break
+        if waited - told >= PROGRESS_SECONDS:
+            told = waited
+            # On this request's own stream (the POST's SSE answer): there is no GET stream.
+            await ctx.session.send_progress_notification(
+                token, waited, bound, said.text, related_request_id=ctx.request_id
+            )
+        await anyio.sleep(POLL_SECONDS)
+    if said.final and action is not None:
+        await db(calls.settle_delivery, caller, call, action)
+    return _result(said)
+
+
+def _result(said: calls.Answer) -> types.CallToolResult:
+    data: dict[str, Any] = {
+        "content": said.content or [{"type": "text", "text": said.text}],
+        "isError": said.is_error,
+        "_meta": said.meta,
+    }
+    if said.structured is not None:
+        data["structuredContent"] = said.structured
+    return types.CallToolResult.model_validate(data)
+
+
+def build_server() -> Server[Any]:
+    return Server(
+        "holdpoint",
+        instructions=(
+            "Holdpoint gateway: each tool call is recorded, may wait for a human reviewer, "
+            "and is sent at most once. A PENDING answer is not a result: call again with "
+            "the same arguments later."
+        ),
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+class Endpoint:
+    """The ASGI app mounted at /mcp/{tenant}: authentication and the durable session id in
+    front of the SDK's stateless session manager."""
+
+    def __init__(self, manager: StreamableHTTPSessionManager) -> None:
+        self.manager = manager
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        slug = str(scope.get("path_params", {}).get("tenant", ""))
+        try:
+            caller = await db(
+                calls.authenticate, headers.get(b"authorization", b"").decode("latin-1"), slug
+            )
+        except calls.Refused as refused:
+            await _plain(send, refused.status, refused.detail, www_auth=refused.status == 401)
+            return
+        method = scope["method"]
+        session = headers.get(SESSION_HEADER, b"").decode("latin-1")
+        if method == "GET":  # no server-initiated stream: every answer rides its POST
+            await _plain(send, 405, "no GET stream; POST requests", allow="POST, DELETE")
+            return
+        if session and not await db(calls.adopt, caller, session):
+            await _plain(send, 404, "unknown or finished session: initialize a new one")
+            return
+        if method == "DELETE":
+            if not session:
+                await _plain(send, 400, "Bad Request: no Mcp-Session-Id")
+                return
+            try:
+                await db(calls.close_session, caller, session)
+            except calls.Busy:
+                await _plain(send, 409, "a call of this session is being sent; try again")
+                return
+            await _plain(send, 204, "")
+            return
+        if method != "POST":
+            await _plain(send, 405, "POST requests", allow="POST, DELETE")
+            return
+        body = await _body(receive, settings.HOLDPOINT_MCP_MAX_BODY_BYTES)
+        if body is None:
+            limit = settings.HOLDPOINT_MCP_MAX_BODY_BYTES
+            await _plain(send, 413, f"request body larger than {limit} bytes")
+            return
+        first = _message(body)
+        if not session:
+            if first.get("method") != "initialize":
+                await _plain(send, 400, "Bad Request: no Mcp-Session-Id (initialize first)")
+                return
+            client = (first.get("params") or {}).get("clientInfo") or {}
+            session = await db(
+                calls.open_session, caller, client if isinstance(client, dict) else {}
+            )
+        if first.get("method") == "initialize":
+            # A new session's id, or the carried-on one's again: the client's SDK then knows
+            # it (and sends DELETE with it when it closes).
+            send = _with_session(send, session)
+        scope = {**scope, SCOPE_KEY: {"caller": caller, "session": session}}
+        await self.manager.handle_request(scope, _replay(body, receive), send)
+
+
+def _message(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+async def _body(receive: Receive, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def _with_session(send: Send, session: str) -> Send:
+    async def stamped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != SESSION_HEADER]
+            message = {**message, "headers": [*kept, (SESSION_HEADER, session.encode())]}
+        await send(message)
+
+    return stamped
+
+
+async def _plain(
+    send: Send, status: int, text: str, *, www_auth: bool = False, allow: str = ""
+) -> None:
+    headers = [(b"content-type", b"application/json")]
+    if www_auth:
+        headers.append((b"www-authenticate", b'Bearer realm="holdpoint"'))
+    if allow:
+        headers.append((b"allow", allow.encode()))
+    body = b"" if status == 204 else json.dumps({"error": text}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def mount() -> tuple[Any, Callable[[], Any]]:
+    """(route, lifespan) for config.asgi: the endpoint and the session manager's run()."""
+    from starlette.routing import Mount
+
+    manager = StreamableHTTPSessionManager(
+        app=build_server(),
+        stateless=True,
+        max_request_body_size=settings.HOLDPOINT_MCP_MAX_BODY_BYTES,
+    )
+    return Mount("/mcp/{tenant}", app=Endpoint(manager)), manager.run

@@ -1,0 +1,376 @@
+"""Holdpoint as an MCP gateway (issue 19): a real MCP client (the SDK's ClientSession over
+streamable HTTP) talks to the real web server (uvicorn, config.asgi), which sends to a real
+upstream process (tests/mcp_upstream.py). The oracle for effects is the upstream's own
+record of the calls that reached it; for Holdpoint's side, the stored rows.
+
+One web server and one upstream serve the whole module (each test has its own tenant rows,
+and counts the upstream's calls by a title of its own); the crash tests start their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from approvals.decisions import decide
+from approvals.models import ApprovalRequest
+from audit.journal import run_stream
+from audit.models import JournalEntry
+from runtime import mcp, toolcatalog
+from runtime.auth import revoke_token
+from runtime.models import Action, ActionStatus, AgentToken, McpServer, Run, Tenant
+from runtime.models.tenancy import Role
+from tests import procs
+from tests.browser import log_in
+from tests.conftest import Persona, issue_token_for, make_persona
+from tests.gateway.helpers import Background, Progress, session, text
+from tests.mcp_fixture import Upstream, _listening
+
+pytest_plugins = ("tests.browser",)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+S = ActionStatus
+CREATE = "helpdesk.tickets_create"
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    data = tmp_path_factory.mktemp("gateway-upstream")
+    port = procs.free_port()
+    proc = procs.start(
+        ["--port", str(port), "--data", str(data)],
+        procs.child_env(),
+        log=data / "upstream.log",
+        program="tests.mcp_upstream",
+    )
+    try:
+        procs.wait_for(lambda: _listening(port), timeout=30)
+        yield Upstream(f"http://127.0.0.1:{port}/mcp", data, proc)
+    finally:
+        procs.kill(proc)
+
+
+def _web_env(port: int, **extra: str) -> dict[str, str]:
+    return procs.child_env(
+        HOLDPOINT_BASE_URL=f"http://127.0.0.1:{port}",
+        HOLDPOINT_MCP_WAIT_SECONDS="60",
+        HOLDPOINT_MCP_MAX_ARGUMENT_BYTES="2048",
+        SESSION_COOKIE_SECURE="0",
+        CSRF_COOKIE_SECURE="0",
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def web(django_db_setup: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The web server, shared by the module's tests; its base URL."""
+    log = tmp_path_factory.mktemp("gateway-web") / "web.log"
+    port = procs.free_port()
+    server, base = procs.start_web(_web_env(port), log, port=port)
+    try:
+        yield base
+    finally:
+        procs.kill(server)
+
+
+def _setup(tenant: Tenant, upstream: Upstream, **server: Any) -> None:
+    McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, **server)
+    mcp.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
+
+
+def _title() -> str:
+    return f"Printer {uuid.uuid4().hex[:8]} on fire"
+
+
+def _reached(upstream: Upstream, title: str) -> list[dict[str, Any]]:
+    return [c for c in upstream.calls("tickets_create") if title in c["arguments"]["title"]]
+
+
+def _endpoint(base: str, tenant: Tenant) -> str:
+    return f"{base}/mcp/{tenant.slug}/"
+
+
+def _call(name: str, arguments: dict[str, Any], progress: Progress | None = None) -> Any:
+    async def work(client: Any) -> Any:
+        return await client.call_tool(name, arguments, progress_callback=progress)
+
+    return work
+
+
+def _request(action: Action) -> ApprovalRequest:
+    return ApprovalRequest.objects.get(action=action)
+
+
+def _wait_for_request(title: str) -> ApprovalRequest:
+    def found() -> ApprovalRequest | None:
+        return ApprovalRequest.objects.filter(params__contains=title).first()
+
+    return procs.wait_for(found, timeout=60)
+
+
+def test_a_session_lists_the_gated_tools_and_a_call_waits_for_the_browser_approval(
+    web: str,
+    upstream: Upstream,
+    tenant_a: Tenant,
+    agent_a: Persona,
+    reviewer_a: Persona,
+    new_page: Any,
+) -> None:
+    _setup(tenant_a, upstream)
+    key = agent_a.token
+    assert key
+    url = _endpoint(web, tenant_a)
+
+    async def listing(client: Any) -> Any:
+        return (await client.list_tools()).tools
+
+    tools = {tool.name: tool for tool in session(url, key, listing)}
+    assert {CREATE, "helpdesk.tickets_list"} <= set(tools)
+    assert "waits for a reviewer's approval" in (tools[CREATE].description or "")
+    assert tools[CREATE].input_schema["required"] == ["title"]
+    assert "approval" not in (tools["helpdesk.tickets_list"].description or "")
+
+    title = _title()
+    progress = Progress()
+    waiting = Background(url, key, _call(CREATE, {"title": title}, progress))
+    request = _wait_for_request(title)
+    assert _reached(upstream, title) == []  # held: nothing sent yet
+
+    page = new_page()
+    log_in(page, web, "alice", "pw-alice")
+    page.goto(f"{web}/approvals/{request.pk}/")
+    page.click("#approve-button")
+    page.wait_for_url(f"{web}/inbox/")
+
+    result = waiting.result()
+    assert not result.is_error, text(result)
+    assert result.structured_content["title"] == title
+    assert len(_reached(upstream, title)) == 1
+    assert any("approval" in message for message in progress.messages), progress.messages
+    action = Action.objects.get(idempotency_key__startswith="mcp:", params__contains=title)
+    assert action.status == S.CONFIRMED
+    assert action.external_id == result.structured_content["id"]
+
+    # The session is a run: on the run page, its journal telling the call's story.
+    run = Run.objects.get(pk=action.run_id)
+    assert run.graph == "mcp-session" and run.external and run.tenant_id == tenant_a.pk
+    # The client closed its session (the SDK sends DELETE) with every answer delivered.
+    assert run.status == "completed", run.status
+    page.goto(f"{web}/runs/{run.run_id}/")
+    assert CREATE in page.content()
+    types = list(
+        JournalEntry.objects.filter(stream=run_stream(run.run_id)).values_list("type", flat=True)
+    )
+    for expected in (
+        "run_created",
+        "action_prepared",
+        "approval_requested",
+        "approval_decided",
+        "action_outcome",
+        "result_delivered",
+    ):
+        assert expected in types, types
+
+
+def test_without_a_progress_token_the_answer_is_pending_and_the_same_call_gets_the_rejection(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    _setup(tenant_a, upstream)
+    url, title = _endpoint(web, tenant_a), _title()
+    first = session(url, str(agent_a.token), _call(CREATE, {"title": title}))
+    assert not first.is_error and text(first).startswith("PENDING")
+    request = ApprovalRequest.objects.get(params__contains=title)
+    link = f"{web}/approvals/{request.pk}/"
+    assert link in text(first) and first.meta["holdpoint/approval_url"] == link
+    decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="Not needed")
+
+    again = session(url, str(agent_a.token), _call(CREATE, {"title": title}))  # a new session
+    # ...is another run: the call there is a new one, held again; in the first session the
+    # same call gets the decision.
+    assert text(again).startswith("PENDING")
+    run_id = Action.objects.get(approvals=request).run_id
+    # Its client closed that session with the call still open: the run stays open, so the
+    # decision lands and the session can be carried on.
+    assert Run.objects.get(pk=run_id).status == "queued"
+
+    async def retry(client: Any) -> Any:
+        return await client.call_tool(CREATE, {"title": title})
+
+    retried = _in_run(url, str(agent_a.token), str(run_id), retry)
+    assert retried.is_error and "Not needed" in text(retried), text(retried)
+    assert _reached(upstream, title) == []
+    assert Run.objects.get(pk=run_id).status == "completed"  # now every answer is out
+
+
+def _in_run(url: str, key: str, run_id: str, work: Any) -> Any:
+    """A client that carries on an existing session: the gateway adopts the id it issued."""
+    return Background(url, key, work, session_id=run_id).result()
+
+
+def test_edited_params_are_what_the_upstream_receives_and_a_retry_acts_once(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    _setup(tenant_a, upstream)
+    spec = dict(toolcatalog.entry(tenant_a.pk, CREATE).spec)  # type: ignore[union-attr]
+    toolcatalog.revise(
+        tenant_a, CREATE, {**spec, "editable": ["title"], "expected_version": 1}, "user:admin"
+    )
+    url, key, title = _endpoint(web, tenant_a), str(agent_a.token), _title()
+
+    async def call_then_retry(client: Any) -> Any:
+        """The first answer is pending; the reviewer edits and approves; the client asks
+        again — twice at once, as a client retrying on two connections might."""
+        first = await client.call_tool(CREATE, {"title": title})
+        await asyncio.to_thread(_approve_edited, title, reviewer_a, f"{title} (edited)")
+        return first, await asyncio.gather(
+            client.call_tool(CREATE, {"title": title}, progress_callback=Progress()),
+            client.call_tool(CREATE, {"title": title}, progress_callback=Progress()),
+        )
+
+    first, retries = session(url, key, call_then_retry)
+    assert text(first).startswith("PENDING")
+    answered = [r for r in retries if not r.is_error and r.structured_content]
+    assert answered, [text(r) for r in retries]
+    assert answered[0].structured_content["title"] == f"{title} (edited)"
+    assert [c["arguments"] for c in _reached(upstream, title)] == [{"title": f"{title} (edited)"}]
+    assert Action.objects.filter(status=S.CONFIRMED, params__contains=title).count() == 1
+
+
+def _approve_edited(title: str, reviewer: Persona, edited: str) -> None:
+    request = ApprovalRequest.objects.get(params__contains=title)
+    decide(
+        request.id,
+        reviewer.user,
+        "approve",
+        request.action_hash,
+        reason="ok",
+        edits={"title": edited},
+    )
+
+
+def _refused_call(url: str, key: str, name: str, arguments: Any) -> Any:
+    """The MCP error a call gets (the SDK raises it as MCPError)."""
+    from mcp.shared.exceptions import MCPError
+
+    async def work(client: Any) -> Any:
+        try:
+            await client.call_tool(name, arguments)
+        except MCPError as exc:
+            return exc
+        raise AssertionError(f"{name} was not refused")
+
+    return session(url, key, work)
+
+
+def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
+    web: str,
+    upstream: Upstream,
+    tenant_a: Tenant,
+    tenant_b: Tenant,
+    agent_a: Persona,
+    agent_b: Persona,
+    reviewer_a: Persona,
+) -> None:
+    _setup(tenant_a, upstream)
+    url, key, title = _endpoint(web, tenant_a), str(agent_a.token), _title()
+    unknown = _refused_call(url, key, "helpdesk.tickets_burn", {"title": title})
+    assert unknown.code == -32602 and "unknown tool" in unknown.message
+    invalid = _refused_call(url, key, CREATE, {"title": 42})
+    assert invalid.code == -32602 and "invalid arguments" in invalid.message
+    oversized = _refused_call(url, key, CREATE, {"title": title + "x" * 4000})
+    assert oversized.code == -32602 and "larger than 2048 bytes" in oversized.message
+
+    # Authentication is refused over HTTP, before any session (or run) exists.
+    runs = Run.objects.count()
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    accept = {"Accept": "application/json, text/event-stream"}
+
+    def post(auth: str | None, endpoint: str = url) -> httpx.Response:
+        headers = {**accept, **({"Authorization": auth} if auth else {})}
+        return httpx.post(endpoint, json=initialize, headers=headers, timeout=30)
+
+    assert post(None).status_code == 401
+    assert post("Bearer hpt_not-a-key").status_code == 401
+    assert post(f"Bearer {agent_b.token}").status_code == 403  # tenant B's token at A's door
+    assert post(f"Bearer {agent_a.token}", _endpoint(web, tenant_b)).status_code == 403
+    revoked = issue_token_for(agent_a.user)
+    revoke_token(AgentToken.objects.get(prefix=revoked[:12]), actor="user:admin")
+    assert post(f"Bearer {revoked}").status_code == 401
+    assert post(f"Token {agent_a.token}").status_code == 200  # the API's spelling works too
+    assert Run.objects.count() == runs + 1  # only the accepted initialize made a session
+
+    # A session id is the account's own: another agent of the tenant, or the other tenant's
+    # agent at its own endpoint, cannot carry it on (404: "initialize a new session").
+    # (The raw initialize above left its session open; the SDK's sessions closed theirs.)
+    session_id = str(Run.objects.get(tenant=tenant_a, graph="mcp-session", status="queued").pk)
+    colleague = make_persona(tenant_a, "agent-a2", Role.AGENT)
+
+    def carry_on(key: str, endpoint: str) -> httpx.Response:
+        headers = {**accept, "Authorization": f"Bearer {key}", "Mcp-Session-Id": session_id}
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        return httpx.post(endpoint, json=listing, headers=headers, timeout=30)
+
+    assert carry_on(str(colleague.token), url).status_code == 404
+    assert carry_on(str(agent_b.token), _endpoint(web, tenant_b)).status_code == 404
+    assert carry_on(str(agent_a.token), url).status_code == 200  # its own account: carried on
+
+    assert not Action.objects.exists()
+    assert not ApprovalRequest.objects.exists()
+    assert _reached(upstream, title) == []
+
+
+def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """examples/mcp_gateway_client.py, the README's command (run there against make run by
+    tests/core/test_run_script.py; here through an approval and a rejection)."""
+    _setup(tenant_a, upstream)
+    title = _title()
+
+    def example(arguments: dict[str, Any]) -> subprocess.Popen[str]:
+        command = [
+            sys.executable,
+            "examples/mcp_gateway_client.py",
+            _endpoint(web, tenant_a),
+            CREATE,
+            json.dumps(arguments),
+        ]
+        env = {**os.environ, "HOLDPOINT_TOKEN": str(agent_a.token)}
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+
+    approved = example({"title": title})
+    request = _wait_for_request(title)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    out, _ = approved.communicate(timeout=120)
+    assert approved.returncode == 0, out
+    assert f"tool {CREATE}: " in out and "waits for a reviewer's approval" in out
+    assert "progress " in out  # it waited, told by progress notifications
+    action = Action.objects.get(approvals=request)
+    assert f"session {action.run_id}" in out
+    assert f'result {{"id": "{action.external_id}", "title": "{title}"}}' in out
+    assert len(_reached(upstream, title)) == 1
+
+    other = _title()
+    rejected = example({"title": other})
+    request = _wait_for_request(other)
+    decide(request.id, reviewer_a.user, "reject", request.action_hash, reason="Duplicate")
+    out, _ = rejected.communicate(timeout=120)
+    assert rejected.returncode == 1, out
+    assert "REJECTED" in out and "Duplicate" in out
+    assert _reached(upstream, other) == []
