@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from functools import partial
 from typing import Any
 
 import django_filters
+from django.db import DatabaseError
+from django.db.models import Q
+from django.http import StreamingHttpResponse
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
-from runtime.api import filters
+from runtime import live
+from runtime.api import filters, sse, streams
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.examples import DECIDE
 from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
+from runtime.tenancy import Principal
 
 
 class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
@@ -77,19 +88,77 @@ class ApprovalFilter(django_filters.FilterSet):
         fields = ["status"]
 
 
-class Approvals(ApiView):
+class Approvals(streams.StreamingList):
     @extend_schema(
         operation_id="approvals_list",
-        responses=page_of(ApprovalSerializer, "ApprovalPage"),
-        parameters=filters.parameters(ApprovalFilter),
+        responses={
+            (200, "application/json"): page_of(ApprovalSerializer, "ApprovalPage"),
+            (200, "text/event-stream"): streams.EVENT_STREAM,
+        },
+        parameters=[*filters.parameters(ApprovalFilter), streams.PARAMETERS[0]],
+        description=(
+            "With `stream=1`: server-sent events (`event: approval`, `data:` the approval as "
+            "JSON), one each time an approval of the caller's tenant is created or changes "
+            "status after the stream opened; a comment line at least every 15 s."
+        ),
     )
-    def get(self, request: Request) -> Response:
+    def get(self, request: Request) -> Response | StreamingHttpResponse:
+        if streams.requested(request):
+            principal = self.principal(request)
+            follow = sse.follows(request._request)
+            return live.response(approval_events(principal, timezone.now(), follow=follow))
         approvals = filters.apply(
             ApprovalFilter, request, approvals_for(self.principal(request))
         ).select_related("run", "decided_by")
         paginator = Cursor()
         page = paginator.paginate_queryset(approvals, request, view=self)
         return paginator.get_paginated_response(ApprovalSerializer(page, many=True).data)
+
+
+def _changed(
+    principal: Principal, since: datetime, known: dict[Any, str]
+) -> list[tuple[Any, str, bytes]]:
+    """On a reader thread: the approvals that may have changed since the stream opened —
+    those created since, those pending, and those this stream last saw pending."""
+    rows = approvals_for(principal).filter(
+        Q(created_at__gte=since) | Q(status=ApprovalStatus.PENDING) | Q(pk__in=list(known))
+    )
+    render = JSONRenderer().render
+    return [
+        (a.pk, a.status, live.event(render(ApprovalSerializer(a).data), type="approval"))
+        for a in rows.select_related("run", "decided_by")
+    ]
+
+
+async def approval_events(
+    principal: Principal, since: datetime, *, follow: bool = True
+) -> AsyncIterator[bytes]:
+    """Each approval of the tenant as it is created and as its status changes. Every read
+    compares the statuses with the last ones seen, so a merged wake-up loses no change.
+    Without `follow` (not served on the event loop: runtime.api.sse.follows) it ends at once:
+    it shows changes after it opened, and there are none yet."""
+    if not follow:
+        return
+    known: dict[Any, str] | None = None
+    me = object()  # reads are this stream's own (`known` differs per stream)
+    async with live.doorbell.subscription(live.tenant_key(principal.tenant.pk)) as wake:
+        while True:
+            wake.clear()
+            try:
+                rows = await live.doorbell.read(
+                    me, partial(_changed, principal, since, dict(known or {}))
+                )
+            except DatabaseError:
+                await asyncio.sleep(live.RETRY_SECONDS)
+                continue
+            fresh = {pk: status for pk, status, _ in rows}
+            if known is not None:
+                for pk, status, chunk in rows:
+                    if known.get(pk) != status:
+                        yield chunk
+            known = {pk: s for pk, s in fresh.items() if s == ApprovalStatus.PENDING}
+            if not await live.heartbeat_or_wake(wake):
+                yield b": keep-alive\n\n"
 
 
 class ApprovalDetail(ApiView):

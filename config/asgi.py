@@ -41,7 +41,10 @@ def mounts() -> list[tuple[BaseRoute, Lifespan | None]]:
     # process 0.6 s to import, which workers and management commands never need.
     from gateway.server import mount
 
-    return [mount()]
+    # The live event streams (?stream=1 of runs/{id}/events/ and approvals/).
+    from runtime.api import sse
+
+    return [mount(), *sse.mounts(django_application)]
 
 
 def build(extra: list[tuple[BaseRoute, Lifespan | None]]) -> Starlette:

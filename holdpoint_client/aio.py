@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, TypeVar, Unpack
 
 import httpx
+from httpx_sse import EventSource
 
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, ClientSettings, Configured
@@ -23,6 +24,7 @@ from holdpoint_client.models import (
     Action,
     Approval,
     Checkpoint,
+    JournalEntry,
     LeaseGrant,
     Page,
     Run,
@@ -69,6 +71,41 @@ class AsyncClient(Configured):
                 delay = self.policy.pause(call, attempt, response=response)
             await asyncio.sleep(delay)
             attempt += 1
+
+    async def events(
+        self, run_id: str, *, after: int = 0, follow: bool = False
+    ) -> AsyncIterator[JournalEntry]:
+        """As `Client.events`: `follow` streams live to the run's final entry."""
+        if not follow:
+            while True:
+                entries = await self.send(calls.events_after(run_id, after))
+                if not entries:
+                    return
+                for entry in entries:
+                    yield entry
+                after = entries[-1].seq
+        feed = calls.EventFeed(run_id, after)
+        attempt = 0
+        while True:
+            try:
+                async with self._http.stream(**feed.request(self.timeout)) as response:
+                    if not response.is_success:
+                        await response.aread()
+                        await asyncio.sleep(
+                            self.policy.pause(feed.call(), attempt, response=response)
+                        )
+                        attempt += 1
+                        continue
+                    async for sse in EventSource(response).aiter_sse():
+                        taken = feed.take(sse.data)
+                        if taken is not None:
+                            attempt = 0
+                            yield taken
+                if feed.ended((await self.get_run(run_id)).status):
+                    return
+            except httpx.TransportError as exc:
+                await asyncio.sleep(self.policy.pause(feed.call(), attempt, error=exc))
+                attempt += 1
 
     async def _iterate(self, page: Callable[[str | None], Call[Page[T]]]) -> AsyncIterator[T]:
         cursor: str | None = None

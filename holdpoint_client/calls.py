@@ -205,6 +205,59 @@ def events_after(run_id: str, after: int) -> Call[list[JournalEntry]]:
     )
 
 
+# The run statuses after which a run's journal ends (the server closes its stream there).
+FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+STREAM_READ_TIMEOUT = 45.0  # the server sends a comment line at least every 15 s
+
+
+@dataclass
+class EventFeed:
+    """A run's live journal (`GET runs/{id}/events/?stream=1`) across reconnects, without
+    I/O: where to resume (`last`, sent as Last-Event-ID), which events are new, and whether
+    a closed stream is the end. `Client.events` and `AsyncClient.events` drive it."""
+
+    run_id: str
+    last: int = 0
+    received: int = 0  # events taken on the current connection
+
+    def call(self) -> Call[None]:
+        """The request (a Call, so the retry policy treats it as a safe read)."""
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": str(self.last)}
+        return Call(
+            "GET",
+            f"runs/{self.run_id}/events/",
+            lambda _: None,
+            {"stream": "1", "after": str(self.last)},
+            headers=headers,
+            replay_safe=True,
+        )
+
+    def request(self, timeout: float) -> dict[str, Any]:
+        args = self.call().request(timeout)
+        args["timeout"] = httpx.Timeout(timeout, read=STREAM_READ_TIMEOUT)
+        self.received = 0
+        return args
+
+    def take(self, data: str) -> JournalEntry | None:
+        """The entry an event carries, or None for one already seen (ids only grow) or for
+        a comment line (the server's keep-alive)."""
+        if not data:
+            return None
+        entry = JournalEntry.from_json(json.loads(data))
+        if entry.seq <= self.last:
+            return None
+        self.last, self.received = entry.seq, self.received + 1
+        return entry
+
+    def ended(self, status: str) -> bool:
+        """After the server closed the stream cleanly, the run now being in `status`: is that
+        the end of its journal? The server closes after the run's final entry, and at once
+        (nothing new) for a run already finished. Which entry is final only the run's status
+        tells, so a close is resumed from `last` unless the run is finished and the last
+        connection brought nothing new — any other close (a server restarting) is resumed."""
+        return status in FINAL_STATUSES and self.received == 0
+
+
 def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:
     return get(f"runs/{run_id}/actions/", page_of(Action.from_json), filters(**query))
 

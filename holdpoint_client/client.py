@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import httpx
+from httpx_sse import EventSource
 
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, ClientSettings, Configured, api_root
@@ -156,8 +157,15 @@ class Client(Configured):
         """One checkpoint; `inline` replaces artifact references in `state` by their content."""
         return self.send(calls.get_checkpoint(run_id, rev, inline=inline))
 
-    def events(self, run_id: str, *, after: int = 0) -> Iterator[JournalEntry]:
-        """The run's journal from `after` (a seq) on, following the stream to its end."""
+    def events(
+        self, run_id: str, *, after: int = 0, follow: bool = False
+    ) -> Iterator[JournalEntry]:
+        """The run's journal from `after` (a seq) on. `follow`: live, as the run goes (the
+        server-sent event stream, resumed with Last-Event-ID after a lost connection), ending
+        after the run's final entry; else what is written so far."""
+        if follow:
+            yield from self._follow(calls.EventFeed(run_id, after))
+            return
         while True:
             entries = self.send(calls.events_after(run_id, after))
             if not entries:
@@ -321,6 +329,27 @@ class Client(Configured):
                 delay = self.policy.pause(call, attempt, response=response)
             self._sleep(delay)
             attempt += 1
+
+    def _follow(self, feed: calls.EventFeed) -> Iterator[JournalEntry]:
+        attempt = 0
+        while True:
+            try:
+                with self._http.stream(**feed.request(self.timeout)) as response:
+                    if not response.is_success:
+                        response.read()
+                        self._sleep(self.policy.pause(feed.call(), attempt, response=response))
+                        attempt += 1
+                        continue
+                    for sse in EventSource(response).iter_sse():
+                        entry = feed.take(sse.data)
+                        if entry is not None:
+                            attempt = 0
+                            yield entry
+                if feed.ended(self.get_run(feed.run_id).status):
+                    return
+            except httpx.TransportError as exc:
+                self._sleep(self.policy.pause(feed.call(), attempt, error=exc))
+                attempt += 1
 
     def _iterate(self, page: Callable[[str | None], Call[Page[T]]]) -> Iterator[T]:
         """Follow the cursors: each page is fetched only when the previous one is used up."""

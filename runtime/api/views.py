@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers as drf_serializers
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from runtime import ledger, lifecycle, protocol
+from runtime import ledger, lifecycle, live, protocol
 from runtime.api import examples as ex
-from runtime.api import filters
+from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
@@ -200,15 +201,22 @@ class CheckpointDetail(ApiView):
         return Response(data)
 
 
-class Events(ApiView):
+class Events(streams.StreamingList):
     @extend_schema(
         operation_id="runs_events_list",
-        responses=inline_serializer(
-            name="EventList", fields={"results": s.JournalEntrySerializer(many=True)}
-        ),
-        parameters=[OpenApiParameter("after", int, description="only entries after this seq")],
+        responses={
+            (200, "application/json"): inline_serializer(
+                name="EventList", fields={"results": s.JournalEntrySerializer(many=True)}
+            ),
+            (200, "text/event-stream"): streams.EVENT_STREAM,
+        },
+        parameters=[
+            OpenApiParameter("after", int, description="only entries after this seq"),
+            *streams.PARAMETERS,
+        ],
+        description=streams.DESCRIPTION,
     )
-    def get(self, request: Request, run_id: str) -> Response:
+    def get(self, request: Request, run_id: str) -> Response | StreamingHttpResponse:
         principal = self.principal(request)
         run = self.scoped(request, runs_for(principal), run_id=run_id)
         try:
@@ -217,6 +225,10 @@ class Events(ApiView):
             raise InvalidParams(
                 "after must be a sequence number", errors={"after": ["an integer"]}
             ) from None
+        if streams.requested(request):
+            after = streams.resume_after(request, after)
+            follow = sse.follows(request._request)
+            return live.response(streams.run_events(principal, run.pk, after, follow=follow))
         entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)
         entries = entries.order_by("seq")[:500]
         return Response({"results": s.JournalEntrySerializer(entries, many=True).data})

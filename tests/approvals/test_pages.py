@@ -173,8 +173,10 @@ def test_inbox_shows_pending_soonest_first_with_everything_a_card_needs(
     assert "expires in 23 h 59 min" in text
     assert "<strong>2</strong> pending" in text and "<strong>2</strong> mine to decide" in text
     assert "Waiting for reconciliation" in text and "<strong>0</strong> waiting for" in text
-    # Live: the list partial is polled every 5 s.
-    assert f'hx-get="{reverse("inbox-list")}"' in text and 'hx-trigger="every 5s"' in text
+    # Live: the list partial is re-fetched on each event of the approvals stream (live.js),
+    # polled every 5 s without it.
+    assert f'hx-get="{reverse("inbox-list")}"' in text and 'hx-trigger="every 5s, live"' in text
+    assert f'data-live-stream="{reverse("api-approvals")}?stream=1"' in text
     assert f'data-next-url="{page_url(sooner)}"' in text
     assert 'src="/static/holdpoint/triage.js"' in text and "onclick" not in text
 

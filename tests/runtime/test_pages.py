@@ -420,18 +420,21 @@ def test_live_part_polls_until_the_run_ends(client: Client, reviewer_a: Persona)
     page = client.get(reverse("run", args=[run.run_id]))
     live_url = page.context["live_url"]
     assert f'hx-get="{live_url.replace("&", "&amp;")}"'.encode() in page.content
-    assert b'hx-trigger="every 2s"' in page.content
+    # Re-fetched on each event of the run's stream (live.js), polled every 2 s without it.
+    assert b'hx-trigger="every 2s, live"' in page.content
+    stream = reverse("api-events", args=[run.run_id]) + "?stream=1"
+    assert f'data-live-stream="{stream}"'.encode() in page.content
 
     running = client.get(live_url, **HX)
     assert running.status_code == 200
     assert b'id="run-live"' in running.content and b"<html" not in running.content
-    assert b'hx-trigger="every 2s"' in running.content
+    assert b'hx-trigger="every 2s, live"' in running.content
     assert b"has moved since" not in running.content
     assert "HX-Request" in running["Vary"]
 
     advance_run(run.run_id, "w1")
     ended = client.get(live_url, **HX)
-    assert b"hx-trigger" not in ended.content
+    assert b"hx-trigger" not in ended.content and b"data-live-stream" not in ended.content
     assert b'<span class="badge completed">completed</span>' in ended.content
     assert b"has moved since" in ended.content  # the page's forms are stale: say so
 

@@ -1,0 +1,133 @@
+"""`GET runs/{id}/events/?stream=1` (API.md, "Live events"): a run's journal as server-sent
+events — `id:` the entry's seq, `event:` its type, `data:` the entry as the list shows it.
+
+The view (runtime.api.views.Events) authenticates and scopes once, as every API call does,
+then answers with `run_events`, an async generator on the server's event loop (runtime.live
+says what it holds while it waits: nothing but an `asyncio.Event`). Exactness rests on the
+seq alone: each read asks for `seq > last` in seq order, so a resumed stream (Last-Event-ID)
+neither loses nor repeats an entry, however the wake-ups were missed or merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from django.db import DatabaseError
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from rest_framework.renderers import JSONRenderer
+from rest_framework.request import Request
+
+from audit import journal
+from runtime import live
+from runtime.api.base import ApiView
+from runtime.api.serializers import JournalEntrySerializer
+from runtime.errors import InvalidParams
+from runtime.models import TERMINAL, Run
+from runtime.tenancy import Principal, journal_for
+
+log = logging.getLogger(__name__)
+BATCH = 200  # entries per read; a long journal streams in batches
+
+
+# The OpenAPI side (drf-spectacular), shared by both streaming lists.
+PARAMETERS = [
+    OpenApiParameter(
+        "stream",
+        str,
+        enum=["1"],
+        description="1: answer text/event-stream, following new entries live (API.md)",
+    ),
+    OpenApiParameter(
+        "Last-Event-ID",
+        int,
+        OpenApiParameter.HEADER,
+        description="with stream=1: resume after this seq (what EventSource sends back)",
+    ),
+]
+DESCRIPTION = (
+    "With `stream=1`: server-sent events, one per entry (`id:` seq, `event:` type, `data:` "
+    "the entry as JSON), from `Last-Event-ID` (or `after`) on, a comment line at least every "
+    "15 s, closed after the run's final entry."
+)
+EVENT_STREAM = OpenApiResponse(
+    OpenApiTypes.STR, description="text/event-stream (with stream=1), see above"
+)
+
+
+def requested(request: Request) -> bool:
+    return request.query_params.get("stream") == "1"
+
+
+class StreamingList(ApiView):
+    """An API list that also streams. EventSource asks with `Accept: text/event-stream`,
+    which DRF's content negotiation would refuse (406) before the view runs: with stream=1
+    negotiation falls back to the API's renderer, so a refusal (401, 404, 422) is still
+    problem+json and the stream itself is a plain StreamingHttpResponse."""
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> Any:
+        return super().perform_content_negotiation(request, force or requested(request))
+
+
+def resume_after(request: Request, after: int) -> int:
+    """Where a stream starts: after the `Last-Event-ID` a reconnecting client sends (it
+    wins: a browser reconnects to the URL it first opened), else after `after`."""
+    raw = request.headers.get("Last-Event-ID")
+    if raw is None or raw == "":
+        return after
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidParams(
+            "Last-Event-ID must be a sequence number", errors={"Last-Event-ID": ["an integer"]}
+        ) from None
+
+
+def _encode(entries: list[Any]) -> list[tuple[int, bytes]]:
+    render = JSONRenderer().render
+    return [
+        (e.seq, live.event(render(JournalEntrySerializer(e).data), type=e.type, id=e.seq))
+        for e in entries
+    ]
+
+
+def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int, bytes]], bool]:
+    """On a reader thread: the entries after `last`, encoded, and whether they end the stream.
+    The run's status is read *before* the entries: a run seen finished has committed its
+    final entry with that status, so the entries read next include it."""
+    status = Run.objects.filter(pk=run_id).values_list("status", flat=True).first()
+    entries = journal_for(principal).filter(stream=journal.run_stream(run_id), seq__gt=last)
+    batch = list(entries.order_by("seq")[:BATCH])
+    return _encode(batch), status in TERMINAL and len(batch) < BATCH
+
+
+async def run_events(
+    principal: Principal, run_id: Any, after: int, *, follow: bool = True
+) -> AsyncIterator[bytes]:
+    """The run's entries after `after`; `follow`: live, to the run's final entry (else the
+    entries there are now, then the end: runtime.api.sse.follows)."""
+    last = after
+    async with live.doorbell.subscription(journal.run_stream(run_id)) as wake:
+        while True:
+            wake.clear()
+            try:
+                events, finished = await live.doorbell.read(
+                    ("run", run_id, last), partial(_after, principal, run_id, last)
+                )
+            except DatabaseError:
+                log.exception("live events: reading run %s failed; retrying", run_id)
+                await asyncio.sleep(live.RETRY_SECONDS)
+                continue
+            for seq, chunk in events:
+                yield chunk
+                last = seq
+            if len(events) == BATCH:
+                continue
+            if finished or not follow:
+                return
+            if not await live.heartbeat_or_wake(wake):
+                yield b": keep-alive\n\n"

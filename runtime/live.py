@@ -1,0 +1,242 @@
+"""Live event streams' plumbing: one doorbell per web process, bounded reads, SSE framing.
+
+A stream client (runtime/api/streams.py, approvals/api.py) is an async generator on the
+server's event loop (runtime.api.sse serves it), not a sync worker. While it waits it holds
+no thread and no database connection: it awaits an `asyncio.Event` that the process's one
+doorbell rings.
+
+- PostgreSQL: one `LISTEN holdpoint_journal` connection per process (psycopg 3, async). A
+  trigger on the stream head (audit migration 0006) notifies "<tenant_id> <stream>" in the
+  appending transaction, at commit.
+- SQLite: one poller per process reads the watched stream heads every `POLL_SECONDS`.
+
+A doorbell is never the data: after a ring, a subscriber re-reads what is past its last seq,
+so a missed or coalesced notification delays an entry, never loses it — and every heartbeat
+(at most `HEARTBEAT_SECONDS`) re-reads too, and a re-connected listener rings everyone.
+
+Reads run on `READERS` threads of their own, each keeping one database connection, so N
+streams cost at most READERS + 1 connections per process, whatever N; identical reads in
+flight at once (200 clients of one run woken by one commit) are made once (`read`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connection
+from django.http import StreamingHttpResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CHANNEL = "holdpoint_journal"  # audit/migrations/0006_notify_appends.py
+HEARTBEAT_SECONDS = 15.0  # API.md: a comment line at least every 15 s
+POLL_SECONDS = 0.5  # SQLite: how stale a wake-up may be
+READERS = 4
+RETRY_SECONDS = 1.0
+
+
+def _read_in_thread(fn: Callable[[], T]) -> T:
+    """One reader thread's call: its kept connection is dropped after a database error, so
+    the next read reconnects (a restarted database, a killed backend)."""
+    try:
+        return fn()
+    except DatabaseError:
+        connection.close()
+        raise
+
+
+class Doorbell:
+    """The process's wake-ups, keyed by stream ("run:<id>") or tenant ("tenant-any:<id>")."""
+
+    def __init__(self) -> None:
+        self.waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
+        self.inflight: dict[Hashable, asyncio.Future[Any]] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.asynccontextmanager
+    async def subscription(self, *keys: str) -> AsyncIterator[asyncio.Event]:
+        """An event rung when any of `keys` moves; the doorbell starts with the first one."""
+        self._start()
+        event = asyncio.Event()
+        for key in keys:
+            self.waiters[key].add(event)
+        try:
+            yield event
+        finally:
+            for key in keys:
+                self.waiters[key].discard(event)
+                if not self.waiters[key]:
+                    del self.waiters[key]
+
+    async def read(self, key: Hashable, fn: Callable[[], T]) -> T:
+        """`fn()` on a reader thread; callers asking the same `key` meanwhile share the
+        answer (a read by `seq > last` gives every caller at that `last` the same rows)."""
+        future = self.inflight.get(key)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = asyncio.ensure_future(loop.run_in_executor(self.readers, _read_in_thread, fn))
+            self.inflight[key] = future
+            future.add_done_callback(lambda _: self.inflight.pop(key, None))
+        result: T = await asyncio.shield(future)
+        return result
+
+    def ring(self, *keys: str) -> None:
+        for key in keys:
+            for event in self.waiters.get(key, ()):
+                event.set()
+
+    def ring_all(self) -> None:
+        for events in self.waiters.values():
+            for event in events:
+                event.set()
+
+    async def stop(self) -> None:
+        """Stop listening or polling (the LISTEN connection is closed) and the readers."""
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.readers.shutdown(wait=False, cancel_futures=True)
+        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.task is not None and not self.task.done() and self.loop is loop:
+            return
+        self.loop = loop
+        watch = self._listen if connection.vendor == "postgresql" else self._poll
+        self.task = loop.create_task(watch(), name="holdpoint-live-doorbell")
+
+    async def _listen(self) -> None:
+        import psycopg
+
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    _conninfo(), autocommit=True
+                ) as listener:
+                    await listener.execute(f"LISTEN {CHANNEL}")
+                    self.ring_all()  # anything appended while nobody listened
+                    async for note in listener.notifies():
+                        tenant, _, stream = note.payload.partition(" ")
+                        self.ring(stream, tenant_key(int(tenant)))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a lost connection: listen again, after a pause
+                log.exception("live events: the LISTEN connection failed; reconnecting")
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _poll(self) -> None:
+        seen: dict[str, Any] = {}
+        while True:
+            try:
+                keys = list(self.waiters)
+                if not keys:
+                    seen = {}
+                    await asyncio.sleep(POLL_SECONDS)
+                    continue
+                heads = await self.read(("heads", *keys), partial(_heads, keys))
+                for key, value in heads.items():
+                    if key in seen and seen[key] != value:
+                        self.ring(key)
+                seen = heads
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("live events: polling the stream heads failed")
+            await asyncio.sleep(POLL_SECONDS)
+
+
+def _conninfo() -> str:
+    from psycopg.conninfo import make_conninfo
+
+    db = connection.settings_dict
+    options = {
+        "dbname": db["NAME"],
+        "user": db.get("USER") or None,
+        "password": db.get("PASSWORD") or None,
+        "host": db.get("HOST") or None,
+        "port": str(db["PORT"]) if db.get("PORT") else None,
+        "application_name": "holdpoint-live",
+    }
+    return make_conninfo(**{k: v for k, v in options.items() if v is not None})
+
+
+def tenant_key(tenant_id: int) -> str:
+    """The doorbell key rung by an append to any stream of the tenant."""
+    return f"tenant-any:{tenant_id}"
+
+
+def _heads(keys: list[str]) -> dict[str, Any]:
+    """SQLite: where each watched stream's head is, and for each watched tenant the sum of
+    its heads' seqs (it grows with every append to any of its streams)."""
+    from django.db.models import Sum
+
+    from audit.models import StreamHead
+
+    streams = [key for key in keys if not key.startswith("tenant-any:")]
+    tenants = [int(key.split(":", 1)[1]) for key in keys if key.startswith("tenant-any:")]
+    found: dict[str, Any] = dict(
+        StreamHead.objects.filter(stream__in=streams).values_list("stream", "seq")
+    )
+    for row in (
+        StreamHead.objects.filter(tenant_id__in=tenants)
+        .values("tenant_id")
+        .annotate(total=Sum("seq"))
+    ):
+        found[tenant_key(row["tenant_id"])] = row["total"]
+    return found
+
+
+doorbell = Doorbell()
+
+
+def event(data: bytes, *, type: str, id: int | None = None) -> bytes:
+    """One server-sent event; `data` is compact JSON, so it is one line."""
+    head = f"id: {id}\n" if id is not None else ""
+    return f"{head}event: {type}\n".encode() + b"data: " + data + b"\n\n"
+
+
+async def _framed(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield b": stream open\n\n"  # headers and a first byte go out at once
+    async for chunk in events:
+        yield chunk
+
+
+def response(events: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    """`text/event-stream`, consumed on the event loop by runtime.api.sse (config.asgi
+    routes `?stream=1` there; a WSGI server would buffer it whole)."""
+    answer = StreamingHttpResponse(_framed(events), content_type="text/event-stream")
+    answer["Cache-Control"] = "no-cache"
+    answer["X-Accel-Buffering"] = "no"  # a fronting nginx must not buffer the stream
+    return answer
+
+
+@contextlib.asynccontextmanager
+async def lifespan() -> AsyncIterator[None]:
+    """The web process's doorbell, stopped at shutdown (config.asgi enters this once)."""
+    try:
+        yield
+    finally:
+        await doorbell.stop()
+
+
+async def heartbeat_or_wake(wake: asyncio.Event) -> bool:
+    """Wait for a ring, or HEARTBEAT_SECONDS; True if it rang. The caller clears the event
+    *before* it reads, so a ring during the read is never lost."""
+    try:
+        await asyncio.wait_for(wake.wait(), HEARTBEAT_SECONDS)
+    except TimeoutError:
+        return False
+    return True

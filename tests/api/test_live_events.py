@@ -1,0 +1,627 @@
+"""G8: live events (API.md, "Live events") through the real ASGI server (`uvicorn
+config.asgi`, procs.start_web) — on SQLite (polled) and PostgreSQL (LISTEN/NOTIFY).
+
+The journal in the database is the oracle: every streamed event is compared, id and body,
+with the entry `GET runs/{id}/events/` lists for that seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import pytest
+from django.db import connection, connections
+from httpx_sse import EventSource
+
+from approvals.models import ApprovalRequest, ApprovalStatus
+from audit.models import JournalEntry
+from holdpoint_client import AsyncClient, Client
+from runtime.api.serializers import JournalEntrySerializer
+from runtime.models import Run, RunStatus
+from tests import procs
+from tests.api import (
+    fresh_throttle,  # noqa: F401
+    grant_policy,
+    new_run,
+    ok,
+    post,
+    prepare,
+    take_lease,
+)
+from tests.browser import log_in
+from tests.conftest import Persona
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
+
+pytest_plugins = ("tests.browser",)
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+STREAM = {"stream": "1"}
+TERMINAL = {"completed", "failed", "cancelled"}
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def server(
+    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """One real web server for the module (the database is emptied between tests, the server
+    keeps no state of its own): its process and base URL."""
+    log = tmp_path_factory.mktemp("web") / "web.log"
+    env = procs.child_env()
+    if connection.vendor == "postgresql":  # its connections are counted by this name
+        env["DATABASE_URL"] += "?application_name=holdpoint-web"
+    proc, base = procs.start_web(env, log)
+    try:
+        yield proc, base
+    finally:
+        procs.kill(proc)
+        if connection.vendor == "postgresql":  # its backends gone before the test database
+            with django_db_blocker.unblock():
+                procs.wait_for(lambda: not _web_backends(), timeout=15)
+                connection.close()
+
+
+def _web_backends() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name IN ('holdpoint-web', 'holdpoint-live')"
+        )
+        row = cursor.fetchone()
+        return int(row[0]) if row else 0
+
+
+@pytest.fixture
+def web(server: tuple[subprocess.Popen[bytes], str]) -> str:
+    return server[1]
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread, its database connection closed after (a thread's connection
+    left open would keep the test database from being dropped)."""
+
+    def call() -> T:
+        try:
+            return fn(*args)
+        finally:
+            connections.close_all()
+
+    return await asyncio.to_thread(call)
+
+
+def headers(persona: Persona) -> dict[str, str]:
+    return {"Authorization": f"Token {persona.token}"}
+
+
+def session_cookie(persona: Persona) -> dict[str, str]:
+    """A person's session (as the login page makes it), sent as a header: outside DEBUG the
+    cookie is Secure, and httpx keeps a Secure cookie off plain http (a browser does not for
+    127.0.0.1)."""
+    from django.conf import settings
+    from django.test import Client as DjangoClient
+
+    django_client = DjangoClient()
+    django_client.force_login(persona.user)
+    return {"Cookie": f"{settings.SESSION_COOKIE_NAME}={django_client.cookies['sessionid'].value}"}
+
+
+def journal_json(run_id: str) -> list[dict[str, Any]]:
+    """The run's journal as the list endpoint renders it (the stream's oracle)."""
+    entries = JournalEntry.objects.filter(stream=f"run:{run_id}").order_by("seq")
+    return json.loads(json.dumps(JournalEntrySerializer(entries, many=True).data, default=str))
+
+
+def as_json(events: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    return [json.loads(data) for _, _, data in events]
+
+
+def read(
+    http: httpx.Client,
+    url: str,
+    *,
+    last: int | None = None,
+    until: str | None = None,
+    after: int | None = None,
+) -> tuple[list[tuple[str, str, str]], bool]:
+    """(id, event, data) of each event until the server closes the stream (True), or until
+    an event of type `until` arrived (then this client disconnects: False)."""
+    extra = {} if last is None else {"Last-Event-ID": str(last)}
+    got: list[tuple[str, str, str]] = []
+    params = STREAM if after is None else {**STREAM, "after": str(after)}
+    with http.stream("GET", url, params=params, headers=extra) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for sse in EventSource(response).iter_sse():
+            if not sse.data:  # a comment line (keep-alive): httpx-sse makes it an empty event
+                continue
+            got.append((sse.id, sse.event, sse.data))
+            if sse.event == until:
+                return got, False
+    return got, True
+
+
+def test_a_worker_run_with_an_approval_streams_every_entry_once_across_a_reconnect(
+    web: str, agent_a: Persona, reviewer_a: Persona, tmp_path: Path
+) -> None:
+    grant_policy(agent_a.tenant, "test.note")
+    worker = procs.start(["qcluster"], procs.child_env(), log=tmp_path / "worker.log")
+    try:
+        with httpx.Client(base_url=web + "/api/v1/", headers=headers(agent_a), timeout=60) as http:
+            created = http.post(
+                "runs/",
+                json={"graph": "proposer", "goal": {"title": "streamed"}},
+                headers={"Idempotency-Key": "live-1"},
+            )
+            assert created.status_code == 201, created.text
+            run_id = created.json()["run_id"]
+            url = f"runs/{run_id}/events/"
+            # Read until the run waits for its reviewer, then hang up.
+            first, closed = read(http, url, until="approval_requested")
+            assert not closed
+            approval = ApprovalRequest.objects.get(run_id=run_id, status=ApprovalStatus.PENDING)
+            decision = {"decision": "approve", "action_hash": approval.action_hash}
+            ok(post(reviewer_a.api(), f"approvals/{approval.pk}/decision/", decision))
+            # Resume where the first connection stopped, while the worker finishes the run;
+            # hang up again after the decision, and resume once more to the end.
+            second, closed = read(http, url, last=int(first[-1][0]), until="approval_decided")
+            assert not closed
+            rest, closed = read(http, url, last=int(second[-1][0]))
+            assert closed  # the server closed the stream after the run's final entry
+            rest = second + rest
+    finally:
+        procs.kill(worker)
+
+    events = first + rest
+    journal = journal_json(run_id)
+    assert Run.objects.get(pk=run_id).status == RunStatus.COMPLETED
+    assert [int(id) for id, _, _ in events] == [e["seq"] for e in journal]  # once, in order
+    assert [event for _, event, _ in events] == [e["type"] for e in journal]
+    assert as_json(events) == journal  # the same JSON as the list
+    assert "approval_decided" in [e["type"] for e in journal]
+    assert journal[-1]["payload"]["status"] == "completed"
+    # A stream opened after the end replays from `after` and closes at once.
+    with httpx.Client(base_url=web + "/api/v1/", headers=headers(agent_a), timeout=30) as http:
+        again, closed = read(http, f"runs/{run_id}/events/", after=journal[-2]["seq"])
+    assert closed and as_json(again) == journal[-1:]
+
+
+def test_streams_are_scoped_like_every_call(web: str, agent_a: Persona, agent_b: Persona) -> None:
+    run = new_run(agent_a.api())
+    url = f"{web}/api/v1/runs/{run['run_id']}/events/"
+    anonymous = httpx.get(url, params=STREAM, timeout=30)
+    assert anonymous.status_code == 401
+    assert anonymous.headers["content-type"].startswith("application/problem+json")
+    assert anonymous.json()["code"] == "not_authenticated"
+    foreign = httpx.get(url, params=STREAM, headers=headers(agent_b), timeout=30)
+    assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
+    approvals = httpx.get(f"{web}/api/v1/approvals/", params=STREAM, timeout=30)
+    assert approvals.status_code == 401
+    # Without stream=1 the same paths are the plain lists, answered by Django as before.
+    listed = httpx.get(url, headers=headers(agent_a), timeout=30)
+    assert listed.status_code == 200 and listed.json()["results"][0]["type"] == "run_created"
+    pending = httpx.get(f"{web}/api/v1/approvals/", headers=headers(agent_a), timeout=30)
+    assert pending.status_code == 200 and pending.json()["results"] == []
+    bad = httpx.get(
+        url, params=STREAM, headers={**headers(agent_a), "Last-Event-ID": "x"}, timeout=30
+    )
+    assert bad.status_code == 422 and bad.json()["code"] == "invalid_params"
+
+
+def test_a_reviewer_page_streams_with_its_session_cookie(
+    web: str, agent_a: Persona, reviewer_a: Persona, outsider_b: Persona
+) -> None:
+    """The pages' EventSource sends the session cookie, no token: it is authenticated and
+    scoped like the session's API calls (a member of another tenant gets the 404)."""
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    _finish(agent_a, run_id, fence, 0)
+    url = f"{web}/api/v1/runs/{run_id}/events/"
+    with httpx.Client(headers=session_cookie(reviewer_a), timeout=30) as http:
+        events, closed = read(http, url)
+    assert closed and as_json(events) == journal_json(run_id)
+    foreign = httpx.get(url, params=STREAM, headers=session_cookie(outsider_b), timeout=30)
+    assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
+
+
+@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
+def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
+    agent_a: Persona,
+) -> None:
+    """Through Django alone (its test client here; a WSGI server alike) a stream of a live
+    run does not hold the worker: the entries so far, then the end (the client resumes)."""
+    run_id = new_run(agent_a.api())["run_id"]
+    take_lease(agent_a.api(), run_id)
+    answer = agent_a.api().get(f"/api/v1/runs/{run_id}/events/", {"stream": "1", "after": "1"})
+    assert answer.status_code == 200 and answer["Content-Type"] == "text/event-stream"
+    body = b"".join(answer).decode()  # Django consumes the async body as a WSGI server would
+    assert [line for line in body.splitlines() if line.startswith("id:")] == ["id: 2"]
+    assert "event: lease_taken" in body
+
+
+def test_a_quiet_stream_sends_a_comment_line_within_15_s(web: str, agent_a: Persona) -> None:
+    """API.md: a comment line at least every 15 s (a proxy's idle timeout, a client's read
+    timeout): the first at once, the next before 15 s of quiet are over (and some margin)."""
+    url = f"{web}/api/v1/approvals/"
+    lines: list[tuple[float, str]] = []
+    start = time.monotonic()
+    with httpx.stream("GET", url, params=STREAM, headers=headers(agent_a), timeout=30) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            lines.append((time.monotonic() - start, line))
+            if len([text for _, text in lines if text.startswith(":")]) == 2:
+                break
+    comments = [(at, text) for at, text in lines if text.startswith(":")]
+    assert comments[0][0] < 5 and comments[1][0] < 15 + 3, lines
+    assert not [text for _, text in lines if text and not text.startswith(":")]  # no event
+
+
+def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
+    body = {
+        "fence": fence,
+        "expected_rev": rev,
+        "state": {},
+        "next_step": "",
+        "status": "completed",
+    }
+    ok(post(agent.api(), f"runs/{run_id}/checkpoints/", body), 201)
+
+
+def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
+    web: str, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    grant_policy(agent_a.tenant)
+    run = new_run(agent_a.api())
+    fence = take_lease(agent_a.api(), run["run_id"])
+
+    async def watch() -> list[dict[str, Any]]:
+        seen: list[dict[str, Any]] = []
+        async with httpx.AsyncClient(headers=headers(agent_a), timeout=60) as http:
+            url = f"{web}/api/v1/approvals/"
+            async with http.stream("GET", url, params=STREAM) as response:
+                assert response.status_code == 200
+                opened.set()
+                async for sse in EventSource(response).aiter_sse():
+                    if not sse.data:  # a comment line
+                        continue
+                    assert sse.event == "approval"
+                    seen.append(json.loads(sse.data))
+                    created.set()
+                    if seen[-1]["status"] != "pending":
+                        return seen
+        return seen
+
+    async def act() -> None:
+        await opened.wait()
+        await asyncio.sleep(1)  # the stream's first read is done: what follows is new
+        approval = await off_loop(_create)
+        await created.wait()  # seen pending (a change faster than a wake-up shows its result)
+        await off_loop(_decide, approval)
+
+    def _create() -> ApprovalRequest:
+        action = prepare(agent_a.api(), run["run_id"], fence).json()
+        return ApprovalRequest.objects.get(action_id=action["action_id"])
+
+    def _decide(approval: ApprovalRequest) -> None:
+        decision = {"decision": "approve", "action_hash": approval.action_hash}
+        ok(post(reviewer_a.api(), f"approvals/{approval.pk}/decision/", decision))
+
+    async def both() -> list[dict[str, Any]]:
+        seen, _ = await asyncio.wait_for(asyncio.gather(watch(), act()), 60)
+        return seen
+
+    opened, created = asyncio.Event(), asyncio.Event()
+    seen = asyncio.run(both())
+    assert [a["status"] for a in seen] == ["pending", "approved"]
+    assert seen[0]["id"] == seen[1]["id"] and seen[1]["decided_by"] == reviewer_a.user.username
+
+
+def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
+    run = new_run(agent_a.api())
+    run_id = run["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    _finish(agent_a, run_id, fence, 0)
+    journal = journal_json(run_id)
+    with Client(web, agent_a.token or "") as client:
+        followed = list(client.events(run_id, follow=True))
+        assert [e.seq for e in followed] == [e["seq"] for e in journal]
+        assert followed[-1].payload["status"] == "completed"
+        tail = [e.seq for e in client.events(run_id, after=journal[1]["seq"], follow=True)]
+        assert tail == [e["seq"] for e in journal[2:]]
+
+    async def follow_live() -> list[int]:
+        async with AsyncClient(web, agent_a.token or "") as client:
+            seqs = []
+            async for entry in client.events(second, follow=True):
+                seqs.append(entry.seq)
+                if entry.type == "lease_taken":  # the run is live: finish it meanwhile
+                    await off_loop(_finish, agent_a, second, second_fence, 0)
+            return seqs
+
+    second = new_run(agent_a.api())["run_id"]
+    second_fence = take_lease(agent_a.api(), second)
+    seqs = asyncio.run(asyncio.wait_for(follow_live(), 60))
+    assert seqs == [e["seq"] for e in journal_json(second)]
+
+
+class CuttingProxy:
+    """A TCP proxy to the web server that hangs up on its first connection as soon as it has
+    passed on an event of type `cut_after` — a lost connection mid-stream, as a client sees
+    one — and passes every later connection whole. `requests`: what each connection sent."""
+
+    def __init__(self, upstream: str, cut_after: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.marker = f"event: {cut_after}\n".encode()
+        self.requests: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            index = len(self.requests)
+            self.requests.append(b"")
+            threading.Thread(target=self._serve, args=(down, index), daemon=True).start()
+
+    def _serve(self, down: socket.socket, index: int) -> None:
+        cut = index == 0
+        up = socket.create_connection(self.upstream)
+
+        def upward() -> None:
+            with contextlib.suppress(OSError):
+                while chunk := down.recv(65536):
+                    self.requests[index] += chunk
+                    up.sendall(chunk)
+
+        threading.Thread(target=upward, daemon=True).start()
+        seen = b""
+        with contextlib.suppress(OSError), down, up:
+            while chunk := up.recv(65536):
+                down.sendall(chunk)
+                seen += chunk
+                at = seen.find(self.marker)
+                if cut and at >= 0 and seen.find(b"\n\n", at) >= 0:  # that event is out
+                    down.shutdown(socket.SHUT_RDWR)
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def last_event_ids(proxy: CuttingProxy) -> list[str | None]:
+    """The Last-Event-ID each connection through the proxy sent (None: none)."""
+    found = []
+    for raw in proxy.requests:
+        header = [line for line in raw.split(b"\r\n") if line.lower().startswith(b"last-event-id:")]
+        found.append(header[0].split(b":", 1)[1].strip().decode() if header else None)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_client_events_resume_after_a_lost_connection_with_last_event_id(
+    web: str, agent_a: Persona, kind: str
+) -> None:
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    lease_seq = journal_json(run_id)[-1]["seq"]
+    proxy = CuttingProxy(web, cut_after="lease_taken")
+    seqs: list[int] = []
+    try:
+        if kind == "sync":
+            with Client(proxy.url, agent_a.token or "") as client:
+                for entry in client.events(run_id, follow=True):
+                    seqs.append(entry.seq)
+                    if entry.type == "lease_taken":  # the connection is being cut meanwhile
+                        _finish(agent_a, run_id, fence, 0)
+        else:
+
+            async def follow() -> None:
+                async with AsyncClient(proxy.url, agent_a.token or "") as client:
+                    async for entry in client.events(run_id, follow=True):
+                        seqs.append(entry.seq)
+                        if entry.type == "lease_taken":
+                            await off_loop(_finish, agent_a, run_id, fence, 0)
+
+            asyncio.run(asyncio.wait_for(follow(), 60))
+    finally:
+        proxy.close()
+    assert seqs == [e["seq"] for e in journal_json(run_id)]  # each once, in order, to the end
+    streams = [r for r in proxy.requests if b"stream=1" in r.split(b"\r\n", 1)[0]]
+    assert len(streams) >= 2  # it did reconnect
+    resumed = last_event_ids(proxy)
+    assert resumed[0] == "0" and str(lease_seq) in resumed[1:]
+
+
+def server_threads(proc: subprocess.Popen[bytes]) -> int:
+    """The web server process's threads (Linux: one /proc task each)."""
+    return len(os.listdir(f"/proc/{proc.pid}/task"))
+
+
+@pytest.mark.postgres
+def test_200_stream_clients_hold_on_postgresql(
+    server: tuple[subprocess.Popen[bytes], str], agent_a: Persona
+) -> None:
+    """200 clients of one uvicorn process: each gets every entry once, other calls answer,
+    and the server's database connections and threads stay bounded — a stream holds
+    neither (runtime.api.sse: at most OPENERS + READERS threads and READERS + 1 connections
+    for all streams together)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the connection count is a PostgreSQL figure")
+    proc, web = server
+    # More for a figure (above 600 also raise HOLDPOINT_API_RATE: one token opens them all).
+    clients = int(os.environ.get("HOLDPOINT_LIVE_CLIENTS", "200"))
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    database = connection.settings_dict["NAME"]
+
+    def server_connections() -> int:
+        """Every connection to the test database but this test process's own."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                " AND pid <> pg_backend_pid()",
+                [database],
+            )
+            row = cursor.fetchone()
+            assert row is not None
+            return int(row[0])
+
+    def figures() -> tuple[int, int]:
+        return server_connections(), server_threads(proc)
+
+    def head() -> int:
+        return max(e["seq"] for e in journal_json(run_id))
+
+    latest = [0] * clients  # each client's last seq: how far the fan-out got
+
+    async def one(http: httpx.AsyncClient, ready: asyncio.Queue[None], index: int) -> list[int]:
+        seqs: list[int] = []
+        url = f"{web}/api/v1/runs/{run_id}/events/"
+        async with http.stream("GET", url, params=STREAM) as response:
+            assert response.status_code == 200
+            async for sse in EventSource(response).aiter_sse():
+                if not sse.data:  # a comment line: httpx-sse makes it an empty event
+                    continue
+                seqs.append(int(sse.id))
+                latest[index] = seqs[-1]
+                if len(seqs) == 2:  # run_created and lease_taken: connected and caught up
+                    ready.put_nowait(None)
+        return seqs
+
+    async def everyone_has(seq: int) -> None:
+        while min(latest) < seq:
+            await asyncio.sleep(0.005)
+
+    async def scenario() -> tuple[list[list[int]], list[tuple[int, int]], list[int]]:
+        limits = httpx.Limits(max_connections=clients + 20, max_keepalive_connections=0)
+        timeout = httpx.Timeout(120)
+        async with httpx.AsyncClient(
+            headers=headers(agent_a), limits=limits, timeout=timeout
+        ) as http:
+            ready: asyncio.Queue[None] = asyncio.Queue()
+            streams = [asyncio.create_task(one(http, ready, i)) for i in range(clients)]
+            for _ in range(clients):
+                await asyncio.wait_for(ready.get(), 120)
+            seen = [await off_loop(figures)]
+            statuses: list[int] = []
+            for rev in range(5):  # the run moves while all 200 are connected
+                body = {
+                    "fence": fence,
+                    "expected_rev": rev,
+                    "state": {"rev": rev},
+                    "next_step": "x",
+                }
+                posted = time.monotonic()
+                answer = await http.post(f"{web}/api/v1/runs/{run_id}/checkpoints/", json=body)
+                statuses.append(answer.status_code)
+                await asyncio.wait_for(everyone_has(await off_loop(head)), 60)
+                delivered.append(time.monotonic() - posted)  # POST sent .. the last client has it
+                other = await http.get(f"{web}/api/v1/runs/", timeout=30)
+                statuses.append(other.status_code)
+                seen.append(await off_loop(figures))
+            await off_loop(_finish, agent_a, run_id, fence, 5)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 180)
+            seen.append(await off_loop(figures))
+            return results, seen, statuses
+
+    before = figures()
+    delivered: list[float] = []
+    results, seen, statuses = asyncio.run(scenario())
+    expected = [e["seq"] for e in journal_json(run_id)]
+    wrong = [seqs for seqs in results if seqs != expected]
+    assert not wrong, (len(wrong), expected, wrong[:3])
+    assert set(statuses) == {200, 201}  # other calls answered while 200 streams were open
+    connections, threads = max(c for c, _ in seen), max(t for _, t in seen)
+    print(
+        f"\n{clients} streams on one uvicorn process: database connections {before[0]} before,"
+        f" {[c for c, _ in seen]} while open (max {connections}); server threads {before[1]}"
+        f" before, {[t for _, t in seen]} while open (max {threads}); a checkpoint POSTed"
+        f" until all {clients} had its entry: {[round(d * 1000) for d in delivered]} ms"
+    )
+    # One LISTEN connection, at most READERS (4) readers' ones, the API calls in flight.
+    assert connections <= 8, seen
+    # The loop, OPENERS (8) + READERS (4) pool threads, a few of Django's and asyncio's:
+    # bounded and far below one per client.
+    assert threads <= 32, seen
+
+
+@pytest.mark.postgres
+def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> None:
+    """The LISTEN connection killed (a database restart, a proxy's idle cut) while a stream
+    waits: the doorbell listens again and re-reads, so the entries written meanwhile arrive,
+    once each, well before the 15 s heartbeat's re-read would bring them."""
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+
+    def listeners(kill: bool) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
+                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'",
+                [kill],
+            )
+            row = cursor.fetchone()
+            assert row is not None
+            return int(row[0])
+
+    async def scenario() -> list[int]:
+        seqs: list[int] = []
+        async with httpx.AsyncClient(headers=headers(agent_a), timeout=60) as http:
+            url = f"{web}/api/v1/runs/{run_id}/events/"
+            async with http.stream("GET", url, params=STREAM) as response:
+                async for sse in EventSource(response).aiter_sse():
+                    if not sse.data:  # a comment line
+                        continue
+                    seqs.append(int(sse.id))
+                    if sse.event == "lease_taken":  # caught up: cut its doorbell, then write
+                        assert await off_loop(listeners, True) == 2  # one found, one killed
+                        await off_loop(_finish, agent_a, run_id, fence, 0)
+        return seqs
+
+    seqs = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert seqs == [e["seq"] for e in journal_json(run_id)]
+    assert listeners(False) == 1  # listening again
+
+
+def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
+    web: str, agent_a: Persona, reviewer_a: Persona, new_page: Callable[[], Page]
+) -> None:
+    """In Chromium, on the real server: once the run's stream is open the page stops its 2 s
+    polls, and an entry the agent writes shows at once (the fragment re-fetched on it)."""
+    from playwright.sync_api import expect
+
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    page = new_page()
+    fetched: list[str] = []
+    page.on("request", lambda r: fetched.append(r.url))
+    log_in(page, web, reviewer_a.user.get_username(), f"pw-{reviewer_a.user.get_username()}")
+    page.goto(f"{web}/runs/{run_id}/")
+    expect(page.locator("#run-header-title .badge")).to_have_text("running")
+    procs.wait_for(lambda: any("stream=1" in url for url in fetched), timeout=15)
+    time.sleep(1.5)  # the stream's backlog may ring once: that re-fetch is done
+    polls = [url for url in fetched if f"/runs/{run_id}/live/" in url]
+    time.sleep(6.5)  # three polling intervals
+    assert [url for url in fetched if f"/runs/{run_id}/live/" in url] == polls
+    _finish(agent_a, run_id, fence, 0)
+    # Well before the next poll would be let through (live.js: one per 30 s while open).
+    expect(page.locator("#run-header-title .badge")).to_have_text("completed", timeout=5000)
