@@ -42,7 +42,7 @@ from runtime.lifecycle import (
     resume_run,
     revise_goal,
 )
-from runtime.models import Membership, Role, Run, RunStatus
+from runtime.models import Action, ActionStatus, Membership, Role, Run, RunStatus
 from runtime.pages.access import (
     HtmxHttpRequest,
     page_input,
@@ -262,6 +262,12 @@ def waiting_of(run: Run) -> Waiting | None:
             prompt=prompt,
         )
     if kind == "reconciliation" and action_id:
+        settled = _settled_status(run, action_id)
+        if settled:  # a person (or a late answer) settled it: the run goes on without one
+            return Waiting(
+                f"{tool} was settled ({settled}); the run goes on when a worker takes it.",
+                prompt=prompt,
+            )
         return Waiting(
             f"Waiting for a person to settle whether {tool} happened: the service's answer "
             "did not prove it either way.",
@@ -284,6 +290,21 @@ def waiting_of(run: Run) -> Waiting | None:
             until=until,
         )
     return Waiting(f"Waiting ({kind or 'unknown'})" + (f": {prompt}" if prompt else "") + ".")
+
+
+def _settled_status(run: Run, action_id: str) -> str:
+    """The action's status once it no longer waits for a person ("" while it does, or when
+    the id names nothing of the run's tenant): only then is the Reconcile page linked."""
+    try:
+        key = UUID(action_id)
+    except ValueError:
+        return ""
+    status = (
+        Action.objects.filter(pk=key, tenant_id=run.tenant_id)
+        .values_list("status", flat=True)
+        .first()
+    )
+    return "" if status in (None, ActionStatus.MANUAL_REVIEW) else str(status)
 
 
 def _url(name: str, action_id: str) -> str:

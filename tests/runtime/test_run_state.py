@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from html import unescape
 from typing import Any
 
+import pytest
 from django.test import Client
 from django.urls import reverse
 
@@ -71,6 +72,7 @@ def test_waiting_for_input_is_a_sentence_pointing_at_the_form(
     assert "{&quot;kind&quot;" not in html and '"kind": "input"' not in html  # no raw JSON
 
 
+@pytest.mark.django_db
 def test_waiting_for_a_timer_or_a_reconciliation_in_words() -> None:
     until = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
     timer = waiting_of(Run(waiting_for={"kind": "timer", "until": until.isoformat()}))
