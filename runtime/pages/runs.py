@@ -51,6 +51,7 @@ from runtime.pages.access import (
     scoped_or_404,
 )
 from runtime.pages.display import pretty, timeline_row
+from runtime.pages.picture import picture_context
 from runtime.protocol import name_executor
 from runtime.tenancy import (
     Principal,
@@ -326,11 +327,13 @@ def _when(value: Any) -> datetime | None:
 def _live_context(
     principal: Principal, run: Run, seen: str, state_rev: int | None = None
 ) -> dict[str, Any]:
-    """What the live part shows: header, actions, timeline and whether the chain holds —
+    """What the live part shows: header, the Steps and Flow pictures, actions, timeline and
+    whether the chain holds —
     and the State panel, re-rendered (out of band) only when the checkpoint moved past
     `state_rev`, the one the page shows, so a quiet poll never ships the state again."""
     stream = run_stream(run.run_id)
-    entries = list(journal_for(principal).filter(stream=stream).order_by("-seq")[:TIMELINE_LIMIT])
+    journal = journal_for(principal).filter(stream=stream)
+    entries = list(journal.order_by("-seq")[:TIMELINE_LIMIT])
     actions = list(
         actions_for(principal)
         .filter(run=run)
@@ -361,6 +364,7 @@ def _live_context(
         + urlencode({"seen": seen, "state": run.checkpoint_rev}),
         "stale": seen != _seen_token(run),
         "waiting": waiting_of(run),
+        **picture_context(run, journal),
         **state,
     }
 

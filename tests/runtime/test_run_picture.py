@@ -1,0 +1,154 @@
+"""The run as a picture (issue 20): the Steps panel names the graph's steps with the current
+one marked, and the Flow view groups the journal into step visits with durations — both in
+the live fragment the page polls, so they move with the header.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from html import unescape
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group
+from django.test import Client
+from django.urls import reverse
+
+from approvals.decisions import decide
+from approvals.models import ApprovalPolicy, ApprovalRequest
+from approvals.policies import grant
+from runtime import protocol
+from runtime.executor import advance_run
+from runtime.leases import take_lease
+from runtime.lifecycle import create_run
+from runtime.models import Run, Tenant
+from runtime.pages.picture import duration_words
+from tests.conftest import Persona
+from tests.sandbox import Sandbox
+
+HX = {"HTTP_HX_REQUEST": "true"}
+GOAL = {
+    "old_spec": "shop-v1",
+    "new_spec": "shop-v2",
+    "scope": ["/orders", "/users"],
+    "create_review_task": True,
+}
+STEPS = ["read_specs", "analyse", "report", "propose_task"]
+
+
+def text(html: str) -> str:
+    return " ".join(unescape(re.sub(r"<[^>]+>", " ", html)).split())
+
+
+def steps_of(html: str) -> dict[str, tuple[str, str]]:
+    """step name -> (mark class, the row's text) from the Steps panel."""
+    rows = re.findall(r'<li class="step ([a-z-]+)" data-step="([^"]+)"[^>]*>(.*?)</li>', html, re.S)
+    return {name: (mark, text(body)) for mark, name, body in rows}
+
+
+def section(html: str, ident: str) -> str:
+    found = re.search(rf'<section class="card [^"]*" id="{ident}".*?</section>', html, re.S)
+    assert found is not None, ident
+    return found.group(0)
+
+
+@pytest.fixture
+def held(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> tuple[Run, ApprovalRequest]:
+    """An api-review run parked at its hold point (tasks.create, decided by A's reviewers)."""
+    policy = ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="tasks need review", tool="tasks.create"
+    )
+    grant(policy, Group.objects.get(name="acme-reviewers"))
+    sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    run.refresh_from_db()
+    return run, ApprovalRequest.objects.get(run=run)
+
+
+def test_the_steps_panel_marks_the_step_waiting_for_approval_then_all_done(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, request = held
+    client.force_login(reviewer_a.user)
+    page = client.get(reverse("run", args=[run.run_id])).content.decode()
+    steps = steps_of(section(page, "run-steps"))
+    assert list(steps) == STEPS  # the graph's order
+    for name in ("read_specs", "analyse", "report"):
+        mark, row = steps[name]
+        assert mark == "done" and "done" in row and "1 visit" in row
+        assert re.search(r"\d+(\.\d)? s", row), row  # its total duration
+    mark, row = steps["propose_task"]
+    assert mark == "current" and "current — waiting for approval" in row
+    assert 'aria-current="step"' in section(page, "run-steps")
+    assert "(start)" in steps["read_specs"][1]
+
+    flow = text(section(page, "run-flow"))
+    assert "recorded call spec:shop-v1" in flow and "recorded call spec:shop-v2" in flow
+    assert "action tasks.create awaiting_approval" in flow
+    assert "approval requested policy tasks need review" in flow
+    assert "so far" in flow and "in progress" in flow  # the open request and visit count on
+    assert "Timeline" in page and "step_committed" in page  # the audit view stays below
+
+    decide(request.pk, reviewer_a.user, "approve", request.action_hash)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    run.refresh_from_db()
+    live_url = unescape(re.search(r'id="run-live"[^>]*hx-get="([^"]+)"', page).group(1))  # type: ignore[union-attr]
+    live = client.get(live_url, **HX).content.decode()
+    steps = steps_of(section(live, "run-steps"))  # the poll carries the panel
+    assert {name: mark for name, (mark, _) in steps.items()} == dict.fromkeys(STEPS, "done")
+    flow = text(section(live, "run-flow"))
+    assert "approval approved" in flow and "approve by user:alice" in flow
+    assert "awaiting_approval → approved" in flow and "→ confirmed" in flow
+    assert "completed the run" in flow and "in progress" not in flow
+
+
+def test_a_queued_run_marks_its_start_step_and_nothing_reached(
+    client: Client, reviewer_a: Persona, tenant_a: Tenant
+) -> None:
+    run = create_run(tenant_a, "api-review", GOAL, actor="user:bob")
+    client.force_login(reviewer_a.user)
+    steps = steps_of(client.get(reverse("run", args=[run.run_id])).content.decode())
+    assert steps["read_specs"][0] == "current" and "current — queued" in steps["read_specs"][1]
+    assert [steps[n][0] for n in STEPS[1:]] == ["not-reached"] * 3
+    assert "not reached" in steps["analyse"][1] and "—" in steps["analyse"][1]
+
+
+def test_an_external_run_is_one_step_api_counting_its_checkpoints(
+    client: Client, reviewer_a: Persona, tenant_a: Tenant
+) -> None:
+    run = create_run(tenant_a, "chain", {"steps": 3}, actor="agent:t", external=True)
+    fence = take_lease(run.run_id, "p1", 30, runnable_only=False).fence
+    run = Run.objects.get(pk=run.pk)
+    protocol.write_checkpoint(run, fence, 0, {"n": 1}, "tick", "agent:t")
+    protocol.write_checkpoint(run, fence, 1, {"n": 2}, "tick", "agent:t")
+    client.force_login(reviewer_a.user)
+    page = client.get(reverse("run", args=[run.run_id])).content.decode()
+    steps = steps_of(page)
+    assert list(steps) == ["api"]  # not the graph's own steps: the executor is outside
+    mark, row = steps["api"]
+    assert mark == "current" and "current — running" in row and "2 visits" in row
+    assert "counts checkpoints as visits" in text(section(page, "run-steps"))
+
+
+def test_durations_read_as_words() -> None:
+    from datetime import timedelta
+
+    assert duration_words(timedelta(seconds=0.42)) == "0.4 s"
+    assert duration_words(timedelta(seconds=75)) == "1 min 15 s"
+    assert duration_words(timedelta(hours=2, minutes=10)) == "2 h 10 min"
+
+
+def test_a_rejection_reads_as_rejected_in_the_flow(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, request = held
+    decide(request.pk, reviewer_a.user, "reject", request.action_hash, reason="not now")
+    advance_run(run.run_id, "w1")
+    client.force_login(reviewer_a.user)
+    flow = text(section(client.get(reverse("run", args=[run.run_id])).content.decode(), "run-flow"))
+    assert "approval rejected" in flow and "reject by user:alice" in flow
+    assert "→ cancelled" in flow
