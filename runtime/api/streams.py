@@ -60,7 +60,12 @@ EVENT_STREAM = OpenApiResponse(
 
 
 def requested(request: Request) -> bool:
-    return request.query_params.get("stream") == "1"
+    """`stream=1` asks for the stream; no `stream` for the list. Any other value is refused
+    (422) rather than read as "no": the document allows only "1"."""
+    value = request.query_params.get("stream")
+    if value is None or value == "1":
+        return value == "1"
+    raise InvalidParams('stream must be "1" (or absent)', errors={"stream": ['only "1"']})
 
 
 class StreamingList(ApiView):

@@ -218,6 +218,10 @@ def test_streams_are_scoped_like_every_call(web: str, agent_a: Persona, agent_b:
         url, params=STREAM, headers={**headers(agent_a), "Last-Event-ID": "x"}, timeout=30
     )
     assert bad.status_code == 422 and bad.json()["code"] == "invalid_params"
+    # stream takes "1" only: anything else is refused, not read as the plain list.
+    for path in (url, f"{web}/api/v1/approvals/"):
+        odd = httpx.get(path, params={"stream": "yes"}, headers=headers(agent_a), timeout=30)
+        assert odd.status_code == 422 and odd.json()["errors"] == {"stream": ['only "1"']}
 
 
 def test_a_reviewer_page_streams_with_its_session_cookie(
