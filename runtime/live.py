@@ -45,12 +45,18 @@ RETRY_SECONDS = 1.0
 
 def _read_in_thread(fn: Callable[[], T]) -> T:
     """One reader thread's call: its kept connection is dropped after a database error, so
-    the next read reconnects (a restarted database, a killed backend)."""
+    the next read reconnects (a restarted database, a killed backend). On SQLite it is
+    closed after every read: opening one is a file open, and a connection kept by an idle
+    reader thread blocks whoever needs the file alone (leaving WAL mode, a VACUUM) with
+    "database is locked"."""
     try:
         return fn()
     except DatabaseError:
         connection.close()
         raise
+    finally:
+        if connection.vendor == "sqlite":
+            connection.close()
 
 
 class Doorbell:
