@@ -9,11 +9,9 @@ in var/screenshots/ (git-ignored) for a person to look at.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from django.conf import settings
 from django.db import transaction
 
 from approvals.decisions import decide
@@ -24,7 +22,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Tenant
 from runtime.tools import get_tool
 from tests.approvals.test_pages import raise_request
-from tests.browser import log_in
+from tests.browser import log_in, screenshot
 from tests.conftest import Persona
 
 try:
@@ -38,12 +36,6 @@ if TYPE_CHECKING:
 pytest_plugins = ("tests.browser",)
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 Pages = Callable[[], "Page"]
-SHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
-
-
-def shot(page: Page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / name), full_page=True)
 
 
 HOSTILE = (
@@ -68,7 +60,7 @@ def test_the_card_in_a_browser_and_a_hostile_reason_runs_nothing(
     expect(page.locator("#why li")).to_have_count(3)
     expect(page.locator("#baseline")).to_contain_text("Create task: Review 2 API risks")
     expect(page.locator("#baseline ins").first).to_be_visible()
-    shot(page, "request-1280.png")
+    screenshot(page, "request-1280.png")
     widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     print("request page scrollWidth/innerWidth at 1280:", widths)
 
@@ -106,7 +98,7 @@ def test_the_run_page_state_updates_live_and_waiting_links_to_the_request(
     expect(page.locator("#waiting-for")).to_contain_text(
         "Waiting for a reviewer to approve or reject tasks.create."
     )
-    shot(page, "run-1280.png")
+    screenshot(page, "run-1280.png")
     page.click("#waiting-for a.waiting-link")
     page.wait_for_url(f"{live_server.url}/approvals/{request.pk}/")
 
@@ -137,4 +129,4 @@ def test_a_reject_shows_rejected_and_what_next(
     )
     expect(page.locator("#outcome")).to_contain_text("By alice")
     assert page.locator("#reject-button").count() == 0
-    shot(page, "request-rejected-1280.png")
+    screenshot(page, "request-rejected-1280.png")

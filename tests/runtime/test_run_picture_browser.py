@@ -7,15 +7,13 @@ land in var/screenshots/run-picture-<width>.png (git-ignored) for a person to lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from django.conf import settings
 
 from approvals.decisions import decide
 from runtime.executor import advance_run
-from tests.browser import log_in
+from tests.browser import log_in, screenshot
 from tests.conftest import Persona
 from tests.runtime.test_run_picture import held  # noqa: F401  (the fixture)
 
@@ -30,12 +28,6 @@ if TYPE_CHECKING:
 pytest_plugins = ("tests.browser",)
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 Pages = Callable[[], "Page"]
-SHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
-
-
-def screenshot(page: Page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / name), full_page=True)
 
 
 def no_sideways_scroll(page: Page) -> tuple[int, int]:
