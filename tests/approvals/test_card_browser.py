@@ -3,7 +3,7 @@
 What only a browser proves: a hostile reason runs nothing (no dialog opens, no javascript:
 link exists to click), the State panel really is swapped by htmx while the page is open,
 and the "Waiting for" link takes the reviewer to the request. Screenshots at 1280 px land
-in var/screenshots/ (git-ignored) for a person to look at.
+in var/test/screenshots/ (git-ignored) for a person to look at.
 """
 
 from __future__ import annotations

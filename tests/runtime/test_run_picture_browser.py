@@ -1,7 +1,7 @@
 """The run picture in a real browser (Debian's Chromium, Playwright): the Steps panel moves
 while the page is open — the current step leaves `propose_task` once a reviewer decided and
 the run completed — and the page does not scroll sideways at 1280 or 390 px. Screenshots
-land in var/screenshots/run-picture-<width>.png (git-ignored) for a person to look at.
+land in var/test/screenshots/run-picture-<width>.png (git-ignored) for a person to look at.
 """
 
 from __future__ import annotations
