@@ -2,7 +2,9 @@
 
 The order is the guarantee: prepare (with the step's checkpoint) → commit `sent` → call the
 tool outside any transaction → record what came back (with a checkpoint) — each with a named
-fault point between, so tests can kill a real worker in every window. Reconciliation follows
+fault point between, so tests can kill a real worker in every window. For a tool reconcilable
+by key or lookup that no hold point holds, the prepare and the `sent` mark are one commit
+(`after_prepare` and `after_sent_mark` are then reached one after the other). Reconciliation follows
 the tool's dedup contract: replay with the same key, look up by key, or ask a human.
 """
 
@@ -143,7 +145,11 @@ class ActionRunner:
                 action = ledger.find_action(run, ctx.step, call_index, canonical[1])
                 if action is None:
                     raise
-            fault(FaultPoint.AFTER_PREPARE)
+            else:
+                fault(FaultPoint.AFTER_PREPARE)
+                if action.status == S.SENT:  # prepared and marked sent in one commit
+                    fault(FaultPoint.AFTER_SENT_MARK)
+                    action = self.call(tool, action)
         return self.drive(ctx, tool, action)
 
     @observe.phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
@@ -157,11 +163,21 @@ class ActionRunner:
         call_index: int,
         canonical: tuple[str, str],
     ) -> Action:
+        """Insert the action with a checkpoint (the same state, the same step, the prepared
+        action — one transaction). An action of a tool reconcilable by key or lookup that no
+        hold point holds is marked `sent` in that same commit: a crash before its request
+        leaves is then settled by a replay or a lookup, as after any `sent` mark. A `none`
+        tool's action stays `prepared` on its own commit (a crash there must not cost a
+        person); a held one waits for its approval."""
         run, lease = self.host.run, self.lease
-        approval = gates.needs_approval(tool, params, run, target)
+        send_ttl = self.send_at_prepare(tool, params)
         created: list[Action] = []
 
         def insert() -> None:
+            # Asked inside the commit, after its compare-and-swap locked the run row, so this
+            # is also the dispatch re-check of an action marked `sent` here (a new action has
+            # no approval request: the hold points' answer is the same question).
+            approval = gates.needs_approval(tool, params, run, target)
             created.append(
                 ledger.create_action(
                     run,
@@ -175,13 +191,26 @@ class ActionRunner:
                     actor=lease.actor,
                     needs_approval=approval,
                     canonical=canonical,
+                    send_ttl=None if approval else send_ttl,
                 )
             )
 
-        # Checkpointed around the side effect: the same state, the same step, and the
-        # prepared action — in one transaction.
         self.host.checkpoint_action(ctx.step, insert)
         return created[0]
+
+    def send_at_prepare(self, tool: Tool, params: dict[str, Any]) -> float | None:
+        """The lease TTL to mark `sent` with at prepare, or None (prepare only): the tool must
+        be reconcilable by key or lookup, pass its precheck and be admitted by its breaker —
+        the checks `send` makes before its own mark."""
+        if tool.dedup_mode() == Dedup.NONE:
+            return None
+        if tool.precheck is not None:
+            tool.precheck(params)
+        try:
+            tool.breaker.admit()
+        except CircuitOpen:
+            return None  # prepared only; `send` raises ToolUnavailable as it always did
+        return self.lease.ttl
 
     def drive(self, ctx: StepContext, tool: Tool, action: Action) -> ActionResult:
         """Take an action from wherever it is to a result, a wait, or a parked run."""
@@ -222,6 +251,10 @@ class ActionRunner:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
         fault(FaultPoint.AFTER_SENT_MARK)
+        return self.call(tool, action)
+
+    def call(self, tool: Tool, action: Action) -> Action:
+        """The request of an action whose `sent` is committed, and what came back, recorded."""
         with observe.sending(action):
             result = tool.call(
                 action.params,

@@ -185,12 +185,19 @@ def create_action(
     needs_approval: bool,
     canonical: tuple[str, str] | None = None,
     key: str | None = None,
+    send_ttl: float | None = None,
 ) -> Action:
     """Insert a prepared action (inside the transaction that fences it: a worker's step
     checkpoint, an external executor's prepare) — the one Action constructor.
 
     `canonical`: the (text, fingerprint) the caller already computed from `params`. `key`: an
-    idempotency key the client chose; else the one derived from the step visit's call."""
+    idempotency key the client chose; else the one derived from the step visit's call.
+
+    `send_ttl` (the sender's lease TTL): an action that needs no approval is marked `sent` in
+    the same transaction — its `sent` commit is its prepare's. Only for a caller whose
+    transaction already holds the run row under `fence` at the run's goal_rev (the step
+    commit's compare-and-swap ran first) and for a tool reconcilable by key or lookup: a
+    crash before the request leaves then costs a replay or a lookup, never a person."""
     text, fingerprint = canonical or canonical_params(params)
     key = key or idempotency_key(run, step, call_index)
     now = timezone.now()
@@ -231,6 +238,8 @@ def create_action(
     )
     if action.status == S.AWAITING_APPROVAL:
         gates.hold(action, run, actor)
+    elif send_ttl is not None:
+        transition(action, S.SENT, actor, **_sent_changes(fence, send_ttl, tool))
     return action
 
 
@@ -329,6 +338,17 @@ def _unheld_goal_rev(action: Action, fence: int, tool: Tool) -> int | None:
     return int(goal_rev)
 
 
+def _sent_changes(fence: int, ttl: float, tool: Tool) -> dict[str, Any]:
+    """What marking `sent` writes: the sender's fence and, in database time, until when it
+    may still be in flight (its lease plus the tool's longest request)."""
+    return {
+        "sent_fence": fence,
+        "sent_at": statements.NOW,
+        "in_flight_until": statements.DbNow(ttl + tool.timeout),
+        "attempts": statements.Add(1),
+    }
+
+
 def mark_sent(
     action: Action,
     fence: int,
@@ -350,12 +370,7 @@ def mark_sent(
     permission) makes the ledger hold the action again (`hold_again`) — committed — and
     refuse the send.
     """
-    changes: dict[str, Any] = {
-        "sent_fence": fence,
-        "sent_at": statements.NOW,
-        "in_flight_until": statements.DbNow(ttl + tool.timeout),
-        "attempts": statements.Add(1),
-    }
+    changes = _sent_changes(fence, ttl, tool)
     if action.tool_version != tool.version:
         action = _take_version(action, fence, tool, actor)
     with transaction.atomic(durable=True):

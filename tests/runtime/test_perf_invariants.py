@@ -80,14 +80,22 @@ class Ledgered(Tool):
 
 
 register_tool(Ledgered(name="perf.effect", schema={"type": "object"}, precheck=_before_send))
+# The same effect from a service that can neither deduplicate nor be asked: its actions are
+# prepared on a commit of their own, and marked sent on the next.
+register_tool(
+    Ledgered(
+        name="perf.effect-once", schema={"type": "object"}, precheck=_before_send, dedup="none"
+    )
+)
 
 MAX_ACTS = 20
-acts = Graph("perf-acts", version="1", tools=("perf.effect",))
+acts = Graph("perf-acts", version="1", tools=("perf.effect", "perf.effect-once"))
 
 
 def act_once(ctx: StepContext) -> Outcome:
     i = ctx.state.get("i", 0) + 1
-    ctx.act("perf.effect", {"n": i, "pad": ctx.goal.get("pad", "")}, reason="perf")
+    tool = ctx.goal.get("tool", "perf.effect")
+    ctx.act(tool, {"n": i, "pad": ctx.goal.get("pad", "")}, reason="perf")
     update = {"i": i, "pad": ctx.goal["pad"]} if ctx.goal.get("pad") else {"i": i}
     if i >= int(ctx.goal["steps"]):
         return Complete(update=update)
@@ -154,8 +162,8 @@ def cost(tenant: Tenant, graph: str, steps: int, **goal: Any) -> dict[str, Any]:
     return seen
 
 
-def marginal(tenant: Tenant, graph: str, short: int, long: int) -> dict[str, float]:
-    a, b = cost(tenant, graph, short), cost(tenant, graph, long)
+def marginal(tenant: Tenant, graph: str, short: int, long: int, **goal: Any) -> dict[str, float]:
+    a, b = cost(tenant, graph, short, **goal), cost(tenant, graph, long, **goal)
     n = long - short
     return {
         "statements": (len(b["sql"]) - len(a["sql"])) / n,
@@ -186,14 +194,57 @@ def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant)
     assert per_step["head_reads"] == 0  # the executor carries the head through
 
 
-def test_an_action_is_four_transactions_and_reads_no_journal_head(
+def test_an_action_is_three_transactions_and_reads_no_journal_head(
     tenant_a: Tenant,
 ) -> None:
     per_action = marginal(tenant_a, "perf-acts", 2, 8)
-    # prepare, sent (required before the request leaves), outcome (required), step commit
-    assert per_action["commits"] == 4
+    # prepare and `sent` (committed before the request leaves), outcome, step commit
+    assert per_action["commits"] == 3
     assert per_action["statements"] <= ACTION_STATEMENTS[connection.vendor], per_action
     assert per_action["head_reads"] == 0
+
+
+def test_an_action_of_a_tool_that_cannot_deduplicate_is_prepared_on_its_own_commit(
+    tenant_a: Tenant,
+) -> None:
+    per_action = marginal(tenant_a, "perf-acts", 2, 8, tool="perf.effect-once")
+    # prepare; `sent` (a crash between them must leave an action safe to send); outcome; step
+    assert per_action["commits"] == 4
+    assert per_action["head_reads"] == 0
+
+
+def test_a_prepare_that_marks_sent_writes_what_a_sent_mark_does(tenant_a: Tenant) -> None:
+    """The fused commit leaves the same ledger record as prepare-then-mark: the prepared and
+    the sent entries in the journal, in that order, one attempt under this fence, an in-flight
+    window in database time; and the run's stream still verifies."""
+    run = create_run(tenant_a, "perf-acts", {"steps": 1}, actor="t")
+    seen: list[Action] = []
+
+    class Spy(Ledgered):
+        def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+            seen.append(Action.objects.get(idempotency_key=key, tenant=tenant_a))
+            return super().call(params_text, key=key, fence=fence, run_id=run_id)
+
+    register_tool(Spy(name="perf.effect", schema={"type": "object"}, precheck=_before_send))
+    try:
+        assert advance_run(run.run_id, "w", slice_seconds=60).outcome == "completed"
+    finally:
+        register_tool(
+            Ledgered(name="perf.effect", schema={"type": "object"}, precheck=_before_send)
+        )
+    [at_call] = seen  # what the database said while the request was out
+    run.refresh_from_db()
+    assert at_call.status == ActionStatus.SENT and at_call.attempts == 1
+    assert at_call.sent_fence == run.fence and at_call.in_flight_until is not None
+    assert at_call.sent_at is not None and at_call.in_flight_until > at_call.sent_at
+    types = [
+        (e.type, e.payload.get("action_status"))
+        for e in JournalEntry.objects.filter(stream=journal.run_stream(run.run_id)).order_by("seq")
+        if e.payload.get("action_id") == str(at_call.action_id)
+    ]
+    assert types[:2] == [("action_prepared", "prepared"), ("action_outcome", "sent")], types
+    assert types[-1] == ("action_outcome", "confirmed"), types
+    assert verify_stream(journal.run_stream(run.run_id)) is None
 
 
 def _prepared_on_this_connection() -> list[tuple[str, int]]:
@@ -375,17 +426,21 @@ def test_an_action_of_this_visit_that_exists_after_all_is_found_not_duplicated(
 # --- `sent` without the full re-check only when nothing can hold the action -----------------
 
 
-def _one_action_run(tenant: Tenant) -> Run:
-    return create_run(tenant, "perf-acts", {"steps": 1}, actor="t")
+def _one_action_run(tenant: Tenant, tool: str = "perf.effect") -> Run:
+    return create_run(tenant, "perf-acts", {"steps": 1, "tool": tool}, actor="t")
 
 
-def test_a_policy_added_between_prepare_and_send_still_holds_the_action(
-    tenant_a: Tenant,
-) -> None:
+# Before the send: for perf.effect-once between its prepare commit and its `sent` mark; for
+# perf.effect (prepared and marked sent in one commit) before that commit.
+BOTH_TOOLS = pytest.mark.parametrize("tool", ["perf.effect", "perf.effect-once"])
+
+
+@BOTH_TOOLS
+def test_a_policy_added_before_the_send_still_holds_the_action(tenant_a: Tenant, tool: str) -> None:
     BEFORE_SEND.append(
-        lambda: ApprovalPolicy.objects.create(tenant=tenant_a, name="hold", tool="perf.effect")
+        lambda: ApprovalPolicy.objects.create(tenant=tenant_a, name="hold", tool=tool)
     )
-    run = _one_action_run(tenant_a)
+    run = _one_action_run(tenant_a, tool)
     result = advance_run(run.run_id, "w", slice_seconds=60)
     run.refresh_from_db()
     action = Action.objects.get(run=run)
@@ -404,8 +459,9 @@ def test_a_policy_of_another_tenant_does_not_hold_the_action(
     assert len(CALLS) == 1
 
 
-def test_a_takeover_between_prepare_and_send_stops_the_old_executor(tenant_a: Tenant) -> None:
-    run = _one_action_run(tenant_a)
+@BOTH_TOOLS
+def test_a_takeover_before_the_send_stops_the_old_executor(tenant_a: Tenant, tool: str) -> None:
+    run = _one_action_run(tenant_a, tool)
 
     def take_over() -> None:
         def other() -> None:
@@ -418,22 +474,31 @@ def test_a_takeover_between_prepare_and_send_stops_the_old_executor(tenant_a: Te
     result = advance_run(run.run_id, "w1", slice_seconds=60)
     assert result.outcome == "stale"
     assert CALLS == []
-    assert Action.objects.get(run=run).status == ActionStatus.PREPARED
+    # perf.effect-once's prepare committed, its send was refused; perf.effect's one commit
+    # (prepare and sent) was refused whole.
+    statuses = list(Action.objects.filter(run=run).values_list("status", flat=True))
+    assert statuses == ([ActionStatus.PREPARED] if tool == "perf.effect-once" else [])
 
 
-def test_a_goal_revision_between_prepare_and_send_sends_nothing(tenant_a: Tenant) -> None:
-    run = _one_action_run(tenant_a)
+@BOTH_TOOLS
+def test_a_goal_revision_before_the_send_sends_nothing(tenant_a: Tenant, tool: str) -> None:
+    run = _one_action_run(tenant_a, tool)
 
     def revise() -> None:
         _in_other_thread(
-            lambda: revise_goal(Run.objects.get(pk=run.pk), {"steps": 1}, 1, actor="user:t")
+            lambda: revise_goal(
+                Run.objects.get(pk=run.pk), {"steps": 1, "tool": tool}, 1, actor="user:t"
+            )
         )
 
     BEFORE_SEND.append(revise)
     advance_run(run.run_id, "w1", slice_seconds=60)
-    first = Action.objects.filter(run=run, goal_rev=1).get()
-    assert first.status == ActionStatus.CANCELLED
+    old = list(Action.objects.filter(run=run, goal_rev=1).values_list("status", flat=True))
+    # perf.effect-once's prepared action is withdrawn; perf.effect's was never written
+    assert old == ([ActionStatus.CANCELLED] if tool == "perf.effect-once" else [])
     assert all(not key.split(":")[1] == "1" for key in CALLS)  # nothing of goal_rev 1 sent
+    if tool == "perf.effect":  # the refused commit was a revision to apply: it goes on at once
+        assert Action.objects.get(run=run, goal_rev=2).status == ActionStatus.CONFIRMED
 
 
 def test_a_stale_fence_is_refused_by_mark_sent_itself(tenant_a: Tenant) -> None:
