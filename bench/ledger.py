@@ -305,8 +305,9 @@ def markdown_section(report: dict[str, Any]) -> list[str]:
         "",
         "## Side-effect overhead",
         "",
-        f"One `tasks.create` through the ledger (`ctx.act`: prepare checkpoint, `sent` commit, "
-        f"HTTP call, outcome checkpoint, then the step commit) against the same request sent "
+        f"One `tasks.create` through the ledger (`ctx.act`: the prepare checkpoint that also "
+        f"commits `sent`, the HTTP call, then the step commit that writes the outcome) against "
+        f"the same request sent "
         f"bare with `httpx.post` to the same sandbox task service (mode {SANDBOX_MODE}, its own "
         f"process). Per round: A = a `bench-act` run of {n} actions, ms per action; B = {n} bare "
         "calls (same bytes, same headers, the pooled client http tools use), ms "

@@ -10,6 +10,7 @@ the tool's dedup contract: replay with the same key, look up by key, or ask a hu
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,34 @@ class ActionResult:
     result: Any
 
 
+@dataclass(frozen=True)
+class Confirmed:
+    """A call's proof that its effect happened, not committed yet: the executor writes it with
+    its next commit — the step's own, or the next checkpoint around a side effect, a park, a
+    failure — so an action costs no commit of its own for its outcome. Until then the action
+    is `sent`, and a crash leaves it to be settled by the tool's contract (a replay with the
+    same key, or a lookup), as a crash right after the response would."""
+
+    action: Action
+    result: CallResult
+    actor: str
+    fence: int
+
+    def write(self) -> None:
+        """In the commit's transaction, after its compare-and-swap locked the run row."""
+        _, changes = outcome_of(self.result)
+        ledger.transition(self.action, S.CONFIRMED, self.actor, **changes)
+
+    def late(self) -> None:
+        """The commit found the run moved (goal revised, cancelled): kept on the action, inert."""
+        action, result = self.action, self.result
+        with transaction.atomic(durable=True):
+            ledger.fenced(action.run_id, self.fence, action.tenant_id)
+            ledger.record_late_result(
+                action, result.outcome, result.result, self.actor, external_id=result.external_id
+            )
+
+
 class ActionHost(Protocol):
     """What an `ActionRunner` needs of the executor it runs for — and no more: the run it
     holds, its lease, and a checkpoint around a side effect (the same state, the same step,
@@ -100,6 +129,10 @@ class ActionHost(Protocol):
     def checkpoint_action(
         self, step: str, within: Callable[[], None], allow_moved: bool = False
     ) -> bool: ...
+
+    def commit_later(self, outcome: Confirmed) -> None:
+        """Write `outcome` in the host's next commit, whichever it is (or, if that commit
+        finds the run moved, as a late result)."""
 
 
 class ActionRunner:
@@ -264,9 +297,7 @@ class ActionRunner:
             )
         tool.breaker.record(result.outcome == "applied")
         fault(FaultPoint.AFTER_TOOL_RESPONSE)
-        action = self.record(action, result)
-        fault(FaultPoint.AFTER_CONFIRM)
-        return action
+        return self.record(action, result)  # a confirmation: after_confirm follows its commit
 
     @observe.phase("outcome", lambda self, action, result: (action, None, action.tool))
     def record(self, action: Action, result: CallResult) -> Action:
@@ -276,6 +307,17 @@ class ActionRunner:
         if result.outcome == "stale":
             raise StaleFence(f"{action.tool} refused fence {self.lease.fence}: {result.detail}")
         target, changes = outcome_of(result)
+        if target == S.CONFIRMED:
+            self.host.commit_later(Confirmed(action, result, actor, self.lease.fence))
+            # What the step is told now (the row says it from the host's next commit on); the
+            # instance the commit writes from keeps what the row says now.
+            told = copy.copy(action)
+            told.status, told.external_id, told.result = (
+                S.CONFIRMED,
+                result.external_id,
+                result.result,
+            )
+            return told
 
         def write() -> None:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`

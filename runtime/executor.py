@@ -32,7 +32,7 @@ from fastsql import statements
 from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
-from runtime.dispatch import ActionRunner, Park
+from runtime.dispatch import ActionRunner, Confirmed, Park
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
@@ -171,6 +171,8 @@ class Executor:
         self.calls_made = 0
         self.calls_reused = 0
         self.runner: ActionRunner | None = None
+        # Confirmed outcomes the next commit writes (ActionRunner.record defers them).
+        self.confirmed: list[Confirmed] = []
 
     # --- the loop ------------------------------------------------------------------------
     def execute(self, slice_seconds: float) -> AdvanceResult:
@@ -320,6 +322,35 @@ class Executor:
                 return self.park(parked, self.run.next_step)
         return None
 
+    def commit_later(self, outcome: Confirmed) -> None:
+        self.confirmed.append(outcome)
+
+    def with_confirmed(self, within: Callable[[], None] | None) -> Callable[[], None] | None:
+        """`within` preceded by the deferred confirmations' writes (None if there is none)."""
+        confirmed = list(self.confirmed)
+        if not confirmed:
+            return within
+
+        def writes() -> None:
+            for outcome in confirmed:
+                outcome.write()
+            if within is not None:
+                within()
+
+        return writes
+
+    def confirmed_written(self, written: bool) -> None:
+        """After a commit that carried the deferred confirmations: done, or (the run moved)
+        each kept as a late result. after_confirm: an outcome is committed, nothing else yet."""
+        confirmed, self.confirmed = self.confirmed, []
+        if not confirmed:
+            return
+        if written:
+            fault(FaultPoint.AFTER_CONFIRM)
+            return
+        for outcome in confirmed:
+            outcome.late()
+
     def checkpoint_action(
         self, step: str, within: Callable[[], None], allow_moved: bool = False
     ) -> bool:
@@ -446,12 +477,17 @@ class Executor:
                     event=event,
                     payload=payload,
                     artifacts=self.encoder.new,
-                    within=within,
+                    within=self.with_confirmed(within),
                 )
             )
         except stepcommit.Moved:
-            self.reload()
+            self.reload()  # StaleFence: the confirmations stay `sent` for the run's new holder
+            self.confirmed_written(False)
             return False
+        except BaseException:
+            self.confirmed = []  # rolled back with the commit: `sent`, settled by the contract
+            raise
+        self.confirmed_written(True)
         if extended is not None:
             self.extended_at = extended
         self.committed(status, next_step, changes, new_visit)
@@ -581,11 +617,16 @@ class Executor:
             changes = {"lease_owner": "", "lease_expires_at": None, "updated_at": Now()}
             done = mine.update(**update, **changes) == 1
             if done:
+                writes = self.with_confirmed(None)
+                if writes is not None:
+                    writes()
                 for event, payload in entries:
                     record(self.run, event, self.lease.actor, **payload)
         if not done:
             self.reload()
+            self.confirmed_written(False)
             return False
+        self.confirmed_written(True)
         self.refetch()
         return True
 

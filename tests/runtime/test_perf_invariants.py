@@ -64,6 +64,7 @@ register(tick)
 
 CALLS: list[str] = []  # idempotency keys the local tool was called with
 BEFORE_SEND: list[Callable[[], None]] = []  # run once, at the seam before `sent` is marked
+AFTER_CALL: list[Callable[[], None]] = []  # run once, once the effect happened
 
 
 def _before_send(params: dict[str, Any]) -> None:
@@ -76,6 +77,8 @@ class Ledgered(Tool):
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         CALLS.append(key)
+        while AFTER_CALL:
+            AFTER_CALL.pop(0)()
         return CallResult("applied", external_id=f"x-{key}", result={"ok": True})
 
 
@@ -89,6 +92,7 @@ register_tool(
 )
 
 MAX_ACTS = 20
+FAILED_ONCE: list[str] = []
 acts = Graph("perf-acts", version="1", tools=("perf.effect", "perf.effect-once"))
 
 
@@ -96,6 +100,12 @@ def act_once(ctx: StepContext) -> Outcome:
     i = ctx.state.get("i", 0) + 1
     tool = ctx.goal.get("tool", "perf.effect")
     ctx.act(tool, {"n": i, "pad": ctx.goal.get("pad", "")}, reason="perf")
+    for n in range(1, int(ctx.goal.get("more", 0)) + 1):  # more actions in the same step
+        ctx.act(tool, {"n": i, "more": n}, reason="perf")
+    if ctx.goal.get("fail_once") and not ctx.state.get("failed"):
+        FAILED_ONCE.append(ctx.step)
+        if len(FAILED_ONCE) == 1:
+            raise RuntimeError("the step fails after its action")
     update = {"i": i, "pad": ctx.goal["pad"]} if ctx.goal.get("pad") else {"i": i}
     if i >= int(ctx.goal["steps"]):
         return Complete(update=update)
@@ -111,8 +121,11 @@ register(acts)
 def _clean_seams() -> Iterator[None]:
     CALLS.clear()
     BEFORE_SEND.clear()
+    AFTER_CALL.clear()
+    FAILED_ONCE.clear()
     yield
     BEFORE_SEND.clear()
+    AFTER_CALL.clear()
 
 
 # --- counting -----------------------------------------------------------------------------
@@ -179,12 +192,12 @@ def _head_reads(statements: list[str]) -> int:
 # SQLite: the run CAS, the checkpoint, the head swap, the journal entry. PostgreSQL: all four
 # in one statement, its own transaction (audit.journal.append_after).
 STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
-# An action: the prepare-time policy read; the prepare checkpoint (run CAS + checkpoint, the
-# action, head swap + entries); `sent` (run lock, hold-point question, the action's CAS, head
-# swap + entry); the outcome checkpoint (run CAS + checkpoint, the action's CAS, head swap +
-# entries); the step commit; the read of the tool's current version (tools are data: a
-# redefinition must be seen before the send). PostgreSQL sends each "+" as one statement.
-ACTION_STATEMENTS = {"postgresql": 13, "sqlite": 21}
+# An action of a key tool: the read of the tool's current version (tools are data: a
+# redefinition must be seen before the send); the prepare commit (run CAS + checkpoint, the
+# hold-point question asked inside it, the action's insert, its `sent` compare-and-swap,
+# head swap + entries); the step commit (run CAS + checkpoint, the outcome's compare-and-
+# swap, head swap + entries). PostgreSQL sends each "+" as one statement.
+ACTION_STATEMENTS = {"postgresql": 9, "sqlite": 13}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
@@ -194,12 +207,13 @@ def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant)
     assert per_step["head_reads"] == 0  # the executor carries the head through
 
 
-def test_an_action_is_three_transactions_and_reads_no_journal_head(
+def test_an_action_is_two_transactions_and_reads_no_journal_head(
     tenant_a: Tenant,
 ) -> None:
     per_action = marginal(tenant_a, "perf-acts", 2, 8)
-    # prepare and `sent` (committed before the request leaves), outcome, step commit
-    assert per_action["commits"] == 3
+    # prepare and `sent` (committed before the request leaves); the step commit, which
+    # writes the outcome too
+    assert per_action["commits"] == 2
     assert per_action["statements"] <= ACTION_STATEMENTS[connection.vendor], per_action
     assert per_action["head_reads"] == 0
 
@@ -208,8 +222,8 @@ def test_an_action_of_a_tool_that_cannot_deduplicate_is_prepared_on_its_own_comm
     tenant_a: Tenant,
 ) -> None:
     per_action = marginal(tenant_a, "perf-acts", 2, 8, tool="perf.effect-once")
-    # prepare; `sent` (a crash between them must leave an action safe to send); outcome; step
-    assert per_action["commits"] == 4
+    # prepare; `sent` (a crash between them must leave an action safe to send); the step
+    assert per_action["commits"] == 3
     assert per_action["head_reads"] == 0
 
 
@@ -501,6 +515,70 @@ def test_a_goal_revision_before_the_send_sends_nothing(tenant_a: Tenant, tool: s
         assert Action.objects.get(run=run, goal_rev=2).status == ActionStatus.CONFIRMED
 
 
+# --- a confirmation is written by the step's next commit --------------------------------------
+
+
+def _journal(run: Run) -> list[tuple[str, Any]]:
+    return [
+        (e.type, e.payload.get("action_status"))
+        for e in JournalEntry.objects.filter(stream=journal.run_stream(run.run_id)).order_by("seq")
+    ]
+
+
+def test_a_goal_revised_after_the_call_keeps_the_result_inert(tenant_a: Tenant) -> None:
+    """The effect happened, then the goal moved before the step could commit: the step commit
+    that would carry the confirmation is refused, the result is kept on the action as a late
+    result (confirmed: it did happen) and advances nothing; the new revision acts anew."""
+    run = _one_action_run(tenant_a)
+    AFTER_CALL.append(
+        lambda: _in_other_thread(
+            lambda: revise_goal(Run.objects.get(pk=run.pk), {"steps": 1}, 1, actor="user:t")
+        )
+    )
+    assert advance_run(run.run_id, "w1", slice_seconds=60).outcome == "completed"
+    old = Action.objects.get(run=run, goal_rev=1)
+    assert old.status == ActionStatus.CONFIRMED and old.external_id == f"x-{old.idempotency_key}"
+    new = Action.objects.get(run=run, goal_rev=2)
+    assert new.status == ActionStatus.CONFIRMED and len(CALLS) == 2
+    assert ("late_result_ignored", None) in _journal(run)
+    # the old revision's step never committed: the run went on from the revision
+    assert not Checkpoint.objects.filter(run=run, goal_rev=1, next_step="act_2").exists()
+    assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+def test_a_step_that_fails_after_its_action_commits_the_confirmation_with_the_failure(
+    tenant_a: Tenant,
+) -> None:
+    """The failure's commit writes the confirmation: the retried step finds the action
+    confirmed and the tool is not called again."""
+    run = create_run(tenant_a, "perf-acts", {"steps": 1, "fail_once": True}, actor="t")
+    assert advance_run(run.run_id, "w1", slice_seconds=60).outcome == "retrying"
+    action = Action.objects.get(run=run)
+    assert action.status == ActionStatus.CONFIRMED and len(CALLS) == 1
+    run.refresh_from_db()
+    assert run.status == RunStatus.RETRYING
+    Run.objects.filter(pk=run.pk).update(wake_at=None, status=RunStatus.QUEUED)
+    assert advance_run(run.run_id, "w2", slice_seconds=60).outcome == "completed"
+    assert len(CALLS) == 1 and Action.objects.filter(run=run).count() == 1
+    assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+def test_actions_of_one_step_each_confirm_with_the_next_commit(tenant_a: Tenant) -> None:
+    """Three actions in one step: the first two are confirmed by the next action's prepare
+    commit, the last by the step commit — every one confirmed, in journal order, once."""
+    run = create_run(tenant_a, "perf-acts", {"steps": 1, "more": 2}, actor="t")
+    with counted() as seen:
+        assert advance_run(run.run_id, "w1", slice_seconds=60).outcome == "completed"
+    actions = list(Action.objects.filter(run=run).order_by("call_index"))
+    assert [a.status for a in actions] == [ActionStatus.CONFIRMED] * 3 and len(CALLS) == 3
+    statuses = [status for kind, status in _journal(run) if status is not None]
+    assert statuses == ["prepared", "sent"] + ["confirmed", "prepared", "sent"] * 2 + [
+        "confirmed"
+    ], statuses
+    assert seen["commits"] <= 3 + 2  # three prepares, the step, the lease taken and given up
+    assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
 def test_a_stale_fence_is_refused_by_mark_sent_itself(tenant_a: Tenant) -> None:
     """The ledger function on its own (no executor): the fast path must refuse as the full
     one does."""
@@ -543,7 +621,7 @@ def test_checkpoints_around_an_action_refer_to_the_unchanged_state(tenant_a: Ten
     step_commit, *_ = [c for c in by_step["act_1"] if c.next_step == "act_2"]
     assert step_commit.state == {"i": 1, "pad": pad}  # a new state: inline
     around = [c for c in by_step["act_2"] if c.next_step == "act_2"]
-    assert len(around) == 2  # prepare and outcome
+    assert len(around) == 1  # the prepare's (the outcome is written with the step commit)
     for checkpoint in around:
         assert set(checkpoint.state) == {"$ref"}
         assert resolve(tenant_a.id, checkpoint.state) == {"i": 1, "pad": pad}
