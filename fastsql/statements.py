@@ -633,9 +633,11 @@ def select(
     *,
     for_update: bool = False,
     order_by: tuple[str, ...] = (),
+    limit: int | None = None,
 ) -> list[list[Any]]:
     """Rows of `names` (attnames, or `Elapsed` verdicts) matching `where`, converted as the
-    ORM converts them, ordered by `order_by` (attnames, ascending).
+    ORM converts them, ordered by `order_by` (attnames, ascending; "-name" descending), at
+    most `limit` of them.
 
     `for_update` locks them (PostgreSQL `FOR UPDATE`; SQLite's write transaction already
     excludes every other writer)."""
@@ -643,13 +645,19 @@ def select(
     table = _table(model, conn)
     where_shape, params = _where(table, where, conn)
     lock = for_update and conn.features.has_select_for_update
-    key = ("select", names, where_shape, lock, order_by)
+    key = ("select", names, where_shape, lock, order_by, limit)
     sql = table.sql.get(key)
     if sql is None:
         columns = ", ".join(_read_sql(table, name, conn) for name in names)
         sql = f"SELECT {columns} FROM {table.name} WHERE {_where_sql(table, where_shape)}"
         if order_by:
-            sql += f" ORDER BY {', '.join(table.column[n] for n in order_by)}"
+            terms = (
+                f"{table.column[n[1:]]} DESC" if n.startswith("-") else table.column[n]
+                for n in order_by
+            )
+            sql += f" ORDER BY {', '.join(terms)}"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
         if lock:
             sql += " FOR UPDATE"
         table.sql[key] = sql

@@ -24,6 +24,7 @@ import jsonschema
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
+from fastsql import statements
 from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
@@ -345,7 +346,7 @@ class HttpTool(Tool):
 def credential_for_run(service: str, run_id: str) -> Secret | None:
     """The credential of the run's tenant for `service` (None without one). A run never
     changes tenant, so run → tenant is remembered per process; the credential itself is
-    read (and decrypted) on every call, so a replaced secret is used at once."""
+    read on every call, so a replaced secret is used at once (`ToolCredential.lookup`)."""
     if not service:
         return None
     tenant_id = tenant_of_run(run_id)
@@ -503,12 +504,16 @@ def get_tool(name: str, tenant_id: int | None = None, version: str | None = None
     if tenant_id is not None:
         from runtime.models import ToolDefinition
 
-        rows = ToolDefinition.objects.filter(tenant_id=tenant_id, name=name)
+        where: dict[str, Any] = {"tenant_id": tenant_id, "name": name}
         if version is not None and version.isdigit():
-            rows = rows.filter(version=int(version))
-        row = rows.order_by("-version").values_list("version", "digest").first()
-        if row is not None:
-            number, digest = row
+            where["version"] = int(version)
+        # Read on every action (a redefinition must be seen before the send): the fast
+        # path's select, not a queryset built each time (a quarter of a millisecond).
+        rows = statements.select(
+            ToolDefinition, ("version", "digest"), where, order_by=("-version",), limit=1
+        )
+        if rows:
+            number, digest = rows[0]
             tool = _defined.get(digest)
             if tool is None or tool.version != str(number):
                 spec = ToolDefinition.objects.get(

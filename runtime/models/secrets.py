@@ -8,8 +8,10 @@ masked `Secret`. str/repr name the tenant and service, never the value.
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
+from fastsql import statements
 from runtime.crypto import Secret, decrypt, encrypt
 from runtime.models.tenancy import Tenant
 
@@ -50,6 +52,29 @@ class ToolCredential(models.Model):
 
     @classmethod
     def lookup(cls, tenant_id: int, service: str) -> Secret | None:
-        """The tenant's credential for a service, or None if it has none."""
-        row = cls.objects.filter(tenant_id=tenant_id, service=service).first()
-        return row.secret() if row is not None and row.is_set else None
+        """The tenant's credential for a service, or None if it has none.
+
+        A tool sends it on every call, so this runs per action: the ciphertext is read every
+        time (a replaced or removed secret takes effect at the next call), its decryption is
+        remembered in this process by the ciphertext and the key list (`_decrypted`)."""
+        rows = statements.select(
+            cls, ("ciphertext",), {"tenant_id": tenant_id, "service": service}, limit=1
+        )
+        if not rows or not rows[0][0]:
+            return None
+        ciphertext = rows[0][0]
+        key = (ciphertext, tenant_id, service, tuple(settings.HOLDPOINT_SECRET_KEYS))
+        secret = _decrypted.get(key)
+        if secret is None:
+            secret = decrypt(ciphertext, tenant_id=tenant_id, service=service)
+            if len(_decrypted) >= 1_000:
+                _decrypted.clear()
+            _decrypted[key] = secret
+        return secret
+
+
+# (ciphertext, tenant, service, the key list) → its decryption: kept in this process's memory
+# only, as a `Secret` (masked in every repr, so never logged). Keyed by the ciphertext, an
+# entry cannot outlive its row's value; keyed by the key list, it cannot outlive a key change
+# (a removed key must make the secret unreadable, as decryption would).
+_decrypted: dict[tuple[str, int, str, tuple[str, ...]], Secret] = {}

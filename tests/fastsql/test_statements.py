@@ -50,6 +50,18 @@ def test_elapsed_is_the_database_clocks_verdict_as_the_orm_gives_it(
     assert _elapsed(run) == expected == [offset != 3600] * 2
 
 
+def test_select_orders_both_ways_and_limits_as_the_orm_does(tenant_a: Tenant) -> None:
+    for n in (2, 0, 1):
+        Artifact.objects.create(tenant=tenant_a, digest=f"{n:064d}", content="x" * n, size=n)
+    mine = {"tenant_id": tenant_a.pk}
+    orm = Artifact.objects.filter(tenant=tenant_a)
+    down = statements.select(Artifact, ("digest", "size"), mine, order_by=("-size",))
+    assert down == [list(r) for r in orm.order_by("-size").values_list("digest", "size")]
+    top = statements.select(Artifact, ("size",), mine, order_by=("-size", "digest"), limit=1)
+    assert top == [[2]]
+    assert statements.select(Artifact, ("size",), mine, order_by=("size",), limit=2) == [[0], [1]]
+
+
 def test_insert_returns_the_new_ids_in_order(tenant_a: Tenant) -> None:
     rows = [
         {"tenant_id": tenant_a.pk, "digest": f"{n:064d}", "content": "x", "size": 1}

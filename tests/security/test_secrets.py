@@ -165,6 +165,29 @@ def test_a_wrong_key_is_a_clear_error_never_garbage(
     assert "HOLDPOINT_SECRET_KEYS" in result.detail
 
 
+def test_a_remembered_decryption_never_outlives_its_row_or_its_key(
+    tenant_a: Tenant, tenant_b: Tenant, keys: list[str], settings: Any
+) -> None:
+    """Tools read a credential per call and remember its decryption: a removed key, a
+    replaced or deleted secret, a ciphertext copied to another tenant all count at once."""
+    credential = store(tenant_a)
+    lookup = ToolCredential.lookup
+    assert lookup(tenant_a.pk, "tasks").reveal() == PLAINTEXT  # decrypted and remembered
+    settings.HOLDPOINT_SECRET_KEYS = [keys[1]]  # the key it was written with is gone
+    with pytest.raises(SecretUnreadable):
+        lookup(tenant_a.pk, "tasks")
+    settings.HOLDPOINT_SECRET_KEYS = [keys[0]]
+    theirs = store(tenant_b, "their-own")
+    ToolCredential.objects.filter(pk=theirs.pk).update(ciphertext=credential.ciphertext)
+    with pytest.raises(SecretUnreadable, match="written for another credential"):
+        lookup(tenant_b.pk, "tasks")
+    credential.set_secret("replaced", actor="test")
+    credential.save()
+    assert lookup(tenant_a.pk, "tasks").reveal() == "replaced"
+    credential.delete()
+    assert lookup(tenant_a.pk, "tasks") is None
+
+
 def test_keys_from_the_environment_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("X_KEYS", raising=False)
     with pytest.raises(EnvError, match="X_KEYS is required when DEBUG is off"):
