@@ -572,6 +572,13 @@ def pages_section(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def busy(scaling: dict[str, Any], key: str) -> str:
+    """Cores busy as "median (min–max) of N", or a dash for a run before it was measured."""
+    if key not in scaling:
+        return "–"
+    return f"{spread(scaling[key], 2)} of {scaling.get('cores', '?')}"
+
+
 def scaling_section(doc: dict[str, Any]) -> list[str]:
     rows = []
     for name, r in doc["backends"].items():
@@ -580,6 +587,7 @@ def scaling_section(doc: dict[str, Any]) -> list[str]:
             rows.append(
                 f"| {name} | {spread(sc['one_worker_steps_per_s'])} "
                 f"| {spread(sc['two_workers_steps_per_s'])} | **{spread(sc['ratio'], 2)}** "
+                f"| {busy(sc, 'one_worker_cores_busy')} | {busy(sc, 'two_workers_cores_busy')} "
                 f"| {sc['runs_per_round']} × {sc['steps_per_run']} steps |"
             )
     if not rows:
@@ -589,10 +597,13 @@ def scaling_section(doc: dict[str, Any]) -> list[str]:
         "## 6. Scaling: independent runs, 1 vs 2 worker processes",
         "",
         "Worker processes run `advance_run` for the run ids they are sent (bench/worker.py); "
-        "rounds alternate 1, 2, 1, 2 …; ratio = median of per-pair ratios.",
+        "rounds alternate 1, 2, 1, 2 …; ratio = median of per-pair ratios. Cores busy: the "
+        "whole machine's CPU (workers, database server, bench; /proc/stat) during the rounds, "
+        "of the cores it has — near all of them, two workers are bound by the hardware.",
         "",
-        "| backend | 1 worker steps/s | 2 workers steps/s | ratio | work per round |",
-        "| --- | --- | --- | --- | --- |",
+        "| backend | 1 worker steps/s | 2 workers steps/s | ratio | cores busy, 1 worker "
+        "| cores busy, 2 workers | work per round |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ]
 

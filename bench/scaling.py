@@ -13,12 +13,30 @@ median ratio. Every run must end completed with all its steps.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, bench_env, kill_group, log, start_process, summary
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat's first line
+    (user nice system idle iowait irq softirq steal; idle and iowait are not busy)."""
+    with open("/proc/stat") as stat:
+        fields = [float(v) for v in stat.readline().split()[1:9]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = sum(fields) / ticks
+    return total - (fields[3] + fields[4]) / ticks, total
+
+
+def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Cores kept busy between two `machine_cpu` readings."""
+    cores = os.cpu_count() or 1
+    elapsed = after[1] - before[1]
+    return (after[0] - before[0]) / elapsed * cores if elapsed > 0 else 0.0
 
 
 class ScalingBench:
@@ -82,10 +100,12 @@ class ScalingBench:
             for _ in range(self.runs)
         ]
         shares = [runs[k::workers] for k in range(workers)]
+        busy_before = machine_cpu()
         for k, share in enumerate(shares):
             self.workers[k].stdin.write(json.dumps({"runs": share, "owner": f"w{k + 1}"}) + "\n")
             self.workers[k].stdin.flush()
         answers = [self.answer(k) for k in range(workers)]
+        busy_after = machine_cpu()
         done = Run.objects.filter(run_id__in=runs, status=RunStatus.COMPLETED).count()
         steps = sum(a["steps"] for a in answers)
         if done != len(runs) or steps != len(runs) * self.steps:
@@ -97,6 +117,9 @@ class ScalingBench:
             "seconds": wall,
             "steps_per_s": steps / wall,
             "cpu_ms_per_step": sum(a["cpu"] for a in answers) * 1000 / steps,
+            # every process of the machine (workers, the database server, the bench), in
+            # cores: near the core count, two workers are bound by the hardware, not locks
+            "machine_cores_busy": busy_share(busy_before, busy_after),
         }
 
     def go(self, pairs: int) -> dict[str, Any]:
@@ -120,7 +143,12 @@ class ScalingBench:
             self.stop()
         one_rates = [r["steps_per_s"] for r in rows if r["workers"] == 1]
         two_rates = [r["steps_per_s"] for r in rows if r["workers"] == 2]
+        one_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 1]
+        two_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 2]
         return {
+            "cores": os.cpu_count(),
+            "one_worker_cores_busy": summary(one_busy),
+            "two_workers_cores_busy": summary(two_busy),
             "runs_per_round": self.runs,
             "steps_per_run": self.steps,
             "one_worker_steps_per_s": summary(one_rates),
