@@ -1,10 +1,16 @@
 """Storing state so that bytes grow with what changed, not with the whole state per step.
 
 A value whose canonical JSON is above `INLINE_LIMIT` bytes is stored once, content-addressed,
-and referenced by digest. Lists are cut into fixed chunks of `CHUNK` items, each encoded on
-its own: a list that grows by one item per step rewrites only its last chunk, so n steps of a
-growing state cost O(n) bytes, not O(n²). Identical values — unchanged keys, earlier chunks —
-hash to the same artifact and are never stored twice.
+and referenced by digest. Lists longer than `CHUNK` items are cut into full chunks of `CHUNK`
+items, each stored on its own, and a tail of the items after the last full chunk, stored as
+a chain of links — each link one item and a reference to the link before it: a list that
+grows by one item per step adds one small link, not a rewritten partial chunk, so n steps of
+a growing state cost O(n) bytes with a small constant. When the tail fills up it becomes a
+full chunk; the list of two or more chunks' references is stored on its own too (it changes
+once every CHUNK items), so the object holding the list stays a few references long.
+Identical values — unchanged keys, earlier chunks, earlier links — hash to the same artifact
+and are never stored twice. (Checkpoints written before the tail existed keep
+their last chunk partial; they read as they were written.)
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from audit.canonical import canonical, sha256_hex
 
 INLINE_LIMIT = 512
 CHUNK = 32
+TAIL_INLINE = 128
 REF = "$ref"
 CHUNKS = "$chunks"
+TAIL = "$tail"  # beside CHUNKS: the last link of the items after the full chunks
 # A user object that uses any of the encoder's keys is stored boxed, `{"$literal": {…}}`:
 # its keys taken as they are, its values encoded. So every JSON state reads back exactly,
 # whatever keys it uses (SECURITY.md, L4).
@@ -40,12 +48,26 @@ class Encoder:
             encoded: Any = {k: self.encode(v) for k, v in value.items()}
             if REF in value or CHUNKS in value or LITERAL in value:  # looks like ours: box it
                 encoded = {LITERAL: encoded}
-        elif isinstance(value, list) and len(value) > CHUNK:
-            chunks = [
-                self._store(self._list(value[i : i + CHUNK])) for i in range(0, len(value), CHUNK)
+        elif isinstance(value, list) and len(value) != CHUNK:
+            full = len(value) - len(value) % CHUNK
+            tail = self._list(value[full:])
+            # A tail of a few bytes stays inline (in the checkpoint, or the artifact, that
+            # holds the list); a larger one is a chain, one new link per appended item. (Up to
+            # TAIL_INLINE only: a longer inline tail would grow the object that holds it
+            # past INLINE_LIMIT, and that object would be stored anew every step.)
+            small = len(canonical(tail)) <= TAIL_INLINE
+            if not full and small:
+                return tail  # a short list: as it is
+            chunks: Any = [
+                self._store(self._list(value[i : i + CHUNK])) for i in range(0, full, CHUNK)
             ]
-            return {CHUNKS: chunks, "n": len(value)}
-        elif isinstance(value, list):
+            if len(chunks) > 1:  # their list changes once every CHUNK items: stored, referred to
+                chunks = self._store(chunks)
+            out: dict[str, Any] = {CHUNKS: chunks, "n": len(value)}
+            if tail:
+                out[TAIL] = tail if small else self._chain(tail)
+            return out
+        elif isinstance(value, list):  # exactly one chunk: stored (or inline) as a chunk is
             encoded = self._list(value)
         else:
             encoded = value
@@ -62,6 +84,16 @@ class Encoder:
 
     def _list(self, items: list[Any]) -> list[Any]:
         return [self.encode(item) for item in items]
+
+    def _chain(self, encoded: list[Any]) -> dict[str, str]:
+        """The last link of a chain over the `encoded` items: each link `{"item": …, "prev":
+        ref|null}`. Links are content-addressed like everything else, so the links of items
+        that were there at the last step are the same artifacts (known, not stored again)."""
+        prev: dict[str, str] | None = None
+        for item in encoded:
+            prev = self._store({"item": item, "prev": prev})
+        assert prev is not None  # the caller passes at least one item
+        return prev
 
     def _store(self, encoded: Any) -> dict[str, str]:
         text = canonical(encoded).decode("utf-8")
@@ -124,8 +156,16 @@ def decode(value: Any, load: dict[str, Any]) -> Any:
             return decode(load[value[REF]], load)
         if CHUNKS in value:
             out: list[Any] = []
-            for chunk in value[CHUNKS]:
+            chunks = value[CHUNKS]
+            if isinstance(chunks, dict):  # the chunks' list, stored on its own
+                chunks = load[chunks[REF]]
+            for chunk in chunks:
                 out.extend(decode(chunk, load))
+            tail = value.get(TAIL)
+            if isinstance(tail, list):
+                out.extend(decode(item, load) for item in tail)
+            elif tail is not None:
+                out.extend(_unchain(tail, load))
             return out
         if _boxed(value):
             return {k: decode(v, load) for k, v in value[LITERAL].items()}
@@ -133,6 +173,18 @@ def decode(value: Any, load: dict[str, Any]) -> Any:
     if isinstance(value, list):
         return [decode(item, load) for item in value]
     return value
+
+
+def _unchain(last: dict[str, str], load: dict[str, Any]) -> list[Any]:
+    """The items of a chain, first to last, from a reference to its last link."""
+    items: list[Any] = []
+    link: Any = last
+    while link is not None:
+        node = load[link[REF]]
+        items.append(decode(node["item"], load))
+        link = node["prev"]
+    items.reverse()
+    return items
 
 
 def _boxed(value: dict[str, Any]) -> bool:

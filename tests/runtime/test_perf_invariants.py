@@ -15,6 +15,7 @@ that tries to break what it must not break.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
 from audit.verification import verify_stream
 from runtime import ledger
-from runtime.artifacts import INLINE_LIMIT, Encoder, resolve
+from runtime.artifacts import CHUNK, INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
 from runtime.errors import StaleFence
 from runtime.events import RunEvent, record
@@ -688,3 +689,59 @@ def test_a_state_is_inline_exactly_when_it_is_small(state: dict[str, Any]) -> No
         assert encoded == state
     else:
         assert set(encoded) == {"$ref"}
+
+
+# --- a growing list adds one link a step, not a rewritten chunk ------------------------------
+
+
+def _decoded(encoder: Encoder, encoded: Any) -> Any:
+    from runtime.artifacts import decode
+
+    return decode(encoded, {d: json.loads(text) for d, text in encoder.stored.items()})
+
+
+class _Keeping(Encoder):
+    """An encoder that keeps every artifact it ever stored (the database, for this test)."""
+
+    stored: dict[str, str]
+
+    def committed(self) -> None:
+        self.stored = {**getattr(self, "stored", {}), **self.new}
+        super().committed()
+
+
+def test_a_list_growing_by_one_item_a_step_stores_the_item_and_at_most_one_link() -> None:
+    """100 steps of a list of kilobyte items: each step stores the new item and at most one
+    small link (and a full chunk when the tail fills up), whatever the list's length — the
+    bytes a step adds do not grow with it — and every state decodes to the list."""
+    encoder = _Keeping()
+    items = [f"{n:04d}" + "k" * 1020 for n in range(100)]
+    item_bytes = len(canonical_bytes(items[0]))
+    chunk_bytes = 0
+    for n in range(1, 101):
+        encoded = encoder.encode({"log": items[:n]})
+        new = dict(encoder.new)
+        encoder.committed()
+        assert _decoded(encoder, encoded) == {"log": items[:n]}
+        chunks = [t for t in new.values() if t.startswith("[")]
+        links = [t for t in new.values() if t.startswith('{"item":')]
+        # a chunk when the tail fills up (and, from two on, the list of chunks' references)
+        assert len(chunks) == (n % CHUNK == 0) * (1 + (n >= 2 * CHUNK)), (n, len(new))
+        assert len(links) <= 1 or len(links) == n % CHUNK == 2, (n, len(links))  # (see below)
+        assert len(new) == 1 + len(chunks) + len(links), (n, len(new))  # and the item
+        assert all(len(link) < 200 for link in links)
+        chunk_bytes += sum(map(len, chunks))
+    stored = sum(map(len, encoder.stored.values()))
+    # (one reference fits TAIL_INLINE; at two, the tail becomes a chain of two links)
+    assert stored <= 100 * (item_bytes + 200) + (100 // CHUNK + 1) * 200 + chunk_bytes, stored
+    assert chunk_bytes < 6 * CHUNK * 80  # three chunks of references, each stored once
+
+
+def test_a_list_stored_with_a_partial_last_chunk_still_reads() -> None:
+    """The form before tails existed: a last chunk holding fewer than CHUNK items."""
+    from runtime.artifacts import decode
+
+    head, rest = list(range(CHUNK)), ["a", "b"]
+    load = {"h" * 64: head, "r" * 64: rest}
+    old = {"$chunks": [{"$ref": "h" * 64}, {"$ref": "r" * 64}], "n": CHUNK + 2}
+    assert decode(old, load) == head + rest
