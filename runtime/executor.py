@@ -325,17 +325,15 @@ class Executor:
     def commit_later(self, outcome: Confirmed) -> None:
         self.confirmed.append(outcome)
 
-    def with_confirmed(self, within: Callable[[], None] | None) -> Callable[[], None] | None:
-        """`within` preceded by the deferred confirmations' writes (None if there is none)."""
+    def confirmations(self) -> Callable[[], None] | None:
+        """The deferred confirmations' writes, for the next commit (None: there are none)."""
         confirmed = list(self.confirmed)
         if not confirmed:
-            return within
+            return None
 
         def writes() -> None:
             for outcome in confirmed:
                 outcome.write()
-            if within is not None:
-                within()
 
         return writes
 
@@ -477,7 +475,8 @@ class Executor:
                     event=event,
                     payload=payload,
                     artifacts=self.encoder.new,
-                    within=self.with_confirmed(within),
+                    within=within,
+                    before=self.confirmations(),
                 )
             )
         except stepcommit.Moved:
@@ -617,7 +616,7 @@ class Executor:
             changes = {"lease_owner": "", "lease_expires_at": None, "updated_at": Now()}
             done = mine.update(**update, **changes) == 1
             if done:
-                writes = self.with_confirmed(None)
+                writes = self.confirmations()
                 if writes is not None:
                     writes()
                 for event, payload in entries:

@@ -13,7 +13,8 @@ How it is sent:
   round trip instead of four (BEGIN, two statements, COMMIT).
 - Otherwise one short transaction: the run CAS first (its row lock orders the commit before a
   goal revision, which locks the run and then its actions), the checkpoint only if it held, the
-  artifacts, then the journal entries of the step and of the ledger writes that go with it
+  artifacts, then the journal entries of the ledger writes that happened before the step's
+  (`before`: its confirmations), of the step, and of the ledger writes that go with it
   (`within`), written together at the end.
 """
 
@@ -59,6 +60,9 @@ class StepCommit:
     payload: Mapping[str, Any] = field(default_factory=dict)  # more for the journal entry
     artifacts: Mapping[str, str] = field(default_factory=dict)  # new blobs: digest → content
     within: Callable[[], None] | None = None  # ledger writes that commit with the step
+    # Ledger writes of what happened before the step's entry (its confirmations): journalled
+    # ahead of it, so the run's last entry is still its step's.
+    before: Callable[[], None] | None = None
 
     @property
     def rev(self) -> int:
@@ -116,7 +120,7 @@ def write(commit: StepCommit) -> None:
         **commit.payload,
     }
     stream = journal.run_stream(run.run_id)
-    if commit.within is None and not commit.artifacts:
+    if commit.within is None and commit.before is None and not commit.artifacts:
         if _one_statement(commit, stream, update, mine, checkpoint, entry):
             return
     with transaction.atomic(durable=True), journal.batched(stream):
@@ -132,6 +136,8 @@ def write(commit: StepCommit) -> None:
                 ],
                 ignore_conflicts=True,
             )
+        if commit.before is not None:
+            commit.before()
         record(run, commit.event, commit.actor, **entry)
         if commit.within is not None:
             commit.within()

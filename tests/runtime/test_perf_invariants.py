@@ -577,6 +577,8 @@ def test_actions_of_one_step_each_confirm_with_the_next_commit(tenant_a: Tenant)
         "confirmed"
     ], statuses
     assert seen["commits"] <= 3 + 2  # three prepares, the step, the lease taken and given up
+    # the last confirmation is journalled ahead of the step commit it rode with
+    assert [kind for kind, _ in _journal(run)][-2:] == ["action_outcome", "step_committed"]
     assert verify_stream(journal.run_stream(run.run_id)) is None
 
 
