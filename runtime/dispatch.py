@@ -330,6 +330,7 @@ class ActionRunner:
                 )
         if target == S.PREPARED:
             raise ToolUnavailable(f"{action.tool}: {result.detail}")
+        fault(FaultPoint.AFTER_CONFIRM)  # recorded at once (unknown, failed): reached here
         return action
 
     def reconcile(self, action: Action) -> Action:
