@@ -1,11 +1,13 @@
 """Sending actions and reconciling unknown outcomes: the ledger's network side.
 
 The order is the guarantee: prepare (with the step's checkpoint) → commit `sent` → call the
-tool outside any transaction → record what came back (with a checkpoint) — each with a named
-fault point between, so tests can kill a real worker in every window. For a tool reconcilable
-by key or lookup that no hold point holds, the prepare and the `sent` mark are one commit
-(`after_prepare` and `after_sent_mark` are then reached one after the other). Reconciliation follows
-the tool's dedup contract: replay with the same key, look up by key, or ask a human.
+tool outside any transaction → record what came back — each with a named fault point
+between, so tests can kill a real worker in every window. For a tool reconcilable by key or
+lookup that no hold point holds, the prepare and the `sent` mark are one commit
+(`after_prepare` and `after_sent_mark` are reached one after the other), and a confirmation
+is written by the executor's next commit (`Confirmed`); other answers get a checkpoint at
+once. Reconciliation follows the tool's dedup contract: replay with the same key, look up by
+key, or ask a human.
 """
 
 from __future__ import annotations
