@@ -155,7 +155,10 @@ class Doorbell:
                     continue
                 heads = await self.read(("heads", *keys), partial(_heads, keys))
                 for key, value in heads.items():
-                    if key in seen and seen[key] != value:
+                    # A key seen for the first time rings too: its subscriber read before
+                    # this poll, and an append in between would otherwise become the
+                    # baseline, unrung until the next heartbeat (a spare re-read is cheap).
+                    if seen.get(key) != value:
                         self.ring(key)
                 seen = heads
             except asyncio.CancelledError:

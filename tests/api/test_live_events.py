@@ -15,13 +15,14 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from httpx_sse import EventSource
 
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -303,6 +304,36 @@ def test_a_quiet_stream_sends_a_comment_line_within_the_keepalive(
     gaps = [later - earlier for earlier, later in zip(comments, comments[1:], strict=False)]
     assert comments[0] < 5 and max(gaps) < KEEPALIVE + 3, lines
     assert not [text for _, text in lines if text and not text.startswith(":")]  # no event
+
+
+def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
+    """SQLite's doorbell: the first append to a stream the poller had no head for rings its
+    subscriber (it used to become the poller's baseline, and the subscriber waited for the
+    next heartbeat, 15 s by default; no heartbeat runs here, so a missed ring fails)."""
+    if connection.vendor != "sqlite":
+        pytest.skip("PostgreSQL rings through LISTEN/NOTIFY, not the poller")
+    from audit import journal
+    from runtime import live
+
+    stream = journal.run_stream(uuid.uuid4())
+
+    def append() -> None:
+        with transaction.atomic():
+            journal.append(stream, "run_created", tenant_id=agent_a.tenant.pk, actor="user:t")
+
+    async def rung() -> bool:
+        doorbell = live.Doorbell()
+        try:
+            async with doorbell.subscription(stream) as wake:
+                await asyncio.sleep(3 * live.POLL_SECONDS)  # polled: no head for it yet
+                assert not wake.is_set()
+                await off_loop(append)
+                await asyncio.wait_for(wake.wait(), 10 * live.POLL_SECONDS + 5)
+                return True
+        finally:
+            await doorbell.stop()
+
+    assert asyncio.run(rung())
 
 
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
