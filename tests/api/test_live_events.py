@@ -644,7 +644,8 @@ def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> 
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
-                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'",
+                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'"
+                " AND datname = current_database()",  # not another test run's listener
                 [kill],
             )
             row = cursor.fetchone()
