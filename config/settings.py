@@ -369,6 +369,14 @@ HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)
 # connection (fastsql.cursor). Turn off behind a pooler in transaction mode.
 HOLDPOINT_PG_PREPARE = env_bool("HOLDPOINT_PG_PREPARE", True)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
+# Live event streams (runtime/live.py): a comment line after this many seconds of quiet, for
+# proxies' idle timeouts and clients' read timeouts (holdpoint_client reads for 45 s).
+HOLDPOINT_SSE_KEEPALIVE = env_int("HOLDPOINT_SSE_KEEPALIVE", 15, minimum=1)
+if HOLDPOINT_SSE_KEEPALIVE > 40:
+    raise EnvError(
+        f"HOLDPOINT_SSE_KEEPALIVE must be <= 40 (clients time out at 45 s), "
+        f"got {HOLDPOINT_SSE_KEEPALIVE}"
+    )
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.

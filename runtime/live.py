@@ -12,7 +12,8 @@ doorbell rings.
 
 A doorbell is never the data: after a ring, a subscriber re-reads what is past its last seq,
 so a missed or coalesced notification delays an entry, never loses it — and every heartbeat
-(at most `HEARTBEAT_SECONDS`) re-reads too, and a re-connected listener rings everyone.
+(after `settings.HOLDPOINT_SSE_KEEPALIVE` quiet seconds, 15 by default) re-reads too, and a
+re-connected listener rings everyone.
 
 Reads run on `READERS` threads of their own, each keeping one database connection, so N
 streams cost at most READERS + 1 connections per process, whatever N; identical reads in
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import DatabaseError, connection
 from django.http import StreamingHttpResponse
 
@@ -37,7 +39,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHANNEL = "holdpoint_journal"  # audit/migrations/0006_notify_appends.py
-HEARTBEAT_SECONDS = 15.0  # API.md: a comment line at least every 15 s
 POLL_SECONDS = 0.5  # SQLite: how stale a wake-up may be
 READERS = 4
 RETRY_SECONDS = 1.0
@@ -154,7 +155,10 @@ class Doorbell:
                     continue
                 heads = await self.read(("heads", *keys), partial(_heads, keys))
                 for key, value in heads.items():
-                    if key in seen and seen[key] != value:
+                    # A key seen for the first time rings too: its subscriber read before
+                    # this poll, and an append in between would otherwise become the
+                    # baseline, unrung until the next heartbeat (a spare re-read is cheap).
+                    if seen.get(key) != value:
                         self.ring(key)
                 seen = heads
             except asyncio.CancelledError:
@@ -239,10 +243,11 @@ async def lifespan() -> AsyncIterator[None]:
 
 
 async def heartbeat_or_wake(wake: asyncio.Event) -> bool:
-    """Wait for a ring, or HEARTBEAT_SECONDS; True if it rang. The caller clears the event
-    *before* it reads, so a ring during the read is never lost."""
+    """Wait for a ring, or HOLDPOINT_SSE_KEEPALIVE seconds (API.md: a comment line at least
+    every 15 s by default); True if it rang. The caller clears the event *before* it reads,
+    so a ring during the read is never lost."""
     try:
-        await asyncio.wait_for(wake.wait(), HEARTBEAT_SECONDS)
+        await asyncio.wait_for(wake.wait(), settings.HOLDPOINT_SSE_KEEPALIVE)
     except TimeoutError:
         return False
     return True

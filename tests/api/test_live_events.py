@@ -15,13 +15,14 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from httpx_sse import EventSource
 
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -53,32 +54,44 @@ TERMINAL = {"completed", "failed", "cancelled"}
 T = TypeVar("T")
 
 
-@pytest.fixture(scope="module")
-def server(
-    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def web_server(
+    django_db_blocker: Any, log: Path, name: str = "holdpoint-web", **extra: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """One real web server for the module (the database is emptied between tests, the server
-    keeps no state of its own): its process and base URL."""
-    log = tmp_path_factory.mktemp("web") / "web.log"
-    env = procs.child_env()
+    """A real web server (`extra`: its environment's additions): its process and base URL.
+    On PostgreSQL its connections carry `name`; the module's server, last to stop, also
+    waits for every LISTEN connection (runtime.live names them all holdpoint-live)."""
+    env = procs.child_env(**extra)
     if connection.vendor == "postgresql":  # its connections are counted by this name
-        env["DATABASE_URL"] += "?application_name=holdpoint-web"
+        env["DATABASE_URL"] += f"?application_name={name}"
     proc, base = procs.start_web(env, log)
+    names = (name, "holdpoint-live") if name == "holdpoint-web" else (name,)
     try:
         yield proc, base
     finally:
         procs.kill(proc)
         if connection.vendor == "postgresql":  # its backends gone before the test database
             with django_db_blocker.unblock():
-                procs.wait_for(lambda: not _web_backends(), timeout=15)
+                procs.wait_for(lambda: not _web_backends(names), timeout=15)
                 connection.close()
 
 
-def _web_backends() -> int:
+@pytest.fixture(scope="module")
+def server(
+    django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """One real web server for the module (the database is emptied between tests, the server
+    keeps no state of its own): its process and base URL."""
+    with web_server(django_db_blocker, tmp_path_factory.mktemp("web") / "web.log") as found:
+        yield found
+
+
+def _web_backends(names: tuple[str, ...] = ("holdpoint-web", "holdpoint-live")) -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND application_name IN ('holdpoint-web', 'holdpoint-live')"
+            " AND application_name = ANY(%s)",
+            [list(names)],
         )
         row = cursor.fetchone()
         return int(row[0]) if row else 0
@@ -255,21 +268,72 @@ def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     assert "event: lease_taken" in body
 
 
-def test_a_quiet_stream_sends_a_comment_line_within_15_s(web: str, agent_a: Persona) -> None:
+# The keep-alive of the quiet-stream test's own server: the same code path as the default
+# 15 s (HOLDPOINT_SSE_KEEPALIVE), without the test waiting out 15 s of quiet.
+KEEPALIVE = 1
+
+
+def test_a_quiet_stream_sends_a_comment_line_within_the_keepalive(
+    server: Any, django_db_blocker: Any, tmp_path: Path, agent_a: Persona
+) -> None:
     """API.md: a comment line at least every 15 s (a proxy's idle timeout, a client's read
-    timeout): the first at once, the next before 15 s of quiet are over (and some margin)."""
-    url = f"{web}/api/v1/approvals/"
+    timeout): the first at once, the next ones before each keep-alive interval of quiet is
+    over (and some margin) — on a server of its own whose interval is KEEPALIVE seconds (the
+    module's server keeps the default, so no other test is helped by an early re-read; it is
+    asked for so that its teardown waits for this server's LISTEN connection too)."""
+    from django.conf import settings
+
+    assert settings.HOLDPOINT_SSE_KEEPALIVE == 15  # the default API.md promises
+    url = "/api/v1/approvals/"
     lines: list[tuple[float, str]] = []
-    start = time.monotonic()
-    with httpx.stream("GET", url, params=STREAM, headers=headers(agent_a), timeout=30) as answer:
-        assert answer.status_code == 200
-        for line in answer.iter_lines():
-            lines.append((time.monotonic() - start, line))
-            if len([text for _, text in lines if text.startswith(":")]) == 2:
-                break
-    comments = [(at, text) for at, text in lines if text.startswith(":")]
-    assert comments[0][0] < 5 and comments[1][0] < 15 + 3, lines
+    keepalive = {"HOLDPOINT_SSE_KEEPALIVE": str(KEEPALIVE)}
+    own = web_server(
+        django_db_blocker, tmp_path / "web.log", "holdpoint-web-keepalive", **keepalive
+    )
+    with own as (_, web):
+        start = time.monotonic()
+        with httpx.stream(
+            "GET", web + url, params=STREAM, headers=headers(agent_a), timeout=30
+        ) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                lines.append((time.monotonic() - start, line))
+                if len([text for _, text in lines if text.startswith(":")]) == 3:
+                    break
+    comments = [at for at, text in lines if text.startswith(":")]
+    gaps = [later - earlier for earlier, later in zip(comments, comments[1:], strict=False)]
+    assert comments[0] < 5 and max(gaps) < KEEPALIVE + 3, lines
     assert not [text for _, text in lines if text and not text.startswith(":")]  # no event
+
+
+def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
+    """SQLite's doorbell: the first append to a stream the poller had no head for rings its
+    subscriber (it used to become the poller's baseline, and the subscriber waited for the
+    next heartbeat, 15 s by default; no heartbeat runs here, so a missed ring fails)."""
+    if connection.vendor != "sqlite":
+        pytest.skip("PostgreSQL rings through LISTEN/NOTIFY, not the poller")
+    from audit import journal
+    from runtime import live
+
+    stream = journal.run_stream(uuid.uuid4())
+
+    def append() -> None:
+        with transaction.atomic():
+            journal.append(stream, "run_created", tenant_id=agent_a.tenant.pk, actor="user:t")
+
+    async def rung() -> bool:
+        doorbell = live.Doorbell()
+        try:
+            async with doorbell.subscription(stream) as wake:
+                await asyncio.sleep(3 * live.POLL_SECONDS)  # polled: no head for it yet
+                assert not wake.is_set()
+                await off_loop(append)
+                await asyncio.wait_for(wake.wait(), 10 * live.POLL_SECONDS + 5)
+                return True
+        finally:
+            await doorbell.stop()
+
+    assert asyncio.run(rung())
 
 
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
@@ -580,7 +644,8 @@ def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> 
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
-                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'",
+                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'"
+                " AND datname = current_database()",  # not another test run's listener
                 [kill],
             )
             row = cursor.fetchone()

@@ -33,9 +33,21 @@ import httpx
 import pytest
 
 from tests.core.readme import localise, shell_blocks
+from tests.pg_guard import on_postgres
 from tests.procs import free_port, wait_for
 
-pytestmark = pytest.mark.slow
+# `make run` is SQLite by definition: the script, its services and the README's commands
+# run in a clean environment (`clean_env`: no DATABASE_URL) on their own VAR_DIR's SQLite,
+# never on the database under test — so the PostgreSQL run would repeat the SQLite run's
+# test exactly (~40 s of CI's PostgreSQL suite under contention, for nothing it could see).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        on_postgres(),
+        reason="make run is SQLite by definition and ignores DATABASE_URL; "
+        "the SQLite run covers it",
+    ),
+]
 ROOT = Path(__file__).resolve().parents[2]
 # Generous for a shared 2-core machine; the script's own bound is STOP_GRACE (3 s) per stop.
 STOP_BOUND = 15.0
