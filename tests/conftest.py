@@ -13,10 +13,12 @@ from rest_framework.test import APIClient
 from runtime.models import Membership, Role, Tenant
 from tests.httpservers import serve  # noqa: F401  (real HTTP servers for outbound tests)
 from tests.mcp_fixture import mcp_upstream  # noqa: F401  (the test MCP upstream)
+from tests.pg_flush import install as install_pg_flush
 from tests.pg_guard import pytest_runtest_makereport  # noqa: F401  (a hook: pg-only skips fail)
 from tests.sandbox import sandbox_factory  # noqa: F401  (a fixture for every test area)
 
 User = get_user_model()
+install_pg_flush()  # PostgreSQL: truncate only the tables a test left rows in
 
 
 @dataclass
