@@ -88,10 +88,15 @@ def reviewers_and_policies(tenants: list[Any], users: dict[int, Any]) -> dict[in
 
 def real_requests(tenants: list[Any], per_tenant: int) -> list[Any]:
     """Pending requests made by the engine: bench-hold runs advanced to their hold point."""
+    from django.conf import settings
+
     from approvals.models import ApprovalRequest, ApprovalStatus
     from runtime.executor import advance_run
     from runtime.lifecycle import create_run
 
+    # The built-in tracker tools exist only where HOLDPOINT_TASKS_URL names a tracker. Every
+    # bench-hold action waits at its hold point, so nothing is ever sent there (a closed port).
+    settings.HOLDPOINT_TASKS_URL = settings.HOLDPOINT_TASKS_URL or "http://127.0.0.1:9"
     made = []
     for n, tenant in enumerate(tenants, 1):
         for k in range(per_tenant):
@@ -269,7 +274,8 @@ def statements_of(client: Any, url: str) -> list[dict[str, Any]]:
         finally:
             ms = (time.perf_counter() - began) * 1000
             try:
-                text = connection.ops.last_executed_query(context["cursor"], sql, params)
+                # None for a statement sent by a cursor of our own (fastsql's): its SQL then
+                text = connection.ops.last_executed_query(context["cursor"], sql, params) or sql
             except Exception:
                 text = sql
             seen.append({"sql": text, "ms": ms})
