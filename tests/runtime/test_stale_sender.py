@@ -61,6 +61,10 @@ def test_paused_sender_cannot_duplicate_after_takeover(
         )
         paused_pid = int(found.group(1))
         procs.wait_for(lambda: _stopped(paused_pid), timeout=10)
+        # The whole of A's machine freezes, not only its sender: its other worker processes
+        # would otherwise take the expired lease themselves (and pause in turn), and B would
+        # not be the one that takes over.
+        os.killpg(a.pid, signal.SIGSTOP)
         action = Action.objects.get(run=run)
         assert action.status == ActionStatus.SENT and box.tasks() == []
 
@@ -73,14 +77,14 @@ def test_paused_sender_cannot_duplicate_after_takeover(
             return run.status in (RunStatus.COMPLETED, RunStatus.NEEDS_RECONCILIATION)
 
         procs.wait_for(settled, timeout=60, every=0.3)
-        os.kill(paused_pid, signal.SIGCONT)  # A wakes and sends its stale request
+        os.killpg(a.pid, signal.SIGCONT)  # A wakes and its sender sends its stale request
         procs.wait_for(
             lambda: "stale" in log_a.read_text() or not _alive(paused_pid) or _sent_by_a(box),
             timeout=30,
         )
     finally:
         if paused_pid and _alive(paused_pid):
-            os.kill(paused_pid, signal.SIGCONT)
+            os.killpg(a.pid, signal.SIGCONT)
         procs.kill(a)
         if b is not None:
             procs.kill(b)
