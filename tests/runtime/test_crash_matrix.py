@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -93,6 +94,13 @@ def _crash(
             )
 
         _until(dead_or_parked)
+        if worker.poll() is None:
+            # after_confirm can follow the commit that completes the run: the run may read
+            # completed a few milliseconds before the point kills the worker
+            try:
+                worker.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                pass
         died = worker.poll() == -signal.SIGKILL
     finally:
         procs.kill(worker)
