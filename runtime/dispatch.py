@@ -112,12 +112,17 @@ class Confirmed:
 
     def late(self) -> None:
         """The commit found the run moved (goal revised, cancelled): kept on the action, inert."""
-        action, result = self.action, self.result
-        with transaction.atomic(durable=True):
-            ledger.fenced(action.run_id, self.fence, action.tenant_id)
-            ledger.record_late_result(
-                action, result.outcome, result.result, self.actor, external_id=result.external_id
-            )
+        keep_late(self.action, self.result, self.fence, self.actor)
+
+
+def keep_late(action: Action, result: CallResult, fence: int, actor: str) -> None:
+    """A call's answer that arrived after its run moved: recorded on the action, fenced, in a
+    transaction of its own; the run does not advance on it."""
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence, action.tenant_id)
+        ledger.record_late_result(
+            action, result.outcome, result.result, actor, external_id=result.external_id
+        )
 
 
 class ActionHost(Protocol):
@@ -325,11 +330,7 @@ class ActionRunner:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`
 
         if not self.host.checkpoint_action(action.step, write, allow_moved=True):
-            with transaction.atomic(durable=True):
-                ledger.fenced(action.run_id, self.lease.fence, action.tenant_id)
-                ledger.record_late_result(
-                    action, result.outcome, result.result, actor, external_id=result.external_id
-                )
+            keep_late(action, result, self.lease.fence, actor)
         if target == S.PREPARED:
             raise ToolUnavailable(f"{action.tool}: {result.detail}")
         fault(FaultPoint.AFTER_CONFIRM)  # recorded at once (unknown, failed): reached here

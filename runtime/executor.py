@@ -325,17 +325,10 @@ class Executor:
     def commit_later(self, outcome: Confirmed) -> None:
         self.confirmed.append(outcome)
 
-    def confirmations(self) -> Callable[[], None] | None:
-        """The deferred confirmations' writes, for the next commit (None: there are none)."""
-        confirmed = list(self.confirmed)
-        if not confirmed:
-            return None
-
-        def writes() -> None:
-            for outcome in confirmed:
-                outcome.write()
-
-        return writes
+    def write_confirmed(self) -> None:
+        """The deferred confirmations' writes, inside the commit that carries them."""
+        for outcome in self.confirmed:
+            outcome.write()
 
     def confirmed_written(self, written: bool) -> None:
         """After a commit that carried the deferred confirmations: done, or (the run moved)
@@ -476,7 +469,7 @@ class Executor:
                     payload=payload,
                     artifacts=self.encoder.new,
                     within=within,
-                    before=self.confirmations(),
+                    before=self.write_confirmed if self.confirmed else None,
                 )
             )
         except stepcommit.Moved:
@@ -616,9 +609,7 @@ class Executor:
             changes = {"lease_owner": "", "lease_expires_at": None, "updated_at": Now()}
             done = mine.update(**update, **changes) == 1
             if done:
-                writes = self.confirmations()
-                if writes is not None:
-                    writes()
+                self.write_confirmed()
                 for event, payload in entries:
                     record(self.run, event, self.lease.actor, **payload)
         if not done:
