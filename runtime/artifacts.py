@@ -4,13 +4,15 @@ A value whose canonical JSON is above `INLINE_LIMIT` bytes is stored once, conte
 and referenced by digest. Lists longer than `CHUNK` items are cut into full chunks of `CHUNK`
 items, each stored on its own, and a tail of the items after the last full chunk, stored as
 a chain of links — each link one item and a reference to the link before it: a list that
-grows by one item per step adds one small link, not a rewritten partial chunk, so n steps of
-a growing state cost O(n) bytes with a small constant. When the tail fills up it becomes a
-full chunk; the list of two or more chunks' references is stored on its own too (it changes
-once every CHUNK items), so the object holding the list stays a few references long.
-Identical values — unchanged keys, earlier chunks, earlier links — hash to the same artifact
-and are never stored twice. (Checkpoints written before the tail existed keep
-their last chunk partial; they read as they were written.)
+grows by one item per step adds one link, not a rewritten partial chunk, so n steps of a
+growing state cost O(n) bytes with a small constant. A large item is kept inside its link,
+not in an artifact of its own beside it (one row a step, not two), and a chunk of such items
+is that same chain once it is full: filling up stores nothing again. A chunk of small items
+is stored as their list. The list of two or more chunks' references is stored on its own too
+(it changes once every CHUNK items), so the object holding the list stays a few references
+long. Identical values — unchanged keys, earlier chunks, earlier links — hash to the same
+artifact and are never stored twice. (Checkpoints written in earlier forms — a partial last
+chunk, tails whose links referred to items stored beside them — read as they were written.)
 """
 
 from __future__ import annotations
@@ -40,40 +42,63 @@ class Encoder:
     new: dict[str, str] = field(default_factory=dict)
 
     def encode(self, value: Any) -> Any:
+        encoded, final = self._unstored(value)
+        if final:
+            return encoded
+        return self._store(encoded) if len(canonical(encoded)) > INLINE_LIMIT else encoded
+
+    def _unstored(self, value: Any) -> tuple[Any, bool]:
+        """A value's encoding before it would be stored on its own; `final`: it never is
+        (small, or a list's chunked form, which refers to what it needs)."""
         if value is None or isinstance(value, bool | int | float):
-            return value  # a few bytes at most; validated with the object that holds it
+            return value, True  # a few bytes at most; validated with the object that holds it
         if isinstance(value, str) and 6 * len(value) + 2 <= INLINE_LIMIT:
-            return value  # even fully \u-escaped it stays inline: no need to measure it
+            return value, True  # even fully \u-escaped it stays inline: no need to measure it
         if isinstance(value, dict):
             encoded: Any = {k: self.encode(v) for k, v in value.items()}
             if REF in value or CHUNKS in value or LITERAL in value:  # looks like ours: box it
                 encoded = {LITERAL: encoded}
-        elif isinstance(value, list) and len(value) != CHUNK:
-            full = len(value) - len(value) % CHUNK
-            tail = self._list(value[full:])
-            # A tail of a few bytes stays inline (in the checkpoint, or the artifact, that
-            # holds the list); a larger one is a chain, one new link per appended item. (Up to
-            # TAIL_INLINE only: a longer inline tail would grow the object that holds it
-            # past INLINE_LIMIT, and that object would be stored anew every step.)
-            small = len(canonical(tail)) <= TAIL_INLINE
-            if not full and small:
-                return tail  # a short list: as it is
-            chunks: Any = [
-                self._store(self._list(value[i : i + CHUNK])) for i in range(0, full, CHUNK)
-            ]
-            if len(chunks) > 1:  # their list changes once every CHUNK items: stored, referred to
-                chunks = self._store(chunks)
-            out: dict[str, Any] = {CHUNKS: chunks, "n": len(value)}
-            if tail:
-                out[TAIL] = tail if small else self._chain(tail)
-            return out
-        elif isinstance(value, list):  # exactly one chunk: stored (or inline) as a chunk is
-            encoded = self._list(value)
-        else:
-            encoded = value
-        if isinstance(encoded, dict) and _surely_inline(encoded):
-            return encoded  # checked (and refused if it must be) with the checkpoint's digest
-        return self._store(encoded) if len(canonical(encoded)) > INLINE_LIMIT else encoded
+            return encoded, isinstance(encoded, dict) and _surely_inline(encoded)
+        if isinstance(value, list):
+            return self._encode_list(value)
+        return value, False
+
+    def _encode_list(self, value: list[Any]) -> tuple[Any, bool]:
+        pieces = [self._piece(item) for item in value]
+        if len(value) == CHUNK and not any(big for _, big in pieces):
+            # exactly one chunk of small items: stored (or inline) as such a chunk is
+            return [encoded for encoded, _ in pieces], False
+        full = len(value) - len(value) % CHUNK
+        tail = pieces[full:]
+        listed = [encoded for encoded, _ in tail]
+        # A tail of a few small items stays inline (in the checkpoint, or the artifact, that
+        # holds the list); a larger one is a chain, one new link per appended item. (Up to
+        # TAIL_INLINE only: a longer inline tail would grow the object that holds it past
+        # INLINE_LIMIT, and that object would be stored anew every step.) A large item is
+        # always in a link, so that it is stored once: in the link, never also beside it.
+        small = not any(big for _, big in tail) and len(canonical(listed)) <= TAIL_INLINE
+        if not full and small:
+            return listed, True  # a short list: as it is
+        chunks: Any = [self._chunk(pieces[i : i + CHUNK]) for i in range(0, full, CHUNK)]
+        if len(chunks) > 1:  # their list changes once every CHUNK items: stored, referred to
+            chunks = self._store(chunks)
+        out: dict[str, Any] = {CHUNKS: chunks, "n": len(value)}
+        if tail:
+            out[TAIL] = listed if small else self._chain(listed)
+        return out, True
+
+    def _piece(self, item: Any) -> tuple[Any, bool]:
+        """An item's encoding as it would sit in a link, and whether it is big: stored on its
+        own when it is not in a link."""
+        encoded, final = self._unstored(item)
+        return encoded, not final and len(canonical(encoded)) > INLINE_LIMIT
+
+    def _chunk(self, pieces: list[tuple[Any, bool]]) -> dict[str, str]:
+        """A full chunk: the chain its items were linked into while they were the tail (the
+        same artifacts, so nothing new) when one of them is big, else their stored list."""
+        if any(big for _, big in pieces):
+            return self._chain([encoded for encoded, _ in pieces])
+        return self._store([encoded for encoded, _ in pieces])
 
     def reference(self, encoded: Any) -> Any:
         """An encoded value as one reference to its content-addressed blob (stored once):
@@ -81,9 +106,6 @@ class Encoder:
         if isinstance(encoded, dict) and REF in encoded and len(encoded) == 1:
             return encoded
         return self._store(encoded)
-
-    def _list(self, items: list[Any]) -> list[Any]:
-        return [self.encode(item) for item in items]
 
     def _chain(self, encoded: list[Any]) -> dict[str, str]:
         """The last link of a chain over the `encoded` items: each link `{"item": …, "prev":
@@ -160,7 +182,10 @@ def decode(value: Any, load: dict[str, Any]) -> Any:
             if isinstance(chunks, dict):  # the chunks' list, stored on its own
                 chunks = load[chunks[REF]]
             for chunk in chunks:
-                out.extend(decode(chunk, load))
+                if _is_link(chunk, load):  # a chunk of big items: the chain they were linked in
+                    out.extend(_unchain(chunk, load))
+                else:
+                    out.extend(decode(chunk, load))
             tail = value.get(TAIL)
             if isinstance(tail, list):
                 out.extend(decode(item, load) for item in tail)
@@ -173,6 +198,13 @@ def decode(value: Any, load: dict[str, Any]) -> Any:
     if isinstance(value, list):
         return [decode(item, load) for item in value]
     return value
+
+
+def _is_link(chunk: Any, load: dict[str, Any]) -> bool:
+    """A chunk that refers to a link (a chunk's own content is always a list)."""
+    if not (isinstance(chunk, dict) and REF in chunk and len(chunk) == 1):
+        return False
+    return isinstance(load[chunk[REF]], dict)
 
 
 def _unchain(last: dict[str, str], load: dict[str, Any]) -> list[Any]:

@@ -712,31 +712,61 @@ class _Keeping(Encoder):
         super().committed()
 
 
-def test_a_list_growing_by_one_item_a_step_stores_the_item_and_at_most_one_link() -> None:
-    """100 steps of a list of kilobyte items: each step stores the new item and at most one
-    small link (and a full chunk when the tail fills up), whatever the list's length — the
-    bytes a step adds do not grow with it — and every state decodes to the list."""
+def test_a_list_growing_by_one_item_a_step_stores_one_link_holding_the_item() -> None:
+    """100 steps of a list of kilobyte items: each step stores one link — the new item and
+    a reference to the link before it — and nothing else but, once every CHUNK items from the
+    second full chunk on, the list of the chunks' references. The bytes a step adds do not
+    grow with the list, no item is stored twice (not beside its link, not again when its
+    chunk fills up), and every state decodes to the list."""
     encoder = _Keeping()
     items = [f"{n:04d}" + "k" * 1020 for n in range(100)]
     item_bytes = len(canonical_bytes(items[0]))
-    chunk_bytes = 0
     for n in range(1, 101):
         encoded = encoder.encode({"log": items[:n]})
         new = dict(encoder.new)
         encoder.committed()
         assert _decoded(encoder, encoded) == {"log": items[:n]}
-        chunks = [t for t in new.values() if t.startswith("[")]
-        links = [t for t in new.values() if t.startswith('{"item":')]
-        # a chunk when the tail fills up (and, from two on, the list of chunks' references)
-        assert len(chunks) == (n % CHUNK == 0) * (1 + (n >= 2 * CHUNK)), (n, len(new))
-        assert len(links) <= 1 or len(links) == n % CHUNK == 2, (n, len(links))  # (see below)
-        assert len(new) == 1 + len(chunks) + len(links), (n, len(new))  # and the item
-        assert all(len(link) < 200 for link in links)
-        chunk_bytes += sum(map(len, chunks))
+        links = [json.loads(t) for t in new.values() if t.startswith('{"item":')]
+        lists = [t for t in new.values() if t.startswith("[")]
+        assert [link["item"] for link in links] == [items[n - 1]], n
+        assert len(lists) == (n % CHUNK == 0 and n >= 2 * CHUNK), (n, len(lists))
+        assert len(new) == 1 + len(lists), (n, len(new))
+        assert all(len(text) < 6 * 80 for text in lists)  # a few references
     stored = sum(map(len, encoder.stored.values()))
-    # (one reference fits TAIL_INLINE; at two, the tail becomes a chain of two links)
-    assert stored <= 100 * (item_bytes + 200) + (100 // CHUNK + 1) * 200 + chunk_bytes, stored
-    assert chunk_bytes < 6 * CHUNK * 80  # three chunks of references, each stored once
+    assert stored <= 100 * (item_bytes + 100) + 2 * 6 * 80, stored
+    every_item = "".join(encoder.stored.values())
+    assert all(every_item.count(item) == 1 for item in items)  # each stored exactly once
+
+
+def test_a_list_of_small_items_keeps_its_chunks_as_lists() -> None:
+    """Small items are not worth a link each once their chunk is full: a full chunk of them
+    is one stored list, and only the tail past the last full chunk is a chain."""
+    encoder = _Keeping()
+    items = [{"n": n, "pad": "s" * 40} for n in range(2 * CHUNK + 5)]
+    for n in range(1, len(items) + 1):
+        encoded = encoder.encode({"log": items[:n]})
+        encoder.committed()
+        assert _decoded(encoder, encoded) == {"log": items[:n]}
+    log = encoded["log"]
+    assert log["n"] == len(items) and set(log) == {"$chunks", "n", "$tail"}
+    chunks = json.loads(encoder.stored[log["$chunks"]["$ref"]])
+    assert [json.loads(encoder.stored[c["$ref"]])[0]["n"] for c in chunks] == [0, CHUNK]
+
+
+def test_a_tail_whose_links_refer_to_items_stored_beside_them_still_reads() -> None:
+    """The form before items moved into their links: `{"item": {"$ref": …}, "prev": …}`."""
+    from runtime.artifacts import decode
+
+    big = ["a" * 600, "b" * 600]
+    load = {
+        "i" * 64: big[0],
+        "j" * 64: big[1],
+        "l" * 64: {"item": {"$ref": "i" * 64}, "prev": None},
+        "m" * 64: {"item": {"$ref": "j" * 64}, "prev": {"$ref": "l" * 64}},
+        "c" * 64: list(range(CHUNK)),
+    }
+    old = {"$chunks": [{"$ref": "c" * 64}], "n": CHUNK + 2, "$tail": {"$ref": "m" * 64}}
+    assert decode(old, load) == list(range(CHUNK)) + big
 
 
 def test_a_list_stored_with_a_partial_last_chunk_still_reads() -> None:
