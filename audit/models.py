@@ -82,11 +82,15 @@ class JournalEntry(models.Model):
         indexes = [
             # The tenant audit log: newest first within a tenant, keyset-paged by id, and the
             # same for each filter the page offers, so a filtered page on millions of
-            # entries is an index range scan, never a sort.
-            models.Index(fields=["tenant_id", "-id"], name="audit_journal_tenant_recent"),
-            models.Index(fields=["tenant_id", "type", "-id"], name="audit_journal_by_type"),
-            models.Index(fields=["tenant_id", "actor", "-id"], name="audit_journal_by_actor"),
-            models.Index(fields=["tenant_id", "object_ref", "-id"], name="audit_journal_by_object"),
+            # entries is an index range scan, never a sort. Ascending in id (read backwards
+            # for newest first): a new entry goes at the end of its group, where a B-tree
+            # page split leaves the old page full (PostgreSQL's split-after-new-item); in
+            # descending order it goes at the front and every split leaves two half-empty
+            # pages — a third of the journal's bytes per step (issue 22).
+            models.Index(fields=["tenant_id", "id"], name="audit_journal_tenant_recent"),
+            models.Index(fields=["tenant_id", "type", "id"], name="audit_journal_by_type"),
+            models.Index(fields=["tenant_id", "actor", "id"], name="audit_journal_by_actor"),
+            models.Index(fields=["tenant_id", "object_ref", "id"], name="audit_journal_by_object"),
             models.Index(fields=["tenant_id", "created_at"], name="audit_journal_by_time"),
         ]
 

@@ -248,7 +248,7 @@ def parse_before(value: str | None) -> int | None:
 
 def filtered(entries: QuerySet[JournalEntry], filters: AuditFilters) -> QuerySet[JournalEntry]:
     """Equality filters only (and a created_at range): each is the prefix of an index
-    (tenant_id, actor|type|object_ref, -id) or (tenant_id, created_at)."""
+    (tenant_id, actor|type|object_ref, id) or (tenant_id, created_at)."""
     if filters.actor:
         entries = entries.filter(actor=filters.actor)
     if filters.type:
