@@ -82,6 +82,18 @@ def filesystem_of(path: str) -> str:
 
 
 # --- child: one backend ----------------------------------------------------------------------
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
+
+
+def _writes(upper_sql: str) -> bool:
+    """A statement that writes or locks rows (a CTE's data-modifying parts included)."""
+    if upper_sql.startswith(_WRITES):
+        return True
+    if upper_sql.startswith("WITH"):
+        return any(f" {verb} " in upper_sql or f"({verb} " in upper_sql for verb in _WRITES)
+    return upper_sql.startswith("SELECT") and " FOR UPDATE" in upper_sql
+
+
 class Bench:
     """Interleaved rounds on the database Django is configured for."""
 
@@ -222,20 +234,46 @@ class Bench:
     def statements(self, work: Callable[[], Any]) -> list[str]:
         """The SQL statements Django sends while `work` runs (BEGIN not counted; COMMIT is
         not an execute), with the server counters switched off."""
+        return self.traced(work)[0]
+
+    def traced(self, work: Callable[[], Any]) -> tuple[list[str], int]:
+        """`statements`, and the durable commits among them: transactions that wrote (or
+        locked) a row — an explicit commit after such a statement, or such a statement in
+        autocommit. Counted on the client, from what Django sends and commits, so the same
+        count on both databases (a read-only transaction costs no log flush: not counted)."""
         seen: list[str] = []
+        dirty = [False]
+        commits = [0]
+        conn = self.connection
 
         def count(execute, sql, params, many, context):
-            if not sql.lstrip().upper().startswith("BEGIN"):
+            text = sql.lstrip().upper()
+            if not text.startswith("BEGIN"):
                 seen.append(sql)
+            if _writes(text):
+                if conn.in_atomic_block or not conn.get_autocommit():
+                    dirty[0] = True
+                else:
+                    commits[0] += 1
             return execute(sql, params, many, context)
 
+        plain_commit = conn._commit
+
+        def commit() -> None:
+            plain_commit()
+            if dirty[0]:
+                commits[0] += 1
+                dirty[0] = False
+
         self.server_counters = False
+        conn._commit = commit  # type: ignore[method-assign]
         try:
-            with self.connection.execute_wrapper(count):
+            with conn.execute_wrapper(count):
                 work()
         finally:
+            del conn._commit  # the class's method again
             self.server_counters = self.pg
-        return seen
+        return seen, commits[0]
 
     def statements_per_step(self) -> dict[str, Any]:
         """SQL statements Django sends per step / per raw commit, from one extra run and one
@@ -244,11 +282,13 @@ class Bench:
         from runtime.lifecycle import create_run
 
         run = create_run(self.tenant, "bench-noop", {"steps": self.steps}, actor="bench")
-        seen = self.statements(lambda: advance_run(run.run_id, "bench", slice_seconds=3600))
-        raw = self.statements(self.raw_once)
+        seen, commits = self.traced(lambda: advance_run(run.run_id, "bench", slice_seconds=3600))
+        raw, raw_commits = self.traced(self.raw_once)
         return {
             "holdpoint": len(seen) / self.steps,
             "raw": len(raw) / self.steps,
+            "holdpoint_durable_commits": commits / self.steps,
+            "raw_durable_commits": raw_commits / self.steps,
             "holdpoint_run_statements": statement_kinds(seen),
         }
 
