@@ -149,7 +149,8 @@ class Run(models.Model):
 class Artifact(models.Model):
     """A large value stored once per tenant under the sha256 of its canonical bytes."""
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    # No index of its own: runtime_artifact_once (tenant, digest) starts with the tenant.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, db_index=False)
     digest = models.CharField(max_length=64)
     content = models.TextField()
     size = models.PositiveIntegerField()
@@ -167,7 +168,11 @@ class Artifact(models.Model):
 class Checkpoint(models.Model):
     """Append-only: what the next step needs, and who wrote it under which fence."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
+    # No index of its own: runtime_checkpoint_one_rev (run, rev) starts with the run, and an
+    # index fewer is one page fewer written by every step's commit.
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="checkpoints", db_index=False
+    )
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
     rev = models.PositiveIntegerField()
     goal_rev = models.PositiveIntegerField()
