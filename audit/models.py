@@ -90,7 +90,14 @@ class JournalEntry(models.Model):
             models.Index(fields=["tenant_id", "id"], name="audit_journal_tenant_recent"),
             models.Index(fields=["tenant_id", "type", "id"], name="audit_journal_by_type"),
             models.Index(fields=["tenant_id", "actor", "id"], name="audit_journal_by_actor"),
-            models.Index(fields=["tenant_id", "object_ref", "id"], name="audit_journal_by_object"),
+            # Only the entries about something other than their own stream: an object's
+            # entries in its own stream (a run's events, every step of every run) are read
+            # by (stream, seq) instead — runtime.pages.audit.filtered.
+            models.Index(
+                fields=["tenant_id", "object_ref", "id"],
+                name="audit_journal_by_object",
+                condition=~models.Q(object_ref=models.F("stream")),
+            ),
             models.Index(fields=["tenant_id", "created_at"], name="audit_journal_by_time"),
         ]
 

@@ -1,7 +1,10 @@
 """The audit log's indexes ascending in id (issue 22): read backwards they serve the same
 newest-first pages, and a new entry lands at the end of its group, so page splits leave full
 pages behind instead of two half-empty ones (about half of each index's bytes per entry on
-PostgreSQL). A big journal rebuilds four indexes here: plan the migration for a quiet hour."""
+PostgreSQL). And by_object holds only the entries about something other than their own
+stream: a run's own events — every step of every run — are read through (stream, seq)
+instead (runtime.pages.audit.filtered). A big journal rebuilds four indexes here: plan the
+migration for a quiet hour."""
 
 from django.db import migrations, models
 
@@ -43,7 +46,9 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name="journalentry",
             index=models.Index(
-                fields=["tenant_id", "object_ref", "id"], name="audit_journal_by_object"
+                condition=models.Q(("object_ref", models.F("stream")), _negated=True),
+                fields=["tenant_id", "object_ref", "id"],
+                name="audit_journal_by_object",
             ),
         ),
     ]

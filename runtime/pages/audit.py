@@ -15,10 +15,11 @@ tenant's entries. `bench/audit_log.py` measures it on a million entries in Postg
 from __future__ import annotations
 
 import csv
+import heapq
 import io
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
@@ -26,7 +27,7 @@ from urllib.parse import urlencode
 from uuid import UUID
 
 from django.db import transaction
-from django.db.models import Field, Q, QuerySet
+from django.db.models import F, Field, Q, QuerySet
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -246,21 +247,57 @@ def parse_before(value: str | None) -> int | None:
     return before
 
 
-def filtered(entries: QuerySet[JournalEntry], filters: AuditFilters) -> QuerySet[JournalEntry]:
+@dataclass(frozen=True)
+class Part:
+    """One index-ordered query of the entries a filter matches, and the order it reads in."""
+
+    entries: QuerySet[JournalEntry]
+    order: list[str]
+
+
+def filtered(
+    entries: QuerySet[JournalEntry], filters: AuditFilters, *, newest_first: bool = True
+) -> list[Part]:
     """Equality filters only (and a created_at range): each is the prefix of an index
-    (tenant_id, actor|type|object_ref, id) or (tenant_id, created_at)."""
+    (tenant_id, actor|type|object_ref, id) or (tenant_id, created_at). Parts, in the same
+    order, that together are the matching entries, each once: one, but two for an object.
+
+    An object's entries are those in the stream of its name that are about it (a run's own
+    events, every step of it: (stream, seq) holds them in order, seq rising with id within
+    a stream) and those about it in other streams — the partial by_object index holds only
+    entries about something other than their own stream, which leaves out most of the
+    journal (issue 22). Every step of every run is one index entry fewer."""
     if filters.actor:
         entries = entries.filter(actor=filters.actor)
     if filters.type:
         entries = entries.filter(type=filters.type)
-    if filters.object_ref:
-        entries = entries.filter(object_ref=filters.object_ref)
     lower, upper = filters.bounds()
     if lower is not None:
         entries = entries.filter(created_at__gte=lower)
     if upper is not None:
         entries = entries.filter(created_at__lt=upper)
-    return entries
+    order = ordering(filters, newest_first=newest_first)
+    target = filters.object_ref
+    if not target:
+        return [Part(entries, order)]
+    own = entries.filter(stream=target, object_ref=target)
+    about = entries.filter(object_ref=target).exclude(object_ref=F("stream"))
+    own_order = order if filters.has_period else ["-seq" if newest_first else "seq"]
+    return [Part(own, own_order), Part(about, order)]
+
+
+def merged(
+    parts: Sequence[Iterable[Any]], filters: AuditFilters, newest_first: bool
+) -> Iterator[Any]:
+    """The parts' rows (entries or export dicts) as one sequence in the page's order."""
+    if len(parts) == 1:
+        return iter(parts[0])
+
+    def key(row: Any) -> tuple[Any, ...]:
+        get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
+        return (get("created_at"), get("id")) if filters.has_period else (get("id"),)
+
+    return heapq.merge(*parts, key=key, reverse=newest_first)
 
 
 def ordering(filters: AuditFilters, *, newest_first: bool = True) -> list[str]:
@@ -346,22 +383,37 @@ def _older_than(principal: Principal, filters: AuditFilters, before: int) -> Q:
 
 def log_query(
     principal: Principal, filters: AuditFilters, before: int | None
-) -> QuerySet[JournalEntry]:
-    """The page's one query (bench/audit_log.py EXPLAINs exactly this)."""
-    entries = (
-        filtered(journal_for(principal), filters)
-        .exclude(type=DECIDED_TWICE, stream=journal.tenant_stream(principal.tenant.pk))
-        .only(*LOG_FIELDS)
-    )
-    if before is not None:
-        entries = entries.filter(_older_than(principal, filters, before))
-    return entries.order_by(*ordering(filters))[: PAGE_SIZE + 1]
+) -> list[QuerySet[JournalEntry]]:
+    """The page's queries, one per part of `filtered` (bench/audit_log.py EXPLAINs exactly
+    these), each PAGE_SIZE + 1 rows at most."""
+    queries = []
+    older = None if before is None else _older_than(principal, filters, before)
+    for part in filtered(journal_for(principal), filters):
+        entries = part.entries.exclude(
+            type=DECIDED_TWICE, stream=journal.tenant_stream(principal.tenant.pk)
+        ).only(*LOG_FIELDS)
+        if before is not None and older is not None:
+            entries = entries.filter(older)
+            if part.order[0].endswith("seq"):  # bound the stream's range, not only filter it
+                entries = entries.filter(_stream_older_than(principal, filters, before))
+        queries.append(entries.order_by(*part.order)[: PAGE_SIZE + 1])
+    return queries
+
+
+def _stream_older_than(principal: Principal, filters: AuditFilters, before: int) -> Q:
+    """Within the object's own stream, entries before the cursor by seq (which rises with
+    id there), so the (stream, seq) index starts at the cursor instead of skipping to it."""
+    cursor = journal_for(principal).filter(pk=before, stream=filters.object_ref)
+    seq = cursor.values_list("seq", flat=True).first()
+    return Q() if seq is None else Q(seq__lt=seq)
 
 
 def log_page(principal: Principal, filters: AuditFilters, before: int | None) -> LogPage:
-    """One page, newest first: one query (two with a period and a cursor), PAGE_SIZE + 1
-    rows read to know whether there is an older page."""
-    found = list(log_query(principal, filters, before))
+    """One page, newest first: one query per part (and one more with a period and a cursor,
+    or an object and a cursor), PAGE_SIZE + 1 rows read to know whether there is an older
+    page."""
+    queries = log_query(principal, filters, before)
+    found = list(merged(queries, filters, newest_first=True))[: PAGE_SIZE + 1]
     shown = found[:PAGE_SIZE]
     rows = [LogRow(e, summarise(e.payload), pretty(e.payload), run_of(e.object_ref)) for e in shown]
     return LogPage(rows, shown[-1].pk if len(found) > PAGE_SIZE else None, folds=not filters.type)
@@ -425,12 +477,13 @@ def record_export(principal: Principal, filters: AuditFilters, format: str) -> J
 def export_rows(principal: Principal, filters: AuditFilters) -> Iterator[dict[str, Any]]:
     """Oldest first, as plain dicts from a cursor read 2000 rows at a time: the queryset is
     never materialised, so memory stays flat however many entries match."""
-    entries = filtered(journal_for(principal), filters).order_by(
-        *ordering(filters, newest_first=False)
-    )
-    rows: Iterator[dict[str, Any]] = entries.values(*EXPORT_FIELDS).iterator(
-        chunk_size=EXPORT_CHUNK_ROWS
-    )
+    parts = [
+        part.entries.order_by(*part.order)
+        .values(*EXPORT_FIELDS)
+        .iterator(chunk_size=EXPORT_CHUNK_ROWS)
+        for part in filtered(journal_for(principal), filters, newest_first=False)
+    ]
+    rows: Iterator[dict[str, Any]] = merged(parts, filters, newest_first=False)
     return rows
 
 

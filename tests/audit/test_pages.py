@@ -295,6 +295,66 @@ def test_filters_return_exactly_the_matching_entries(
     assert len(combined) == 4
 
 
+def test_an_objects_entries_in_its_own_stream_and_in_others_page_and_export_as_one(
+    client: Client, reviewer_a: Persona
+) -> None:
+    """An object's entries are read in two parts — those in its own stream (a run's events,
+    by (stream, seq)) and those about it in other streams (the partial by_object index) —
+    merged newest first: every page continues exactly where the last ended, a period pages
+    by time, and the export holds the same entries oldest first."""
+    target = f"run:{uuid.uuid4()}"
+    specs: list[dict[str, Any]] = []
+    for n in range(3 * PAGE_SIZE):
+        if n % 7 == 3:  # about the run, in another stream
+            specs.append({"stream": f"elsewhere:{reviewer_a.tenant.pk}", "object_ref": target})
+        elif n % 11 == 5:  # the run's stream, about something else
+            specs.append({"stream": target, "object_ref": "approvalrequest:9"})
+        else:  # the run's own events
+            specs.append({"stream": target, "object_ref": target, "type": "lease_taken"})
+        specs[-1]["created_at"] = T0 + timedelta(minutes=n // 40)  # many equal times
+    made = fake_entries(reviewer_a.tenant, specs)
+    fake_entries(reviewer_a.tenant, [{"object_ref": f"run:{uuid.uuid4()}"} for _ in range(9)])
+    login(client, reviewer_a)
+    about = [e for e in made if e.object_ref == target]
+    assert 2 * PAGE_SIZE < len(about) < len(made)
+    assert every_page(client, object=target) == newest_first(about)
+    by_time = sorted(about, key=lambda e: (e.created_at, e.pk), reverse=True)
+    period = {"object": target, "from": "2026-03-01", "to": "2026-03-01"}
+    assert every_page(client, **period) == [e.pk for e in by_time]
+    typed = [e for e in about if e.stream == target]
+    assert every_page(client, object=target, type="lease_taken") == newest_first(typed)
+    lines = body(client.get(reverse(JSONL), {"object": target})).decode().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == sorted(e.pk for e in about)
+
+
+def test_an_object_filter_reads_indexes_not_the_journal(reviewer_a: Persona) -> None:
+    """Both parts of an object filter are index reads: the run's own stream through
+    (stream, seq), entries about it elsewhere through the partial by_object index — which
+    the query must name exactly for either database to use it."""
+    from runtime.pages.audit import AuditFilters, log_query
+    from runtime.tenancy import principal_for
+
+    fake_entries(reviewer_a.tenant, [{"object_ref": f"run:{n}"} for n in range(300)])
+    principal = principal_for(reviewer_a.user)
+    assert principal is not None
+    own, about = log_query(principal, AuditFilters(object_ref="run:7"), None)
+    plans = []
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            cursor.execute("SET LOCAL enable_bitmapscan = off")
+        for query in (own, about):
+            sql, params = query.query.sql_with_params()
+            explain = "EXPLAIN " if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN "
+            cursor.execute(explain + sql, params)
+            plans.append(" ".join(str(row) for row in cursor.fetchall()))
+    # (SQLite names a table's UNIQUE constraint's index itself)
+    stream_seq = "one_seq" if connection.vendor == "postgresql" else "sqlite_autoindex"
+    assert stream_seq in plans[0], plans[0]
+    assert "audit_journal_by_object" in plans[1], plans[1]
+    assert "Seq Scan" not in " ".join(plans) and "SCAN audit_journalentry" not in plans[1]
+
+
 def test_filter_form_and_export_links_keep_the_filters(
     client: Client, reviewer_a: Persona, mixed: dict[str, Any]
 ) -> None:
