@@ -249,10 +249,12 @@ def parse_before(value: str | None) -> int | None:
 
 @dataclass(frozen=True)
 class Part:
-    """One index-ordered query of the entries a filter matches, and the order it reads in."""
+    """One index-ordered query of the entries a filter matches, and the order it reads in;
+    `stream`: the one stream it reads in seq order (an object's own), else empty."""
 
     entries: QuerySet[JournalEntry]
     order: list[str]
+    stream: str = ""
 
 
 def filtered(
@@ -282,8 +284,9 @@ def filtered(
         return [Part(entries, order)]
     own = entries.filter(stream=target, object_ref=target)
     about = entries.filter(object_ref=target).exclude(object_ref=F("stream"))
-    own_order = order if filters.has_period else ["-seq" if newest_first else "seq"]
-    return [Part(own, own_order), Part(about, order)]
+    if filters.has_period:
+        return [Part(own, order), Part(about, order)]
+    return [Part(own, ["-seq" if newest_first else "seq"], stream=target), Part(about, order)]
 
 
 def merged(
@@ -387,23 +390,22 @@ def log_query(
     """The page's queries, one per part of `filtered` (bench/audit_log.py EXPLAINs exactly
     these), each PAGE_SIZE + 1 rows at most."""
     queries = []
-    older = None if before is None else _older_than(principal, filters, before)
+    older = Q() if before is None else _older_than(principal, filters, before)
     for part in filtered(journal_for(principal), filters):
         entries = part.entries.exclude(
             type=DECIDED_TWICE, stream=journal.tenant_stream(principal.tenant.pk)
         ).only(*LOG_FIELDS)
-        if before is not None and older is not None:
-            entries = entries.filter(older)
-            if part.order[0].endswith("seq"):  # bound the stream's range, not only filter it
-                entries = entries.filter(_stream_older_than(principal, filters, before))
+        entries = entries.filter(older)
+        if part.stream and before is not None:  # bound the stream's range, not only filter it
+            entries = entries.filter(_stream_older_than(principal, part.stream, before))
         queries.append(entries.order_by(*part.order)[: PAGE_SIZE + 1])
     return queries
 
 
-def _stream_older_than(principal: Principal, filters: AuditFilters, before: int) -> Q:
-    """Within the object's own stream, entries before the cursor by seq (which rises with
-    id there), so the (stream, seq) index starts at the cursor instead of skipping to it."""
-    cursor = journal_for(principal).filter(pk=before, stream=filters.object_ref)
+def _stream_older_than(principal: Principal, stream: str, before: int) -> Q:
+    """Within one stream, entries before the cursor by seq (which rises with id there), so
+    the (stream, seq) index starts at the cursor instead of skipping to it."""
+    cursor = journal_for(principal).filter(pk=before, stream=stream)
     seq = cursor.values_list("seq", flat=True).first()
     return Q() if seq is None else Q(seq__lt=seq)
 
