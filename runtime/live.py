@@ -168,19 +168,34 @@ class Doorbell:
             await asyncio.sleep(POLL_SECONDS)
 
 
+@contextlib.asynccontextmanager
+async def unwatched() -> AsyncIterator[asyncio.Event]:
+    """An event nothing rings, for a stream that does not follow (it never waits on it)."""
+    yield asyncio.Event()
+
+
 def _conninfo() -> str:
+    """The LISTEN connection's: the database settings' address and credentials, and every
+    libpq option they carry (sslmode, sslrootcert, connect_timeout …: the listener connects
+    the way the process's other connections do). It is named after the process's own
+    `application_name` with `-live` added (`holdpoint-live` when it has none), so
+    pg_stat_activity tells each process's listener apart."""
+    from psycopg import pq
     from psycopg.conninfo import make_conninfo
 
     db = connection.settings_dict
+    libpq = {option.keyword.decode() for option in pq.Conninfo.get_defaults()}
+    given = {k: v for k, v in (db.get("OPTIONS") or {}).items() if k in libpq}
     options = {
+        **given,
         "dbname": db["NAME"],
         "user": db.get("USER") or None,
         "password": db.get("PASSWORD") or None,
         "host": db.get("HOST") or None,
         "port": str(db["PORT"]) if db.get("PORT") else None,
-        "application_name": "holdpoint-live",
+        "application_name": f"{given.get('application_name') or 'holdpoint'}-live",
     }
-    return make_conninfo(**{k: v for k, v in options.items() if v is not None})
+    return make_conninfo(**{k: str(v) for k, v in options.items() if v is not None})
 
 
 def tenant_key(tenant_id: int) -> str:

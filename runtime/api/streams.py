@@ -116,7 +116,10 @@ async def run_events(
     """The run's entries after `after`; `follow`: live, to the run's final entry (else the
     entries there are now, then the end: runtime.api.sse.follows)."""
     last = after
-    async with live.doorbell.subscription(journal.run_stream(run_id)) as wake:
+    # A stream that ends with what is there waits for nothing: it must not start the
+    # doorbell (under Django alone its event loop ends with the response).
+    watch = live.doorbell.subscription(journal.run_stream(run_id)) if follow else live.unwatched()
+    async with watch as wake:
         while True:
             wake.clear()
             try:

@@ -28,6 +28,7 @@ from httpx_sse import EventSource
 from approvals.models import ApprovalRequest, ApprovalStatus
 from audit.models import JournalEntry
 from holdpoint_client import AsyncClient, Client
+from runtime import live
 from runtime.api.serializers import JournalEntrySerializer
 from runtime.models import Run, RunStatus
 from tests import procs
@@ -59,13 +60,13 @@ def web_server(
     django_db_blocker: Any, log: Path, name: str = "holdpoint-web", **extra: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real web server (`extra`: its environment's additions): its process and base URL.
-    On PostgreSQL its connections carry `name`; the module's server, last to stop, also
-    waits for every LISTEN connection (runtime.live names them all holdpoint-live)."""
+    On PostgreSQL its connections carry `name`, its LISTEN connection `name`-live
+    (runtime.live), and its teardown waits until both are gone."""
     env = procs.child_env(**extra)
     if connection.vendor == "postgresql":  # its connections are counted by this name
         env["DATABASE_URL"] += f"?application_name={name}"
     proc, base = procs.start_web(env, log)
-    names = (name, "holdpoint-live") if name == "holdpoint-web" else (name,)
+    names = (name, f"{name}-live")
     try:
         yield proc, base
     finally:
@@ -86,7 +87,7 @@ def server(
         yield found
 
 
-def _web_backends(names: tuple[str, ...] = ("holdpoint-web", "holdpoint-live")) -> int:
+def _web_backends(names: tuple[str, ...]) -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
@@ -268,19 +269,43 @@ def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     assert "event: lease_taken" in body
 
 
+@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
+def test_a_stream_not_served_on_the_event_loop_opens_no_listen_connection(
+    agent_a: Persona,
+) -> None:
+    """A stream that will not follow has nothing to wait for, so it must not start the
+    process's doorbell: under Django alone each response is consumed on an event loop of
+    its own that ends with it, so every such request started a LISTEN task (on PostgreSQL a
+    connection) of its own, cancelled when its loop closed, whether or not its connection
+    had finished opening."""
+    run_id = new_run(agent_a.api())["run_id"]
+    take_lease(agent_a.api(), run_id)
+    started = live.doorbell.task
+    for path in (f"/api/v1/runs/{run_id}/events/", "/api/v1/approvals/"):
+        answer = agent_a.api().get(path, STREAM)
+        assert answer.status_code == 200 and b": stream open" in b"".join(answer)
+    assert live.doorbell.task is started  # no doorbell started for these requests
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'holdpoint-live'"
+                " AND datname = current_database()"
+            )
+            assert cursor.fetchone() == (0,)
+
+
 # The keep-alive of the quiet-stream test's own server: the same code path as the default
 # 15 s (HOLDPOINT_SSE_KEEPALIVE), without the test waiting out 15 s of quiet.
 KEEPALIVE = 1
 
 
 def test_a_quiet_stream_sends_a_comment_line_within_the_keepalive(
-    server: Any, django_db_blocker: Any, tmp_path: Path, agent_a: Persona
+    django_db_blocker: Any, tmp_path: Path, agent_a: Persona
 ) -> None:
     """API.md: a comment line at least every 15 s (a proxy's idle timeout, a client's read
     timeout): the first at once, the next ones before each keep-alive interval of quiet is
     over (and some margin) — on a server of its own whose interval is KEEPALIVE seconds (the
-    module's server keeps the default, so no other test is helped by an early re-read; it is
-    asked for so that its teardown waits for this server's LISTEN connection too)."""
+    module's server keeps the default, so no other test is helped by an early re-read)."""
     from django.conf import settings
 
     assert settings.HOLDPOINT_SSE_KEEPALIVE == 15  # the default API.md promises
@@ -644,8 +669,8 @@ def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> 
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
-                " FROM pg_stat_activity WHERE application_name = 'holdpoint-live'"
-                " AND datname = current_database()",  # not another test run's listener
+                " FROM pg_stat_activity WHERE application_name = 'holdpoint-web-live'"
+                " AND datname = current_database()",  # the module server's: no other's
                 [kill],
             )
             row = cursor.fetchone()
@@ -694,3 +719,20 @@ def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
     _finish(agent_a, run_id, fence, 0)
     # Well before the next poll would be let through (live.js: one per 30 s while open).
     expect(page.locator("#run-header-title .badge")).to_have_text("completed", timeout=5000)
+
+
+def test_the_listen_connection_connects_as_the_process_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The LISTEN connection takes the database settings' libpq options (a server that
+    requires TLS refuses a listener without `sslmode`), leaves out Django's own ones
+    (libpq would refuse `prepare_threshold`), and is named after the process."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    options = {"sslmode": "require", "connect_timeout": 7, "prepare_threshold": 0}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    info = conninfo_to_dict(live._conninfo())
+    assert info["sslmode"] == "require" and info["connect_timeout"] == "7"
+    assert "prepare_threshold" not in info and info["application_name"] == "holdpoint-live"
+    monkeypatch.setitem(options, "application_name", "holdpoint-web")
+    assert conninfo_to_dict(live._conninfo())["application_name"] == "holdpoint-web-live"
