@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -174,7 +174,7 @@ async def unwatched() -> AsyncIterator[asyncio.Event]:
     yield asyncio.Event()
 
 
-def _conninfo() -> str:
+def _conninfo(db: Mapping[str, Any] | None = None) -> str:
     """The LISTEN connection's: the database settings' address and credentials, and every
     libpq option they carry (sslmode, sslrootcert, connect_timeout …: the listener connects
     the way the process's other connections do). It is named after the process's own
@@ -183,7 +183,7 @@ def _conninfo() -> str:
     from psycopg import pq
     from psycopg.conninfo import make_conninfo
 
-    db = connection.settings_dict
+    db = connection.settings_dict if db is None else db
     libpq = {option.keyword.decode() for option in pq.Conninfo.get_defaults()}
     given = {k: v for k, v in (db.get("OPTIONS") or {}).items() if k in libpq}
     options = {

@@ -721,18 +721,16 @@ def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
     expect(page.locator("#run-header-title .badge")).to_have_text("completed", timeout=5000)
 
 
-def test_the_listen_connection_connects_as_the_process_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_listen_connection_connects_as_the_process_does() -> None:
     """The LISTEN connection takes the database settings' libpq options (a server that
     requires TLS refuses a listener without `sslmode`), leaves out Django's own ones
     (libpq would refuse `prepare_threshold`), and is named after the process."""
     from psycopg.conninfo import conninfo_to_dict
 
     options = {"sslmode": "require", "connect_timeout": 7, "prepare_threshold": 0}
-    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
-    info = conninfo_to_dict(live._conninfo())
+    db = {**connection.settings_dict, "OPTIONS": options}
+    info = conninfo_to_dict(live._conninfo(db))
     assert info["sslmode"] == "require" and info["connect_timeout"] == "7"
     assert "prepare_threshold" not in info and info["application_name"] == "holdpoint-live"
-    monkeypatch.setitem(options, "application_name", "holdpoint-web")
-    assert conninfo_to_dict(live._conninfo())["application_name"] == "holdpoint-web-live"
+    db["OPTIONS"] = {**options, "application_name": "holdpoint-web"}
+    assert conninfo_to_dict(live._conninfo(db))["application_name"] == "holdpoint-web-live"
