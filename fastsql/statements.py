@@ -347,9 +347,10 @@ def _update(
 
 def _insert_values(table: _Table, row: Mapping[str, Any], conn: BaseDatabaseWrapper) -> list[Any]:
     """Every insert column's value: as given (by attname), else what the ORM would use —
-    now for auto_now / auto_now_add, else the field's default."""
+    now for auto_now / auto_now_add, else the field's default. A `DbNow` is kept as it is:
+    `_insert` writes the database clock in its place."""
     if row.keys() >= table.insert_names:  # all given (an instance's __dict__): the short way
-        return [prep(row[name], conn) for name, prep in table.insert_preps]
+        return [_prep_or_clock(prep, row[name], conn) for name, prep in table.insert_preps]
     values = []
     for attname, prep, field, stamped in table.inserts:
         if attname in row:
@@ -358,8 +359,42 @@ def _insert_values(table: _Table, row: Mapping[str, Any], conn: BaseDatabaseWrap
             value = timezone.now()
         else:
             value = field.get_default()
-        values.append(prep(value, conn))
+        values.append(_prep_or_clock(prep, value, conn))
     return values
+
+
+def _prep_or_clock(prep: Prep, value: Any, conn: BaseDatabaseWrapper) -> Any:
+    return value if value.__class__ is DbNow else prep(value, conn)
+
+
+def _with_clocks(
+    table: _Table, conn: BaseDatabaseWrapper, params: list[Any]
+) -> tuple[tuple[tuple[int, DbNow], ...], list[Any]]:
+    """The positions of the `DbNow` values among an insert's `params`, and the params with
+    each replaced by its clock's own parameters (none, or its interval)."""
+    clocks = tuple((i, v) for i, v in enumerate(params) if v.__class__ is DbNow)
+    if not clocks:
+        return (), params
+    spliced: list[Any] = []
+    for value in params:
+        if value.__class__ is DbNow:
+            spliced.extend(_clock(table.model, value, conn)[1])
+        else:
+            spliced.append(value)
+    return clocks, spliced
+
+
+def _values_sql(
+    table: _Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[tuple[int, DbNow], ...]
+) -> str:
+    """`(%s, …), (%s, …)` for `count` rows, the clock's SQL where a `DbNow` stands."""
+    width = len(table.insert_fields)
+    slots = ["%s"] * (width * count)
+    for position, value in clocks:
+        slots[position] = _clock(table.model, value, conn)[0]
+    return ", ".join(
+        f"({', '.join(slots[row * width : (row + 1) * width])})" for row in range(count)
+    )
 
 
 def _rows_values(
@@ -373,12 +408,54 @@ def _rows_values(
 
 
 def insert(
-    model: type[models.Model], rows: Iterable[Mapping[str, Any]], *, pks: bool = False
+    model: type[models.Model],
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    pks: bool = False,
+    returning: tuple[str, ...] = (),
 ) -> list[Any]:
     """`INSERT INTO table (every concrete column but an auto id) VALUES (…), (…)`. `rows` map
-    attnames to values (an instance's `__dict__` will do). With `pks` (a table with an auto
-    id) returns the new rows' ids in order, else []."""
+    attnames to values (an instance's `__dict__` will do); a value may be `NOW` / `DbNow`, the
+    database clock. With `pks` (a table with an auto id) returns the new rows' ids in order;
+    with `returning` (attnames; one row, a table whose key is given) the row's values as
+    stored, converted as a read converts them — what a database-clock value became; else
+    []."""
+    if returning:
+        return _insert_returning(_db(), model, list(rows), returning)
     return _insert(_db(), model, rows, pks)
+
+
+def _insert_sql(
+    table: _Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[Any, ...], tail: str
+) -> str:
+    key = ("insert", count, tail, clocks)
+    sql = table.sql.get(key)
+    if sql is None:
+        values = _values_sql(table, conn, count, clocks)
+        sql = f"INSERT INTO {table.name} ({table.insert_columns}) VALUES {values}{tail}"
+        table.sql[key] = sql
+    return sql
+
+
+def _insert_returning(
+    conn: BaseDatabaseWrapper,
+    model: type[models.Model],
+    rows: list[Mapping[str, Any]],
+    returning: tuple[str, ...],
+) -> list[Any]:
+    if len(rows) != 1:
+        raise ValueError("insert(returning=…) takes exactly one row")
+    table = _table(model, conn)
+    _, params = _rows_values(table, rows, conn)
+    clocks, params = _with_clocks(table, conn, params)
+    inline = _returns_rows(conn)
+    tail = f" RETURNING {', '.join(table.column[n] for n in returning)}" if inline else ""
+    cursor = _cursor(conn)
+    cursor.execute(_insert_sql(table, conn, 1, clocks, tail), params)
+    if inline:
+        return table.convert(conn, returning, [list(row) for row in cursor.fetchall()])
+    pk = model._meta.pk.attname  # an older SQLite: read the row back by its key
+    return select(model, returning, {pk: rows[0][pk]})
 
 
 def _insert(
@@ -391,19 +468,11 @@ def _insert(
     count, params = _rows_values(table, rows, conn)
     if not count:
         return []
+    clocks, params = _with_clocks(table, conn, params)
     inline = pks and conn.vendor == "postgresql"
-    key = ("insert", count, inline)
-    sql = table.sql.get(key)
-    if sql is None:
-        values = f"({', '.join(['%s'] * len(table.insert_fields))})"
-        sql = f"INSERT INTO {table.name} ({table.insert_columns}) VALUES " + ", ".join(
-            [values] * count
-        )
-        if inline:
-            sql += f" RETURNING {table.pk_column}"
-        table.sql[key] = sql
+    tail = f" RETURNING {table.pk_column}" if inline else ""
     cursor = _cursor(conn)
-    cursor.execute(sql, params)
+    cursor.execute(_insert_sql(table, conn, count, clocks, tail), params)
     if not pks:
         return []
     if inline:
@@ -614,6 +683,8 @@ def _insert_part(
 ) -> Part:
     table = _table(model, conn)
     count, params = _rows_values(table, rows, conn)
+    if any(value.__class__ is DbNow for value in params):
+        raise TypeError(f"{table.name}: a database-clock value in a chained insert")
     key = ("insert_part", count, after)
     sql = table.sql.get(key)
     if sql is None:

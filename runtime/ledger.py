@@ -221,7 +221,20 @@ def create_action(
         updated_at=now,
     )
     names = statements.attnames(Action)
-    statements.insert(Action, [{name: action.__dict__[name] for name in names}])
+    row = {name: action.__dict__[name] for name in names}
+    sending = action.status == S.PREPARED and send_ttl is not None
+    if sending:
+        # Prepared and marked sent by one INSERT (what `transition` to SENT would write: the
+        # sender's fence, database-time sent_at and in-flight window, one attempt); the
+        # instance takes the database-time values back from it.
+        assert send_ttl is not None
+        marks = {**_sent_changes(fence, send_ttl, tool), "attempts": 1}
+        stamped = ("updated_at", *marks)
+        row.update(marks, status=S.SENT, updated_at=statements.NOW)
+        (stored,) = statements.insert(Action, [row], returning=stamped)
+        action.__dict__.update(zip(stamped, stored, strict=True), status=S.SENT)
+    else:
+        statements.insert(Action, [row])
     action._state.adding = False
     action._state.db = transaction.get_connection().alias
     record(
@@ -234,12 +247,12 @@ def create_action(
         tool=tool.name,
         params=journal_params(tool, params),
         goal_rev=run.goal_rev,
-        action_status=action.status,
+        action_status=S.PREPARED if sending else action.status,
     )
     if action.status == S.AWAITING_APPROVAL:
         gates.hold(action, run, actor)
-    elif send_ttl is not None:
-        transition(action, S.SENT, actor, **_sent_changes(fence, send_ttl, tool))
+    elif sending:
+        _record_outcome(action, S.SENT, actor, {})  # the journal as a prepare, then a mark
     return action
 
 

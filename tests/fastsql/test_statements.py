@@ -3,7 +3,7 @@ nothing. (Its cost and its use on the hot path: tests/runtime/test_perf_invarian
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db import connection, transaction
@@ -74,6 +74,31 @@ def test_insert_returns_the_new_ids_in_order(tenant_a: Tenant) -> None:
     assert all(a.created_at is not None for a in stored)  # auto_now_add, as the ORM sets it
     with transaction.atomic():
         assert statements.insert(Artifact, [{**rows[0], "digest": "f" * 64}]) == []
+
+
+def test_insert_writes_the_database_clock_and_returns_what_it_stored(tenant_a: Tenant) -> None:
+    """A `DbNow` value in an insert is the database's clock (leases and in-flight windows are
+    database time), and `returning` gives back what was stored, converted as a read is. The
+    Python clock is moved to 2001 meanwhile: only the database's can give today."""
+    import time_machine
+
+    row = {"tenant_id": tenant_a.pk, "digest": "c" * 64, "content": "x", "size": 1}
+    today = timezone.now()
+    with time_machine.travel(datetime(2001, 1, 1, tzinfo=UTC)), transaction.atomic():
+        (stored,) = statements.insert(
+            Artifact, [{**row, "created_at": statements.DbNow(3600)}], returning=("created_at",)
+        )
+        plain = [  # the statement text is cached: the second of a shape returns its row too
+            statements.insert(Artifact, [{**row, "digest": d * 64}], returning=("size",))
+            for d in "de"
+        ]
+        ids = [statements.insert(Artifact, [{**row, "digest": d * 64}], pks=True) for d in "fg"]
+    assert abs(stored[0] - today - timedelta(hours=1)) < timedelta(seconds=30)
+    assert Artifact.objects.get(digest="c" * 64).created_at == stored[0]
+    assert plain == [[[1]], [[1]]]
+    assert [i for (i,) in ids] == [Artifact.objects.get(digest=d * 64).pk for d in "fg"]
+    with pytest.raises(ValueError):
+        statements.insert(Artifact, [row, row], returning=("size",))
 
 
 def test_update_then_insert_rows_inserts_only_when_the_update_changed_one_row(

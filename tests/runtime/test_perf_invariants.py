@@ -195,10 +195,11 @@ def _head_reads(statements: list[str]) -> int:
 STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
 # An action of a key tool: the read of the tool's current version (tools are data: a
 # redefinition must be seen before the send); the prepare commit (run CAS + checkpoint, the
-# hold-point question asked inside it, the action's insert, its `sent` compare-and-swap,
-# head swap + entries); the step commit (run CAS + checkpoint, the outcome's compare-and-
-# swap, head swap + entries). PostgreSQL sends each "+" as one statement.
-ACTION_STATEMENTS = {"postgresql": 9, "sqlite": 13}
+# hold-point question asked inside it, the action's insert — already `sent`, its database-
+# time marks returned by the INSERT itself —, head swap + entries); the step commit (run CAS
+# + checkpoint, the outcome's compare-and-swap, head swap + entries). PostgreSQL sends each
+# "+" as one statement.
+ACTION_STATEMENTS = {"postgresql": 8, "sqlite": 12}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
