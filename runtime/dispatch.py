@@ -23,7 +23,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from fastsql.statements import tenant_check
+from fastsql.statements import OneStatement, Part, tenant_check
 from runtime import gates, ledger, observe
 from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
 from runtime.faults import FaultPoint, fault
@@ -109,6 +109,14 @@ class Confirmed:
         """In the commit's transaction, after its compare-and-swap locked the run row."""
         _, changes = outcome_of(self.result)
         ledger.transition(self.action, S.CONFIRMED, self.actor, **changes)
+
+    def part(self, one: OneStatement, name: str, after: str) -> Part:
+        """The same write as a part of the commit's one statement (PostgreSQL), after the
+        part named `after` (the run's compare-and-swap, or the confirmation before it)."""
+        _, changes = outcome_of(self.result)
+        return ledger.transition_part(
+            one, name, self.action, S.CONFIRMED, self.actor, after=(after,), **changes
+        )
 
     def late(self) -> None:
         """The commit found the run moved (goal revised, cancelled): kept on the action, inert."""

@@ -330,6 +330,17 @@ class Executor:
         for outcome in self.confirmed:
             outcome.write()
 
+    def confirmed_parts(self, one: statements.OneStatement, after: str) -> list[statements.Part]:
+        """The same writes as parts of the commit's one statement, each after the one before
+        it (the first after the run's compare-and-swap, `after`), so the last writes only if
+        every one did."""
+        parts: list[statements.Part] = []
+        for index, outcome in enumerate(self.confirmed):
+            parts.append(
+                outcome.part(one, f"confirmed_{index}", parts[-1].name if parts else after)
+            )
+        return parts
+
     def confirmed_written(self, written: bool) -> None:
         """After a commit that carried the deferred confirmations: done, or (the run moved)
         each kept as a late result. after_confirm: an outcome is committed, nothing else yet."""
@@ -470,6 +481,7 @@ class Executor:
                     artifacts=self.encoder.new,
                     within=within,
                     before=self.write_confirmed if self.confirmed else None,
+                    before_parts=self.confirmed_parts if self.confirmed else None,
                 )
             )
         except stepcommit.Moved:

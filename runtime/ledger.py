@@ -171,6 +171,37 @@ def transition(
     return action
 
 
+def transition_part(
+    one: statements.OneStatement,
+    name: str,
+    action: Action,
+    target: str,
+    actor: str,
+    *,
+    after: tuple[str, ...],
+    **changes: Any,
+) -> statements.Part:
+    """`transition`'s compare-and-swap as a part of a one-statement commit (PostgreSQL),
+    written only if the parts `after` wrote; its journal entry is recorded now, into the
+    caller's batch of the run stream. The part writes no row if the action is no longer in
+    a status that may reach `target` — the statement then fails whole, and the caller's
+    transaction path raises InvalidTransition as `transition` does. The instance is not
+    refreshed (no row comes back from a part)."""
+    part = one.update(
+        name,
+        Action,
+        {"status": target, "updated_at": statements.NOW, **changes},
+        {
+            "action_id": action.pk,
+            "tenant_id": statements.Check(action.tenant_id),
+            "status": sources(target),
+        },
+        after=after,
+    )
+    _record_outcome(action, target, actor, changes)
+    return part
+
+
 def create_action(
     run: Run,
     fence: int,

@@ -7,10 +7,12 @@ the same journal entry, whichever of them wrote it. A commit is described by one
 
 How it is sent:
 
-- PostgreSQL, nothing else with it (no ledger write, no new artifact) and a writer that
-  carries the run stream's head (`audit.journal.owning`): one autocommit statement — the run
-  CAS, the checkpoint, the head swap and the journal entry (`audit.journal.append_after`) — one
-  round trip instead of four (BEGIN, two statements, COMMIT).
+- PostgreSQL, nothing else with it but the step's confirmations (no other ledger write, no new
+  artifact) and a writer that carries the run stream's head (`audit.journal.owning`): one
+  autocommit statement — the run CAS, the checkpoint, each confirmation's compare-and-swap
+  (`before_parts`), the head swap and the journal entries (`audit.journal.append_after`) — one
+  round trip instead of four or more (BEGIN, the statements, COMMIT). A confirmation whose
+  action moved fails the statement whole, and the transaction path then says why.
 - Otherwise one short transaction: the run CAS first (its row lock orders the commit before a
   goal revision, which locks the run and then its actions), the checkpoint only if it held, the
   artifacts, then the journal entries of the ledger writes that happened before the step's
@@ -63,6 +65,10 @@ class StepCommit:
     # Ledger writes of what happened before the step's entry (its confirmations): journalled
     # ahead of it, so the run's last entry is still its step's.
     before: Callable[[], None] | None = None
+    # The same writes as `before`, as parts of the one-statement commit (PostgreSQL): given
+    # the statement and the name of the run's compare-and-swap part, the parts that follow
+    # it, the last of which writes only if all of them did; their journal entries recorded.
+    before_parts: Callable[[statements.OneStatement, str], list[statements.Part]] | None = None
 
     @property
     def rev(self) -> int:
@@ -120,7 +126,8 @@ def write(commit: StepCommit) -> None:
         **commit.payload,
     }
     stream = journal.run_stream(run.run_id)
-    if commit.within is None and commit.before is None and not commit.artifacts:
+    parts_only = commit.before is None or commit.before_parts is not None
+    if commit.within is None and parts_only and not commit.artifacts:
         if _one_statement(commit, stream, update, mine, checkpoint, entry):
             return
     with transaction.atomic(durable=True), journal.batched(stream):
@@ -161,9 +168,11 @@ def _one_statement(
     head = journal.remembered(stream)
     if head is None:
         return False
-    with journal.batched(stream, deferred=True) as pending:
-        record(commit.run, commit.event, commit.actor, **entry)
     lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
+    with journal.batched(stream, deferred=True) as pending:
+        if commit.before_parts is not None:  # journalled ahead of the step's entry
+            lead += commit.before_parts(statements.OneStatement(), lead[0].name)
+        record(commit.run, commit.event, commit.actor, **entry)
     outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead)
     if outcome == "refused":
         raise Moved()

@@ -196,10 +196,11 @@ STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
 # An action of a key tool: the read of the tool's current version (tools are data: a
 # redefinition must be seen before the send); the prepare commit (run CAS + checkpoint, the
 # hold-point question asked inside it, the action's insert — already `sent`, its database-
-# time marks returned by the INSERT itself —, head swap + entries); the step commit (run CAS
-# + checkpoint, the outcome's compare-and-swap, head swap + entries). PostgreSQL sends each
-# "+" as one statement.
-ACTION_STATEMENTS = {"postgresql": 8, "sqlite": 12}
+# time marks returned by the INSERT itself —, head swap + entries); the read of the tenant's
+# credential; the step commit (run CAS + checkpoint, the outcome's compare-and-swap, head swap
+# + entries). PostgreSQL sends each "+" as one statement, and the whole step commit as one
+# (runtime.stepcommit: the confirmation is a part of it).
+ACTION_STATEMENTS = {"postgresql": 6, "sqlite": 12}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
@@ -580,6 +581,28 @@ def test_actions_of_one_step_each_confirm_with_the_next_commit(tenant_a: Tenant)
     assert seen["commits"] <= 3 + 2  # three prepares, the step, the lease taken and given up
     # the last confirmation is journalled ahead of the step commit it rode with
     assert [kind for kind, _ in _journal(run)][-2:] == ["action_outcome", "step_committed"]
+    assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+def test_a_confirmation_whose_action_moved_writes_nothing_of_its_commit(tenant_a: Tenant) -> None:
+    """Someone moved the action out of `sent` between its call and the step commit that
+    carries its confirmation: that commit writes nothing — no checkpoint, no journal entry,
+    the action as the other writer left it — whether it goes as PostgreSQL's one statement
+    (the confirmation a part of it: it writes no row, so the statement fails whole) or as a
+    transaction; the chain still verifies."""
+    run = create_run(tenant_a, "perf-acts", {"steps": 2}, actor="t")
+
+    def move() -> None:
+        _in_other_thread(lambda: Action.objects.filter(run=run).update(status=ActionStatus.FAILED))
+
+    AFTER_CALL.append(move)
+    entries = len(_journal(run))
+    result = advance_run(run.run_id, "w1", slice_seconds=60)
+    assert result.outcome != "completed" and len(CALLS) == 1, result
+    assert Action.objects.get(run=run).status == ActionStatus.FAILED
+    assert not Checkpoint.objects.filter(run=run, next_step="act_2").exists()
+    confirmed = [kind for kind, status in _journal(run)[entries:] if status == "confirmed"]
+    assert confirmed == []
     assert verify_stream(journal.run_stream(run.run_id)) is None
 
 
