@@ -108,19 +108,26 @@ def _absorb(action: Action, row: list[Any]) -> Action:
     return action
 
 
+def _swap(
+    action: Action, target: str, changes: dict[str, Any], **where: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The compare-and-swap into `target`: what it sets, and the condition — this action, its
+    tenant, a status allowed to reach `target` — whether it runs alone (`_move`) or as a part
+    of a one-statement commit (`transition_part`)."""
+    sets = {"status": target, "updated_at": statements.NOW, **changes}
+    condition = {
+        "action_id": action.pk,
+        "tenant_id": statements.Check(action.tenant_id),
+        "status": sources(target),
+        **where,
+    }
+    return sets, condition
+
+
 def _move(action: Action, target: str, changes: dict[str, Any], **where: Any) -> bool:
     """The compare-and-swap itself; on success the instance holds the row as stored."""
-    rows = statements.update(
-        Action,
-        {"status": target, "updated_at": statements.NOW, **changes},
-        {
-            "action_id": action.pk,
-            "tenant_id": statements.Check(action.tenant_id),
-            "status": sources(target),
-            **where,
-        },
-        returning=statements.attnames(Action),
-    )
+    sets, condition = _swap(action, target, changes, **where)
+    rows = statements.update(Action, sets, condition, returning=statements.attnames(Action))
     if len(rows) != 1:
         return False
     _absorb(action, rows[0])
@@ -187,17 +194,8 @@ def transition_part(
     a status that may reach `target` — the statement then fails whole, and the caller's
     transaction path raises InvalidTransition as `transition` does. The instance is not
     refreshed (no row comes back from a part)."""
-    part = one.update(
-        name,
-        Action,
-        {"status": target, "updated_at": statements.NOW, **changes},
-        {
-            "action_id": action.pk,
-            "tenant_id": statements.Check(action.tenant_id),
-            "status": sources(target),
-        },
-        after=after,
-    )
+    sets, condition = _swap(action, target, changes)
+    part = one.update(name, Action, sets, condition, after=after)
     _record_outcome(action, target, actor, changes)
     return part
 
@@ -253,13 +251,14 @@ def create_action(
     )
     names = statements.attnames(Action)
     row = {name: action.__dict__[name] for name in names}
-    sending = action.status == S.PREPARED and send_ttl is not None
-    if sending:
-        # Prepared and marked sent by one INSERT (what `transition` to SENT would write: the
-        # sender's fence, database-time sent_at and in-flight window, one attempt); the
-        # instance takes the database-time values back from it.
-        assert send_ttl is not None
+    # Prepared and marked sent by one INSERT (what `transition` to SENT would write: the
+    # sender's fence, database-time sent_at and in-flight window, one attempt); the instance
+    # takes the database-time values back from it.
+    marks = None
+    if action.status == S.PREPARED and send_ttl is not None:
         marks = {**_sent_changes(fence, send_ttl, tool), "attempts": 1}
+    sending = marks is not None
+    if marks is not None:
         stamped = ("updated_at", *marks)
         row.update(marks, status=S.SENT, updated_at=statements.NOW)
         (stored,) = statements.insert(Action, [row], returning=stamped)
