@@ -6,6 +6,7 @@ whole group, as a machine crash would — cannot take pytest down with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,6 +28,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def owns_port(pid: int, port: int) -> bool:
+    """Linux: whether process `pid` holds the socket listening on `port`. A port from
+    free_port() is only a guess: the other CI suite, running beside this one, may take it
+    first, and then a health check on it is answered by that suite's server, not ours."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                sockets.add(target[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                listening = fields[3] == "0A"  # TCP_LISTEN
+                if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    if fields[9] in sockets:
+                        return True
+    return False
 
 
 def test_database_url() -> str:
