@@ -15,7 +15,7 @@ from tests.httpservers import serve  # noqa: F401  (real HTTP servers for outbou
 from tests.mcp_fixture import mcp_upstream  # noqa: F401  (the test MCP upstream)
 from tests.pg_flush import install as install_pg_flush
 from tests.pg_guard import pytest_runtest_makereport  # noqa: F401  (a hook: pg-only skips fail)
-from tests.sandbox import sandbox_factory  # noqa: F401  (a fixture for every test area)
+from tests.sandbox import sandbox_factory, sandbox_pool  # noqa: F401  (fixtures for every area)
 
 User = get_user_model()
 install_pg_flush()  # PostgreSQL: truncate only the tables a test left rows in

@@ -11,13 +11,16 @@ than one already seen for that run is refused (409) and not applied.
 Credentials: with `--require-token T` (repeatable) or HOLDPOINT_SANDBOX_TOKENS (comma-separated)
 every `/tasks` request must carry `Authorization: Bearer <one of them>`, else 401 and nothing
 is applied — as a real tracker's API token would be (Holdpoint sends the tenant's `tasks`
-credential). `/healthz` and `/_faults` stay open.
+credential). `/healthz`, `/_faults` and `/_reset` stay open.
 Faults (`POST /_faults`, or the command's options), each applying to the next N creates:
 `fail_before` (503, nothing applied), `drop_after` (applied, then the connection is dropped
 without an answer), `error_after` (applied, then 500), and `delay` seconds before applying.
 Tracing: each task keeps the W3C `traceparent` its create came with, and `GET /requests` lists
 every request received since start (method, path, idempotency key, traceparent) — how a
 test sees that the trace reached the tracker, as a real one's request log would.
+Reset: `POST /_reset` forgets every task, fence, logged request and armed fault, once no
+request is being served (a delayed create of the one before lands first): a test suite
+reuses one process for many tests instead of starting one per test, each from empty.
 """
 
 from __future__ import annotations
@@ -64,6 +67,36 @@ class TaskStore:
         # Every request received (in memory, the latest REQUEST_LOG): GET /requests.
         self.requests: list[dict[str, Any]] = []
         self.faults: dict[str, float] = {"delay": 0.0, **dict.fromkeys(FAULTS, 0)}
+        self.started_with = dict(self.faults)  # what a reset arms again (the options')
+        # Requests being served now, and when the last one began (`reset` waits for quiet).
+        self.serving = 0
+        self.last_begun = 0.0
+
+    def begin(self) -> None:
+        with self.lock:
+            self.serving += 1
+            self.last_begun = time.monotonic()
+
+    def end(self) -> None:
+        with self.lock:
+            self.serving -= 1
+
+    def reset(self, quiet: float = 0.05, timeout: float = 60.0) -> bool:
+        """Forget tasks, fences, the request log and the armed faults (back to the command's
+        options), once nothing is being served and nothing began for `quiet` seconds — a
+        request still in progress (a delayed create) finishes before, not after. False if it
+        never got quiet within `timeout` (then nothing was forgotten)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.serving == 0 and time.monotonic() - self.last_begun >= quiet:
+                    self.db.execute("DELETE FROM tasks")
+                    self.db.execute("DELETE FROM fences")
+                    self.requests.clear()
+                    self.faults = dict(self.started_with)
+                    return True
+            time.sleep(0.01)
+        return False
 
     def take_fault(self, name: str) -> bool:
         with self.lock:
@@ -231,6 +264,25 @@ def make_handler(
                 pass
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            store.begin()
+            try:
+                self._get()
+            finally:
+                store.end()
+
+        def do_POST(self) -> None:  # noqa: N802
+            if urlparse(self.path).path == "/_reset":  # not counted: it waits for the rest
+                self._body()
+                if store.reset():
+                    return self._send(200, {"status": "reset"})
+                return self._send(503, {"error": "requests still in progress"})
+            store.begin()
+            try:
+                self._post()
+            finally:
+                store.end()
+
+        def _get(self) -> None:
             url = urlparse(self.path)
             if url.path == "/healthz":
                 return self._send(200, {"status": "ok", "mode": mode})
@@ -249,7 +301,7 @@ def make_handler(
                 return self._send(400, {"error": "lookup by key not supported in mode none"})
             return self._send(200, store.find(key))
 
-        def do_POST(self) -> None:  # noqa: N802
+        def _post(self) -> None:
             path = urlparse(self.path).path
             if path != "/_faults":
                 store.received("POST", path, self.headers)
@@ -316,6 +368,7 @@ class Command(BaseCommand):
         store.faults["delay"] = options["delay"]
         for fault in FAULTS:
             store.faults[fault] = options[fault]
+        store.started_with = dict(store.faults)
         tokens = tuple(options["require_token"] or settings.HOLDPOINT_SANDBOX_TOKENS)
         handler = make_handler(store, options["mode"], tokens)
         server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
