@@ -11,6 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser, Group
 from rest_framework.test import APIClient
 
 from runtime.models import Membership, Role, Tenant
+from tests.ci_pair import pytest_collection_modifyitems  # noqa: F401  (a hook: CI's pair)
 from tests.httpservers import serve  # noqa: F401  (real HTTP servers for outbound tests)
 from tests.mcp_fixture import mcp_upstream  # noqa: F401  (the test MCP upstream)
 from tests.pg_flush import install as install_pg_flush

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 pytest_plugins = ("tests.browser",)
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# A page's layout and scripts in Chromium: CI runs them on SQLite only (tests/ci_pair.py).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.ci_database("sqlite")]
 Pages = Callable[[], "Page"]
 
 

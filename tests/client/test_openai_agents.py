@@ -31,10 +31,12 @@ from tests.client.test_approval_agent import Agent, decide, the_action
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
+# The adapter above the API: CI runs it on PostgreSQL only (tests/ci_pair.py).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("hold_point"),
+    pytest.mark.ci_database("postgresql"),
 ]
 EXAMPLE = procs.ROOT / "examples" / "openai_agents_agent.py"
 

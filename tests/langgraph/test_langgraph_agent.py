@@ -37,7 +37,12 @@ from tests.client import decide, hold_point, the_action  # noqa: F401  (hold_poi
 from tests.conftest import Persona
 from tests.sandbox import Sandbox
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+# The adapter above the API: CI runs it on PostgreSQL only (tests/ci_pair.py).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.ci_database("postgresql"),
+]
 EXAMPLE = procs.ROOT / "examples" / "langgraph_agent.py"
 PG_ADMIN = os.environ.get("HOLDPOINT_TEST_PG", "postgres://postgres@127.0.0.1:5432/postgres")
 

@@ -185,6 +185,9 @@ def test_crash_at_point(
     _report(point, mode, human, started, "tasks.create")
 
 
+# The tool layer of a tool that is data, over the same ledger paths test_crash_at_point
+# proves on both databases: CI runs it on SQLite only (tests/ci_pair.py).
+@pytest.mark.ci_database("sqlite")
 @pytest.mark.parametrize("mode", ["key", "lookup", "none"])
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_at_point_on_a_tool_the_tenant_defined(

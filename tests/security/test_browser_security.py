@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 pytest_plugins = ("tests.browser",)  # the browser and new_page fixtures
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
+# A page's layout and scripts in Chromium: CI runs them on SQLite only (tests/ci_pair.py).
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.ci_database("sqlite")]
 Pages = Callable[[], "Page"]
 PAYLOAD = '<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
 

@@ -26,7 +26,6 @@ from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.contrib.auth import get_user_model
 from django.contrib.contenttypes.models import ContentType
-from django.db import connection
 
 from audit.models import JournalEntry
 from tests.api import fresh_throttle  # noqa: F401  (the rate limit must not leak between tests)
@@ -104,14 +103,12 @@ def callers_of(route: Route) -> list[str]:
     return ["agent", "reviewer"] if route.area == "api" else ["reviewer", "tenant_admin"]
 
 
+@pytest.mark.ci_database("sqlite")
 def test_get_and_head_change_nothing(
     worlds: tuple[World, World], admin_a: Persona, settings: Any
 ) -> None:
-    """On SQLite only: whether a GET or HEAD writes is the code's doing, the same on both
-    databases (it compares rows before and after); CI runs both, and the page fuzzer
-    (tests/web/test_page_fuzzer.py) takes PostgreSQL, where odd values fail late."""
-    if connection.vendor != "sqlite":
-        pytest.skip("GET/HEAD-change-nothing runs on SQLite (CI's other suite)")
+    """CI runs it on SQLite (tests/ci_pair.py): whether a GET or HEAD writes is the code's
+    doing, the same on both databases (it compares rows before and after)."""
     a, _ = worlds
     root = get_user_model().objects.create_superuser("root", password="pw-root")
     clients = {

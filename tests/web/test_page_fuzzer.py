@@ -29,7 +29,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from django.db import connection
 from django.test import Client
 from django.urls import Resolver404, resolve
 
@@ -251,12 +250,10 @@ def world(settings: Any, agent_a: Persona, reviewer_a: Persona) -> World:
     return build_world(agent_a, reviewer_a)
 
 
+@pytest.mark.ci_database("postgresql")
 def test_no_reviewer_page_answers_5xx_to_odd_input(settings: Any, world: World) -> None:
-    """On PostgreSQL only: it is the database that refuses odd values late (text cannot hold
-    NUL), so a 500 a page let through shows there; SQLite stores them. CI runs both, and the
-    GET/HEAD check (tests/security/test_no_state_change_through_get.py) takes SQLite."""
-    if connection.vendor != "postgresql":
-        pytest.skip("the page fuzzer runs on PostgreSQL, whose refusals become 500s")
+    """CI runs it on PostgreSQL (tests/ci_pair.py): it is the database that refuses odd values
+    late (text cannot hold NUL), so a 500 a page let through shows there; SQLite stores them."""
     settings.HOLDPOINT_DECISION_RATE = "100000/min"  # probe the decision, not the limiter
     client = Client(raise_request_exception=False)
     client.force_login(world.reviewer.user)

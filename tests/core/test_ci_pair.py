@@ -1,0 +1,88 @@
+"""CI's pair of suites (tests/ci_pair.py): a test marked `ci_database` runs on its suite's
+database only under HOLDPOINT_CI_PAIR=1, and on either database without it — checked by
+running pytest itself on a small test file, as CI does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import procs
+
+TESTS = """
+import pytest
+
+@pytest.mark.ci_database("sqlite")
+def test_on_sqlite(): pass
+
+@pytest.mark.ci_database("postgresql")
+def test_on_postgres(): pass
+
+def test_everywhere(): pass
+"""
+
+
+def _collected(tmp_path: Path, database_url: str, pair: bool, body: str = TESTS) -> str:
+    (tmp_path / "test_sample.py").write_text(body)
+    env = {k: v for k, v in os.environ.items() if k not in ("HOLDPOINT_CI_PAIR", "DATABASE_URL")}
+    # Only the plugin under test (no pytest-django, no entry-point plugins: a faster start).
+    env.update(
+        PYTHONPATH=str(procs.ROOT), DATABASE_URL=database_url, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"
+    )
+    if pair:
+        env["HOLDPOINT_CI_PAIR"] = "1"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.ci_pair",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "-q",
+            "-o",
+            "markers=ci_database",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
+POSTGRES = "postgres://postgres@127.0.0.1:5432/x"
+
+
+@pytest.mark.parametrize(
+    ("url", "pair", "kept", "gone"),
+    [
+        ("", True, ["test_on_sqlite", "test_everywhere"], ["test_on_postgres"]),
+        (POSTGRES, True, ["test_on_postgres", "test_everywhere"], ["test_on_sqlite"]),
+        ("", False, ["test_on_sqlite", "test_on_postgres", "test_everywhere"], []),
+        (POSTGRES, False, ["test_on_sqlite", "test_on_postgres", "test_everywhere"], []),
+    ],
+)
+def test_each_suite_of_the_pair_runs_its_own_share(
+    tmp_path: Path, url: str, pair: bool, kept: list[str], gone: list[str]
+) -> None:
+    out = _collected(tmp_path, url, pair)
+    for name in kept:
+        assert f"test_sample.py::{name}" in out, out
+    for name in gone:
+        assert f"test_sample.py::{name}" not in out, out
+    assert (f"{len(gone)} deselected" in out) == bool(gone), out
+
+
+def test_a_marker_naming_no_database_is_an_error(tmp_path: Path) -> None:
+    body = 'import pytest\n\n@pytest.mark.ci_database("mysql")\ndef test_x(): pass\n'
+    out = _collected(tmp_path, "", True, body)
+    assert "ci_database takes one of ('sqlite', 'postgresql')" in out, out
