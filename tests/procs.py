@@ -120,30 +120,38 @@ def start_web(
     env: dict[str, str], log: Path | None = None, *, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The production web server (`uvicorn config.asgi:application`) on a free port, and its
-    base URL once /healthz answers — for the tests that need a real ASGI server (live event
+    base URL once *it* listens there — for the tests that need a real ASGI server (live event
     streams, the MCP gateway), where pytest-django's threaded WSGI live_server will not do.
-    `port`: a given one — a restart on the same address, as a client that reconnects sees."""
-    port = port or free_port()
-    server = start(
-        ["config.asgi:application", "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on"],
-        env,
-        log,
-        program="uvicorn",
-    )
-    base = f"http://127.0.0.1:{port}"
+    A free port the other CI suite took first makes ours exit ("address in use"); it then
+    starts again on another. `port`: a given one — a restart on the same address, as a client
+    that reconnects sees (no other port will do, so no retry)."""
+    for _ in range(1 if port else 3):
+        chosen = port or free_port()
+        server = start(
+            [
+                "config.asgi:application",
+                *("--host", "127.0.0.1", "--port", str(chosen), "--lifespan", "on"),
+            ],
+            env,
+            log,
+            program="uvicorn",
+        )
 
-    def answers() -> bool:
-        if server.poll() is not None:
-            raise RuntimeError(f"the web server exited with {server.returncode} (log: {log})")
+        def listening(server: subprocess.Popen[bytes] = server, chosen: int = chosen) -> str:
+            if server.poll() is not None:
+                return "exited"
+            try:
+                with socket.create_connection(("127.0.0.1", chosen), timeout=1):
+                    pass
+            except OSError:
+                return ""
+            return "ours" if owns_port(server.pid, chosen) else ""
+
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return True
-        except OSError:
-            return False
-
-    try:
-        wait_for(answers, timeout=60, every=0.05)
-    except BaseException:
-        kill(server)
-        raise
-    return server, base
+            state = wait_for(listening, timeout=60, every=0.05)
+        except BaseException:
+            kill(server)
+            raise
+        if state == "ours":
+            return server, f"http://127.0.0.1:{chosen}"
+    raise RuntimeError(f"the web server exited with {server.returncode} (log: {log})")
