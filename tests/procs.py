@@ -116,42 +116,59 @@ def wait_for(check: Callable[[], T | None], timeout: float = 30.0, every: float 
         time.sleep(every)
 
 
-def start_web(
-    env: dict[str, str], log: Path | None = None, *, port: int | None = None
+def start_listening(
+    args: Callable[[int], list[str]],
+    env: dict[str, str],
+    log: Path | None = None,
+    *,
+    program: str = "manage.py",
+    port: int | None = None,
+    ready: Callable[[str], bool] | None = None,
+    timeout: float = 60.0,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """The production web server (`uvicorn config.asgi:application`) on a free port, and its
-    base URL once *it* listens there — for the tests that need a real ASGI server (live event
-    streams, the MCP gateway), where pytest-django's threaded WSGI live_server will not do.
-    A free port the other CI suite took first makes ours exit ("address in use"); it then
-    starts again on another. `port`: a given one — a restart on the same address, as a client
-    that reconnects sees (no other port will do, so no retry)."""
+    """A server process started with `args(port)` on `port` or a free one, and its base URL,
+    once *it* holds the listening socket (`owns_port`) and `ready(url)` (if given) says so. A
+    free port the other CI suite took first makes ours exit ("address in use"), and then it
+    starts again on another; a given port (a restart on the same address, as a client that
+    reconnects sees) gets no retry, no other will do."""
     for _ in range(1 if port else 3):
         chosen = port or free_port()
-        server = start(
-            [
-                "config.asgi:application",
-                *("--host", "127.0.0.1", "--port", str(chosen), "--lifespan", "on"),
-            ],
-            env,
-            log,
-            program="uvicorn",
-        )
+        server = start(args(chosen), env, log, program=program)
+        url = f"http://127.0.0.1:{chosen}"
 
-        def listening(server: subprocess.Popen[bytes] = server, chosen: int = chosen) -> str:
+        def up(
+            server: subprocess.Popen[bytes] = server, chosen: int = chosen, url: str = url
+        ) -> str:
             if server.poll() is not None:
                 return "exited"
-            try:
-                with socket.create_connection(("127.0.0.1", chosen), timeout=1):
-                    pass
-            except OSError:
+            if not owns_port(server.pid, chosen):
                 return ""
-            return "ours" if owns_port(server.pid, chosen) else ""
+            return "ours" if ready is None or ready(url) else ""
 
         try:
-            state = wait_for(listening, timeout=60, every=0.05)
+            state = wait_for(up, timeout=timeout, every=0.05)
         except BaseException:
             kill(server)
             raise
         if state == "ours":
-            return server, f"http://127.0.0.1:{chosen}"
-    raise RuntimeError(f"the web server exited with {server.returncode} (log: {log})")
+            return server, url
+    raise RuntimeError(f"{program} {args(chosen)[0]} exited: {server.returncode} (log: {log})")
+
+
+def start_web(
+    env: dict[str, str], log: Path | None = None, *, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The production web server (`uvicorn config.asgi:application`) and its base URL (see
+    `start_listening`) — for the tests that need a real ASGI server (live event streams, the
+    MCP gateway), where pytest-django's threaded WSGI live_server will not do. `port`: a given
+    one — a restart on the same address."""
+    return start_listening(
+        lambda chosen: [
+            "config.asgi:application",
+            *("--host", "127.0.0.1", "--port", str(chosen), "--lifespan", "on"),
+        ],
+        env,
+        log,
+        program="uvicorn",
+        port=port,
+    )

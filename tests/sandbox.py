@@ -47,29 +47,23 @@ class Sandbox:
 
 
 def start_sandbox(mode: str, data: Path) -> Sandbox:
-    """The sandbox on a free port, once *it* answers there: a port the other CI suite took
-    first makes ours exit ("address in use"), and then it starts again on another."""
-    for _ in range(3):
-        port = procs.free_port()
-        proc = procs.start(
-            ["sandbox_tasks", "--port", str(port), "--mode", mode, "--data", str(data)],
-            procs.child_env(),
-            log=data.with_suffix(".log"),
-        )
-        url = f"http://127.0.0.1:{port}"
+    """The sandbox on a free port, once *it* listens there and answers /healthz (see
+    `procs.start_listening`: a port the other CI suite took first means another port)."""
 
-        def up(proc: subprocess.Popen[bytes] = proc, url: str = url, port: int = port) -> str:
-            if proc.poll() is not None:
-                return "exited"
-            try:
-                healthy = httpx.get(url + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return ""
-            return "ours" if healthy and procs.owns_port(proc.pid, port) else ""
+    def healthy(url: str) -> bool:
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
 
-        if procs.wait_for(up, timeout=30) == "ours":
-            return Sandbox(url, mode, proc)
-    raise RuntimeError(f"the sandbox did not start on three free ports (log: {data})")
+    proc, url = procs.start_listening(
+        lambda port: ["sandbox_tasks", "--port", str(port), "--mode", mode, "--data", str(data)],
+        procs.child_env(),
+        data.with_suffix(".log"),
+        ready=healthy,
+        timeout=30,
+    )
+    return Sandbox(url, mode, proc)
 
 
 class SandboxPool:

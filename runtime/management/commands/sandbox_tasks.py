@@ -53,7 +53,7 @@ REQUEST_LOG = 1000
 
 
 class TaskStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, armed: dict[str, float] | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -66,8 +66,9 @@ class TaskStore:
         self.lock = threading.Lock()
         # Every request received (in memory, the latest REQUEST_LOG): GET /requests.
         self.requests: list[dict[str, Any]] = []
-        self.faults: dict[str, float] = {"delay": 0.0, **dict.fromkeys(FAULTS, 0)}
-        self.started_with = dict(self.faults)  # what a reset arms again (the options')
+        # Armed faults: the command's options at start, and again after each reset.
+        self.started_with = {"delay": 0.0, **dict.fromkeys(FAULTS, 0), **(armed or {})}
+        self.faults = dict(self.started_with)
         # Requests being served now, and when the last one began (`reset` waits for quiet).
         self.serving = 0
         self.last_begun = 0.0
@@ -364,11 +365,8 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["data"] or settings.VAR_DIR / f"sandbox-{options['port']}.sqlite3")
-        store = TaskStore(path)
-        store.faults["delay"] = options["delay"]
-        for fault in FAULTS:
-            store.faults[fault] = options[fault]
-        store.started_with = dict(store.faults)
+        armed = {"delay": options["delay"], **{fault: options[fault] for fault in FAULTS}}
+        store = TaskStore(path, armed)
         tokens = tuple(options["require_token"] or settings.HOLDPOINT_SANDBOX_TOKENS)
         handler = make_handler(store, options["mode"], tokens)
         server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
