@@ -12,9 +12,9 @@ also split into kill → lease expiry (the dead worker's last commit or heartbea
 expiry → takeover (`lease_taken` of the new fence: sweeper tick, doorbell, broker poll)
 and takeover → commit (load + one step). The new cluster becomes the next sample's victim.
 The sweeper runs in the bench process at its configured pace: `sweep_once()` every
-HOLDPOINT_SWEEP_INTERVAL seconds ×U(0.75, 1.25), exactly the loop of `sweep_for`, which the
-scheduled task runs; the django-q2 schedules in the bench database are pushed a day ahead
-so nothing else sweeps.
+HOLDPOINT_SWEEP_INTERVAL seconds ×U(0.75, 1.25), or sooner when a lease ends before then
+(`runtime.sweeper.pause`), exactly the loop of `sweep_for`, which the scheduled task runs;
+the django-q2 schedules in the bench database are pushed a day ahead so nothing else sweeps.
 
 The clusters of these samples run without their worker processes' own sweeper loops
 (HOLDPOINT_SWEEP_THREAD=0), so the bench's loop is the only sweeper.
@@ -70,16 +70,17 @@ class Sweeper:
         self.first_tick: float | None = None
 
     def tick_if_due(self) -> None:
-        from runtime.sweeper import sweep_once
+        from runtime.sweeper import pause, sweep_once
 
         now = time.monotonic()
         if now < self.next_at:
             return
         if self.first_tick is None:
             self.first_tick = time.time()
-        self.rung += sweep_once().rung
+        result = sweep_once(look_ahead=self.interval * 1.25)
+        self.rung += result.rung
         self.ticks += 1
-        self.next_at = now + self.interval * random.uniform(0.75, 1.25)
+        self.next_at = now + pause(self.interval, result)
 
 
 class RecoveryBench:

@@ -460,7 +460,8 @@ def recovery_section(doc: dict[str, Any]) -> list[str]:
             f"A real worker (`manage.py qcluster`) is SIGKILLed (its whole process group) in the "
             f"middle of a long run; a new one is started at once. Lease TTL **{ttl} s** "
             f"(HOLDPOINT_LEASE_TTL); the sweeper ticks every {interval} s ×U(0.75, 1.25) "
-            "(HOLDPOINT_SWEEP_INTERVAL, the loop of `sweep_for`). Seconds from the kill; "
+            "(HOLDPOINT_SWEEP_INTERVAL, the loop of `sweep_for`), or sooner when a lease "
+            "ends before then (`runtime.sweeper.pause`). Seconds from the kill; "
             '"as deployed": nobody sweeps but the new cluster itself (its worker processes\' '
             "sweeper loops, taking turns, and its django-q2 schedule); in the other samples "
             "and the storm the bench process is the only sweeper.",

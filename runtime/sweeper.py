@@ -29,7 +29,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import DateTimeField, ExpressionWrapper, Q, Value
+from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Q, Value
 from django.db.models.functions import Now
 
 from runtime import gates
@@ -43,6 +43,13 @@ from runtime.queue import _enqueue
 class SweepResult:
     rung: int
     due: int
+    # Seconds until the next run becomes due (a held lease ends, a timer comes), when that
+    # is sooner than the look-ahead the sweep was asked for; else None.
+    next_due: float | None = None
+
+
+# A loop that wakes for a lease's end sleeps this much past it: `lease_free` is strict.
+SETTLE = 0.05
 
 
 # run_id -> (when this process rang it, the run's (fence, checkpoint_rev, status) then)
@@ -75,6 +82,36 @@ def due_runs(limit: int, skip: set[str] | frozenset[str] = frozenset()) -> list[
     return list(due.order_by("updated_at").values_list(*fields)[:limit])
 
 
+def next_due_in(horizon: float) -> float | None:
+    """Seconds (database clock) until the soonest run a sweep would ring becomes due — a
+    held lease of a runnable run ends, or its timer comes — if within `horizon`, else None.
+    Each is one probe of a sweep index. A healthy lease is extended every ttl/3, so it is
+    never this close to its end unless its holder stopped: in a quiet fleet both probes
+    come back empty."""
+    soon = ExpressionWrapper(
+        Now() + Value(timedelta(seconds=horizon)), output_field=DateTimeField()
+    )
+    runnable = Run.objects.filter(status__in=RUNNABLE, external=False)
+    found: list[timedelta] = []
+    for field in ("lease_expires_at", "wake_at"):
+        left = ExpressionWrapper(F(field) - Now(), output_field=DurationField())
+        upcoming = runnable.filter(**{f"{field}__gt": Now(), f"{field}__lte": soon})
+        if field == "wake_at":
+            upcoming = upcoming.filter(lease_free())
+        found += upcoming.order_by(field).annotate(left=left).values_list("left", flat=True)[:1]
+    return min((max(d.total_seconds(), 0.0) for d in found), default=None)
+
+
+def pause(interval: float, result: SweepResult | None = None) -> float:
+    """How long a sweeper loop waits before its next tick: the jittered interval, or less
+    when a run becomes due before then. A crashed worker's run is then rung right as its
+    lease ends, not up to an interval later (issue 22: kill → next step, as deployed)."""
+    wait = interval * random.uniform(0.75, 1.25)
+    if result is not None and result.next_due is not None:
+        wait = min(wait, result.next_due + SETTLE)
+    return wait
+
+
 def _still_waiting(now: float, backed_up: bool) -> set[str]:
     """Runs rung within the redrive window that nobody has touched since (still queued);
     none unless the queue is backed up."""
@@ -95,8 +132,15 @@ def _still_waiting(now: float, backed_up: bool) -> set[str]:
 
 
 def sweep_once(
-    *, batch: int | None = None, per_tenant: int | None = None, ring: Any = _enqueue
+    *,
+    batch: int | None = None,
+    per_tenant: int | None = None,
+    ring: Any = _enqueue,
+    look_ahead: float = 0.0,
 ) -> SweepResult:
+    """One tick: ring the due runs (bounded overall and per tenant), run the hold points'
+    timers, flag lost external executors; with `look_ahead`, also say when the next run
+    becomes due within that many seconds (`next_due_in`), for a loop to wake then."""
     batch = batch or settings.HOLDPOINT_SWEEP_BATCH
     per_tenant = per_tenant or settings.HOLDPOINT_SWEEP_PER_TENANT
     now = clock()
@@ -113,7 +157,8 @@ def sweep_once(
         _rung[str(run_id)] = (now, (fence, rev, status))
     gates.sweep()  # hold points: expiry, reminders, escalation
     flag_lost_executors(batch)
-    return SweepResult(rung=len(chosen), due=len(found))
+    next_due = next_due_in(look_ahead) if look_ahead > 0 else None
+    return SweepResult(rung=len(chosen), due=len(found), next_due=next_due)
 
 
 # An external run in these statuses is being executed: its lease says someone is at it.
@@ -189,10 +234,18 @@ def take_turn(interval: float, holder: str = "") -> bool:
 
 
 def sweep_turn(interval: float, holder: str = "") -> SweepResult | None:
-    """A sweep if it is this process's turn, else None."""
+    """A sweep if it is this process's turn, else None. When a run becomes due before the
+    turn would come round again, the turn comes round then instead (`next_at` moved back),
+    so whichever process ticks first after that moment sweeps — the sweeper itself wakes
+    for it (`pause`)."""
     if not take_turn(interval, holder):
         return None
-    result = sweep_once()
+    result = sweep_once(look_ahead=interval * 1.25)
+    if result.next_due is not None:
+        at = ExpressionWrapper(
+            Now() + Value(timedelta(seconds=result.next_due)), output_field=DateTimeField()
+        )
+        SweeperTurn.objects.filter(name=TURN, next_at__gt=at).update(next_at=at)
     prune_task_history(settings.HOLDPOINT_QUEUE_HISTORY)
     return result
 
@@ -226,12 +279,14 @@ class SweeperThread(threading.Thread):
     def run(self) -> None:
         from django.db import close_old_connections, connection
 
+        result: SweepResult | None = None
         try:
-            while not self.stop.wait(self.interval * random.uniform(0.75, 1.25)):
+            while not self.stop.wait(pause(self.interval, result)):
                 try:
                     close_old_connections()
-                    sweep_turn(self.interval, self.holder)
+                    result = sweep_turn(self.interval, self.holder)
                 except Exception:  # noqa: BLE001 - the loop must outlive a bad tick
+                    result = None
                     log.exception("sweeper tick failed; trying again next tick")
                     connection.close()
         finally:
@@ -264,12 +319,15 @@ def sweep_for(seconds: float, interval: float, *, turns: bool = False) -> int:
     """
     deadline = time.monotonic() + seconds
 
-    def tick() -> int:
-        result = sweep_turn(interval, "sweeper:scheduled") if turns else sweep_once()
-        return result.rung if result is not None else 0
+    def tick() -> SweepResult | None:
+        if turns:
+            return sweep_turn(interval, "sweeper:scheduled")
+        return sweep_once(look_ahead=interval * 1.25)
 
-    rung = tick()
+    result = tick()
+    rung = result.rung if result else 0
     while time.monotonic() + interval < deadline:
-        time.sleep(interval * random.uniform(0.75, 1.25))
-        rung += tick()
+        time.sleep(pause(interval, result))
+        result = tick()
+        rung += result.rung if result else 0
     return rung

@@ -7,6 +7,7 @@ own sweeper loop)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -17,7 +18,15 @@ from django_q.models import Schedule, Success
 
 from runtime.faults import FaultPoint
 from runtime.models import Run, RunStatus, SweeperTurn, Tenant
-from runtime.sweeper import TURN, prune_task_history, take_turn
+from runtime.sweeper import (
+    TURN,
+    next_due_in,
+    pause,
+    prune_task_history,
+    sweep_once,
+    sweep_turn,
+    take_turn,
+)
 from tests import procs
 from tests.runtime.test_workers import _crash_at, _lines
 
@@ -125,3 +134,52 @@ def test_the_queue_keeps_only_the_newest_successful_tasks() -> None:
     assert len(kept) == 100
     assert Task.objects.filter(success=False).count() == 30  # failures are all kept
     assert prune_task_history(100) == 0
+
+
+def _leased(tenant: Tenant, seconds: float) -> Run:
+    """A run a worker took, its lease ending `seconds` from now (a dead holder's lease is
+    simply one nobody extends)."""
+    from runtime.leases import take_lease
+    from runtime.lifecycle import create_run
+
+    run = create_run(tenant, "api-review", {"old_spec": "a", "new_spec": "b"}, actor="user:t")
+    take_lease(run.run_id, "worker:gone", seconds)
+    return run
+
+
+def test_a_lease_about_to_end_brings_the_next_sweep_to_that_moment(tenant_a: Tenant) -> None:
+    """A crashed worker's run is rung right at its lease's end, not up to an interval later:
+    the sweep that sees the end coming says when (`next_due`), moves the fleet's turn there,
+    and the sweeper loop sleeps until then (`pause`)."""
+    run = _leased(tenant_a, 0.8)
+    _leased(tenant_a, 60)  # a healthy lease far off changes nothing
+    result = sweep_turn(2.0, "a")
+    assert result is not None and result.rung == 0
+    assert result.next_due is not None and 0.3 < result.next_due <= 0.8
+    lease_end = Run.objects.get(pk=run.pk).lease_expires_at
+    turn = SweeperTurn.objects.get(name=TURN)
+    assert abs((turn.next_at - lease_end).total_seconds()) < 0.05  # not 1.6 s from now
+    for _ in range(20):  # whatever the jitter draws, the loop wakes just after the end
+        assert pause(2.0, result) == pytest.approx(result.next_due + 0.05)
+    time.sleep(pause(2.0, result))
+    rung: list[str] = []
+    assert take_turn(2.0, "b") is True  # the turn came round at the lease's end
+    assert sweep_once(ring=rung.append).rung == 1 and rung == [str(run.run_id)]
+
+
+def test_no_early_wake_without_a_run_becoming_due(tenant_a: Tenant, tenant_b: Tenant) -> None:
+    """Healthy leases and runs an external executor holds (whose end the sweeper flags
+    instead of ringing) do not shorten the loop's sleep; a timer does."""
+    from runtime.lifecycle import create_run
+
+    _leased(tenant_a, 30)
+    external = _leased(tenant_b, 0.5)
+    Run.objects.filter(pk=external.pk).update(external=True)
+    assert next_due_in(2.5) is None
+    for _ in range(20):
+        assert 1.5 <= pause(2.0, sweep_once(look_ahead=2.5)) <= 2.5
+    timer = create_run(tenant_b, "api-review", {"old_spec": "a", "new_spec": "b"}, actor="t")
+    Run.objects.filter(pk=timer.pk).update(wake_at=timezone.now() + timedelta(seconds=1))
+    due = next_due_in(2.5)
+    assert due is not None and 0.5 < due <= 1.0
+    assert next_due_in(0.5) is None  # beyond the look-ahead: the ordinary tick comes first
