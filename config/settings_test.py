@@ -25,5 +25,16 @@ os.environ.setdefault(
         f"session-{os.getpid()}",
     ),
 )
+# Under pytest-xdist each worker is a session of its own: the controller's directory (its
+# environment is inherited) gets one subdirectory per worker. Processes the worker starts
+# are handed that subdirectory (tests/procs.child_env) and keep it.
+# What the controller's settings derived from its directory goes with it (a shared metrics
+# directory would add one worker's observations to another's scrapes).
+_xdist = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _xdist and os.path.basename(os.environ["HOLDPOINT_VAR_DIR"]) != _xdist:
+    _controller = os.environ["HOLDPOINT_VAR_DIR"]
+    os.environ["HOLDPOINT_VAR_DIR"] = os.path.join(_controller, _xdist)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") == os.path.join(_controller, "metrics"):
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 from config.settings import *  # noqa: E402,F403
