@@ -537,7 +537,7 @@ def run_child(args: argparse.Namespace, parts: set[str], url: str, var_dir: str)
 
         # SQLite has one writer at a time: its pairs are information, so fewer of them.
         pairs = args.scaling_pairs if bench.pg else max(1, args.scaling_pairs // 2)
-        return ScalingBench(bench, url, var_dir).go(pairs)
+        return ScalingBench(bench, url, var_dir, runs=args.scaling_runs).go(pairs)
 
     from bench.recovery import RecoveryBench
 
@@ -605,6 +605,8 @@ def driver(args: argparse.Namespace) -> int:
             str(args.tracing_rounds),
             "--scaling-pairs",
             str(args.scaling_pairs),
+            "--scaling-runs",
+            str(args.scaling_runs),
             "--recovery-samples",
             str(args.recovery_samples),
             "--storm-runs",
@@ -706,6 +708,12 @@ def main() -> int:
         help="interleaved rounds of the tracing part, one run per mode each (default 30)",
     )
     parser.add_argument("--scaling-pairs", type=int, default=6, help="1-vs-2-worker round pairs")
+    parser.add_argument(
+        "--scaling-runs",
+        type=int,
+        default=32,
+        help="runs of 50 steps per scaling round (default 32: about 1.5 s for one worker)",
+    )
     parser.add_argument("--recovery-samples", type=int, default=3, help="kills per backend")
     parser.add_argument("--storm-runs", type=int, default=2000, help="runs in the storm")
     parser.add_argument("--approvals", type=int, default=10_000, help="pending approvals (pages)")

@@ -8,6 +8,12 @@ contention is the database itself). Throughput = steps committed ÷ wall time fr
 worker's start to the last worker's end. Rounds alternate 1, 2, 1, 2, …; the per-pair ratio
 is (2 workers' steps/s) ÷ (the neighbouring 1 worker's steps/s), and the report gives the
 median ratio. Every run must end completed with all its steps.
+
+Rounds are 32 runs by default (`--scaling-runs`; 1,600 steps, ~1.5 s for one worker on
+PostgreSQL). With the 8 runs of earlier benches a two-worker round lasted ~0.2 s, and the
+wake-up skew between the two workers (each reads its command from a pipe) and their uneven
+finish counted against two workers alone: on the same machine, the same hour, 8-run rounds
+gave medians of 1.61 and 1.73 (pairs 1.07–2.13), 32-run rounds 1.94 and 1.96 (1.19–2.37).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ def busy_share(before: tuple[float, float], after: tuple[float, float]) -> float
 
 class ScalingBench:
     def __init__(
-        self, bench: Any, database_url: str, var_dir: str, runs: int = 8, steps: int = 50
+        self, bench: Any, database_url: str, var_dir: str, runs: int = 32, steps: int = 50
     ) -> None:
         self.bench = bench
         self.database_url = database_url
