@@ -96,6 +96,8 @@ def profile_call(work: Callable[[], Any], name: str, top: int = 25) -> list[dict
     stats.print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
     (RESULTS / f"profile-{name}.txt").write_text(out.getvalue())
+    # The whole profile too, for a viewer (snakeviz, `python -m pstats`) or a by-module sum.
+    stats.dump_stats(RESULTS / f"profile-{name}.pstats")
     entries = [
         {
             "function": f"{func[0]}:{func[1]}({func[2]})",
