@@ -29,6 +29,7 @@ from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.examples import DECIDE
 from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
+from runtime.auth import Standing
 from runtime.tenancy import Principal
 
 
@@ -106,7 +107,9 @@ class Approvals(streams.StreamingList):
         if streams.requested(request):
             principal = self.principal(request)
             follow = sse.follows(request._request)
-            return live.response(approval_events(principal, timezone.now(), follow=follow))
+            standing = Standing.of(request, principal)
+            events = approval_events(principal, timezone.now(), follow=follow, standing=standing)
+            return live.response(events)
         approvals = filters.apply(
             ApprovalFilter, request, approvals_for(self.principal(request))
         ).select_related("run", "decided_by")
@@ -131,14 +134,20 @@ def _changed(
 
 
 async def approval_events(
-    principal: Principal, since: datetime, *, follow: bool = True
+    principal: Principal,
+    since: datetime,
+    *,
+    follow: bool = True,
+    standing: Standing | None = None,
 ) -> AsyncIterator[bytes]:
     """Each approval of the tenant as it is created and as its status changes. Every read
     compares the statuses with the last ones seen, so a merged wake-up loses no change.
     Without `follow` (not served on the event loop: runtime.api.sse.follows) it ends at once:
-    it shows changes after it opened, and there are none yet."""
+    it shows changes after it opened, and there are none yet. It also ends once what opened
+    it (`standing`) no longer stands (runtime.api.streams.Recheck)."""
     if not follow:
         return
+    recheck = streams.Recheck(standing)
     known: dict[Any, str] | None = None
     me = object()  # reads are this stream's own (`known` differs per stream)
     async with live.doorbell.subscription(live.tenant_key(principal.tenant.pk)) as wake:
@@ -157,7 +166,10 @@ async def approval_events(
                     if known.get(pk) != status:
                         yield chunk
             known = {pk: s for pk, s in fresh.items() if s == ApprovalStatus.PENDING}
-            if not await live.heartbeat_or_wake(wake):
+            woken = await live.heartbeat_or_wake(wake)
+            if not await recheck.holds(quiet=not woken):
+                return
+            if not woken:
                 yield b": keep-alive\n\n"
 
 

@@ -216,3 +216,82 @@ def parse_duration(text: str) -> timedelta:
     if match is None:
         raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30m, 24h, 7d)")
     return timedelta(seconds=int(match.group(1)) * _UNITS[match.group(2)])
+
+
+# --- open streams ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What an open live-event stream was authenticated as, to be asked again while it lives.
+
+    Every API call authenticates afresh, so a revoked token or a logged-out session is
+    refused at its next request; a stream is one request that lasts for hours. It keeps this
+    (never the token's key) and `runtime.api.streams.Recheck` asks `holds()` again at least
+    once per keep-alive interval; when it no longer holds, the stream ends, and the client's
+    reconnect is refused like any other call. The principal must stay the one the stream
+    was opened as — same user, tenant and role — or the stream ends and the reconnect is
+    scoped afresh."""
+
+    user_id: int
+    tenant_id: int
+    role: str
+    token_id: int | None = None  # opened with an agent token
+    session_key: str | None = None  # opened with a browser session
+
+    @classmethod
+    def of(cls, request: Request, principal: Any) -> Standing:
+        token = request.auth if isinstance(request.auth, AgentToken) else None
+        return cls(
+            user_id=principal.user.pk,
+            tenant_id=principal.tenant.pk,
+            role=principal.role,
+            token_id=token.pk if token is not None else None,
+            session_key=None if token is not None else request.session.session_key,
+        )
+
+    def holds(self, now: datetime | None = None) -> bool:
+        """Whether the same request would still be let in as the same principal: the token
+        usable (not revoked, not expired, its user active and still the tenant's agent), or
+        the session alive (not logged out, not expired, its absolute age under
+        HOLDPOINT_SESSION_MAX_AGE, its user active and their password unchanged) and its user
+        still a member of the tenant in the same role."""
+        from runtime.tenancy import principal_for
+
+        now = now or timezone.now()
+        if self.token_id is not None:
+            return AgentToken.objects.usable(now).filter(pk=self.token_id).exists()
+        user = self._session_user(now)
+        if user is None or user.pk != self.user_id:
+            return False
+        principal = principal_for(user, self.tenant_id)
+        return (
+            principal is not None
+            and principal.tenant.pk == self.tenant_id
+            and principal.role == self.role
+        )
+
+    def _session_user(self, now: datetime) -> Any:
+        """The session's user as `django.contrib.auth.get_user` finds it (the session's
+        password hash checked, an inactive user refused), or None."""
+        from importlib import import_module
+
+        from django.conf import settings
+        from django.contrib.auth import get_user
+        from django.http import HttpRequest
+
+        from runtime.accounts import LOGGED_IN_AT
+
+        if not self.session_key:
+            return None
+        # Loading a session that was deleted (logout) or expired yields an empty one.
+        session = import_module(settings.SESSION_ENGINE).SessionStore(self.session_key)
+        started = session.get(LOGGED_IN_AT)
+        if isinstance(started, int) and now.timestamp() - started >= (
+            settings.HOLDPOINT_SESSION_MAX_AGE
+        ):
+            return None
+        request = HttpRequest()
+        request.session = session
+        user = get_user(request)
+        return user if user.is_authenticated else None

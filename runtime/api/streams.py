@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
@@ -26,6 +28,7 @@ from audit import journal
 from runtime import live
 from runtime.api.base import ApiView
 from runtime.api.serializers import JournalEntrySerializer
+from runtime.auth import Standing
 from runtime.errors import InvalidParams
 from runtime.models import TERMINAL, Run
 from runtime.tenancy import Principal, journal_for
@@ -92,6 +95,30 @@ def resume_after(request: Request, after: int) -> int:
         ) from None
 
 
+class Recheck:
+    """Asks, while a stream lives, whether what opened it still stands (runtime.auth.Standing):
+    at every keep-alive, and after a wake-up once a keep-alive interval has passed since the
+    last look — so a stream ends within one interval (HOLDPOINT_SSE_KEEPALIVE, 15 s) of its
+    token's revocation, its session's logout or expiry, or its principal's change. A read
+    that fails (the database away) keeps the stream: the next look judges again."""
+
+    def __init__(self, standing: Standing | None) -> None:
+        self.standing = standing
+        self.looked = time.monotonic()
+
+    async def holds(self, *, quiet: bool) -> bool:
+        if self.standing is None:
+            return True
+        if not quiet and time.monotonic() - self.looked < settings.HOLDPOINT_SSE_KEEPALIVE:
+            return True
+        self.looked = time.monotonic()
+        try:
+            return await live.doorbell.read(("standing", self.standing), self.standing.holds)
+        except DatabaseError:
+            log.exception("live events: checking a stream's credentials failed")
+            return True
+
+
 def _encode(entries: list[Any]) -> list[tuple[int, bytes]]:
     render = JSONRenderer().render
     return [
@@ -111,11 +138,18 @@ def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int
 
 
 async def run_events(
-    principal: Principal, run_id: Any, after: int, *, follow: bool = True
+    principal: Principal,
+    run_id: Any,
+    after: int,
+    *,
+    follow: bool = True,
+    standing: Standing | None = None,
 ) -> AsyncIterator[bytes]:
     """The run's entries after `after`; `follow`: live, to the run's final entry (else the
-    entries there are now, then the end: runtime.api.sse.follows)."""
+    entries there are now, then the end: runtime.api.sse.follows), or until what opened the
+    stream (`standing`) no longer stands (`Recheck`)."""
     last = after
+    recheck = Recheck(standing)
     # A stream that ends with what is there waits for nothing: it must not start the
     # doorbell (under Django alone its event loop ends with the response).
     watch = live.doorbell.subscription(journal.run_stream(run_id)) if follow else live.unwatched()
@@ -137,5 +171,8 @@ async def run_events(
                 continue
             if finished or not follow:
                 return
-            if not await live.heartbeat_or_wake(wake):
+            woken = await live.heartbeat_or_wake(wake)
+            if not await recheck.holds(quiet=not woken):
+                return
+            if not woken:
                 yield b": keep-alive\n\n"

@@ -21,6 +21,7 @@ from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
+from runtime.auth import Standing
 from runtime.errors import InvalidParams, NotPermitted
 from runtime.models import Action, Checkpoint, Role, Run
 from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
@@ -228,7 +229,9 @@ class Events(streams.StreamingList):
         if streams.requested(request):
             after = streams.resume_after(request, after)
             follow = sse.follows(request._request)
-            return live.response(streams.run_events(principal, run.pk, after, follow=follow))
+            standing = Standing.of(request, principal)
+            events = streams.run_events(principal, run.pk, after, follow=follow, standing=standing)
+            return live.response(events)
         entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)
         entries = entries.order_by("seq")[:500]
         return Response({"results": s.JournalEntrySerializer(entries, many=True).data})

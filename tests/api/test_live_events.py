@@ -42,7 +42,7 @@ from tests.api import (
     take_lease,
 )
 from tests.browser import log_in
-from tests.conftest import Persona
+from tests.conftest import Persona, issue_token_for
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -734,3 +734,81 @@ def test_the_listen_connection_connects_as_the_process_does() -> None:
     assert "prepare_threshold" not in info and info["application_name"] == "holdpoint-live"
     db["OPTIONS"] = {**options, "application_name": "holdpoint-web"}
     assert conninfo_to_dict(live._conninfo(db))["application_name"] == "holdpoint-web-live"
+
+
+def _ended(web: str, url: str, sent: dict[str, str], lift: Callable[[], None]) -> float:
+    """Open a stream with `sent`, take two comment lines, `lift` what authenticated it, and
+    read on until the server ends the stream (it fails once ten keep-alive intervals passed
+    without the end). Seconds from the lift to the end."""
+    with httpx.stream("GET", web + url, params=STREAM, headers=sent, timeout=30) as answer:
+        assert answer.status_code == 200, answer.read()
+        comments, lifted = 0, None
+        for line in answer.iter_lines():
+            comments += line.startswith(":")
+            if lifted is None and comments == 2:
+                lift()
+                lifted = time.monotonic()
+            elif lifted is not None and time.monotonic() - lifted > KEEPALIVE * 10:
+                pytest.fail(f"the stream still runs {KEEPALIVE * 10} s after its credentials")
+    assert lifted is not None
+    return time.monotonic() - lifted
+
+
+def test_an_open_stream_ends_once_its_credentials_no_longer_stand(
+    django_db_blocker: Any,
+    tmp_path: Path,
+    agent_a: Persona,
+    reviewer_a: Persona,
+    viewer_a: Persona,
+) -> None:
+    """Every API call authenticates afresh; a stream is one call that lasts for hours. It
+    ends within a keep-alive interval once its token is revoked, its session logged out or
+    its principal's role changed — and the reconnect is refused like any call — while a
+    stream whose credentials still stand goes on (on a server of its own with a KEEPALIVE-
+    second interval, as the quiet-stream test)."""
+    from django.contrib.sessions.models import Session
+
+    from runtime.auth import revoke_token
+    from runtime.models import AgentToken, Membership, Role
+
+    run_id = new_run(agent_a.api())["run_id"]  # queued: its stream stays open, quiet
+    paths = [f"/api/v1/runs/{run_id}/events/", "/api/v1/approvals/"]
+    keepalive = {"HOLDPOINT_SSE_KEEPALIVE": str(KEEPALIVE)}
+    own = web_server(django_db_blocker, tmp_path / "web.log", "holdpoint-web-standing", **keepalive)
+    with own as (_, web):
+        # A token revoked: both streams end, and the token is refused from then on.
+        for path in paths:
+            token = AgentToken.objects.filter(user=agent_a.user, revoked_at__isnull=True).get()
+            took = _ended(
+                web, path, headers(agent_a), lambda t=token: revoke_token(t, actor="test")
+            )
+            assert took < KEEPALIVE * 2 + 5, took  # within about an interval, not 30 s
+            again = httpx.get(web + path, params=STREAM, headers=headers(agent_a), timeout=30)
+            assert again.status_code == 401 and again.json()["code"] == "not_authenticated"
+            agent_a.token = issue_token_for(agent_a.user)  # the next path's own token
+
+        # A session logged out (its row deleted, as logout does) ends its stream.
+        cookie = session_cookie(reviewer_a)
+        key = cookie["Cookie"].split("=", 1)[1]
+        _ended(web, paths[1], cookie, lambda: Session.objects.filter(session_key=key).delete())
+        again = httpx.get(web + paths[1], params=STREAM, headers=cookie, timeout=30)
+        assert again.status_code in (401, 403), again.status_code
+
+        # A principal whose role changed: the stream ends; the reconnect is scoped afresh.
+        cookie = session_cookie(viewer_a)
+        membership = Membership.objects.filter(user=viewer_a.user, tenant=viewer_a.tenant)
+        _ended(web, paths[0], cookie, lambda: membership.update(role=Role.REVIEWER))
+        with httpx.stream("GET", web + paths[0], params=STREAM, headers=cookie) as again:
+            assert again.status_code == 200
+
+        # Credentials that still stand: the stream goes on past several checks.
+        with httpx.stream(
+            "GET", web + paths[1], params=STREAM, headers=headers(agent_a), timeout=30
+        ) as answer:
+            assert answer.status_code == 200
+            comments = 0
+            for line in answer.iter_lines():
+                comments += line.startswith(":")
+                if comments == 5:  # KEEPALIVE-second checks, every one passed
+                    break
+            assert comments == 5
