@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import procs
 
 SAMPLE = """
@@ -36,6 +38,8 @@ def test_where_this_session_keeps_its_files():
 """
 
 
+# Its sample runs on SQLite whatever the suite's database: CI's pair runs it once.
+@pytest.mark.ci_database("sqlite")
 def test_each_xdist_worker_keeps_its_own_directories(tmp_path: Path) -> None:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     out = tmp_path / "out"
