@@ -166,11 +166,11 @@ async def approval_events(
                     if known.get(pk) != status:
                         yield chunk
             known = {pk: s for pk, s in fresh.items() if s == ApprovalStatus.PENDING}
-            woken = await live.heartbeat_or_wake(wake)
-            if not await recheck.holds(quiet=not woken):
+            first = await recheck.wait(wake)
+            if first is None:
                 return
-            if not woken:
-                yield b": keep-alive\n\n"
+            if first:
+                yield first
 
 
 class ApprovalDetail(ApiView):

@@ -70,14 +70,14 @@ class Sweeper:
         self.first_tick: float | None = None
 
     def tick_if_due(self) -> None:
-        from runtime.sweeper import pause, sweep_once
+        from runtime.sweeper import look_ahead, pause, sweep_once
 
         now = time.monotonic()
         if now < self.next_at:
             return
         if self.first_tick is None:
             self.first_tick = time.time()
-        result = sweep_once(look_ahead=self.interval * 1.25)
+        result = sweep_once(look_ahead=look_ahead(self.interval))
         self.rung += result.rung
         self.ticks += 1
         self.next_at = now + pause(self.interval, result)

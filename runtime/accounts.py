@@ -236,6 +236,13 @@ def connect() -> None:
 LOGGED_IN_AT = "holdpoint_logged_in_at"
 
 
+def outlived(session: Any, now: float) -> bool:
+    """Whether the session was logged in HOLDPOINT_SESSION_MAX_AGE seconds ago or more (a
+    session from before the login time was recorded has none: not outlived)."""
+    started = session.get(LOGGED_IN_AT)
+    return isinstance(started, int) and now - started >= settings.HOLDPOINT_SESSION_MAX_AGE
+
+
 def is_background(request: HttpRequest) -> bool:
     """An htmx GET: the pages' polls (inbox list, request status, run live). The person may
     have left the tab open and gone; such a request must not count as their activity."""
@@ -259,10 +266,9 @@ class SessionTimeoutMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if request.user.is_authenticated:
             now = int(time.time())
-            started = request.session.get(LOGGED_IN_AT)
-            if not isinstance(started, int):
+            if not isinstance(request.session.get(LOGGED_IN_AT), int):
                 request.session[LOGGED_IN_AT] = now  # a session from before this check
-            elif now - started >= settings.HOLDPOINT_SESSION_MAX_AGE:
+            elif outlived(request.session, now):
                 logout(request)
         response = self.get_response(request)
         if is_background(request):

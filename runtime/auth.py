@@ -28,9 +28,10 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
 from runtime import logs
-from runtime.accounts import record_tenant_act
+from runtime.accounts import outlived, record_tenant_act
 from runtime.models import AgentToken, Membership, Role, Tenant
 from runtime.models.tokens import PREFIX_LENGTH, hash_key, new_key
+from runtime.tenancy import Principal, principal_for
 
 KEYWORD = "Token"
 # How long the old token keeps working after a rotation, unless told otherwise: long enough
@@ -240,7 +241,7 @@ class Standing:
     session_key: str | None = None  # opened with a browser session
 
     @classmethod
-    def of(cls, request: Request, principal: Any) -> Standing:
+    def of(cls, request: Request, principal: Principal) -> Standing:
         token = request.auth if isinstance(request.auth, AgentToken) else None
         return cls(
             user_id=principal.user.pk,
@@ -256,8 +257,6 @@ class Standing:
         the session alive (not logged out, not expired, its absolute age under
         HOLDPOINT_SESSION_MAX_AGE, its user active and their password unchanged) and its user
         still a member of the tenant in the same role."""
-        from runtime.tenancy import principal_for
-
         now = now or timezone.now()
         if self.token_id is not None:
             return AgentToken.objects.usable(now).filter(pk=self.token_id).exists()
@@ -280,16 +279,11 @@ class Standing:
         from django.contrib.auth import get_user
         from django.http import HttpRequest
 
-        from runtime.accounts import LOGGED_IN_AT
-
         if not self.session_key:
             return None
         # Loading a session that was deleted (logout) or expired yields an empty one.
         session = import_module(settings.SESSION_ENGINE).SessionStore(self.session_key)
-        started = session.get(LOGGED_IN_AT)
-        if isinstance(started, int) and now.timestamp() - started >= (
-            settings.HOLDPOINT_SESSION_MAX_AGE
-        ):
+        if outlived(session, now.timestamp()):
             return None
         request = HttpRequest()
         request.session = session

@@ -34,7 +34,7 @@ from django.db.models.functions import Now
 
 from runtime import gates
 from runtime.events import RunEvent, record
-from runtime.leases import EXECUTOR_LOST, lease_free
+from runtime.leases import EXECUTOR_LOST, db_now_plus, lease_free
 from runtime.models import RUNNABLE, Run, RunStatus, SweeperTurn
 from runtime.queue import _enqueue
 
@@ -50,6 +50,14 @@ class SweepResult:
 
 # A loop that wakes for a lease's end sleeps this much past it: `lease_free` is strict.
 SETTLE = 0.05
+# A sweeper loop's tick comes every interval × U(JITTER); a sweep looks ahead to the latest.
+JITTER = (0.75, 1.25)
+
+
+def look_ahead(interval: float) -> float:
+    """How far a loop's sweep looks for a run becoming due: up to its next tick at the
+    latest."""
+    return interval * JITTER[1]
 
 
 # run_id -> (when this process rang it, the run's (fence, checkpoint_rev, status) then)
@@ -88,9 +96,7 @@ def next_due_in(horizon: float) -> float | None:
     Each is one probe of a sweep index. A healthy lease is extended every ttl/3, so it is
     never this close to its end unless its holder stopped: in a quiet fleet both probes
     come back empty."""
-    soon = ExpressionWrapper(
-        Now() + Value(timedelta(seconds=horizon)), output_field=DateTimeField()
-    )
+    soon = db_now_plus(horizon)
     runnable = Run.objects.filter(status__in=RUNNABLE, external=False)
     found: list[timedelta] = []
     for field in ("lease_expires_at", "wake_at"):
@@ -106,7 +112,7 @@ def pause(interval: float, result: SweepResult | None = None) -> float:
     """How long a sweeper loop waits before its next tick: the jittered interval, or less
     when a run becomes due before then. A crashed worker's run is then rung right as its
     lease ends, not up to an interval later (issue 22: kill → next step, as deployed)."""
-    wait = interval * random.uniform(0.75, 1.25)
+    wait = interval * random.uniform(*JITTER)
     if result is not None and result.next_due is not None:
         wait = min(wait, result.next_due + SETTLE)
     return wait
@@ -218,9 +224,7 @@ def take_turn(interval: float, holder: str = "") -> bool:
     to about `interval` from now (database clock: hosts' clocks may disagree). 0.8 of the
     interval, so that the next jittered tick (at least 0.75 of it later) of any process
     finds the turn free: the fleet sweeps about once per interval."""
-    later = ExpressionWrapper(
-        Now() + Value(timedelta(seconds=interval * 0.8)), output_field=DateTimeField()
-    )
+    later = db_now_plus(interval * 0.8)
     for _ in range(2):
         moved = SweeperTurn.objects.filter(name=TURN, next_at__lte=Now()).update(
             next_at=later, holder=holder[:200]
@@ -240,11 +244,9 @@ def sweep_turn(interval: float, holder: str = "") -> SweepResult | None:
     for it (`pause`)."""
     if not take_turn(interval, holder):
         return None
-    result = sweep_once(look_ahead=interval * 1.25)
+    result = sweep_once(look_ahead=look_ahead(interval))
     if result.next_due is not None:
-        at = ExpressionWrapper(
-            Now() + Value(timedelta(seconds=result.next_due)), output_field=DateTimeField()
-        )
+        at = db_now_plus(result.next_due)
         SweeperTurn.objects.filter(name=TURN, next_at__gt=at).update(next_at=at)
     prune_task_history(settings.HOLDPOINT_QUEUE_HISTORY)
     return result
@@ -322,7 +324,7 @@ def sweep_for(seconds: float, interval: float, *, turns: bool = False) -> int:
     def tick() -> SweepResult | None:
         if turns:
             return sweep_turn(interval, "sweeper:scheduled")
-        return sweep_once(look_ahead=interval * 1.25)
+        return sweep_once(look_ahead=look_ahead(interval))
 
     result = tick()
     rung = result.rung if result else 0

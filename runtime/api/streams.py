@@ -95,6 +95,9 @@ def resume_after(request: Request, after: int) -> int:
         ) from None
 
 
+KEEP_ALIVE = b": keep-alive\n\n"
+
+
 class Recheck:
     """Asks, while a stream lives, whether what opened it still stands (runtime.auth.Standing):
     at every keep-alive, and after a wake-up once a keep-alive interval has passed since the
@@ -105,6 +108,15 @@ class Recheck:
     def __init__(self, standing: Standing | None) -> None:
         self.standing = standing
         self.looked = time.monotonic()
+
+    async def wait(self, wake: asyncio.Event) -> bytes | None:
+        """A stream's wait between reads (live.heartbeat_or_wake), then the look: None if
+        the stream must end, else what to send first — a keep-alive after quiet, nothing
+        after a ring."""
+        woken = await live.heartbeat_or_wake(wake)
+        if not await self.holds(quiet=not woken):
+            return None
+        return b"" if woken else KEEP_ALIVE
 
     async def holds(self, *, quiet: bool) -> bool:
         if self.standing is None:
@@ -171,8 +183,8 @@ async def run_events(
                 continue
             if finished or not follow:
                 return
-            woken = await live.heartbeat_or_wake(wake)
-            if not await recheck.holds(quiet=not woken):
+            first = await recheck.wait(wake)
+            if first is None:
                 return
-            if not woken:
-                yield b": keep-alive\n\n"
+            if first:
+                yield first
