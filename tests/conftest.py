@@ -152,10 +152,45 @@ def unused_rate_limits() -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Remove this session's scratch directory (databases, caches) unless it failed."""
+    """Remove this session's scratch directory (databases, caches) unless it failed; in a
+    pytest-xdist worker, hand the isolation matrix's figures to the controller first (the
+    controller runs no test, so only it can print them all: `pytest_terminal_summary`)."""
+    import json
     import shutil
 
     from django.conf import settings
 
+    from tests.security import matrix
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and matrix.SUMMARY:
+        workeroutput["isolation_matrix"] = json.dumps(matrix.SUMMARY, default=str)
     if exitstatus == 0 and settings.VAR_DIR.name.startswith("session-"):
         shutil.rmtree(settings.VAR_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """The controller's side of the hand-over above (a pytest-xdist hook)."""
+    import json
+
+    from tests.security import matrix
+
+    handed = getattr(node, "workeroutput", {}).get("isolation_matrix")
+    if handed:
+        for section, figures in json.loads(handed).items():
+            matrix.record(section, **figures)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The isolation matrix's figures (TEST-MATRIX E1, E2), printed and written to a file.
+    Here, not in tests/security/conftest.py: under xdist the controller never loads that."""
+    from tests.security import matrix
+
+    path = matrix.write_summary()
+    if path is None:
+        return
+    terminalreporter.section("isolation matrix")
+    for line in matrix.summary_lines():
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(f"written to {path}")

@@ -1,4 +1,4 @@
-"""Fixtures of the security tests, and the isolation summary printed at the end of a run."""
+"""Fixtures of the security tests (the isolation summary is printed by tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from tests.conftest import Persona
-from tests.security import matrix
 from tests.security.world import World, build_world
 
 
@@ -41,13 +40,3 @@ def token_client(persona: Persona) -> Client:
     client = persona.api()
     client.raise_request_exception = False
     return client
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    path = matrix.write_summary()
-    if path is None:
-        return
-    terminalreporter.section("isolation matrix")
-    for line in matrix.summary_lines():
-        terminalreporter.write_line(line)
-    terminalreporter.write_line(f"written to {path}")
