@@ -66,6 +66,30 @@ def default_headers(token: str) -> dict[str, str]:
     }
 
 
+def trace_headers() -> dict[str, str]:
+    """The W3C `traceparent` (and `tracestate`) of the caller's current OpenTelemetry span,
+    when its process uses OpenTelemetry: the server's span for the call — and every span of a
+    run it creates, whichever worker runs it — then belongs to the agent's own trace. Nothing
+    without opentelemetry-api installed or without a current span (the client does not
+    depend on it)."""
+    global _inject
+    if _inject is None:
+        try:
+            from opentelemetry.propagate import inject
+        except ImportError:
+            _inject = False
+            return {}
+        _inject = inject
+    if _inject is False:
+        return {}
+    carrier: dict[str, str] = {}
+    _inject(carrier)
+    return {k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}
+
+
+_inject: Any = None  # opentelemetry.propagate.inject once looked up; False: not installed
+
+
 def dumps(body: Any) -> bytes:
     """Strict JSON: the server refuses NaN and Infinity, so fail here, before sending."""
     return json.dumps(body, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
@@ -91,7 +115,7 @@ class Call(Generic[T]):
 
     def request(self, timeout: float) -> dict[str, Any]:
         """httpx's `request` arguments; every attempt of the call sends the same bytes."""
-        headers = dict(self.headers)
+        headers = {**trace_headers(), **self.headers}
         if self.body is not None:
             headers["Content-Type"] = "application/json"
         return {

@@ -9,6 +9,7 @@ over HTTP to a collector socket (the otlp extra)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -28,6 +29,7 @@ from opentelemetry.trace import SpanContext, Tracer
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
+from holdpoint_client import AsyncClient, Client
 from runtime import tracing
 from runtime.context import StepContext
 from runtime.executor import advance_run
@@ -36,7 +38,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Action, Run, RunStatus, Tenant
 from tests import procs
 from tests.api import API, new_run, ok, post, take_lease
-from tests.conftest import Persona
+from tests.conftest import Persona, issue_token_for
 from tests.httpservers import Behaviour, Server
 from tests.sandbox import Sandbox
 from tests.tooldefs import define_tickets
@@ -202,6 +204,39 @@ def test_the_agents_traceparent_on_the_api_is_the_parent_of_the_runs_spans(
     assert _context(send).trace_id == agent_trace
     [task] = box.tasks()
     assert task["traceparent"] == traceparent_of(send)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_python_client_carries_the_agents_current_span(
+    spans: Spans, tenant_a: Tenant, agent_a: Persona, live_server: Any
+) -> None:
+    """An agent using the client inside its own span needs no header of its own: the run it
+    creates, and every call it makes, sit in its trace (sync and async clients alike)."""
+    token = agent_a.token or issue_token_for(agent_a.user)
+    with (
+        spans.tracer.start_as_current_span("agent") as agent,
+        Client(live_server.url, token) as client,
+    ):
+        created = client.create_run("chain", {"steps": 1})
+        client.get_run(created.run_id)
+
+        async def read() -> None:
+            async with AsyncClient(live_server.url, token) as aclient:
+                await aclient.get_run(created.run_id)
+
+        asyncio.run(read())
+    root = agent.get_span_context()
+    create = spans.one("POST /api/v1/runs/")
+    reads = [s for s in spans.exporter.get_finished_spans() if s.name.startswith("GET /api/")]
+    assert len(reads) == 2, [s.name for s in spans.exporter.get_finished_spans()]
+    for server in (create, *reads):
+        assert _context(server).trace_id == root.trace_id and _parent(server) == root.span_id
+    assert Run.objects.get(pk=created.run_id).trace_context == traceparent_of(create)
+    # Outside any span the client sends none, and the server starts a trace of its own.
+    with Client(live_server.url, token) as client:
+        client.get_run(created.run_id)
+    last = [s for s in spans.exporter.get_finished_spans() if s.name.startswith("GET /api/")][-1]
+    assert _context(last).trace_id != root.trace_id and _parent(last) is None
 
 
 def test_an_external_agents_dispatch_sends_in_the_agents_trace(
