@@ -29,7 +29,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F, Q, Value
+from django.db.models import DurationField, ExpressionWrapper, F, Q
 from django.db.models.functions import Now
 
 from runtime import gates
@@ -178,10 +178,7 @@ def flag_lost_executors(limit: int) -> int:
     writes are refused from now on), journalled. A new lease takes the run back
     (runtime.leases.take_lease). Each is a compare-and-swap on the fence it read, so an
     executor that renewed meanwhile, or a successor's lease, is never flagged."""
-    grace = ExpressionWrapper(
-        Now() - Value(timedelta(seconds=settings.HOLDPOINT_EXECUTOR_GRACE)),
-        output_field=DateTimeField(),
-    )
+    grace = db_now_plus(-settings.HOLDPOINT_EXECUTOR_GRACE)
     lost = Run.objects.filter(
         external=True, status__in=EXECUTING, lease_expires_at__lt=grace
     ).values_list("run_id", "tenant_id", "fence", "lease_owner")[:limit]
