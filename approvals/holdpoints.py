@@ -16,10 +16,10 @@ from django.utils import timezone
 
 from approvals.expiry import sweep_approvals
 from approvals.hashing import action_hash, same_hash
-from approvals.models import ApprovalRequest, ApprovalStatus, Decision
+from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, Decision
 from approvals.policies import held_by_default, may_decide, may_hold, policy_for
 from approvals.requests import close_request, request_approval, supersede_approval
-from fastsql.statements import tenant_check
+from fastsql.statements import OneStatement, Part, tenant_check
 from runtime.gates import GO, Verdict
 from runtime.models import Action, Run
 from runtime.tools import tool_of
@@ -34,6 +34,12 @@ class HoldPoints:
         if policy_for(run.tenant_id, tool.name, params, target) is not None:
             return True
         return held_by_default(tool, run.tenant_id)
+
+    def unheld_part(self, one: OneStatement, tenant_id: int, tool: str, after: str) -> Part | None:
+        """No active policy of the tenant names the tool (one that would hold it, or one that
+        would exempt it: either is `policy_for`'s to judge, in the transaction path)."""
+        where = {"tenant_id": tenant_id, "tool": tool, "active": True}
+        return one.absent("unheld", ApprovalPolicy, where, after=after)
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
         request_approval(action, Run.objects.get(pk=run.pk, tenant_id=run.tenant_id), actor)

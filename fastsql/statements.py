@@ -607,6 +607,25 @@ class OneStatement:
         wrote none (each part's rows here come from a one-row update: once)."""
         return _insert_part(self.conn, name, model, rows, after)
 
+    def absent(
+        self, name: str, model: type[models.Model], where: Mapping[str, Any], *, after: str
+    ) -> Part:
+        """`SELECT 1 FROM after WHERE NOT EXISTS (SELECT 1 FROM table WHERE …)`: a row for
+        each row of the part `after` while no row of `model` matches `where` — a guard that
+        the parts after it (and the statement's last) write only if nothing matched, read in
+        the statement's own snapshot."""
+        table = _table(model, self.conn)
+        where_shape, params = _where(table, where, self.conn)
+        key = ("absent_part", where_shape, after)
+        sql = table.sql.get(key)
+        if sql is None:
+            where_sql = _where_sql(table, where_shape)
+            sql = table.sql[key] = (
+                f"SELECT 1 FROM {after} WHERE NOT EXISTS"
+                f" (SELECT 1 FROM {table.name} WHERE {where_sql})"
+            )
+        return Part(name, sql, params, writes=False)
+
     def run(self, parts: Sequence[Part]) -> tuple[int, int] | None:
         """Run `parts`, in order, as one statement. Returns (rows the first part wrote, rows
         the last part wrote); (0, 0) when the first wrote none, and the parts conditional on
@@ -683,13 +702,17 @@ def _insert_part(
 ) -> Part:
     table = _table(model, conn)
     count, params = _rows_values(table, rows, conn)
-    if any(value.__class__ is DbNow for value in params):
-        raise TypeError(f"{table.name}: a database-clock value in a chained insert")
-    key = ("insert_part", count, after)
+    clocks, params = _with_clocks(table, conn, params)
+    if clocks and count != 1:
+        raise TypeError(f"{table.name}: a database-clock value in a chained insert of rows")
+    key = ("insert_part", count, after, clocks)
     sql = table.sql.get(key)
     if sql is None:
         if count == 1:
-            select_sql = f"SELECT {table.typed_row} FROM {after}"
+            slots = [f"%s::{field.db_type(conn)}" for field in table.insert_fields]
+            for position, value in clocks:  # the clock's SQL (and its interval's %s) instead
+                slots[position] = _clock(table.model, value, conn)[0]
+            select_sql = f"SELECT {', '.join(slots)} FROM {after}"
         else:
             values = ", ".join([f"({table.typed_row})"] * count)
             select_sql = f"SELECT v.* FROM (VALUES {values}) AS v, {after}"

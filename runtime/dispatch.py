@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -34,6 +35,7 @@ from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_o
 if TYPE_CHECKING:
     from runtime.context import StepContext
     from runtime.leases import Lease
+    from runtime.stepcommit import Parts as StepParts
 
 log = logging.getLogger("holdpoint.dispatch")
 S = ActionStatus
@@ -142,12 +144,34 @@ class ActionHost(Protocol):
     lease: Lease
 
     def checkpoint_action(
-        self, step: str, within: Callable[[], None], allow_moved: bool = False
+        self,
+        step: str,
+        within: Callable[[], None],
+        allow_moved: bool = False,
+        within_parts: StepParts | None = None,
     ) -> bool: ...
 
     def commit_later(self, outcome: Confirmed) -> None:
         """Write `outcome` in the host's next commit, whichever it is (or, if that commit
         finds the run moved, as a late result)."""
+
+
+# (tenant, tool) → until when a prepare of it goes straight to its transaction: a policy
+# named the tool when a one-statement prepare last tried it. Only a hint — the guard decides,
+# the transaction judges — that spares a tenant whose policies name a tool a statement that
+# fails on purpose (and a line in PostgreSQL's log) for each of its actions.
+_NAMED: dict[tuple[int, str], float] = {}
+NAMED_HINT_SECONDS = 30.0
+
+
+def _named_lately(tenant_id: int, tool: str, *, remember: bool = False) -> bool:
+    key, now = (tenant_id, tool), time.monotonic()
+    if remember:
+        if len(_NAMED) >= 10_000:
+            _NAMED.clear()
+        _NAMED[key] = now + NAMED_HINT_SECONDS
+        return True
+    return _NAMED.get(key, 0.0) > now
 
 
 class ActionRunner:
@@ -212,14 +236,50 @@ class ActionRunner:
         canonical: tuple[str, str],
     ) -> Action:
         """Insert the action with a checkpoint (the same state, the same step, the prepared
-        action — one transaction). An action of a tool reconcilable by key or lookup that no
+        action — one commit). An action of a tool reconcilable by key or lookup that no
         hold point holds is marked `sent` in that same commit: a crash before its request
         leaves is then settled by a replay or a lookup, as after any `sent` mark. A `none`
         tool's action stays `prepared` on its own commit (a crash there must not cost a
-        person); a held one waits for its approval."""
+        person); a held one waits for its approval.
+
+        On PostgreSQL the commit is first tried as one statement (`parts`) in which a guard
+        stands for the hold points' answer: it writes only while no active policy names the
+        tool. Where a policy does, or the tool may be held otherwise, the transaction
+        (`insert`) asks the hold points themselves."""
         run, lease = self.host.run, self.lease
         send_ttl = self.send_at_prepare(tool, params)
         created: list[Action] = []
+        about: dict[str, Any] = {
+            "step": ctx.step,
+            "call_index": call_index,
+            "reason": reason,
+            "target": target,
+            "actor": lease.actor,
+            "canonical": canonical,
+        }
+
+        def parts(one: OneStatement, after: str) -> list[Part] | None:
+            # PostgreSQL, one statement: the hold points' "no" as a guard part read in the
+            # statement's snapshot, after its compare-and-swap locked the run row (None: they
+            # may hold it; the transaction below asks them).
+            if _named_lately(run.tenant_id, tool.name):
+                return None
+            guard = gates.unheld_parts(one, tool, params, run, after)
+            if guard is None:
+                return None
+            action, part = ledger.create_action_part(
+                one,
+                "action_prepared",
+                run,
+                lease.fence,
+                tool,
+                params,
+                send_ttl=send_ttl,
+                after=guard[-1].name if guard else after,
+                **about,
+            )
+            created.append(action)
+            return [*guard, part]
 
         def insert() -> None:
             # Asked inside the commit, after its compare-and-swap locked the run row, so this
@@ -232,19 +292,16 @@ class ActionRunner:
                     lease.fence,
                     tool,
                     params,
-                    step=ctx.step,
-                    call_index=call_index,
-                    reason=reason,
-                    target=target,
-                    actor=lease.actor,
                     needs_approval=approval,
-                    canonical=canonical,
                     send_ttl=None if approval else send_ttl,
+                    **about,
                 )
             )
 
-        self.host.checkpoint_action(ctx.step, insert)
-        return created[0]
+        self.host.checkpoint_action(ctx.step, insert, within_parts=parts)
+        if len(created) > 1:  # the statement's guard refused: a policy names the tool
+            _named_lately(run.tenant_id, tool.name, remember=True)
+        return created[-1]  # the one written: a statement that did not write came before
 
     def send_at_prepare(self, tool: Tool, params: dict[str, Any]) -> float | None:
         """The lease TTL to mark `sent` with at prepare, or None (prepare only): the tool must

@@ -354,11 +354,23 @@ class Executor:
             outcome.late()
 
     def checkpoint_action(
-        self, step: str, within: Callable[[], None], allow_moved: bool = False
+        self,
+        step: str,
+        within: Callable[[], None],
+        allow_moved: bool = False,
+        within_parts: stepcommit.Parts | None = None,
     ) -> bool:
-        """A checkpoint around a side effect: same state, same step, plus the ledger write."""
+        """A checkpoint around a side effect: same state, same step, plus the ledger write
+        (`within`, or as parts of one statement: `within_parts`, see runtime.stepcommit)."""
         done = self.commit(
-            step, self.state, RunStatus.RUNNING, step, {}, RunEvent.ACTION_CHECKPOINT, within=within
+            step,
+            self.state,
+            RunStatus.RUNNING,
+            step,
+            {},
+            RunEvent.ACTION_CHECKPOINT,
+            within=within,
+            within_parts=within_parts,
         )
         if not done and not allow_moved:
             raise _Aborted()
@@ -452,6 +464,7 @@ class Executor:
         event: RunEvent,
         *,
         within: Callable[[], None] | None = None,
+        within_parts: stepcommit.Parts | None = None,
         **payload: Any,
     ) -> bool:
         """One step commit (runtime.stepcommit): run CAS, new artifacts, checkpoint, journal.
@@ -480,6 +493,7 @@ class Executor:
                     payload=payload,
                     artifacts=self.encoder.new,
                     within=within,
+                    within_parts=within_parts,
                     before=self.write_confirmed if self.confirmed else None,
                     before_parts=self.confirmed_parts if self.confirmed else None,
                 )

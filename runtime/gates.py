@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from django.db.models import QuerySet
 
+from fastsql import statements
 from runtime.models import Action, Run
 
 
@@ -39,6 +40,16 @@ class HoldPoints(Protocol):
     def needs_approval(self, tool: Any, params: dict[str, Any], run: Any, target: str = "") -> bool:
         """Whether this action must wait for a human decision before it may be sent (at
         prepare: a policy conditioned on the target must hold it here, not only at dispatch)."""
+
+    def unheld_part(
+        self, one: statements.OneStatement, tenant_id: int, tool: str, after: str
+    ) -> statements.Part | None:
+        """Optional. A guard part of a one-statement prepare (PostgreSQL), after the part
+        `after`: it yields a row only while none of the implementation's hold points can apply
+        to an action of `tool` in the tenant, whatever its params or target — read in the
+        statement's own snapshot, after its compare-and-swap locked the run row. None (or no
+        such method): it cannot say so in one part, and the prepare asks `needs_approval`
+        inside a transaction instead."""
 
     def hold(self, action: Action, run: Any, actor: str) -> None:
         """The action waits (awaiting_approval): make sure an open request exists for it.
@@ -91,6 +102,25 @@ def needs_approval(tool: Any, params: dict[str, Any], run: Any, target: str = ""
     if tool.needs_approval(params) or any(check(tool, params, run) for check in _approval_checks):
         return True
     return _impl is not None and _impl.needs_approval(tool, params, run, target)
+
+
+def unheld_parts(
+    one: statements.OneStatement, tool: Any, params: dict[str, Any], run: Any, after: str
+) -> list[statements.Part] | None:
+    """The guard of a prepare written as one statement (`needs_approval`'s answer "no", as
+    parts after the part `after`): [] when nothing is installed to hold it, the
+    implementation's guard part otherwise. None when the action may be held in a way one
+    statement cannot check — the tool's own rule, a tool held by default, a test hook, an
+    implementation without `unheld_part` — and the prepare then takes its transaction."""
+    if tool.needs_approval(params) or getattr(tool, "default_hold", False):
+        return None
+    if any(check(tool, params, run) for check in _approval_checks):
+        return None
+    if _impl is None:
+        return []
+    guard = getattr(_impl, "unheld_part", None)
+    part = None if guard is None else guard(one, run.tenant_id, tool.name, after)
+    return None if part is None else [part]
 
 
 def hold(action: Action, run: Any, actor: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -217,7 +218,8 @@ def create_action(
     send_ttl: float | None = None,
 ) -> Action:
     """Insert a prepared action (inside the transaction that fences it: a worker's step
-    checkpoint, an external executor's prepare) — the one Action constructor.
+    checkpoint, an external executor's prepare) — the one Action constructor, with
+    `create_action_part` (the same row as a part of a one-statement commit).
 
     `canonical`: the (text, fingerprint) the caller already computed from `params`. `key`: an
     idempotency key the client chose; else the one derived from the step visit's call.
@@ -227,13 +229,86 @@ def create_action(
     transaction already holds the run row under `fence` at the run's goal_rev (the step
     commit's compare-and-swap ran first) and for a tool reconcilable by key or lookup: a
     crash before the request leaves then costs a replay or a lookup, never a person."""
+    action, row = _new_action(
+        run, fence, tool, params, step, call_index, reason, target, needs_approval, canonical, key
+    )
+    # Prepared and marked sent by one INSERT (what `transition` to SENT would write: the
+    # sender's fence, database-time sent_at and in-flight window, one attempt); the instance
+    # takes the database-time values back from it.
+    sending = action.status == S.PREPARED and send_ttl is not None
+    if sending:
+        assert send_ttl is not None
+        stamped = ("updated_at", *_sent_at_prepare(row, fence, send_ttl, tool))
+        (stored,) = statements.insert(Action, [row], returning=stamped)
+        action.__dict__.update(zip(stamped, stored, strict=True), status=S.SENT)
+    else:
+        statements.insert(Action, [row])
+    action._state.adding = False
+    action._state.db = transaction.get_connection().alias
+    _journal_prepared(action, run, actor, tool, params, sending)
+    return action
+
+
+def create_action_part(
+    one: statements.OneStatement,
+    name: str,
+    run: Run,
+    fence: int,
+    tool: Tool,
+    params: dict[str, Any],
+    *,
+    step: str,
+    call_index: int,
+    reason: str,
+    target: str,
+    actor: str,
+    canonical: tuple[str, str],
+    send_ttl: float | None,
+    after: str,
+) -> tuple[Action, statements.Part]:
+    """`create_action` of an action no hold point holds, as a part of a step's one-statement
+    commit (PostgreSQL), written only if the part `after` wrote; its journal entries are
+    recorded now, into the caller's batch of the run stream. Nothing comes back from a part:
+    the instance's database-time stamps (updated_at, sent_at, in_flight_until) are this
+    process's clock, as close as it can say — reading the row gives the stored ones, and a
+    reconciliation reads the row first."""
+    action, row = _new_action(
+        run, fence, tool, params, step, call_index, reason, target, False, canonical, None
+    )
+    sending = send_ttl is not None
+    if send_ttl is not None:
+        _sent_at_prepare(row, fence, send_ttl, tool)
+        now = timezone.now()
+        action.status, action.sent_fence, action.attempts = S.SENT, fence, 1
+        action.sent_at = now
+        action.in_flight_until = now + timedelta(seconds=send_ttl + tool.timeout)
+    part = one.insert(name, Action, [row], after=after)
+    action._state.adding = False
+    action._state.db = one.conn.alias
+    _journal_prepared(action, run, actor, tool, params, sending)
+    return action, part
+
+
+def _new_action(
+    run: Run,
+    fence: int,
+    tool: Tool,
+    params: dict[str, Any],
+    step: str,
+    call_index: int,
+    reason: str,
+    target: str,
+    needs_approval: bool,
+    canonical: tuple[str, str] | None,
+    key: str | None,
+) -> tuple[Action, dict[str, Any]]:
+    """The prepared action (or awaiting approval) and its row to insert (attname → value)."""
     text, fingerprint = canonical or canonical_params(params)
-    key = key or idempotency_key(run, step, call_index)
     now = timezone.now()
     action = Action(
         tenant_id=run.tenant_id,
         run_id=run.run_id,
-        idempotency_key=key,
+        idempotency_key=key or idempotency_key(run, step, call_index),
         tool=tool.name,
         tool_version=tool.version,
         params=text,
@@ -249,31 +324,28 @@ def create_action(
         created_at=now,
         updated_at=now,
     )
-    names = statements.attnames(Action)
-    row = {name: action.__dict__[name] for name in names}
-    # Prepared and marked sent by one INSERT (what `transition` to SENT would write: the
-    # sender's fence, database-time sent_at and in-flight window, one attempt); the instance
-    # takes the database-time values back from it.
-    marks = None
-    if action.status == S.PREPARED and send_ttl is not None:
-        marks = {**_sent_changes(fence, send_ttl, tool), "attempts": 1}
-    sending = marks is not None
-    if marks is not None:
-        stamped = ("updated_at", *marks)
-        row.update(marks, status=S.SENT, updated_at=statements.NOW)
-        (stored,) = statements.insert(Action, [row], returning=stamped)
-        action.__dict__.update(zip(stamped, stored, strict=True), status=S.SENT)
-    else:
-        statements.insert(Action, [row])
-    action._state.adding = False
-    action._state.db = transaction.get_connection().alias
+    return action, {name: action.__dict__[name] for name in statements.attnames(Action)}
+
+
+def _sent_at_prepare(row: dict[str, Any], fence: int, ttl: float, tool: Tool) -> tuple[str, ...]:
+    """Mark a new action's `row` sent (what `transition` to SENT writes, one attempt); returns
+    the names of the columns it set."""
+    marks = {**_sent_changes(fence, ttl, tool), "attempts": 1}
+    row.update(marks, status=S.SENT, updated_at=statements.NOW)
+    return tuple(marks)
+
+
+def _journal_prepared(
+    action: Action, run: Run, actor: str, tool: Tool, params: dict[str, Any], sending: bool
+) -> None:
+    """A new action's journal entries: its prepare, then its hold or its `sent` mark."""
     record(
         run,
         RunEvent.ACTION_PREPARED,
         actor,
         action_id=str(action.action_id),
-        idempotency_key=key,
-        fingerprint=fingerprint,
+        idempotency_key=action.idempotency_key,
+        fingerprint=action.fingerprint,
         tool=tool.name,
         params=journal_params(tool, params),
         goal_rev=run.goal_rev,
@@ -283,7 +355,6 @@ def create_action(
         gates.hold(action, run, actor)
     elif sending:
         _record_outcome(action, S.SENT, actor, {})  # the journal as a prepare, then a mark
-    return action
 
 
 def same_request(action: Action, fingerprint: str) -> bool:

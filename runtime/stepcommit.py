@@ -7,12 +7,15 @@ the same journal entry, whichever of them wrote it. A commit is described by one
 
 How it is sent:
 
-- PostgreSQL, nothing else with it but the step's confirmations (no other ledger write, no new
-  artifact) and a writer that carries the run stream's head (`audit.journal.owning`): one
-  autocommit statement — the run CAS, the checkpoint, each confirmation's compare-and-swap
-  (`before_parts`), the head swap and the journal entries (`audit.journal.append_after`) — one
-  round trip instead of four or more (BEGIN, the statements, COMMIT). A confirmation whose
-  action moved fails the statement whole, and the transaction path then says why.
+- PostgreSQL, when every ledger write with it can be a part (the step's confirmations,
+  `before_parts`; an action prepared where no hold point can apply, `within_parts`), no new
+  artifact, and a writer that carries the run stream's head (`audit.journal.owning`): one
+  autocommit statement — the run CAS, the checkpoint, each confirmation's compare-and-swap,
+  the new action's guard and insert, the head swap and the journal entries
+  (`audit.journal.append_after`) — one round trip instead of four or more (BEGIN, the
+  statements, COMMIT). A part that writes nothing (a confirmation whose action moved, a
+  guard that found a hold point) fails the statement whole, and the transaction path then
+  writes it or says why.
 - Otherwise one short transaction: the run CAS first (its row lock orders the commit before a
   goal revision, which locks the run and then its actions), the checkpoint only if it held, the
   artifacts, then the journal entries of the ledger writes that happened before the step's
@@ -33,6 +36,10 @@ from audit.canonical import canonical, sha256_hex
 from fastsql import statements
 from runtime.events import RunEvent, record
 from runtime.models import Artifact, Checkpoint, Run
+
+# Ledger writes as parts of a one-statement commit: given the statement and the name of the
+# part they follow, the parts (None: not this time, take the transaction).
+Parts = Callable[[statements.OneStatement, str], list[statements.Part] | None]
 
 
 class Moved(Exception):
@@ -69,6 +76,11 @@ class StepCommit:
     # the statement and the name of the run's compare-and-swap part, the parts that follow
     # it, the last of which writes only if all of them did; their journal entries recorded.
     before_parts: Callable[[statements.OneStatement, str], list[statements.Part]] | None = None
+    # The same writes as `within`, as parts of the one-statement commit: given the statement
+    # and the name of the last part so far, the parts that follow it (the last of which
+    # writes only if all of them did), their journal entries recorded — or None when they
+    # cannot be written that way this time (the commit then takes its transaction).
+    within_parts: Parts | None = None
 
     @property
     def rev(self) -> int:
@@ -126,8 +138,10 @@ def write(commit: StepCommit) -> None:
         **commit.payload,
     }
     stream = journal.run_stream(run.run_id)
-    parts_only = commit.before is None or commit.before_parts is not None
-    if commit.within is None and parts_only and not commit.artifacts:
+    parts_only = (commit.before is None or commit.before_parts is not None) and (
+        commit.within is None or commit.within_parts is not None
+    )
+    if parts_only and not commit.artifacts:
         if _one_statement(commit, stream, update, mine, checkpoint, entry):
             return
     with transaction.atomic(durable=True), journal.batched(stream):
@@ -169,10 +183,16 @@ def _one_statement(
     if head is None:
         return False
     lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
+    one = statements.OneStatement()
     with journal.batched(stream, deferred=True) as pending:
         if commit.before_parts is not None:  # journalled ahead of the step's entry
-            lead += commit.before_parts(statements.OneStatement(), lead[0].name)
+            lead += commit.before_parts(one, lead[0].name)
         record(commit.run, commit.event, commit.actor, **entry)
+        if commit.within_parts is not None:  # journalled after it, as `within` would be
+            within = commit.within_parts(one, lead[-1].name)
+            if within is None:
+                return False  # nothing sent; the recorded entries go with the batch
+            lead += within
     outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead)
     if outcome == "refused":
         raise Moved()

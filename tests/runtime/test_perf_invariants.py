@@ -33,7 +33,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import ledger
+from runtime import dispatch, ledger
 from runtime.artifacts import CHUNK, INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
 from runtime.errors import StaleFence
@@ -120,6 +120,7 @@ register(acts)
 
 @pytest.fixture(autouse=True)
 def _clean_seams() -> Iterator[None]:
+    dispatch._NAMED.clear()  # the per-process hint of tools a policy named
     CALLS.clear()
     BEFORE_SEND.clear()
     AFTER_CALL.clear()
@@ -198,9 +199,10 @@ STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
 # hold-point question asked inside it, the action's insert — already `sent`, its database-
 # time marks returned by the INSERT itself —, head swap + entries); the read of the tenant's
 # credential; the step commit (run CAS + checkpoint, the outcome's compare-and-swap, head swap
-# + entries). PostgreSQL sends each "+" as one statement, and the whole step commit as one
-# (runtime.stepcommit: the confirmation is a part of it).
-ACTION_STATEMENTS = {"postgresql": 6, "sqlite": 12}
+# + entries). PostgreSQL sends each commit as one statement (runtime.stepcommit): the
+# prepare's hold-point question is a guard part of it (no active policy names the tool), the
+# confirmation a part of the step's.
+ACTION_STATEMENTS = {"postgresql": 4, "sqlite": 12}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
@@ -465,6 +467,49 @@ def test_a_policy_added_before_the_send_still_holds_the_action(tenant_a: Tenant,
     assert action.status == ActionStatus.AWAITING_APPROVAL
     assert ApprovalRequest.objects.filter(action=action, status="pending").exists()
     assert CALLS == []
+
+
+# A prepare written as one statement (PostgreSQL) guards on "no active policy names the
+# tool"; any such policy sends it to the transaction, where `policy_for` judges it. Each case:
+# whether the action waits, the statements the prepare took, and that nothing is left of the
+# statement that did not write (one action, the run's stream intact).
+POLICIES = {
+    "holds": ({}, True),
+    "inactive": ({"active": False}, False),
+    "exempts": ({"required": False}, False),
+    "holds another param": ({"condition": {"param": "n", "op": "gt", "value": 100}}, False),
+    "holds this param": ({"condition": {"param": "n", "op": "eq", "value": 1}}, True),
+}
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_a_policy_of_the_tool_is_judged_whichever_way_the_prepare_is_written(
+    tenant_a: Tenant, kind: str
+) -> None:
+    fields, held = POLICIES[kind]
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="p", tool="perf.effect", **fields)
+    run = _one_action_run(tenant_a)
+    with counted() as seen:
+        result = advance_run(run.run_id, "w", slice_seconds=60)
+    [action] = Action.objects.filter(run=run)
+    if held:
+        assert result.outcome == "waiting" and CALLS == []
+        assert action.status == ActionStatus.AWAITING_APPROVAL
+    else:
+        assert result.outcome == "completed" and len(CALLS) == 1
+        assert action.status == ActionStatus.CONFIRMED
+    assert verify_stream(journal.run_stream(run.run_id)) is None
+    # PostgreSQL, a policy that names the tool: the one statement's guard refused it (nothing
+    # of it was written: one action above), and the transaction inserted the action.
+    tries = 2 if connection.vendor == "postgresql" and kind != "inactive" else 1
+    assert sum('INSERT INTO "runtime_action"' in sql for sql in seen["sql"]) == tries
+    # The next action of the tool goes straight to the transaction for a while (a hint: the
+    # policy is judged there all the same).
+    again = _one_action_run(tenant_a)
+    with counted() as seen:
+        advance_run(again.run_id, "w", slice_seconds=60)
+    assert sum('INSERT INTO "runtime_action"' in sql for sql in seen["sql"]) == 1
+    assert Action.objects.get(run=again).status == action.status
 
 
 def test_a_policy_of_another_tenant_does_not_hold_the_action(
