@@ -48,6 +48,7 @@ from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit import journal
 from audit.models import JournalEntry
 from runtime import ledger, protocol, toolcatalog
+from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import ToolUnavailable
 from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, LeaseHeld
@@ -163,50 +164,13 @@ def adopt(caller: Caller, session_id: str) -> bool:
 
 def close_session(caller: Caller, session_id: str) -> bool:
     """The client ends its session (HTTP DELETE, which the SDK's client sends whenever it
-    closes): the run completes if every call of it has had its final answer delivered.
-    Otherwise it stays open — a call still waits for a reviewer, or a person must settle one —
-    so the decision still lands and a client that comes back with the session id gets it.
-    Whether the run was completed."""
-    if _open_calls(caller, session_id):
-        return False
+    closes): `mcp_session.close` — the run completes if every call of it has had its final
+    answer delivered, else it stays open. Whether the run was completed."""
     run = Run.objects.get(pk=session_id, tenant_id=caller.tenant_id)
     try:
-        lease = protocol.take(run, OWNER, LEASE_MARGIN, who=caller.who)
+        return mcp_session.close(run, OWNER, caller.who, "client")
     except LeaseHeld:
         raise Busy() from None
-    run.refresh_from_db()
-    if _open_calls(caller, session_id):  # a call came in meanwhile
-        protocol.release(run, lease.fence, caller.who, owner=OWNER)
-        return False
-    calls = Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id).count()
-    # The completing checkpoint gives the lease up with it (nothing left to release).
-    protocol.write_checkpoint(
-        run,
-        lease.fence,
-        run.checkpoint_rev,
-        {"calls": calls, "closed_by": "client"},
-        protocol.API_STEP,
-        caller.who,
-        status="completed",
-    )
-    return True
-
-
-def _open_calls(caller: Caller, session_id: str) -> bool:
-    """Whether an action of the session has not had its final answer handed to the client."""
-    actions = set(
-        Action.objects.filter(tenant_id=caller.tenant_id, run_id=session_id).values_list(
-            "action_id", flat=True
-        )
-    )
-    delivered = set(
-        JournalEntry.objects.filter(
-            stream=journal.run_stream(session_id),
-            tenant_id=caller.tenant_id,
-            type=RunEvent.RESULT_DELIVERED.value,
-        ).values_list("payload__action_id", flat=True)
-    )
-    return bool({str(a) for a in actions} - {str(d) for d in delivered})
 
 
 # --- tools/list --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from django.db.models import DurationField, ExpressionWrapper, F, Q
 from django.db.models.functions import Now
 
 from runtime import gates
+from runtime.agents import mcp_session
 from runtime.events import RunEvent, record
 from runtime.leases import EXECUTOR_LOST, db_now_plus, lease_free
 from runtime.models import RUNNABLE, Run, RunStatus, SweeperTurn
@@ -145,8 +146,9 @@ def sweep_once(
     look_ahead: float = 0.0,
 ) -> SweepResult:
     """One tick: ring the due runs (bounded overall and per tenant), run the hold points'
-    timers, flag lost external executors; with `look_ahead`, also say when the next run
-    becomes due within that many seconds (`next_due_in`), for a loop to wake then."""
+    timers, flag lost external executors, close idle MCP sessions; with `look_ahead`, also
+    say when the next run becomes due within that many seconds (`next_due_in`), for a loop
+    to wake then."""
     batch = batch or settings.HOLDPOINT_SWEEP_BATCH
     per_tenant = per_tenant or settings.HOLDPOINT_SWEEP_PER_TENANT
     now = clock()
@@ -163,6 +165,7 @@ def sweep_once(
         _rung[str(run_id)] = (now, (fence, rev, status))
     gates.sweep()  # hold points: expiry, reminders, escalation
     flag_lost_executors(batch)
+    mcp_session.close_idle(batch)  # MCP sessions their host left without closing
     next_due = next_due_in(look_ahead) if look_ahead > 0 else None
     return SweepResult(rung=len(chosen), due=len(found), next_due=next_due)
 

@@ -136,6 +136,13 @@ class Run(models.Model):
             # Runs pages and API lists: a tenant's runs, newest first, by status.
             models.Index(fields=["tenant", "status", "-created_at"], name="runtime_run_list"),
             models.Index(fields=["tenant", "thread_id"], name="runtime_run_thread"),
+            # The sweeper: MCP gateway sessions between calls, by when they were last used
+            # (runtime.agents.mcp_session.close_idle).
+            models.Index(
+                fields=["updated_at"],
+                name="runtime_run_idle_sessions",
+                condition=Q(graph="mcp-session", status="queued"),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -33,14 +33,19 @@ async def in_session(
     work: Callable[[ClientSession], Awaitable[T]],
     scheme: str = "Bearer",
     session_id: str = "",
+    close: bool = True,
 ) -> T:
     """`session_id`: carry on that session (as a client that kept its id across a reconnect
-    or a gateway restart does) instead of opening a new one."""
+    or a gateway restart does) instead of opening a new one. `close=False`: leave without
+    the DELETE that ends the session (a host that just quits)."""
     headers = {"Authorization": f"{scheme} {key}"} if key else {}
     if session_id:
         headers["Mcp-Session-Id"] = session_id
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(120)) as http:
-        async with streamable_http_client(url, http_client=http) as (read, write):
+        async with streamable_http_client(url, http_client=http, terminate_on_close=close) as (
+            read,
+            write,
+        ):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 return await work(session)

@@ -15,19 +15,27 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
+import time_machine
+from django.conf import settings
+from django.test import override_settings
+from django.utils import timezone
 
 from approvals.decisions import decide
-from approvals.models import ApprovalRequest
+from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit.journal import run_stream
 from audit.models import JournalEntry
+from audit.verification import verify_stream
 from runtime import mcp, toolcatalog
+from runtime.artifacts import resolve
 from runtime.auth import revoke_token
-from runtime.models import Action, ActionStatus, AgentToken, McpServer, Run, Tenant
+from runtime.models import Action, ActionStatus, AgentToken, Checkpoint, McpServer, Run, Tenant
 from runtime.models.tenancy import Role
+from runtime.sweeper import sweep_once
 from tests import procs
 from tests.browser import log_in
 from tests.conftest import Persona, issue_token_for, make_persona
@@ -207,6 +215,62 @@ def test_without_a_progress_token_the_answer_is_pending_and_the_same_call_gets_t
     assert retried.is_error and "Not needed" in text(retried), text(retried)
     assert _reached(upstream, title) == []
     assert Run.objects.get(pk=run_id).status == "completed"  # now every answer is out
+
+
+def _status(run_id: Any) -> str:
+    return str(Run.objects.get(pk=run_id).status)
+
+
+def test_a_session_its_host_left_open_is_closed_once_idle_unless_a_call_is_still_open(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """Most hosts quit without the DELETE that ends a session: the sweeper closes a session
+    no call has touched for HOLDPOINT_MCP_SESSION_IDLE_HOURS as that DELETE would — every
+    answer delivered — and leaves one whose call still waits for a reviewer."""
+    _setup(tenant_a, upstream)
+    ApprovalPolicy.objects.create(
+        tenant=tenant_a,
+        name="an ok ticket goes",
+        tool=CREATE,
+        required=False,
+        condition={"param": "title", "op": "matches", "value": "^ok "},
+        priority=10,
+    )
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="the rest waits", tool=CREATE)
+    url, key = _endpoint(web, tenant_a), str(agent_a.token)
+    titles = {"done": f"ok {_title()}", "waiting": _title(), "quiet": f"ok {_title()}"}
+    for title in titles.values():  # each its own session, none closed by its host
+        session(url, key, _call(CREATE, {"title": title}), close=False)
+    runs = {
+        name: Action.objects.get(run__graph="mcp-session", params__contains=title).run_id
+        for name, title in titles.items()
+    }
+    before = {"done": "queued", "waiting": "waiting_approval", "quiet": "queued"}
+    assert {name: _status(run) for name, run in runs.items()} == before
+    assert Action.objects.get(run_id=runs["waiting"]).status == S.AWAITING_APPROVAL
+
+    idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
+    later = timezone.now() + idle + timedelta(minutes=1)
+    Run.objects.filter(pk=runs["quiet"]).update(updated_at=later - timedelta(hours=1))
+    with time_machine.travel(later, tick=False):
+        with override_settings(HOLDPOINT_MCP_SESSION_IDLE_HOURS=0):  # 0: never
+            sweep_once()
+        assert _status(runs["done"]) == "queued"
+        sweep_once()
+    assert _status(runs["done"]) == "completed"
+    [closing] = Checkpoint.objects.filter(run_id=runs["done"]).order_by("-rev")[:1]
+    assert resolve(tenant_a.pk, closing.state) == {"calls": 1, "closed_by": "idle"}
+    assert verify_stream(run_stream(runs["done"])) is None
+    assert _status(runs["waiting"]) == "waiting_approval"  # its call waits for a reviewer
+    assert _status(runs["quiet"]) == "queued"  # last used an hour before the limit
+    # A closed session is not carried on: its client is told to open a new one.
+    headers = {
+        "Authorization": f"Bearer {key}",
+        "Mcp-Session-Id": str(runs["done"]),
+        "Accept": "application/json, text/event-stream",
+    }
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    assert httpx.post(url, json=listing, headers=headers).status_code == 404
 
 
 def _in_run(url: str, key: str, run_id: str, work: Any) -> Any:
