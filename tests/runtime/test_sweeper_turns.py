@@ -151,19 +151,21 @@ def test_a_lease_about_to_end_brings_the_next_sweep_to_that_moment(tenant_a: Ten
     """A crashed worker's run is rung right at its lease's end, not up to an interval later:
     the sweep that sees the end coming says when (`next_due`), moves the fleet's turn there,
     and the sweeper loop sleeps until then (`pause`)."""
-    run = _leased(tenant_a, 0.8)
+    # A lease of 1.5 s and an interval of 4 s (the next tick 3-5 s away): room for a loaded
+    # machine between the lease and the sweep (CI once took more than 0.5 s there).
+    run = _leased(tenant_a, 1.5)
     _leased(tenant_a, 60)  # a healthy lease far off changes nothing
-    result = sweep_turn(2.0, "a")
+    result = sweep_turn(4.0, "a")
     assert result is not None and result.rung == 0
-    assert result.next_due is not None and 0.3 < result.next_due <= 0.8
+    assert result.next_due is not None and 0.2 < result.next_due <= 1.5
     lease_end = Run.objects.get(pk=run.pk).lease_expires_at
     turn = SweeperTurn.objects.get(name=TURN)
-    assert abs((turn.next_at - lease_end).total_seconds()) < 0.05  # not 1.6 s from now
+    assert abs((turn.next_at - lease_end).total_seconds()) < 0.5  # not 3-5 s from now
     for _ in range(20):  # whatever the jitter draws, the loop wakes just after the end
-        assert pause(2.0, result) == pytest.approx(result.next_due + 0.05)
-    time.sleep(pause(2.0, result))
+        assert pause(4.0, result) == pytest.approx(result.next_due + 0.05)
+    time.sleep(pause(4.0, result))
     rung: list[str] = []
-    assert take_turn(2.0, "b") is True  # the turn came round at the lease's end
+    assert take_turn(4.0, "b") is True  # the turn came round at the lease's end
     assert sweep_once(ring=rung.append).rung == 1 and rung == [str(run.run_id)]
 
 
