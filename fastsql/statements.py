@@ -131,7 +131,7 @@ class _Table:
         self.insert_preps = [(attname, prep) for attname, prep, _, _ in self.inserts]
         self.insert_columns = ", ".join(self.column[f.attname] for f in self.insert_fields)
         # In a SELECT the values need their column types spelled out (a NULL would be text).
-        self.typed_row = ", ".join(f"%s::{f.db_type(conn)}" for f in self.insert_fields)
+        self.typed_slots = tuple(f"%s::{f.db_type(conn)}" for f in self.insert_fields)
         self.sql: dict[tuple[Any, ...], str] = {}
         self.converters: dict[tuple[Any, ...], list[tuple[int, list[Any], Any]]] = {}
 
@@ -709,12 +709,12 @@ def _insert_part(
     sql = table.sql.get(key)
     if sql is None:
         if count == 1:
-            slots = [f"%s::{field.db_type(conn)}" for field in table.insert_fields]
+            slots = list(table.typed_slots)
             for position, value in clocks:  # the clock's SQL (and its interval's %s) instead
                 slots[position] = _clock(table.model, value, conn)[0]
             select_sql = f"SELECT {', '.join(slots)} FROM {after}"
         else:
-            values = ", ".join([f"({table.typed_row})"] * count)
+            values = ", ".join([f"({', '.join(table.typed_slots)})"] * count)
             select_sql = f"SELECT v.* FROM (VALUES {values}) AS v, {after}"
         sql = table.sql[key] = f"INSERT INTO {table.name} ({table.insert_columns}) {select_sql}"
     return Part(name, sql, params)

@@ -164,14 +164,14 @@ _NAMED: dict[tuple[int, str], float] = {}
 NAMED_HINT_SECONDS = 30.0
 
 
-def _named_lately(tenant_id: int, tool: str, *, remember: bool = False) -> bool:
-    key, now = (tenant_id, tool), time.monotonic()
-    if remember:
-        if len(_NAMED) >= 10_000:
-            _NAMED.clear()
-        _NAMED[key] = now + NAMED_HINT_SECONDS
-        return True
-    return _NAMED.get(key, 0.0) > now
+def _named_lately(tenant_id: int, tool: str) -> bool:
+    return _NAMED.get((tenant_id, tool), 0.0) > time.monotonic()
+
+
+def _remember_named(tenant_id: int, tool: str) -> None:
+    if len(_NAMED) >= 10_000:
+        _NAMED.clear()
+    _NAMED[(tenant_id, tool)] = time.monotonic() + NAMED_HINT_SECONDS
 
 
 class ActionRunner:
@@ -300,7 +300,7 @@ class ActionRunner:
 
         self.host.checkpoint_action(ctx.step, insert, within_parts=parts)
         if len(created) > 1:  # the statement's guard refused: a policy names the tool
-            _named_lately(run.tenant_id, tool.name, remember=True)
+            _remember_named(run.tenant_id, tool.name)
         return created[-1]  # the one written: a statement that did not write came before
 
     def send_at_prepare(self, tool: Tool, params: dict[str, Any]) -> float | None:
