@@ -21,7 +21,7 @@ trip and one implicit transaction where BEGIN, the statements and COMMIT would b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -656,6 +656,10 @@ class OneStatement:
 
 
 _CHAINS: dict[tuple[tuple[str, str], ...], str] = {}
+
+# Writes offered as parts of a larger `OneStatement`: given the statement and the name of the
+# part they follow, their parts — or None: not this time (the caller writes them otherwise).
+PartsAfter = Callable[[OneStatement, str], list[Part] | None]
 
 
 def _update_part(

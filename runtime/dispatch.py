@@ -24,7 +24,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from fastsql.statements import OneStatement, Part, tenant_check
+from fastsql.statements import OneStatement, Part, PartsAfter, tenant_check
 from runtime import gates, ledger, observe
 from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
 from runtime.faults import FaultPoint, fault
@@ -35,7 +35,6 @@ from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_o
 if TYPE_CHECKING:
     from runtime.context import StepContext
     from runtime.leases import Lease
-    from runtime.stepcommit import Parts as StepParts
 
 log = logging.getLogger("holdpoint.dispatch")
 S = ActionStatus
@@ -148,7 +147,7 @@ class ActionHost(Protocol):
         step: str,
         within: Callable[[], None],
         allow_moved: bool = False,
-        within_parts: StepParts | None = None,
+        within_parts: PartsAfter | None = None,
     ) -> bool: ...
 
     def commit_later(self, outcome: Confirmed) -> None:

@@ -358,7 +358,7 @@ class Executor:
         step: str,
         within: Callable[[], None],
         allow_moved: bool = False,
-        within_parts: stepcommit.Parts | None = None,
+        within_parts: statements.PartsAfter | None = None,
     ) -> bool:
         """A checkpoint around a side effect: same state, same step, plus the ledger write
         (`within`, or as parts of one statement: `within_parts`, see runtime.stepcommit)."""
@@ -464,7 +464,7 @@ class Executor:
         event: RunEvent,
         *,
         within: Callable[[], None] | None = None,
-        within_parts: stepcommit.Parts | None = None,
+        within_parts: statements.PartsAfter | None = None,
         **payload: Any,
     ) -> bool:
         """One step commit (runtime.stepcommit): run CAS, new artifacts, checkpoint, journal.

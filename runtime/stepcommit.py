@@ -37,10 +37,6 @@ from fastsql import statements
 from runtime.events import RunEvent, record
 from runtime.models import Artifact, Checkpoint, Run
 
-# Ledger writes as parts of a one-statement commit: given the statement and the name of the
-# part they follow, the parts (None: not this time, take the transaction).
-Parts = Callable[[statements.OneStatement, str], list[statements.Part] | None]
-
 
 class Moved(Exception):
     """The run is no longer where the commit expected it (its fence, status, checkpoint rev
@@ -80,7 +76,7 @@ class StepCommit:
     # and the name of the last part so far, the parts that follow it (the last of which
     # writes only if all of them did), their journal entries recorded — or None when they
     # cannot be written that way this time (the commit then takes its transaction).
-    within_parts: Parts | None = None
+    within_parts: statements.PartsAfter | None = None
 
     @property
     def rev(self) -> int:
