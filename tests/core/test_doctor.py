@@ -8,6 +8,7 @@ is tests/core/test_health.py's cluster test, and on `make run`'s setup test_run_
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -124,7 +125,13 @@ def test_app_clock_ahead_of_the_database() -> None:
         ok, lines = doctor()
     assert not ok
     line = line_of("clock", lines)
-    assert "the app's clock is 30.0 s ahead of the database's (at most 1 s)" in line
+    # The database's reading is placed at half the round trip: on a loaded machine the
+    # estimate is off by up to that much (29.9 s was seen in CI), never by a second.
+    found = re.search(
+        r"the app's clock is ([\d.]+) s ahead of the database's \(at most 1 s\)", line
+    )
+    assert found, line
+    assert 29.0 < float(found.group(1)) < 31.0
 
 
 @override_settings(HOLDPOINT_SECRET_KEYS=[])
