@@ -448,8 +448,9 @@ HOLDPOINT_MCP_STDIO = env_bool("HOLDPOINT_MCP_STDIO", False)
 # reviewer (with progress notifications when the client asked for them) before it answers
 # "pending approval" with the request's link; the same call later gets the decision.
 HOLDPOINT_MCP_WAIT_SECONDS = env_int("HOLDPOINT_MCP_WAIT_SECONDS", 30, minimum=0)
-# A session no call has touched for this long is closed by the sweeper as its client's DELETE
-# would close it (most hosts never send one); a session with a call still open stays. 0: never.
+# A session no call has touched for this long is closed by the sweeper (most hosts never send
+# the DELETE): its uncollected decisions stay in the ledger, its approved-but-unsent calls are
+# withdrawn; a call still waiting for a reviewer, a reconciliation or a person keeps it. 0: never.
 HOLDPOINT_MCP_SESSION_IDLE_HOURS = env_int("HOLDPOINT_MCP_SESSION_IDLE_HOURS", 24, minimum=0)
 # A call's arguments (canonical JSON) larger than this are refused with an MCP error,
 # nothing stored; a request body larger than HOLDPOINT_MCP_MAX_BODY_BYTES gets HTTP 413.

@@ -610,22 +610,35 @@ def edit_params(action: Action, params: dict[str, Any], actor: str) -> Action:
 
 def cancel_older_revisions(run: Run, goal_rev: int, actor: str) -> list[str]:
     """Cancel every unsent action prepared under a revision older than `goal_rev`."""
-    stale: QuerySet[Action] = Action.objects.filter(
-        run_id=run.run_id, goal_rev__lt=goal_rev, status__in=UNSENT
+    return withdraw_unsent(run, "goal revised", actor, goal_rev_below=goal_rev)
+
+
+def withdraw_unsent(
+    run: Run, reason: str, actor: str, *, goal_rev_below: int | None = None
+) -> list[str]:
+    """Cancel the run's unsent actions — nothing of them has left — (only those prepared
+    under a revision below `goal_rev_below`, if given) and close their approval requests.
+    Inside the caller's fenced transaction."""
+    unsent: QuerySet[Action] = Action.objects.filter(
+        run_id=run.run_id, tenant_id=run.tenant_id, status__in=UNSENT
     )
-    ids = [str(a) for a in stale.values_list("action_id", flat=True)]
+    revision: dict[str, Any] = {}
+    if goal_rev_below is not None:
+        unsent = unsent.filter(goal_rev__lt=goal_rev_below)
+        revision["goal_rev"] = goal_rev_below
+    ids = [str(a) for a in unsent.values_list("action_id", flat=True)]
     if ids:
-        stale.update(status=S.CANCELLED, updated_at=Now(), last_error="goal revised")
+        unsent.update(status=S.CANCELLED, updated_at=Now(), last_error=reason)
         for action_id in ids:
             record(
                 run,
                 RunEvent.ACTION_CANCELLED,
                 actor,
                 action_id=action_id,
-                reason="goal revised",
-                goal_rev=goal_rev,
+                reason=reason,
+                **revision,
             )
-        gates.withdrawn(ids, "goal revised", actor)
+        gates.withdrawn(ids, reason, actor)
     return ids
 
 

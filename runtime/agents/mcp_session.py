@@ -13,10 +13,14 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from runtime.context import StepContext
+from runtime.errors import HoldpointError
 from runtime.graphs import Fail, Graph, Outcome, register
+from runtime.models import Action, ActionStatus, Run, RunStatus
 
 NAME = "mcp-session"
 # The lease a closing takes: long enough for its two reads and its checkpoint.
@@ -53,7 +57,6 @@ def open_calls(tenant_id: int, run_id: Any) -> bool:
     from audit import journal
     from audit.models import JournalEntry
     from runtime.events import RunEvent
-    from runtime.models import Action
 
     actions = set(
         Action.objects.filter(tenant_id=tenant_id, run_id=run_id).values_list(
@@ -76,7 +79,6 @@ def close(run: Any, owner: str, who: str, closed_by: str) -> bool:
     one — so the decision still lands and a client that comes back with the session id gets
     it. Whether the run was completed. Raises LeaseHeld while a call of it is being sent."""
     from runtime import protocol
-    from runtime.models import Action
 
     if open_calls(run.tenant_id, run.run_id):
         return False
@@ -85,26 +87,32 @@ def close(run: Any, owner: str, who: str, closed_by: str) -> bool:
     if open_calls(run.tenant_id, run.run_id):  # a call came in meanwhile
         protocol.release(run, lease.fence, who, owner=owner)
         return False
-    calls = Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id).count()
-    # The completing checkpoint gives the lease up with it (nothing left to release).
-    protocol.write_checkpoint(
-        run,
-        lease.fence,
-        run.checkpoint_rev,
-        {"calls": calls, "closed_by": closed_by},
-        protocol.API_STEP,
-        who,
-        status="completed",
-    )
+    _complete(run, lease.fence, who, closed_by)
     return True
+
+
+# A call in one of these is still on its way to an outcome — a reviewer, the executor's
+# reconciliation, a person — and keeps even an idle session open: what they decide must be
+# able to land, and be handed to a client that comes back.
+STILL_OPEN = (
+    ActionStatus.AWAITING_APPROVAL,
+    ActionStatus.SENT,
+    ActionStatus.UNKNOWN,
+    ActionStatus.MANUAL_REVIEW,
+)
+IDLE_OWNER = "sweeper:mcp-idle"
 
 
 def close_idle(limit: int) -> int:
     """The sweeper's part: close up to `limit` sessions nobody has used for
-    HOLDPOINT_MCP_SESSION_IDLE_HOURS (0: never), oldest first — a session with a call still
-    open stays, as it would for its client's DELETE. How many were closed."""
-    from runtime.errors import HoldpointError
-    from runtime.models import Run, RunStatus
+    HOLDPOINT_MCP_SESSION_IDLE_HOURS (0: never), oldest first. How many were closed.
+
+    Its client is gone, so what DELETE waits for (every final answer handed over) will not
+    come: a call decided after its client stopped asking — approved, rejected, expired — is
+    closed with the session (the ledger keeps its outcome), one approved or prepared but
+    never sent is withdrawn (only the client sends it, and it will not). A session with a
+    call still on its way (STILL_OPEN) stays, and is not even looked at: the oldest of those
+    must not take every turn's `limit` and keep the others open for ever."""
 
     hours = settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS
     if not hours:
@@ -116,11 +124,43 @@ def close_idle(limit: int) -> int:
         updated_at__lt=timezone.now() - timedelta(hours=hours),
         external=True,
         lease_expires_at__isnull=True,
-    )
+    ).exclude(Exists(Action.objects.filter(run_id=OuterRef("pk"), status__in=STILL_OPEN)))
     closed = 0
     for run in idle.order_by("updated_at")[:limit]:
         try:
-            closed += close(run, "sweeper:mcp-idle", "sweeper", "idle")
+            closed += _close_abandoned(run)
         except HoldpointError:
             continue  # taken meanwhile (a call came in): the session is not idle
     return closed
+
+
+def _close_abandoned(run: Any) -> bool:
+    from runtime import ledger, protocol
+
+    lease = protocol.take(run, IDLE_OWNER, CLOSE_LEASE, who="sweeper")
+    run.refresh_from_db()
+    if Action.objects.filter(
+        tenant_id=run.tenant_id, run_id=run.run_id, status__in=STILL_OPEN
+    ).exists():  # a call came in meanwhile, or the takeover handed one to a person
+        protocol.release(run, lease.fence, "sweeper", owner=IDLE_OWNER)
+        return False
+    with transaction.atomic(durable=True):
+        ledger.fenced(run.run_id, lease.fence, run.tenant_id)
+        withdrawn = ledger.withdraw_unsent(run, "session closed: idle", lease.actor)
+    _complete(run, lease.fence, "sweeper", "idle", withdrawn=withdrawn)
+    return True
+
+
+def _complete(
+    run: Any, fence: int, who: str, closed_by: str, withdrawn: list[str] | None = None
+) -> None:
+    """The session's last checkpoint: the run completed (giving the lease up with it)."""
+    from runtime import protocol
+
+    calls = Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id).count()
+    state: dict[str, Any] = {"calls": calls, "closed_by": closed_by}
+    if withdrawn:
+        state["withdrawn"] = withdrawn
+    protocol.write_checkpoint(
+        run, fence, run.checkpoint_rev, state, protocol.API_STEP, who, status="completed"
+    )

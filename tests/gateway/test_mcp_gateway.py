@@ -31,6 +31,7 @@ from audit.journal import run_stream
 from audit.models import JournalEntry
 from audit.verification import verify_stream
 from runtime import mcp, toolcatalog
+from runtime.agents import mcp_session
 from runtime.artifacts import resolve
 from runtime.auth import revoke_token
 from runtime.models import Action, ActionStatus, AgentToken, Checkpoint, McpServer, Run, Tenant
@@ -271,6 +272,61 @@ def test_a_session_its_host_left_open_is_closed_once_idle_unless_a_call_is_still
     }
     listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     assert httpx.post(url, json=listing, headers=headers).status_code == 404
+
+
+def test_an_idle_session_whose_client_left_before_the_decision_is_closed_all_the_same(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """A client that left while its call waited for a reviewer never collects the decision.
+    DELETE's rule (every final answer handed over) would keep its session open for ever —
+    and, the oldest first, take every sweep's whole batch while newer idle sessions wait.
+    Idle, it is closed: a rejected call's outcome stays in the ledger; an approved one that
+    only its client would have sent is withdrawn, and never reaches the upstream."""
+    _setup(tenant_a, upstream)
+    url, key = _endpoint(web, tenant_a), str(agent_a.token)
+    titles = {"rejected": _title(), "approved": _title()}
+    for title in titles.values():  # no progress token: PENDING at once; the host then quits
+        first = session(url, key, _call(CREATE, {"title": title}), close=False)
+        assert text(first).startswith("PENDING"), text(first)
+    actions = {name: Action.objects.get(params__contains=t) for name, t in titles.items()}
+    runs = {name: action.run_id for name, action in actions.items()}
+    for name, verdict in (("rejected", "reject"), ("approved", "approve")):
+        request = _request(actions[name])
+        decide(request.id, reviewer_a.user, verdict, request.action_hash, reason="decided")
+    assert {name: _status(run) for name, run in runs.items()} == {
+        "rejected": "queued",
+        "approved": "queued",
+    }
+    assert Action.objects.get(pk=actions["approved"].pk).status == S.APPROVED  # unsent
+    # The session whose rejection was never handed over is the oldest.
+    older = Run.objects.get(pk=runs["approved"]).updated_at - timedelta(minutes=5)
+    Run.objects.filter(pk=runs["rejected"]).update(updated_at=older)
+
+    idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
+    with time_machine.travel(timezone.now() + idle + timedelta(minutes=1), tick=False):
+        assert mcp_session.close_idle(1) == 1  # a batch of one: the oldest is not stuck
+        assert _status(runs["rejected"]) == "completed"
+        assert mcp_session.close_idle(1) == 1
+    assert _status(runs["approved"]) == "completed"
+
+    rejected, approved = (Action.objects.get(pk=actions[n].pk) for n in ("rejected", "approved"))
+    assert rejected.status == S.CANCELLED and "decided" in rejected.last_error  # as decided
+    assert approved.status == S.CANCELLED and approved.last_error == "session closed: idle"
+    assert _reached(upstream, titles["rejected"]) == _reached(upstream, titles["approved"]) == []
+    states = {
+        name: resolve(tenant_a.pk, Checkpoint.objects.filter(run_id=run).latest("rev").state)
+        for name, run in runs.items()
+    }
+    assert states == {
+        "rejected": {"calls": 1, "closed_by": "idle"},
+        "approved": {"calls": 1, "closed_by": "idle", "withdrawn": [str(approved.pk)]},
+    }
+    cancelled = JournalEntry.objects.get(
+        stream=run_stream(runs["approved"]), type="action_cancelled"
+    )
+    assert cancelled.payload["reason"] == "session closed: idle"
+    for run in runs.values():
+        assert verify_stream(run_stream(run)) is None
 
 
 def _in_run(url: str, key: str, run_id: str, work: Any) -> Any:
