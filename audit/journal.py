@@ -239,6 +239,7 @@ def append_after(
     entries: list[JournalEntry],
     head: Head,
     lead: list[statements.Part],
+    one: statements.OneStatement | None = None,
 ) -> str:
     """PostgreSQL, outside any transaction: a change and its journal entries as *one*
     statement — one round trip and its own (implicit, durable) transaction, where the
@@ -251,9 +252,10 @@ def append_after(
     is `head` (seq and hash), then moves it and inserts the entries. All of it is written or
     none of it: if the swap happened but the head is no longer `head`, the statement fails
     on purpose and rolls back. Returns "written", "refused" (the swap changed nothing:
-    nothing written) or "moved" (the head moved: nothing written).
+    nothing written) or "moved" (the head moved: nothing written). `one`: the statement the
+    parts of `lead` were made for (with what it also reads), if they were.
     """
-    one = statements.OneStatement()
+    one = one or statements.OneStatement()
     _chain(head, entries)
     last = entries[-1]
     swap, rest = lead[0], lead[1:]

@@ -59,6 +59,13 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Above:
+    """A condition `column > value`."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
 class Add:
     """`column = column + amount`, evaluated by the database (like `F(column) + amount`)."""
 
@@ -225,6 +232,9 @@ def _where(
         elif isinstance(value, Check):
             shape.append((name, "check"))
             params.append(prep(value.value, conn))
+        elif isinstance(value, Above):
+            shape.append((name, "above"))
+            params.append(prep(value.value, conn))
         elif isinstance(value, _COLLECTIONS):
             shape.append((name, len(value)))
             params.extend(prep(v, conn) for v in value)
@@ -243,6 +253,8 @@ def _where_sql(table: _Table, shape: tuple[Any, ...], after: tuple[str, ...] = (
             parts.append(f"{column} IS NULL")
         elif kind == "check":
             parts.append(f"({column} + 0) = %s")
+        elif kind == "above":
+            parts.append(f"{column} > %s")
         elif kind == "=":
             parts.append(f"{column} = %s")
         else:
@@ -575,6 +587,24 @@ class OneStatement:
         self.conn = _db()  # looked up once: each lookup costs more than building a part
         if self.conn.vendor != "postgresql" or self.conn.in_atomic_block:
             raise RuntimeError("OneStatement is one autocommit statement on PostgreSQL")
+        self.reads: list[Read] = []
+
+    def read(self, model: type[models.Model], column: str, where: Mapping[str, Any]) -> Read:
+        """A value the statement also reads, in its own snapshot, and returns: the `column`
+        of the first row of `model` matching `where`. Its `Read` is filled in by `run` when
+        the statement wrote (`done`; `value` None without a matching row)."""
+        table = _table(model, self.conn)
+        where_shape, params = _where(table, where, self.conn)
+        key = ("read", column, where_shape)
+        sql = table.sql.get(key)
+        if sql is None:
+            sql = table.sql[key] = (
+                f"(SELECT {table.column[column]} FROM {table.name}"
+                f" WHERE {_where_sql(table, where_shape)} LIMIT 1)"
+            )
+        found = Read(sql, params)
+        self.reads.append(found)
+        return found
 
     def update(
         self,
@@ -632,7 +662,8 @@ class OneStatement:
         it then wrote none either. None when the first wrote and the last did not: the
         statement then fails on purpose (a division by zero) and rolls back whole, so
         nothing of it is written."""
-        key = tuple((part.name, part.sql) for part in parts)
+        reads = self.reads
+        key = (*((part.name, part.sql) for part in parts), *(read.sql for read in reads))
         sql = _CHAINS.get(key)
         if sql is None:
             first, last = parts[0].name, parts[-1].name
@@ -645,17 +676,35 @@ class OneStatement:
                 + f" SELECT (SELECT count(*) FROM {first}), (SELECT count(*) FROM {last})"
                 + f", CASE WHEN (SELECT count(*) FROM {first}) > 0"
                 f" THEN 1 / (SELECT count(*) FROM {last}) END"
+                + "".join(f", {read.sql}" for read in reads)
             )
+        params = [value for part in parts for value in part.params]
+        for read in reads:
+            params += read.params
         cursor = _cursor(self.conn)
         try:
-            cursor.execute(sql, [value for part in parts for value in part.params])
+            cursor.execute(sql, params)
         except DataError:  # the deliberate failure: nothing was written
             return None
-        first_count, last_count, _ = cursor.fetchone()
+        first_count, last_count, _, *values = cursor.fetchone()
+        if first_count and last_count:
+            for read, value in zip(reads, values, strict=True):
+                read.value, read.done = value, True
         return first_count, last_count
 
 
-_CHAINS: dict[tuple[tuple[str, str], ...], str] = {}
+_CHAINS: dict[tuple[Any, ...], str] = {}
+
+
+@dataclass
+class Read:
+    """A value read along by a `OneStatement` (see `OneStatement.read`)."""
+
+    sql: str
+    params: list[Any]
+    value: Any = None
+    done: bool = False
+
 
 # Writes offered as parts of a larger `OneStatement`: given the statement and the name of the
 # part they follow, their parts — or None: not this time (the caller writes them otherwise).

@@ -16,6 +16,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,12 +25,19 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from fastsql.statements import OneStatement, Part, PartsAfter, tenant_check
-from runtime import gates, ledger, observe
-from runtime.errors import ApprovalExpired, ApprovalRequired, HoldpointError, StaleFence
+from fastsql.statements import OneStatement, Part, PartsAfter, Read, tenant_check
+from runtime import gates, ledger, observe, tools
+from runtime.errors import (
+    ApprovalExpired,
+    ApprovalRequired,
+    HoldpointError,
+    InvalidParams,
+    StaleFence,
+)
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
-from runtime.models import Action, ActionStatus, Run
+from runtime.models import Action, ActionStatus, Run, ToolCredential
+from runtime.models.secrets import read_along
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
 
 if TYPE_CHECKING:
@@ -173,12 +181,18 @@ def _remember_named(tenant_id: int, tool: str) -> None:
     _NAMED[(tenant_id, tool)] = time.monotonic() + NAMED_HINT_SECONDS
 
 
+class _GuessedWrong(Exception):
+    """The tool a prepare guessed current was redefined since (nothing was written)."""
+
+
 class ActionRunner:
     """Runs `ctx.act` for one executor: find-or-prepare, send, record, reconcile."""
 
     def __init__(self, host: ActionHost, graph: Graph) -> None:
         self.host = host
         self.graph = graph
+        # The credential the last prepare statement read for its call (`credential_read_along`).
+        self.credential: Read | None = None
 
     @property
     def lease(self) -> Lease:
@@ -194,24 +208,31 @@ class ActionRunner:
         target: str,
         call_index: int,
     ) -> ActionResult:
-        tool = get_tool(tool_name, self.host.run.tenant_id)
-        if self.graph.tools and tool.name not in self.graph.tools:
-            raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
-        if not tool.sent_by_holdpoint:  # an external executor performs it; a worker cannot
-            raise ToolNotAllowed(f"{tool.name} is performed by an external executor (client)")
-        tool.validate(params)  # invalid params never reach the service
-        canonical = ledger.canonical_params(params)
         run = self.host.run
         # A step visit that began with this execution (no checkpoint since the visit began)
         # cannot have prepared anything yet: skip the lookup. The unique key still refuses
         # a second action if that were ever wrong, and the lookup then finds the first.
+        # Such a visit also starts from the tool last found current (`guessed`: its version)
+        # instead of reading it: its prepare confirms it, or reads it and starts again.
+        guessed: int | None = None
+        seen = tools.latest_seen(tool_name, run.tenant_id) if ctx.fresh else None
+        if seen is not None and self.admits(seen[0], params):
+            tool, guessed = seen
+        else:
+            tool = self.current_tool(tool_name, params)
+        canonical = ledger.canonical_params(params)
         action = None
         if not ctx.fresh:
             action = ledger.find_action(run, ctx.step, call_index, canonical[1])
         if action is None:
             fault(FaultPoint.BEFORE_PREPARE)
+            prepared = (params, reason, target, call_index, canonical)
             try:
-                action = self.prepare(ctx, tool, params, reason, target, call_index, canonical)
+                try:
+                    action = self.prepare(ctx, tool, *prepared, guessed=guessed)
+                except _GuessedWrong:  # nothing written: as the current version says
+                    tool = self.current_tool(tool_name, params)
+                    action = self.prepare(ctx, tool, *prepared)
             except IntegrityError:
                 action = ledger.find_action(run, ctx.step, call_index, canonical[1])
                 if action is None:
@@ -220,10 +241,41 @@ class ActionRunner:
                 fault(FaultPoint.AFTER_PREPARE)
                 if action.status == S.SENT:  # prepared and marked sent in one commit
                     fault(FaultPoint.AFTER_SENT_MARK)
-                    action = self.call(tool, action)
+                    with self.credential_read_along(tool):
+                        action = self.call(tool, action)
         return self.drive(ctx, tool, action)
 
-    @observe.phase("prepare", lambda self, ctx, tool, *_: (None, self.host.run, tool.name))
+    def current_tool(self, name: str, params: dict[str, Any]) -> Tool:
+        """The tool's current version (read), which must admit the call (else raises)."""
+        tool = get_tool(name, self.host.run.tenant_id)
+        self.check(tool, params)
+        return tool
+
+    def check(self, tool: Tool, params: dict[str, Any]) -> None:
+        if self.graph.tools and tool.name not in self.graph.tools:
+            raise ToolNotAllowed(f"graph {self.graph.name} does not declare {tool.name}")
+        if not tool.sent_by_holdpoint:  # an external executor performs it; a worker cannot
+            raise ToolNotAllowed(f"{tool.name} is performed by an external executor (client)")
+        tool.validate(params)  # invalid params never reach the service
+
+    def admits(self, tool: Tool, params: dict[str, Any]) -> bool:
+        """Whether `tool` would take the call; a refusal by a version that may be out of
+        date is not said: the current version is asked (`current_tool`)."""
+        try:
+            self.check(tool, params)
+        except (ToolNotAllowed, InvalidParams):
+            return False
+        return True
+
+    def credential_read_along(self, tool: Tool) -> AbstractContextManager[None]:
+        """The credential the prepare statement read for the call, if it did (else its call
+        reads it, as every call did)."""
+        found, self.credential = self.credential, None
+        if found is None or not found.done:
+            return nullcontext()
+        return read_along(self.host.run.tenant_id, tool.credential, found.value)
+
+    @observe.phase("prepare", lambda self, ctx, tool, *_, **__: (None, self.host.run, tool.name))
     def prepare(
         self,
         ctx: StepContext,
@@ -233,6 +285,8 @@ class ActionRunner:
         target: str,
         call_index: int,
         canonical: tuple[str, str],
+        *,
+        guessed: int | None = None,
     ) -> Action:
         """Insert the action with a checkpoint (the same state, the same step, the prepared
         action — one commit). An action of a tool reconcilable by key or lookup that no
@@ -244,8 +298,12 @@ class ActionRunner:
         On PostgreSQL the commit is first tried as one statement (`parts`) in which a guard
         stands for the hold points' answer: it writes only while no active policy names the
         tool. Where a policy does, or the tool may be held otherwise, the transaction
-        (`insert`) asks the hold points themselves."""
+        (`insert`) asks the hold points themselves. A `guessed` tool (the version last seen,
+        not read) is confirmed the same way — a guard part that no newer version exists, a
+        read in the transaction — or _GuessedWrong is raised with nothing written. The
+        statement also reads the tool's credential for the call that follows."""
         run, lease = self.host.run, self.lease
+        self.credential = None
         send_ttl = self.send_at_prepare(tool, params)
         created: list[Action] = []
         about: dict[str, Any] = {
@@ -263,9 +321,13 @@ class ActionRunner:
             # may hold it; the transaction below asks them).
             if _named_lately(run.tenant_id, tool.name):
                 return None
-            guard = gates.unheld_parts(one, tool, params, run, after)
+            lead: list[Part] = []
+            if guessed is not None:  # no newer version of the tool: the guess holds
+                lead.append(tools.unchanged_part(one, run.tenant_id, tool.name, guessed, after))
+            guard = gates.unheld_parts(one, tool, params, run, lead[-1].name if lead else after)
             if guard is None:
                 return None
+            lead += guard
             action, part = ledger.create_action_part(
                 one,
                 "action_prepared",
@@ -274,13 +336,18 @@ class ActionRunner:
                 tool,
                 params,
                 send_ttl=send_ttl,
-                after=guard[-1].name if guard else after,
+                after=lead[-1].name if lead else after,
                 **about,
             )
             created.append(action)
-            return [*guard, part]
+            if send_ttl is not None and tool.credential:  # the call follows: its credential
+                where = {"tenant_id": run.tenant_id, "service": tool.credential}
+                self.credential = one.read(ToolCredential, "ciphertext", where)
+            return [*lead, part]
 
         def insert() -> None:
+            if guessed is not None and get_tool(tool.name, run.tenant_id) is not tool:
+                raise _GuessedWrong()  # redefined since: this transaction writes nothing
             # Asked inside the commit, after its compare-and-swap locked the run row, so this
             # is also the dispatch re-check of an action marked `sent` here (a new action has
             # no approval request: the hold points' answer is the same question).

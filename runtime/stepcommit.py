@@ -189,7 +189,7 @@ def _one_statement(
             if within is None:
                 return False  # nothing sent; the recorded entries go with the batch
             lead += within
-    outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead)
+    outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead, one)
     if outcome == "refused":
         raise Moved()
     return outcome == "written"

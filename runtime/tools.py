@@ -498,9 +498,49 @@ def tenant_tool_names(tenant_id: int) -> list[str]:
 _defined: dict[str, Tool] = {}
 
 
+# (tenant, name) → the tool `get_tool` last found current for it, and its version number (0:
+# a built-in tool, no definition of the tenant's). Only a guess to be confirmed: a prepare
+# written as one statement confirms it with a guard part (`unchanged_part`), any other
+# prepare reads the current version again (`dispatch.ActionRunner.prepare`).
+_latest: dict[tuple[int, str], tuple[Tool, int]] = {}
+
+
+def latest_seen(name: str, tenant_id: int) -> tuple[Tool, int] | None:
+    """What `get_tool(name, tenant_id)` last returned in this process, with its version
+    number (0: built-in) — not read again, so possibly no longer current. A built-in one
+    is checked here (settings name the tracker; code registers tools): only a definition of
+    the tenant's can have changed it since."""
+    seen = _latest.get((tenant_id, name))
+    if seen is not None and seen[1] == 0:
+        if (_builtin_tools().get(name) or _TOOLS.get(name)) is not seen[0]:
+            return None
+    return seen
+
+
+def unchanged_part(
+    one: statements.OneStatement, tenant_id: int, name: str, number: int, after: str
+) -> statements.Part:
+    """A guard part: no definition of the tenant's newer than version `number` (0: none at
+    all) — the tool `latest_seen` gave is still the current one. Versions are only ever
+    added (ToolDefinition), so "none newer" is "the same"."""
+    from runtime.models import ToolDefinition
+
+    where = {"tenant_id": tenant_id, "name": name, "version": statements.Above(number)}
+    return one.absent("tool_unchanged", ToolDefinition, where, after=after)
+
+
 def get_tool(name: str, tenant_id: int | None = None, version: str | None = None) -> Tool:
     """The tool `name` as the tenant may use it: its own definition (the current version,
     or `version`), else a built-in one. Unknown → InvalidParams (422 at the API)."""
+    tool, number = _resolve(name, tenant_id, version)
+    if tenant_id is not None and version is None:
+        if len(_latest) >= 10_000:
+            _latest.clear()
+        _latest[(tenant_id, name)] = (tool, number)
+    return tool
+
+
+def _resolve(name: str, tenant_id: int | None, version: str | None) -> tuple[Tool, int]:
     if tenant_id is not None:
         from runtime.models import ToolDefinition
 
@@ -522,11 +562,11 @@ def get_tool(name: str, tenant_id: int | None = None, version: str | None = None
                 if len(_defined) >= 10_000:
                     _defined.clear()
                 tool = _defined[digest] = from_spec(spec, str(number))
-            return tool
+            return tool, number
     tool = _builtin_tools().get(name) or _TOOLS.get(name)
     if tool is None:
         raise InvalidParams(f"unknown tool {name!r}", errors={"tool": ["unknown tool"]})
-    return tool
+    return tool, 0
 
 
 def tool_of(action: Any) -> Tool:

@@ -147,3 +147,26 @@ def report(ctx: StepContext) -> Outcome:
 
 
 register(ticketing)
+
+# The same ticket filed by a run's second step: a worker's first commit of an execution is a
+# transaction (it reads the journal's head), the ones after it single statements on PostgreSQL
+# — where an action's prepare is one statement too.
+ticketing_later = Graph("ticketing-later", version="1")
+
+
+@ticketing_later.step(start=True)
+def begin(ctx: StepContext) -> Outcome:
+    return Next("file_later")
+
+
+@ticketing_later.step
+def file_later(ctx: StepContext) -> Outcome:
+    ticket = ctx.act(
+        ctx.goal.get("tool", "tickets.create"),
+        {"title": ctx.goal["title"]},
+        reason="the goal asks for a ticket",
+    )
+    return Complete(update={"ticket": ticket.external_id})
+
+
+register(ticketing_later)

@@ -8,6 +8,10 @@ masked `Secret`. str/repr name the tenant and service, never the value.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from django.conf import settings
 from django.db import models
 
@@ -55,14 +59,19 @@ class ToolCredential(models.Model):
         """The tenant's credential for a service, or None if it has none.
 
         A tool sends it on every call, so this runs per action: the ciphertext is read every
-        time (a replaced or removed secret takes effect at the next call), its decryption is
+        time (a replaced or removed secret takes effect at the next call) — by the action's
+        prepare statement where it read it (`read_along`), else here —, its decryption is
         remembered in this process by the ciphertext and the key list (`_decrypted`)."""
-        rows = statements.select(
-            cls, ("ciphertext",), {"tenant_id": tenant_id, "service": service}, limit=1
-        )
-        if not rows or not rows[0][0]:
+        along = _read_along.get()
+        if along is not None and along[:2] == (tenant_id, service):
+            ciphertext = along[2]
+        else:
+            rows = statements.select(
+                cls, ("ciphertext",), {"tenant_id": tenant_id, "service": service}, limit=1
+            )
+            ciphertext = rows[0][0] if rows else None
+        if not ciphertext:
             return None
-        ciphertext = rows[0][0]
         key = (ciphertext, tenant_id, service, tuple(settings.HOLDPOINT_SECRET_KEYS))
         secret = _decrypted.get(key)
         if secret is None:
@@ -71,6 +80,24 @@ class ToolCredential(models.Model):
                 _decrypted.clear()
             _decrypted[key] = secret
         return secret
+
+
+# (tenant, service, ciphertext or None): the credential as a statement that prepared an
+# action read it, a moment before its call (runtime.dispatch) — the same read, made along.
+_read_along: ContextVar[tuple[int, str, str | None] | None] = ContextVar(
+    "credential_read_along", default=None
+)
+
+
+@contextmanager
+def read_along(tenant_id: int, service: str, ciphertext: str | None) -> Iterator[None]:
+    """`lookup` answers for (tenant, service) from `ciphertext` inside this block instead of
+    reading the row again: it was read, in the same action, by its prepare statement."""
+    token = _read_along.set((tenant_id, service, ciphertext))
+    try:
+        yield
+    finally:
+        _read_along.reset(token)
 
 
 # (ciphertext, tenant, service, the key list) → its decryption: kept in this process's memory

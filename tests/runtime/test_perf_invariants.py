@@ -194,15 +194,16 @@ def _head_reads(statements: list[str]) -> int:
 # SQLite: the run CAS, the checkpoint, the head swap, the journal entry. PostgreSQL: all four
 # in one statement, its own transaction (audit.journal.append_after).
 STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
-# An action of a key tool: the read of the tool's current version (tools are data: a
-# redefinition must be seen before the send); the prepare commit (run CAS + checkpoint, the
-# hold-point question asked inside it, the action's insert — already `sent`, its database-
-# time marks returned by the INSERT itself —, head swap + entries); the read of the tenant's
-# credential; the step commit (run CAS + checkpoint, the outcome's compare-and-swap, head swap
-# + entries). PostgreSQL sends each commit as one statement (runtime.stepcommit): the
-# prepare's hold-point question is a guard part of it (no active policy names the tool), the
-# confirmation a part of the step's.
-ACTION_STATEMENTS = {"postgresql": 4, "sqlite": 12}
+# An action of a key tool: the prepare commit (run CAS + checkpoint, the hold-point question
+# asked inside it, the action's insert — already `sent`, its database-time marks returned by
+# the INSERT itself —, head swap + entries); the step commit (run CAS + checkpoint, the
+# outcome's compare-and-swap, head swap + entries). SQLite also reads the tool's current
+# version (tools are data: a redefinition must be seen before the send) and the tenant's
+# credential (a tool that sends one). PostgreSQL sends each commit as one statement
+# (runtime.stepcommit): the prepare's hold-point question is a guard part of it (no active
+# policy names the tool), so is the tool's version (none newer than the one last seen), and
+# it reads the credential along; the confirmation is a part of the step's.
+ACTION_STATEMENTS = {"postgresql": 2, "sqlite": 12}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:

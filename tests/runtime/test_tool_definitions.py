@@ -60,6 +60,28 @@ def test_a_defined_tool_is_sent_by_the_worker_from_its_definition(
     assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
 
 
+@pytest.mark.django_db(transaction=True)  # commits of their own: PostgreSQL's one statement
+def test_a_tool_redefined_after_the_worker_last_sent_it_is_sent_as_the_new_version(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """A worker starts an action from the version it last found current, unread; its
+    prepare confirms it (on PostgreSQL a guard part of the one statement) or writes
+    nothing and starts again from the current version. A read-only tool is held by no
+    default, so its prepare is that one statement."""
+    old, new = sandbox_factory("key"), sandbox_factory("key")
+    define_tickets(tenant_a, old.url, effect="read")
+    first = create_run(tenant_a, "ticketing-later", {"title": "Before"}, actor="t")
+    assert advance_run(first.run_id, "w1").outcome == "completed"
+    define_tickets(tenant_a, new.url, effect="read")  # version 2: another tracker
+    second = create_run(tenant_a, "ticketing-later", {"title": "After"}, actor="t")
+    assert advance_run(second.run_id, "w1").outcome == "completed"
+    action = Action.objects.get(run=second)
+    assert action.tool_version == "2" and action.status == S.CONFIRMED
+    assert [t["title"] for t in old.tasks()] == ["Before"]
+    assert [t["title"] for t in new.tasks()] == ["After"]
+    assert [t["idempotency_key"] for t in new.tasks()] == [action.idempotency_key]
+
+
 def test_a_tenant_write_tool_no_policy_names_waits_for_any_of_its_reviewers(
     tenant_a: Tenant, reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]
 ) -> None:

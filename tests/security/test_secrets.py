@@ -252,6 +252,34 @@ def test_the_tracker_gets_the_tenants_credential_and_refuses_without_it(
     assert again.outcome == "applied"
 
 
+@pytest.mark.django_db(transaction=True)  # commits of their own: PostgreSQL's one statement
+def test_each_action_of_a_worker_carries_the_credential_as_it_is_then(
+    tenant_a: Tenant, locked_sandbox: Sandbox
+) -> None:
+    """A worker's action reads the credential with the action itself (on PostgreSQL its
+    prepare statement reads it along): never one kept from an earlier action — a replaced
+    secret counts from the next action on, a wrong one is refused by the tracker."""
+
+    def act() -> Action:
+        goal = {"tool": "tasks.create", "title": "Rotate the keys"}
+        run = create_run(tenant_a, "ticketing-later", goal, actor="user:alice")
+        advance_run(run.run_id, "w1")
+        return Action.objects.get(run=run)
+
+    credential = store(tenant_a)
+    first = act()
+    assert first.status == ActionStatus.CONFIRMED, first.last_error
+    credential.set_secret("tt-a-token-the-tracker-refuses")
+    credential.save()
+    refused = act()
+    assert refused.status == ActionStatus.FAILED and "HTTP 401" in refused.last_error
+    credential.set_secret(SANDBOX_TOKENS[1])
+    credential.save()
+    third = act()
+    assert third.status == ActionStatus.CONFIRMED, third.last_error
+    assert [t["id"] for t in tasks(locked_sandbox)] == [first.external_id, third.external_id]
+
+
 def test_the_plaintext_appears_in_no_log_journal_export_response_or_page(
     tenant_a: Tenant,
     reviewer_a: Persona,
