@@ -117,7 +117,7 @@ def close_idle(limit: int) -> int:
     hours = settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS
     if not hours:
         return 0
-    # Between calls a session is `queued` and holds no lease (runtime_run_idle_sessions).
+    # Between calls a session is `queued` and holds no lease (runtime_run_mcp_sessions).
     idle = Run.objects.filter(
         graph=NAME,
         status=RunStatus.QUEUED,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -265,6 +266,32 @@ def test_a_prepare_that_marks_sent_writes_what_a_sent_mark_does(tenant_a: Tenant
     assert types[:2] == [("action_prepared", "prepared"), ("action_outcome", "sent")], types
     assert types[-1] == ("action_outcome", "confirmed"), types
     assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+def test_a_step_commit_changes_no_column_an_index_of_the_run_names(tenant_a: Tenant) -> None:
+    """PostgreSQL rewrites a row in place (a HOT update: no new entry in any index, a
+    fraction of the WAL) only when no column that an index names — as a key or in a partial
+    index's condition — changes. A run's row is updated on every step, so no index of
+    runtime_run may name what a step commit sets (an index on updated_at once made every
+    step's update a full one: +19% WAL per step)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("HOT updates are PostgreSQL's")
+    seen = cost(tenant_a, "perf-tick", 12)
+    sets = Counter(
+        frozenset(re.findall(r'"(\w+)" =', found.group(1)))
+        for sql in seen["sql"]
+        if (found := re.search(r'UPDATE "runtime_run" SET (.*?) WHERE', sql))
+    )
+    steady, times = sets.most_common(1)[0]
+    assert times >= 10 and {"checkpoint_rev", "updated_at"} <= steady, sets
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'runtime_run'")
+        indexes = dict(cursor.fetchall())
+    named = {
+        name: sorted(column for column in steady if re.search(rf"\b{column}\b", definition))
+        for name, definition in indexes.items()
+    }
+    assert {name: columns for name, columns in named.items() if columns} == {}
 
 
 def _prepared_on_this_connection() -> list[tuple[str, int]]:
