@@ -115,7 +115,9 @@ _SQLITE_INIT = (
     "PRAGMA busy_timeout=30000;"
 )
 _default_db = f"sqlite:///{VAR_DIR / 'holdpoint.sqlite3'}"
-DATABASE_URL = env_str("DATABASE_URL", _default_db)
+# Set but empty (`DATABASE_URL=` in a shell, `${DATABASE_URL}` of an unset variable in a
+# compose file) counts as unset, as dj-database-url's own `config()` takes it.
+DATABASE_URL = env_str("DATABASE_URL", "").strip() or _default_db
 try:
     _db = dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("DB_CONN_MAX_AGE", 600))
 except Exception as exc:  # dj_database_url raises several types for a bad URL

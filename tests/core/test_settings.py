@@ -74,6 +74,14 @@ def test_bad_database_url_names_the_variable() -> None:
     assert "DATABASE_URL" in result.stderr
 
 
+def test_an_empty_database_url_is_the_default_sqlite_not_an_error() -> None:
+    code = "from django.db import connection as c; print(c.vendor, c.settings_dict['NAME'])"
+    result = _manage(dict(PRODUCTION, DATABASE_URL=" "), "shell", "--no-imports", "-c", code)
+    assert result.returncode == 0, result.stderr
+    vendor, name = result.stdout.split()
+    assert vendor == "sqlite" and name.endswith("holdpoint.sqlite3")
+
+
 def test_sqlite_default_is_wal_full_and_immediate(db: None) -> None:
     from django.conf import settings
     from django.db import connection
