@@ -33,6 +33,7 @@ from runtime.errors import (
     HoldpointError,
     InvalidParams,
     StaleFence,
+    Unwritten,
 )
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
@@ -181,7 +182,7 @@ def _remember_named(tenant_id: int, tool: str) -> None:
     _NAMED[(tenant_id, tool)] = time.monotonic() + NAMED_HINT_SECONDS
 
 
-class _GuessedWrong(Exception):
+class _GuessedWrong(Unwritten):
     """The tool a prepare guessed current was redefined since (nothing was written)."""
 
 

@@ -122,6 +122,13 @@ class ActionCancelled(Conflict):
     title = "The action was cancelled"
 
 
+class Unwritten(Exception):  # noqa: N818 (what happened, not an error: the commit is undone)
+    """Raised inside a commit by the write it carries (`within`) when that write no longer
+    holds — the tool an action was about to be prepared with was redefined: the commit rolls
+    back whole, and the executor keeps what else it meant to write with it (a confirmation
+    deferred from an earlier action) for its next commit. Not an API error."""
+
+
 class ToolChanged(Conflict):
     """The tool was redefined after the action was prepared, and its version in force
     refuses the action's params: the action is cancelled, nothing was sent."""

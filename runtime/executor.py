@@ -40,6 +40,7 @@ from runtime.errors import (
     NotFound,
     RunFinished,
     StaleFence,
+    Unwritten,
 )
 from runtime.events import RunEvent, record
 from runtime.faults import FaultPoint, fault
@@ -502,6 +503,8 @@ class Executor:
             self.reload()  # StaleFence: the confirmations stay `sent` for the run's new holder
             self.confirmed_written(False)
             return False
+        except Unwritten:
+            raise  # undone whole by its own write: the confirmations ride on the next commit
         except BaseException:
             self.confirmed = []  # rolled back with the commit: `sent`, settled by the contract
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from runtime.context import StepContext
@@ -170,3 +171,26 @@ def file_later(ctx: StepContext) -> Outcome:
 
 
 register(ticketing_later)
+
+# Two tickets filed by one step, with whatever the test puts in BETWEEN_TICKETS done between
+# them (a redefinition of the tool, say): the first one's confirmation rides on the second's
+# prepare commit.
+BETWEEN_TICKETS: list[Callable[[], None]] = []
+ticketing_twice = Graph("ticketing-twice", version="1")
+
+
+@ticketing_twice.step(start=True)
+def warm_up(ctx: StepContext) -> Outcome:
+    return Next("file_two")
+
+
+@ticketing_twice.step
+def file_two(ctx: StepContext) -> Outcome:
+    first = ctx.act("tickets.create", {"title": f"{ctx.goal['title']} 1"}, reason="first")
+    while BETWEEN_TICKETS:
+        BETWEEN_TICKETS.pop(0)()
+    second = ctx.act("tickets.create", {"title": f"{ctx.goal['title']} 2"}, reason="second")
+    return Complete(update={"tickets": [first.external_id, second.external_id]})
+
+
+register(ticketing_twice)

@@ -20,6 +20,7 @@ from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant, ToolDef
 from runtime.tooldefs import parse
 from runtime.tools import get_tool, tracker_definitions
 from tests.conftest import Persona
+from tests.graphs import BETWEEN_TICKETS
 from tests.sandbox import Sandbox
 from tests.tooldefs import define_tickets, tickets
 
@@ -80,6 +81,25 @@ def test_a_tool_redefined_after_the_worker_last_sent_it_is_sent_as_the_new_versi
     assert [t["title"] for t in old.tasks()] == ["Before"]
     assert [t["title"] for t in new.tasks()] == ["After"]
     assert [t["idempotency_key"] for t in new.tasks()] == [action.idempotency_key]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_redefinition_between_two_actions_of_a_step_loses_neither(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The first action's confirmation is written by the second's prepare commit; when that
+    commit finds the tool redefined it writes nothing and the prepare starts again — with the
+    confirmation still on it, not dropped (which would leave a confirmed effect `sent`)."""
+    old, new = sandbox_factory("key"), sandbox_factory("key")
+    define_tickets(tenant_a, old.url, effect="read")
+    BETWEEN_TICKETS.append(lambda: define_tickets(tenant_a, new.url, effect="read"))
+    run = create_run(tenant_a, "ticketing-twice", {"title": "Pair"}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    first, second = Action.objects.filter(run=run).order_by("created_at")
+    assert (first.status, first.tool_version) == (S.CONFIRMED, "1")
+    assert (second.status, second.tool_version) == (S.CONFIRMED, "2")
+    assert [t["title"] for t in old.tasks()] == ["Pair 1"]
+    assert [t["title"] for t in new.tasks()] == ["Pair 2"]
 
 
 def test_a_tenant_write_tool_no_policy_names_waits_for_any_of_its_reviewers(
