@@ -149,9 +149,12 @@ def report(ctx: StepContext) -> Outcome:
 
 register(ticketing)
 
-# The same ticket filed by a run's second step: a worker's first commit of an execution is a
+# The same tickets filed by a run's second step: a worker's first commit of an execution is a
 # transaction (it reads the journal's head), the ones after it single statements on PostgreSQL
-# — where an action's prepare is one statement too.
+# — where an action's prepare is one statement too. `tickets` of them in one step (1 unless the
+# goal says), with whatever the test puts in BETWEEN_TICKETS done between the first two (a
+# redefinition of the tool, say): the first one's confirmation rides on the second's prepare.
+BETWEEN_TICKETS: list[Callable[[], None]] = []
 ticketing_later = Graph("ticketing-later", version="1")
 
 
@@ -162,35 +165,14 @@ def begin(ctx: StepContext) -> Outcome:
 
 @ticketing_later.step
 def file_later(ctx: StepContext) -> Outcome:
-    ticket = ctx.act(
-        ctx.goal.get("tool", "tickets.create"),
-        {"title": ctx.goal["title"]},
-        reason="the goal asks for a ticket",
-    )
-    return Complete(update={"ticket": ticket.external_id})
+    count, title, ids = int(ctx.goal.get("tickets", 1)), ctx.goal["title"], []
+    for n in range(1, count + 1):
+        while n == 2 and BETWEEN_TICKETS:
+            BETWEEN_TICKETS.pop(0)()
+        params = {"title": title if count == 1 else f"{title} {n}"}
+        ticket = ctx.act(ctx.goal.get("tool", "tickets.create"), params, reason="the goal")
+        ids.append(ticket.external_id)
+    return Complete(update={"tickets": ids})
 
 
 register(ticketing_later)
-
-# Two tickets filed by one step, with whatever the test puts in BETWEEN_TICKETS done between
-# them (a redefinition of the tool, say): the first one's confirmation rides on the second's
-# prepare commit.
-BETWEEN_TICKETS: list[Callable[[], None]] = []
-ticketing_twice = Graph("ticketing-twice", version="1")
-
-
-@ticketing_twice.step(start=True)
-def warm_up(ctx: StepContext) -> Outcome:
-    return Next("file_two")
-
-
-@ticketing_twice.step
-def file_two(ctx: StepContext) -> Outcome:
-    first = ctx.act("tickets.create", {"title": f"{ctx.goal['title']} 1"}, reason="first")
-    while BETWEEN_TICKETS:
-        BETWEEN_TICKETS.pop(0)()
-    second = ctx.act("tickets.create", {"title": f"{ctx.goal['title']} 2"}, reason="second")
-    return Complete(update={"tickets": [first.external_id, second.external_id]})
-
-
-register(ticketing_twice)

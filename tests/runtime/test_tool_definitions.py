@@ -93,7 +93,7 @@ def test_a_redefinition_between_two_actions_of_a_step_loses_neither(
     old, new = sandbox_factory("key"), sandbox_factory("key")
     define_tickets(tenant_a, old.url, effect="read")
     BETWEEN_TICKETS.append(lambda: define_tickets(tenant_a, new.url, effect="read"))
-    run = create_run(tenant_a, "ticketing-twice", {"title": "Pair"}, actor="t")
+    run = create_run(tenant_a, "ticketing-later", {"title": "Pair", "tickets": 2}, actor="t")
     assert advance_run(run.run_id, "w1").outcome == "completed"
     first, second = Action.objects.filter(run=run).order_by("created_at")
     assert (first.status, first.tool_version) == (S.CONFIRMED, "1")
