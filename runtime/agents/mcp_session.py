@@ -9,12 +9,13 @@ the sweeper and the API must know the graph of any run they show.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from runtime.context import StepContext
@@ -78,17 +79,9 @@ def close(run: Any, owner: str, who: str, closed_by: str) -> bool:
     otherwise it stays open — a call still waits for a reviewer, or a person must settle
     one — so the decision still lands and a client that comes back with the session id gets
     it. Whether the run was completed. Raises LeaseHeld while a call of it is being sent."""
-    from runtime import protocol
-
     if open_calls(run.tenant_id, run.run_id):
         return False
-    lease = protocol.take(run, owner, CLOSE_LEASE, who=who)
-    run.refresh_from_db()
-    if open_calls(run.tenant_id, run.run_id):  # a call came in meanwhile
-        protocol.release(run, lease.fence, who, owner=owner)
-        return False
-    _complete(run, lease.fence, who, closed_by)
-    return True
+    return _close(run, owner, who, closed_by, lambda: open_calls(run.tenant_id, run.run_id))
 
 
 # A call in one of these is still on its way to an outcome — a reviewer, the executor's
@@ -113,7 +106,6 @@ def close_idle(limit: int) -> int:
     never sent is withdrawn (only the client sends it, and it will not). A session with a
     call still on its way (STILL_OPEN) stays, and is not even looked at: the oldest of those
     must not take every turn's `limit` and keep the others open for ever."""
-
     hours = settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS
     if not hours:
         return 0
@@ -124,43 +116,54 @@ def close_idle(limit: int) -> int:
         updated_at__lt=timezone.now() - timedelta(hours=hours),
         external=True,
         lease_expires_at__isnull=True,
-    ).exclude(Exists(Action.objects.filter(run_id=OuterRef("pk"), status__in=STILL_OPEN)))
+    ).exclude(Exists(_still_open().filter(run_id=OuterRef("pk"))))
     closed = 0
     for run in idle.order_by("updated_at")[:limit]:
+        # Under the lease, again: a call may have come in meanwhile, or the takeover handed
+        # one to a person.
+        kept_open = _still_open().filter(tenant_id=run.tenant_id, run_id=run.run_id).exists
         try:
-            closed += _close_abandoned(run)
+            closed += _close(
+                run, IDLE_OWNER, "sweeper", "idle", kept_open, withdraw="session closed: idle"
+            )
         except HoldpointError:
             continue  # taken meanwhile (a call came in): the session is not idle
     return closed
 
 
-def _close_abandoned(run: Any) -> bool:
+def _still_open() -> QuerySet[Action]:
+    return Action.objects.filter(status__in=STILL_OPEN)
+
+
+def _close(
+    run: Any,
+    owner: str,
+    who: str,
+    closed_by: str,
+    kept_open: Callable[[], bool],
+    *,
+    withdraw: str = "",
+) -> bool:
+    """Under the session's lease: complete its run with a last checkpoint (which gives the
+    lease up) unless `kept_open()` now says a call keeps it open (then the lease is given
+    back). With `withdraw`, its unsent calls are withdrawn first, for that reason."""
     from runtime import ledger, protocol
 
-    lease = protocol.take(run, IDLE_OWNER, CLOSE_LEASE, who="sweeper")
+    lease = protocol.take(run, owner, CLOSE_LEASE, who=who)
     run.refresh_from_db()
-    if Action.objects.filter(
-        tenant_id=run.tenant_id, run_id=run.run_id, status__in=STILL_OPEN
-    ).exists():  # a call came in meanwhile, or the takeover handed one to a person
-        protocol.release(run, lease.fence, "sweeper", owner=IDLE_OWNER)
+    if kept_open():
+        protocol.release(run, lease.fence, who, owner=owner)
         return False
-    with transaction.atomic(durable=True):
-        ledger.fenced(run.run_id, lease.fence, run.tenant_id)
-        withdrawn = ledger.withdraw_unsent(run, "session closed: idle", lease.actor)
-    _complete(run, lease.fence, "sweeper", "idle", withdrawn=withdrawn)
-    return True
-
-
-def _complete(
-    run: Any, fence: int, who: str, closed_by: str, withdrawn: list[str] | None = None
-) -> None:
-    """The session's last checkpoint: the run completed (giving the lease up with it)."""
-    from runtime import protocol
-
+    withdrawn: list[str] = []
+    if withdraw:
+        with transaction.atomic(durable=True):
+            ledger.fenced(run.run_id, lease.fence, run.tenant_id)
+            withdrawn = ledger.withdraw_unsent(run, withdraw, lease.actor)
     calls = Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id).count()
     state: dict[str, Any] = {"calls": calls, "closed_by": closed_by}
     if withdrawn:
         state["withdrawn"] = withdrawn
     protocol.write_checkpoint(
-        run, fence, run.checkpoint_rev, state, protocol.API_STEP, who, status="completed"
+        run, lease.fence, run.checkpoint_rev, state, protocol.API_STEP, who, status="completed"
     )
+    return True
