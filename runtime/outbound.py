@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from http.cookiejar import Cookie, CookieJar
 from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
@@ -380,23 +381,21 @@ class OutboundResponse:
             return self.body.decode("utf-8", errors="replace")
 
 
-_clients: dict[int, httpx.Client] = {}
 _tool_clients: dict[tuple[int, str], httpx.Client] = {}
 _ssl_contexts: dict[int, ssl.SSLContext] = {}
 _lock = threading.Lock()
 
 
-def http_client() -> httpx.Client:
-    """One pooled client per process (workers fork: a client must not cross a fork), for
-    the operator-configured services (HOLDPOINT_TASKS_URL).
+class _KeepsNoCookies(CookieJar):
+    """A tool client's cookie jar: nothing goes in, so nothing comes out.
 
-    A fresh client per call loads the CA bundle each time — about 20 ms of CPU, most of a
-    bare call's cost — and opens a new connection.
-    """
-    client = _clients.get(os.getpid())
-    if client is None:
-        client = _clients[os.getpid()] = httpx.Client()
-    return client
+    The client for a host is shared by every tenant and tool that sends to it; a cookie kept
+    from one answer (a session handed out on login) would ride on the next request to that
+    host, another tenant's, and speak as the first. Holdpoint sends no cookie at all (a
+    definition cannot name the Cookie header either: tooldefs.RESERVED_HEADERS)."""
+
+    def set_cookie(self, cookie: Cookie) -> None:
+        return None
 
 
 def tool_client(host: str) -> httpx.Client:
@@ -406,7 +405,7 @@ def tool_client(host: str) -> httpx.Client:
     connections by (scheme, IP, port), so two names on one address (a CDN, a shared
     ingress) would otherwise share a TLS connection that was verified for the first name
     only. The CA bundle is loaded once per process and shared. No proxy from the
-    environment (it would resolve the name again) and no redirects.
+    environment (it would resolve the name again), no redirects and no cookies kept.
     """
     pid = os.getpid()
     client = _tool_clients.get((pid, host))
@@ -418,7 +417,10 @@ def tool_client(host: str) -> httpx.Client:
             if len(_tool_clients) >= 256:  # hosts come from definitions: keep it bounded
                 _tool_clients.clear()
             client = _tool_clients[(pid, host)] = httpx.Client(
-                verify=context, trust_env=False, follow_redirects=False
+                verify=context,
+                trust_env=False,
+                follow_redirects=False,
+                cookies=_KeepsNoCookies(),
             )
     return client
 

@@ -236,6 +236,31 @@ def test_redirect_is_refused_and_never_followed(serve: Any) -> None:
     assert second.requests == []
 
 
+def test_a_cookie_one_answer_sets_is_never_sent_again(serve: Any) -> None:
+    """Requests to a host share one pooled client whatever tenant or tool sends them: a
+    cookie kept from one answer (a session a service hands out on login) would ride on the
+    next request to that host — another tenant's — and speak as the first. Nothing is
+    kept."""
+
+    def set_cookie(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        body = b'{"id": "T-1"}'
+        handler.send_response(201)
+        handler.send_header("Set-Cookie", "session=tenant-a-secret; Path=/")
+        handler.send_header("Set-Cookie", "other=x; Path=/; Max-Age=3600")
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = serve(set_cookie)
+    for url in (server.url + "/login", f"http://localhost:{server.port}/login"):
+        for _ in range(2):
+            send("POST", url, content=b"{}", headers={}, timeout=5)
+    assert len(server.requests) == 4
+    assert [r["headers"].get("cookie") for r in server.requests] == [None] * 4
+    assert not outbound.tool_client(urlsplit(server.url).hostname or "").cookies
+
+
 @pytest.mark.parametrize("declare", [False, True], ids=["streamed", "content-length"])
 def test_an_answer_past_the_cap_is_cut_off(serve: Any, settings: Any, declare: bool) -> None:
     total = 50 * 1024 * 1024
