@@ -7,8 +7,8 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each with the pooled client http tools use (`runtime.outbound.tool_client()`) — and the
-        headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
+        each through the connection pool http tools use (`runtime.outbound.tool_transport()`) —
+        and the headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
 
@@ -166,14 +166,22 @@ class LedgerBench:
             for i, body in enumerate(self.bodies, 1)
         ]
         requests = [(r.content, r.headers) for r in built]
-        url, timeout = built[0].url, httpx.Timeout(self.tool.timeout)
+        url, timeout = httpx.URL(built[0].url), httpx.Timeout(self.tool.timeout).as_dict()
         before = self.bench.counters()
         cpu0, t0 = time.process_time(), time.perf_counter()
-        # The same pooled client Holdpoint's http tools use, so only the ledger differs.
-        from runtime.outbound import tool_client
+        # The same connection pool Holdpoint's http tools use, so only the ledger differs.
+        from runtime.outbound import tool_transport
 
-        client = tool_client(httpx.URL(url).host)
-        responses = [client.post(url, content=b, headers=h, timeout=timeout) for b, h in requests]
+        transport = tool_transport(url.host)
+        responses = []
+        for content, headers in requests:
+            request = httpx.Request(
+                "POST", url, content=content, headers=headers, extensions={"timeout": timeout}
+            )
+            response = transport.handle_request(request)
+            response.read()
+            response.close()
+            responses.append(response)
         t1, cpu1 = time.perf_counter(), time.process_time()
         after = self.bench.counters()
         self.sent += len(requests)

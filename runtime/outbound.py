@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.cookiejar import Cookie, CookieJar
 from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
@@ -381,48 +380,42 @@ class OutboundResponse:
             return self.body.decode("utf-8", errors="replace")
 
 
-_tool_clients: dict[tuple[int, str], httpx.Client] = {}
+_tool_transports: dict[tuple[int, str], httpx.HTTPTransport] = {}
 _ssl_contexts: dict[int, ssl.SSLContext] = {}
 _lock = threading.Lock()
+# Unless a definition names its own: what a service's logs show for Holdpoint's requests.
+USER_AGENT = "Holdpoint-Tools/1"
 
 
-class _KeepsNoCookies(CookieJar):
-    """A tool client's cookie jar: nothing goes in, so nothing comes out.
-
-    The client for a host is shared by every tenant and tool that sends to it; a cookie kept
-    from one answer (a session handed out on login) would ride on the next request to that
-    host, another tenant's, and speak as the first. Holdpoint sends no cookie at all (a
-    definition cannot name the Cookie header either: tooldefs.RESERVED_HEADERS)."""
-
-    def set_cookie(self, cookie: Cookie) -> None:
-        return None
-
-
-def tool_client(host: str) -> httpx.Client:
-    """The pooled client for requests to `host` from this process.
+def tool_transport(host: str) -> httpx.HTTPTransport:
+    """The connection pool for requests to `host` from this process.
 
     One per host, not one per process: requests go to the vetted IP, and httpx pools
     connections by (scheme, IP, port), so two names on one address (a CDN, a shared
     ingress) would otherwise share a TLS connection that was verified for the first name
-    only. The CA bundle is loaded once per process and shared. No proxy from the
-    environment (it would resolve the name again), no redirects and no cookies kept.
+    only. The CA bundle is loaded once per process and shared (a fresh one per call is
+    about 20 ms of CPU).
+
+    A transport, not an httpx.Client: a client's extras are each wrong here or unused. Its
+    cookie jar is shared by every tenant and tool sending to the host, so a session one
+    answer set would ride on another tenant's next request; it would follow redirects and
+    read proxies from the environment (which resolve the name again) unless told not to;
+    it logs every request's URL at INFO. What is left — build the request, send, read — is
+    `send`'s, at about a quarter less CPU per call.
     """
     pid = os.getpid()
-    client = _tool_clients.get((pid, host))
-    if client is None:
+    transport = _tool_transports.get((pid, host))
+    if transport is None:
         with _lock:
             context = _ssl_contexts.get(pid)
             if context is None:
                 context = _ssl_contexts[pid] = httpx.create_ssl_context(trust_env=False)
-            if len(_tool_clients) >= 256:  # hosts come from definitions: keep it bounded
-                _tool_clients.clear()
-            client = _tool_clients[(pid, host)] = httpx.Client(
-                verify=context,
-                trust_env=False,
-                follow_redirects=False,
-                cookies=_KeepsNoCookies(),
+            if len(_tool_transports) >= 256:  # hosts come from definitions: keep it bounded
+                _tool_transports.clear()
+            transport = _tool_transports[(pid, host)] = httpx.HTTPTransport(
+                verify=context, trust_env=False
             )
-    return client
+    return transport
 
 
 def send(
@@ -458,21 +451,24 @@ def send(
     # The current (send, runtime.observe.sending) span's traceparent; nothing when tracing is off.
     # tracing, not observe: settings imports this module before the apps (observe needs them).
     tracing.inject(sent_headers)
-    extensions = {"sni_hostname": host} if scheme == "https" else {}
-    client = tool_client(host)
+    if not any(k.lower() == "user-agent" for k in sent_headers):
+        sent_headers["User-Agent"] = USER_AGENT
+    extensions: dict[str, Any] = {"timeout": httpx.Timeout(timeout).as_dict()}
+    if scheme == "https":
+        extensions["sni_hostname"] = host
+    transport = tool_transport(host)
     deadline = time.monotonic() + timeout
     error: httpx.ConnectError | None = None
     for address in addresses:
-        request = client.build_request(
+        request = httpx.Request(
             method,
             target.copy_with(host=address.split("%", 1)[0]),
             content=content,
             headers=sent_headers,
-            timeout=httpx.Timeout(timeout),
             extensions=extensions,
         )
         try:
-            return _exchange(client, request, limit, deadline, timeout)
+            return _exchange(transport, request, limit, deadline, timeout)
         except httpx.ConnectError as exc:  # nothing sent: the next address may answer
             error = exc
     assert error is not None  # resolve() returns at least one address or raises
@@ -480,9 +476,18 @@ def send(
 
 
 def _exchange(
-    client: httpx.Client, request: httpx.Request, limit: int, deadline: float, timeout: float
+    transport: httpx.HTTPTransport,
+    request: httpx.Request,
+    limit: int,
+    deadline: float,
+    timeout: float,
 ) -> OutboundResponse:
-    response = client.send(request, stream=True)
+    try:
+        response = transport.handle_request(request)
+    except httpx.TransportError as exc:
+        exc.request = request  # as a client would: the error names what was being sent
+        raise
+    response.request = request
     try:
         if 300 <= response.status_code < 400:
             location = response.headers.get("location", "")

@@ -44,6 +44,7 @@ def serve() -> Iterator[Callable[[Behaviour], Server]]:
                 holder[0].requests.append(
                     {
                         "method": self.command,
+                        "client_port": self.client_address[1],
                         "path": self.path,
                         "headers": {k.lower(): v for k, v in self.headers.items()},
                         "body": self.rfile.read(length) if length else b"",

@@ -215,6 +215,14 @@ def test_send_delivers_with_the_original_host_header(serve: Any) -> None:
     assert request["headers"]["host"] == f"localhost:{server.port}"
     assert request["headers"]["idempotency-key"] == "k1"
     assert request["headers"]["accept-encoding"] == "identity"
+    assert request["headers"]["user-agent"] == outbound.USER_AGENT
+    assert "cookie" not in request["headers"]
+
+
+def test_a_user_agent_the_caller_names_is_kept(serve: Any) -> None:
+    server = serve(answer_json)
+    send("GET", server.url + "/", content=None, headers={"User-Agent": "acme/2"}, timeout=5)
+    assert server.requests[0]["headers"]["user-agent"] == "acme/2"
 
 
 def test_redirect_is_refused_and_never_followed(serve: Any) -> None:
@@ -258,7 +266,6 @@ def test_a_cookie_one_answer_sets_is_never_sent_again(serve: Any) -> None:
             send("POST", url, content=b"{}", headers={}, timeout=5)
     assert len(server.requests) == 4
     assert [r["headers"].get("cookie") for r in server.requests] == [None] * 4
-    assert not outbound.tool_client(urlsplit(server.url).hostname or "").cookies
 
 
 @pytest.mark.parametrize("declare", [False, True], ids=["streamed", "content-length"])
@@ -394,10 +401,16 @@ def test_one_private_address_among_public_ones_is_refused(
     assert "10.0.0.1" in refused.value.detail
 
 
-def test_clients_are_pooled_per_process_and_host() -> None:
-    assert outbound.tool_client("a.example") is outbound.tool_client("a.example")
-    assert outbound.tool_client("a.example") is not outbound.tool_client("b.example")
-    assert outbound.tool_client("a.example").follow_redirects is False
+def test_connections_are_pooled_per_process_and_host() -> None:
+    assert outbound.tool_transport("a.example") is outbound.tool_transport("a.example")
+    assert outbound.tool_transport("a.example") is not outbound.tool_transport("b.example")
+
+
+def test_one_connection_serves_consecutive_requests_to_a_host(serve: Any) -> None:
+    server = serve(answer_json)
+    for _ in range(3):
+        assert send("GET", server.url + "/x", content=None, headers={}, timeout=5).body
+    assert len({r["client_port"] for r in server.requests}) == 1
 
 
 # --- URL templates ----------------------------------------------------------------------
