@@ -15,6 +15,7 @@ Pure module: reads settings, knows no model.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -234,6 +235,16 @@ def check_patterns(patterns: Iterable[str]) -> None:
             )
 
 
+def _allowed_networks() -> tuple[IPNetwork, ...]:
+    """HOLDPOINT_TOOL_PRIVATE_NETWORKS, parsed once per value of the setting."""
+    return _parsed_networks(tuple(settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_networks(cidrs: tuple[str, ...]) -> tuple[IPNetwork, ...]:
+    return parse_networks(cidrs)
+
+
 def parse_networks(cidrs: Iterable[str]) -> tuple[IPNetwork, ...]:
     """The networks in `cidrs` (ValueError naming a malformed one)."""
     networks: list[IPNetwork] = []
@@ -255,6 +266,14 @@ def check_url(url: str) -> None:
 
 def _allowed_host(url: str) -> tuple[str, int, str]:
     """(host, port, scheme) of an allowed URL."""
+    return _judged_url(url, tuple(settings.HOLDPOINT_TOOL_HOSTS))
+
+
+@functools.lru_cache(maxsize=1024)
+def _judged_url(url: str, hosts: tuple[str, ...]) -> tuple[str, int, str]:
+    """`_allowed_host`, remembered per URL and allowlist (a tool sends to a few URLs many
+    times; the allowlist is part of the key, so a changed setting is judged afresh). A
+    refusal is an exception, never remembered."""
     try:
         split = urlsplit(url)
         port = split.port
@@ -269,7 +288,7 @@ def _allowed_host(url: str) -> tuple[str, int, str]:
         raise OutboundRefused("bad_url", "the URL must name a host")
     if not host.isascii():
         raise OutboundRefused("bad_url", "write a non-ASCII host in its xn-- form")
-    if not host_allowed(host, settings.HOLDPOINT_TOOL_HOSTS):
+    if not host_allowed(host, hosts):
         raise OutboundRefused(
             "host_not_allowed", f"{host} is not among the hosts allowed (HOLDPOINT_TOOL_HOSTS)"
         )
@@ -313,8 +332,13 @@ def _public(address: IPAddress) -> bool:
 def address_allowed(address: str, networks: Sequence[IPNetwork] | None = None) -> bool:
     """Whether Holdpoint may connect to `address`: a public one, or one inside a network
     the operator allowed (`networks`, by default HOLDPOINT_TOOL_PRIVATE_NETWORKS)."""
-    if networks is None:
-        networks = parse_networks(settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS)
+    return _judged_address(address, tuple(_allowed_networks() if networks is None else networks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _judged_address(address: str, networks: tuple[IPNetwork, ...]) -> bool:
+    """`address_allowed`, remembered per address and set of networks allowed (an address is
+    judged the same way every time; which addresses a name resolves to is not remembered)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone (fe80::1%eth0)
     candidates = [ip, *([ip.ipv4_mapped] if isinstance(ip, ipaddress.IPv6Address) else [])]
     if any(c is not None and c in net for c in candidates for net in networks):
@@ -330,7 +354,7 @@ def resolve(host: str, port: int) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise httpx.ConnectError(f"DNS lookup of {host} failed: {exc}") from None
-    networks = parse_networks(settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS)
+    networks = _allowed_networks()
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     for address in addresses:
         if not address_allowed(address, networks):
@@ -441,9 +465,8 @@ def send(
     host, port, scheme = _allowed_host(url)
     limit = settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES if max_bytes is None else max_bytes
     addresses = resolve(host, port)
-    target = httpx.URL(url)
     sent_headers = {k: v for k, v in headers.items() if k.lower() != "host"}
-    sent_headers["Host"] = target.netloc.decode("ascii")  # host[:port] as the URL gave it
+    sent_headers["Host"] = _target(url, None)[1]  # host[:port] as the URL gave it
     # Identity unless the caller asks otherwise: a compressed answer is capped after
     # decompression, but one chunk could still inflate a thousandfold in memory.
     if not any(k.lower() == "accept-encoding" for k in sent_headers):
@@ -462,7 +485,7 @@ def send(
     for address in addresses:
         request = httpx.Request(
             method,
-            target.copy_with(host=address.split("%", 1)[0]),
+            _target(url, address)[0],
             content=content,
             headers=sent_headers,
             extensions=extensions,
@@ -473,6 +496,16 @@ def send(
             error = exc
     assert error is not None  # resolve() returns at least one address or raises
     raise error
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str, address: str | None) -> tuple[httpx.URL, str]:
+    """`url` with the host replaced by `address` (as a connection goes to it), and the
+    `Host` header it is sent with — parsed once per URL and address."""
+    target = httpx.URL(url)
+    if address is not None:
+        target = target.copy_with(host=address.split("%", 1)[0])
+    return target, httpx.URL(url).netloc.decode("ascii")
 
 
 def _exchange(
