@@ -450,13 +450,9 @@ class ActionRunner:
             self.host.commit_later(Confirmed(action, result, actor, self.lease.fence))
             # What the step is told now (the row says it from the host's next commit on); the
             # instance the commit writes from keeps what the row says now.
-            told = copy.copy(action)
-            told.status, told.external_id, told.result = (
-                S.CONFIRMED,
-                result.external_id,
-                result.result,
+            return _told(
+                action, status=S.CONFIRMED, external_id=result.external_id, result=result.result
             )
-            return told
 
         def write() -> None:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`
@@ -647,3 +643,14 @@ def unsettled(run: Run) -> list[Action]:
         tenant_check(run.tenant_id), run=run, status__in=ledger.UNSETTLED
     )
     return list(actions.order_by("created_at"))
+
+
+def _told(action: Action, **changes: Any) -> Action:
+    """A copy of `action` with `changes`: what copy.copy gives (its own ModelState and fields
+    cache, the same field values), without the pickle protocol's round trip that copy.copy
+    takes for a model — a sixtieth of an action's CPU."""
+    told = Action.__new__(Action)
+    told.__dict__.update(action.__dict__, **changes)
+    told._state = copy.copy(action._state)
+    told._state.fields_cache = action._state.fields_cache.copy()
+    return told
