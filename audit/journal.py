@@ -16,9 +16,11 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 from django.utils import timezone
 
-from audit.chain import entry_hash
+from audit.canonical import canonical, sha256_hex
+from audit.chain import entry_hash_from_digest
 from audit.models import JournalEntry, StreamHead
 from fastsql import statements
+from fastsql.prep import JsonText
 
 
 class StreamMoved(Exception):
@@ -181,22 +183,18 @@ def write(
         heads[stream] = Head(entries[-1].seq, entries[-1].hash)
 
 
-def _chain(head: Head, entries: list[JournalEntry]) -> None:
+def _chain(head: Head, entries: list[JournalEntry]) -> list[dict[str, Any]]:
+    """Link `entries` after `head` (seq, prev_hash, hash); returns their rows to insert, each
+    payload as the canonical text its hash covers (JsonText: not encoded a second time)."""
     prev = head
+    rows = []
     for entry in entries:
         entry.seq, entry.prev_hash = prev.seq + 1, prev.hash
-        entry.hash = entry_hash(
-            prev.hash,
-            stream=entry.stream,
-            seq=entry.seq,
-            tenant_id=entry.tenant_id,
-            type=entry.type,
-            actor=entry.actor,
-            object_ref=entry.object_ref,
-            payload=entry.payload,
-            created_at=entry.created_at,
-        )
+        text = canonical(entry.payload)
+        entry.hash = entry_hash_from_digest(prev.hash, entry, sha256_hex(text))
+        rows.append({**entry.__dict__, "payload": JsonText(text.decode())})
         prev = Head(entry.seq, entry.hash)
+    return rows
 
 
 def _at_head(stream: str, tenant_id: int, head: Head) -> dict[str, Any]:
@@ -215,14 +213,14 @@ def _at_head(stream: str, tenant_id: int, head: Head) -> dict[str, Any]:
 def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]) -> bool:
     """Move the head from `head` to the last entry and insert the entries; False (nothing
     written) if `head` is no longer the head. On PostgreSQL one statement."""
-    _chain(head, entries)
+    rows = _chain(head, entries)
     last = entries[-1]
     ids = statements.update_then_insert_rows(
         StreamHead,
         {"seq": last.seq, "hash": last.hash},
         _at_head(stream, tenant_id, head),
         JournalEntry,
-        [entry.__dict__ for entry in entries],
+        rows,
     )
     if ids is None:
         return False
@@ -256,7 +254,7 @@ def append_after(
     parts of `lead` were made for (with what it also reads), if they were.
     """
     one = one or statements.OneStatement()
-    _chain(head, entries)
+    rows = _chain(head, entries)
     last = entries[-1]
     swap, rest = lead[0], lead[1:]
     locked = one.lock(
@@ -269,9 +267,7 @@ def append_after(
         {"stream": stream},
         after=(locked.name, lead[-1].name),
     )
-    added = one.insert(
-        "journal_added", JournalEntry, [entry.__dict__ for entry in entries], after=moved.name
-    )
+    added = one.insert("journal_added", JournalEntry, rows, after=moved.name)
     counts = one.run([swap, locked, *rest, moved, added])
     if counts is None:  # swapped, but the head had moved: nothing was written
         return "moved"

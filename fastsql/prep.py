@@ -36,6 +36,16 @@ _UNCHANGED = {
 }
 
 
+class JsonText(str):
+    """A value for a JSONField column, already encoded as JSON text: sent as that text,
+    where the field would encode the value again (json.dumps per value, per statement). A
+    writer that has the text anyway — the journal hashes each payload's canonical form —
+    passes it so. The column receives the same JSON value (PostgreSQL's jsonb keeps no
+    formatting; SQLite keeps this text, which the field decodes as it would its own)."""
+
+    __slots__ = ()
+
+
 def _django_field(field: Any) -> TypeGuard[models.Field[Any, Any]]:
     return field is not None and type(field).__module__.startswith("django.db.models.")
 
@@ -52,6 +62,8 @@ def field_prep(field: Any, vendor: str, prep: Prep) -> Prep:
       object: UTC from timezone.now(), or the zone read values are given), is
       `str(value.replace(tzinfo=None))`.
 
+    - a `JsonText` of a JSONField: the text it already is (see JsonText).
+
     Any other value — None, an expression, a naive datetime (Django warns), another zone —
     goes to `prep` itself. So does every value of a field class not Django's own: a custom
     field may prepare any value its own way."""
@@ -65,6 +77,12 @@ def field_prep(field: Any, vendor: str, prep: Prep) -> Prep:
             return value if value.__class__ is kind else prep(value, conn)
 
         return plain
+    if target.get_internal_type() == "JSONField":
+
+        def encoded(value: Any, conn: BaseDatabaseWrapper) -> Any:
+            return str(value) if value.__class__ is JsonText else prep(value, conn)
+
+        return encoded
     if field.get_internal_type() != "DateTimeField":
         return prep
     if vendor == "postgresql":
