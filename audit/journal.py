@@ -41,11 +41,6 @@ def tenant_stream(tenant_id: int) -> str:
     return f"tenant:{tenant_id}"
 
 
-# The entry's columns in the model's order: `append` builds entries positionally (the cheap
-# way through Model.__init__).
-_ENTRY_FIELDS = tuple(f.attname for f in JournalEntry._meta.concrete_fields)
-
-
 def open_stream(stream: str, tenant_id: int) -> Head:
     """Create a stream's head if missing (idempotent; safe against a concurrent creator)."""
     try:
@@ -140,7 +135,9 @@ def append(
     if pending is None and not transaction.get_connection().in_atomic_block:
         raise RuntimeError("journal.append() must run inside the change's transaction")
     values = {
+        "id": None,
         "stream": stream,
+        "seq": None,
         "tenant_id": tenant_id,
         "type": type,
         "actor": actor,
@@ -151,7 +148,7 @@ def append(
         "hash": "",
         "redacted": False,
     }
-    entry = JournalEntry(*[values.get(name) for name in _ENTRY_FIELDS])
+    entry = statements.built(JournalEntry, values)
     if pending is not None and expected_head is None:
         pending.append(entry)
     else:

@@ -25,12 +25,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import DateTimeField, ExpressionWrapper, F, Value
+from django.db.models import DateTimeField, ExpressionWrapper, F, Value, signals
+from django.db.models.base import ModelState
 from django.db.models.functions import Now
 from django.db.models.lookups import Exact
 from django.db.models.sql import Query
@@ -38,6 +39,8 @@ from django.utils import timezone
 
 from fastsql.cursor import cursor as _cursor
 from fastsql.prep import Prep, save_and_lookup
+
+_M = TypeVar("_M", bound=models.Model)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,23 @@ def _table(model: type[models.Model], conn: BaseDatabaseWrapper) -> _Table:
 def attnames(model: type[models.Model]) -> tuple[str, ...]:
     """Every concrete column's attname, in the model's order (what `from_db` expects)."""
     return _table(model, _db()).attnames
+
+
+def built(model: type[_M], values: Mapping[str, Any]) -> _M:
+    """`model(**values)` for `values` naming every concrete column (attnames): the instance a
+    writer builds in full before it inserts the row — without Model.__init__'s pass over the
+    fields (4% of an action's client CPU in a profile: an action builds one Action and five
+    journal entries). When something listens to the model's pre_init or post_init signal,
+    its __init__ runs all the same."""
+    if len(values) != len(attnames(model)):  # a column left out would load on first access
+        missing = sorted(set(attnames(model)) - set(values))
+        raise ValueError(f"{model.__name__}: no value for {missing or 'some columns'}")
+    if signals.pre_init.has_listeners(model) or signals.post_init.has_listeners(model):
+        return model(**values)
+    instance = model.__new__(model)
+    instance._state = ModelState()
+    instance.__dict__.update(values)
+    return instance
 
 
 def _clock(model: type[models.Model], value: DbNow, conn: BaseDatabaseWrapper) -> Any:

@@ -149,3 +149,45 @@ def test_one_statement_writes_every_part_or_none(tenant_a: Tenant) -> None:
     assert Tenant.objects.get(pk=tenant_a.pk).name == "f1"
     with pytest.raises(RuntimeError), transaction.atomic():
         run_parts(1, gate=tenant_a.slug)  # never inside a transaction
+
+
+def test_built_is_the_instance_the_model_would_build_and_saves_as_it_would(
+    tenant_a: Tenant,
+) -> None:
+    values = {
+        "id": None,
+        "tenant_id": tenant_a.pk,
+        "digest": "d" * 64,
+        "content": "x",
+        "size": 1,
+        "created_at": timezone.now(),
+    }
+    assert set(values) == set(statements.attnames(Artifact))
+    built = statements.built(Artifact, values)
+    usual = Artifact(**values)
+    assert {n: getattr(built, n) for n in values} == {n: getattr(usual, n) for n in values}
+    assert built._state.adding and built._state.db is None
+    built.save()  # a whole instance: nothing left to load, nothing refused
+    assert Artifact.objects.get(pk=built.pk).content == "x"
+
+
+def test_built_refuses_a_row_without_every_column() -> None:
+    with pytest.raises(ValueError, match="size"):
+        statements.built(Artifact, {"id": None, "digest": "d", "content": "x"})
+
+
+def test_built_runs_init_when_something_listens_to_the_models_signals() -> None:
+    from django.db.models.signals import post_init
+
+    seen: list[object] = []
+
+    def listener(sender: object, instance: object, **kwargs: object) -> None:
+        seen.append(instance)
+
+    values = {n: None for n in statements.attnames(Artifact)}
+    post_init.connect(listener, sender=Artifact)
+    try:
+        built = statements.built(Artifact, values)
+    finally:
+        post_init.disconnect(listener, sender=Artifact)
+    assert seen == [built]
