@@ -701,7 +701,7 @@ class OneStatement:
         params = [value for part in parts for value in part.params]
         for read in reads:
             params += read.params
-        cursor = _cursor(self.conn)
+        cursor = _cursor(self.conn, sql)
         try:
             cursor.execute(sql, params)
         except DataError:  # the deliberate failure: nothing was written

@@ -329,6 +329,36 @@ def test_postgresql_prepares_the_step_statement_once_and_reuses_it(tenant_a: Ten
     connection.close()
 
 
+def test_postgresql_keeps_the_parameter_adapters_of_statements_that_alternate(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An action alternates two one-statement commits (its prepare, its step's), 60 to 90
+    parameters each. A psycopg cursor looks up an adapter per parameter whenever its
+    statement differs from its last; each such statement has a cursor of its own, so the
+    lookups are made once, not again for every action."""
+    if connection.vendor != "postgresql":
+        pytest.skip("psycopg's adapters are PostgreSQL's")
+    from psycopg._adapters_map import AdaptersMap
+
+    lookups = [0]
+    real = AdaptersMap.get_dumper
+
+    def counting(self: AdaptersMap, cls: type, format: Any) -> Any:
+        lookups[0] += 1
+        return real(self, cls, format)
+
+    monkeypatch.setattr(AdaptersMap, "get_dumper", counting)
+    per_run = {}
+    for actions in (3, 9):
+        run = create_run(tenant_a, "perf-acts", {"steps": actions}, actor="t")
+        lookups[0] = 0
+        assert advance_run(run.run_id, "w", slice_seconds=600).outcome == "completed"
+        per_run[actions] = lookups[0]
+    # Six more actions, twelve more one-statement commits: no more lookups than a couple of
+    # parameters of a new Python type would make (a cursor per statement: ~19 per action).
+    assert per_run[9] - per_run[3] <= 6, per_run
+
+
 def test_every_statement_of_a_step_names_the_run_and_its_fence(tenant_a: Tenant) -> None:
     """The cheaper statements are still the fenced compare-and-swap: a stale executor's
     step commit changes nothing (asserted on the SQL the commit sends)."""
