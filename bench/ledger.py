@@ -331,9 +331,10 @@ def markdown_section(report: dict[str, Any]) -> list[str]:
         f"One `tasks.create` through the ledger (`ctx.act`: the prepare checkpoint that also "
         f"commits `sent`, the HTTP call, then the step commit that writes the outcome) against "
         f"the same request sent "
-        f"bare with `httpx.post` to the same sandbox task service (mode {SANDBOX_MODE}, its own "
+        f"bare to the same sandbox task service (mode {SANDBOX_MODE}, its own "
         f"process). Per round: A = a `bench-act` run of {n} actions, ms per action; B = {n} bare "
-        "calls (same bytes, same headers, the pooled client http tools use), ms "
+        "calls (same bytes, same headers, through the httpx transport — the connection pool — "
+        "http tools use), ms "
         "per call; noop = the same round's no-op step, ms per step. Median (min–max) over the "
         "rounds.",
         "",
