@@ -101,18 +101,25 @@ def request_approval(
     return request
 
 
+def default_write_policy(tenant_id: int, tool: str) -> ApprovalPolicy:
+    """The policy of a tenant's write tool that no policy names: any reviewer of the tenant
+    decides. Made when the tool's first action is held, or ahead of it (seed_demo) — the
+    same policy either way, an ordinary one the admin may change."""
+    policy, _ = ApprovalPolicy.objects.get_or_create(
+        tenant_id=tenant_id,
+        name=f"{tool} (write tools wait for reviewers by default)",
+        defaults={"tool": tool, "any_reviewer": True},
+    )
+    return policy
+
+
 def _fallback_policy(tenant_id: int, tool: str, by_default: bool) -> ApprovalPolicy:
     """No tenant policy holds the action. A tool that declares approval itself: nobody is
     granted yet, so the tenant admin sees the request and must grant a group (never
     auto-approve). A tenant's write tool that no policy named (`by_default`): the tenant's
     reviewers decide — the policy made for it is an ordinary one the admin may change."""
     if by_default:
-        policy, _ = ApprovalPolicy.objects.get_or_create(
-            tenant_id=tenant_id,
-            name=f"{tool} (write tools wait for reviewers by default)",
-            defaults={"tool": tool, "any_reviewer": True},
-        )
-        return policy
+        return default_write_policy(tenant_id, tool)
     policy, _ = ApprovalPolicy.objects.get_or_create(
         tenant_id=tenant_id, name=f"{tool} (declared by the tool)", defaults={"tool": tool}
     )

@@ -125,3 +125,27 @@ def test_demo_people_get_example_com_addresses_and_notifications_reach_them(
         "demo-admin@example.com",
         "demo-reviewer@example.com",
     ]
+
+
+@pytest.mark.django_db
+def test_a_fresh_demo_leaves_the_doctor_no_write_tool_to_warn_about() -> None:
+    """Every write tool of the demo tenants is named by a policy from the start — the one
+    its first held action would get (any reviewer of the tenant decides), so the demo holds
+    what it held — and `manage.py doctor` on a fresh `make run` says nothing about them."""
+    from approvals.models import ApprovalPolicy
+    from runtime.health import check_write_policies
+
+    _seed()
+    assert check_write_policies()["ok"], check_write_policies()
+    made = ApprovalPolicy.objects.filter(
+        name__endswith="(write tools wait for reviewers by default)"
+    )
+    assert {(p.tenant.slug, p.tool, p.any_reviewer) for p in made} == {
+        ("demo", "tasks.close", True),
+        ("demo", "agent.tasks.create", True),
+        ("other", "tasks.create", True),
+        ("other", "tasks.close", True),
+        ("other", "agent.tasks.create", True),
+    }
+    _seed()  # again: nothing more
+    assert made.count() == 5

@@ -20,6 +20,8 @@ from django.db import transaction
 
 from approvals.models import ApprovalPolicy
 from approvals.policies import grant
+from approvals.requests import default_write_policy
+from runtime import gates
 from runtime.crypto import SecretUnreadable
 from runtime.models import Membership, Role, Tenant, ToolCredential
 from runtime.tooldefs import define_many
@@ -154,6 +156,7 @@ class Command(BaseCommand):
             self._tracker_tools(tenant)
         self._demo_policy(tenants["demo"])
         for tenant in tenants.values():
+            self._default_policies(tenant)
             self._sandbox_credential(tenant)
         return created
 
@@ -192,6 +195,16 @@ class Command(BaseCommand):
             defaults={"tool": "tasks.create", "expiry_seconds": 24 * 3600},
         )
         grant(policy, Group.objects.get(name=reviewer_group_name(tenant)))
+
+    def _default_policies(self, tenant: Tenant) -> None:
+        """Each of the tenant's write tools that no policy names gets now the policy its
+        first held action would get (any reviewer of the tenant decides): the demo holds
+        what it held, and `manage.py doctor` on a fresh `make run` has no write tool to warn
+        about."""
+        named = gates.tools_named_by_policy(tenant.pk)
+        for definition in tracker_definitions(getattr(self, "tracker_url", TRACKER_BASE)):
+            if definition.get("effect") != "read" and definition["name"] not in named:
+                default_write_policy(tenant.pk, definition["name"])
 
     def _tenant_admin_group(self) -> Group:
         group, _ = Group.objects.get_or_create(name=TENANT_ADMIN_GROUP)
