@@ -409,12 +409,13 @@ def check_write_policies() -> Result:
     (Built-in tools declare their own approval.)"""
     from runtime import gates
     from runtime.models import Tenant
+    from runtime.tools import changes_something
 
     tenants = dict(Tenant.objects.filter(active=True).values_list("slug", "pk"))
     named: dict[str, set[str]] = {}
     unnamed = []
     for owner, name, spec in _tools():
-        if owner == "built-in" or spec.get("effect") == "read":
+        if owner == "built-in" or not changes_something(spec):
             continue
         if owner not in named:
             named[owner] = gates.tools_named_by_policy(tenants[owner])

@@ -25,7 +25,7 @@ from runtime import gates
 from runtime.crypto import SecretUnreadable
 from runtime.models import Membership, Role, Tenant, ToolCredential
 from runtime.tooldefs import define_many
-from runtime.tools import TRACKER_BASE, tracker_definitions
+from runtime.tools import TRACKER_BASE, changes_something, tracker_definitions
 
 User = get_user_model()
 
@@ -203,7 +203,7 @@ class Command(BaseCommand):
         about."""
         named = gates.tools_named_by_policy(tenant.pk)
         for definition in tracker_definitions(getattr(self, "tracker_url", TRACKER_BASE)):
-            if definition.get("effect") != "read" and definition["name"] not in named:
+            if changes_something(definition) and definition["name"] not in named:
                 default_write_policy(tenant.pk, definition["name"])
 
     def _tenant_admin_group(self) -> Group:
