@@ -135,9 +135,7 @@ def append(
     if pending is None and not transaction.get_connection().in_atomic_block:
         raise RuntimeError("journal.append() must run inside the change's transaction")
     values = {
-        "id": None,
         "stream": stream,
-        "seq": None,
         "tenant_id": tenant_id,
         "type": type,
         "actor": actor,

@@ -10,7 +10,6 @@ Network calls live in `runtime.dispatch`; this module only writes.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -306,36 +305,29 @@ def _new_action(
     """The prepared action (or awaiting approval) and its row to insert (attname → value)."""
     text, fingerprint = canonical or canonical_params(params)
     now = timezone.now()
-    row = {
-        "action_id": uuid.uuid4(),
-        "tenant_id": run.tenant_id,
-        "run_id": run.run_id,
-        "idempotency_key": key or idempotency_key(run, step, call_index),
-        "tool": tool.name,
-        "tool_version": tool.version,
-        "params": text,
-        "fingerprint": fingerprint,
-        "requested_fingerprint": fingerprint,
-        "status": S.AWAITING_APPROVAL if needs_approval else S.PREPARED,
-        "goal_rev": run.goal_rev,
-        "fence": fence,
-        "step": step,
-        "call_index": call_index,
-        "reason": reason[:5000],
-        "target": target[:300],
-        "external_id": "",
-        "result": None,
-        "attempts": 0,
-        "reconcile_attempts": 0,
-        "last_error": "",
-        "sent_fence": None,
-        "sent_at": None,
-        "in_flight_until": None,
-        "compensates_id": None,
-        "created_at": now,
-        "updated_at": now,
-    }
-    return statements.built(Action, row), dict(row)
+    action = statements.built(
+        Action,
+        {
+            "tenant_id": run.tenant_id,
+            "run_id": run.run_id,
+            "idempotency_key": key or idempotency_key(run, step, call_index),
+            "tool": tool.name,
+            "tool_version": tool.version,
+            "params": text,
+            "fingerprint": fingerprint,
+            "goal_rev": run.goal_rev,
+            "fence": fence,
+            "step": step,
+            "call_index": call_index,
+            "reason": reason[:5000],
+            "target": target[:300],
+            "status": S.AWAITING_APPROVAL if needs_approval else S.PREPARED,
+            "requested_fingerprint": fingerprint,
+            "created_at": now,
+            "updated_at": now,
+        },
+    )
+    return action, {name: action.__dict__[name] for name in statements.attnames(Action)}
 
 
 def _sent_at_prepare(row: dict[str, Any], fence: int, ttl: float, tool: Tool) -> tuple[str, ...]:

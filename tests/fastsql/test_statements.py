@@ -171,9 +171,19 @@ def test_built_is_the_instance_the_model_would_build_and_saves_as_it_would(
     assert Artifact.objects.get(pk=built.pk).content == "x"
 
 
-def test_built_refuses_a_row_without_every_column() -> None:
-    with pytest.raises(ValueError, match="size"):
-        statements.built(Artifact, {"id": None, "digest": "d", "content": "x"})
+def test_built_gives_a_column_left_out_its_default_and_refuses_a_name_that_is_no_column() -> None:
+    from runtime.models import Action
+
+    values = {"tenant_id": 1, "tool": "t", "params": "{}", "created_at": timezone.now()}
+    built, usual = statements.built(Action, values), Action(**values)
+    columns = statements.attnames(Action)
+    assert built.action_id != usual.action_id  # each a fresh uuid4, as the default makes
+    assert {n: getattr(built, n) for n in columns if n != "action_id"} == {
+        n: getattr(usual, n) for n in columns if n != "action_id"
+    }
+    assert built.status == "prepared" and built.attempts == 0 and built.result is None
+    with pytest.raises(TypeError, match="sizes"):
+        statements.built(Artifact, {"digest": "d", "sizes": 1})
 
 
 def test_built_runs_init_when_something_listens_to_the_models_signals() -> None:
