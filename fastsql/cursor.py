@@ -44,11 +44,14 @@ def cursor(conn: BaseDatabaseWrapper, text: str | None = None) -> Any:
             fresh = _qmark_cursor(conn)
         else:
             fresh = None
-        own: dict[str, Any] | None = {} if fresh is not None else None
+        # Cursors of their own per text: only for PostgreSQL's prepared cursor.
+        own: dict[str, Any] | None = (
+            {} if fresh is not None and conn.vendor == "postgresql" else None
+        )
         if fresh is None:
             fresh = conn.cursor()
         held = _local.cursor = (conn.connection, logged, fresh, own)
-    if text is None or held[3] is None or conn.vendor != "postgresql":
+    if text is None or held[3] is None:
         return held[2]
     mine = held[3].get(text)
     if mine is None:

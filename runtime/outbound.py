@@ -502,10 +502,9 @@ def send(
 def _target(url: str, address: str | None) -> tuple[httpx.URL, str]:
     """`url` with the host replaced by `address` (as a connection goes to it), and the
     `Host` header it is sent with — parsed once per URL and address."""
-    target = httpx.URL(url)
-    if address is not None:
-        target = target.copy_with(host=address.split("%", 1)[0])
-    return target, httpx.URL(url).netloc.decode("ascii")
+    parsed = httpx.URL(url)
+    target = parsed if address is None else parsed.copy_with(host=address.split("%", 1)[0])
+    return target, parsed.netloc.decode("ascii")
 
 
 def _exchange(
