@@ -7,7 +7,7 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each through the connection pool http tools use (`runtime.outbound.tool_transport()`) —
+        each through the connection pool http tools use (`runtime.outbound.origin()`) —
         and the headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
@@ -165,23 +165,34 @@ class LedgerBench:
             )
             for i, body in enumerate(self.bodies, 1)
         ]
-        requests = [(r.content, r.headers) for r in built]
-        url, timeout = httpx.URL(built[0].url), httpx.Timeout(self.tool.timeout).as_dict()
+        from django.conf import settings
+
+        from runtime.outbound import USER_AGENT, origin
+
+        url = httpx.URL(built[0].url)
+        # What send() puts on the wire beside the tool's own headers.
+        own = {"Host": url.netloc.decode(), "Accept-Encoding": "identity", "User-Agent": USER_AGENT}
+        requests = [(r.content, {**r.headers, **own}) for r in built]
+        target, port = url.raw_path.decode(), url.port or 80
+        limit = settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES
         before = self.bench.counters()
         cpu0, t0 = time.process_time(), time.perf_counter()
         # The same connection pool Holdpoint's http tools use, so only the ledger differs.
-        from runtime.outbound import tool_transport
-
-        transport = tool_transport(url.host)
+        pool = origin(url.scheme, url.host, url.host, port)
         responses = []
         for content, headers in requests:
-            request = httpx.Request(
-                "POST", url, content=content, headers=headers, extensions={"timeout": timeout}
+            deadline = time.monotonic() + self.tool.timeout
+            responses.append(
+                pool.exchange(
+                    "POST",
+                    target,
+                    headers,
+                    content,
+                    timeout=self.tool.timeout,
+                    limit=limit,
+                    deadline=deadline,
+                )
             )
-            response = transport.handle_request(request)
-            response.read()
-            response.close()
-            responses.append(response)
         t1, cpu1 = time.perf_counter(), time.process_time()
         after = self.bench.counters()
         self.sent += len(requests)
@@ -333,7 +344,7 @@ def markdown_section(report: dict[str, Any]) -> list[str]:
         f"the same request sent "
         f"bare to the same sandbox task service (mode {SANDBOX_MODE}, its own "
         f"process). Per round: A = a `bench-act` run of {n} actions, ms per action; B = {n} bare "
-        "calls (same bytes, same headers, through the httpx transport — the connection pool — "
+        "calls (same bytes, same headers, through the connection pool "
         "http tools use), ms "
         "per call; noop = the same round's no-op step, ms per step. Median (min–max) over the "
         "rounds.",

@@ -4,6 +4,7 @@ recorded before a behaviour answers it (JSON, a redirect, an endless body, ...).
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,12 +26,13 @@ Behaviour = Callable[[BaseHTTPRequestHandler, Server], None]
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[Behaviour], Server]]:
+def serve() -> Iterator[Callable[..., Server]]:
     """Start an HTTP server on 127.0.0.1 (a free port) in a thread; each request is
-    recorded (method, path, headers, body) before `behaviour` answers it."""
+    recorded (method, path, headers, body) before `behaviour` answers it. With `tls` (a
+    server-side SSLContext) it speaks HTTPS."""
     started: list[ThreadingHTTPServer] = []
 
-    def start(behaviour: Behaviour) -> Server:
+    def start(behaviour: Behaviour, tls: ssl.SSLContext | None = None) -> Server:
         holder: list[Server] = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,7 +59,10 @@ def serve() -> Iterator[Callable[[Behaviour], Server]]:
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         httpd.daemon_threads = True
         port = httpd.server_address[1]
-        holder.append(Server(f"http://127.0.0.1:{port}", int(port)))
+        if tls is not None:  # the handshake happens in accept(); a refused one is dropped
+            httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
+        scheme = "https" if tls is not None else "http"
+        holder.append(Server(f"{scheme}://127.0.0.1:{port}", int(port)))
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         started.append(httpd)
         return holder[0]

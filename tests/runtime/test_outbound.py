@@ -7,7 +7,9 @@ not allow, to a private address, along a redirect, or past the response cap.
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import trustme
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -401,9 +404,109 @@ def test_one_private_address_among_public_ones_is_refused(
     assert "10.0.0.1" in refused.value.detail
 
 
-def test_connections_are_pooled_per_process_and_host() -> None:
-    assert outbound.tool_transport("a.example") is outbound.tool_transport("a.example")
-    assert outbound.tool_transport("a.example") is not outbound.tool_transport("b.example")
+def test_a_kept_connection_the_server_closed_is_not_used_again(serve: Any) -> None:
+    """A service may close an idle keep-alive connection whenever it likes. Sending on it
+    would make an applied-or-not question of a request that never arrived: a connection
+    the server closed is dropped before the next request, which goes on a new one."""
+
+    def answer_then_hang_up(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        answer_json(handler, server)
+        handler.close_connection = True  # no Connection: close said: the client must notice
+
+    server = serve(answer_then_hang_up)
+    for _ in range(3):
+        assert send("POST", server.url + "/x", content=b"{}", headers={}, timeout=5).body
+        time.sleep(0.1)  # the hang-up reaches the client
+    assert len({r["client_port"] for r in server.requests}) == 3
+
+
+def test_a_chunked_answer_is_read_whole_and_its_connection_kept(serve: Any) -> None:
+    def chunked(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for piece in (b'{"id": ', b'"T-', b'9"}'):
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            handler.wfile.flush()
+        handler.wfile.write(b"0\r\n\r\n")
+
+    server = serve(chunked)
+    for _ in range(2):
+        response = send("GET", server.url + "/x", content=None, headers={}, timeout=5)
+        assert response.json() == {"id": "T-9"}
+    assert len({r["client_port"] for r in server.requests}) == 1
+
+
+@pytest.fixture
+def tls(monkeypatch: pytest.MonkeyPatch) -> tuple[trustme.CA, list[str]]:
+    """A CA this process's tool requests trust (instead of the public bundle), and the
+    server names (SNI) the servers made with `served_as` were asked for."""
+    ca = trustme.CA()
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    monkeypatch.setitem(outbound._ssl_contexts, os.getpid(), client)
+    return ca, []
+
+
+def served_as(tls: tuple[trustme.CA, list[str]], *names: str) -> ssl.SSLContext:
+    ca, seen = tls
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*names).configure_cert(server)
+    server.sni_callback = lambda _sock, name, _ctx: seen.append(name)  # type: ignore[assignment,misc,unused-ignore]
+    return server
+
+
+def test_https_goes_to_the_vetted_address_and_checks_the_certificate_against_the_name(
+    serve: Any, settings: Any, dns: dict[str, list[list[str]]], tls: Any
+) -> None:
+    server = serve(answer_json, tls=served_as(tls, "tls.test"))
+    settings.HOLDPOINT_TOOL_HOSTS = ["tls.test"]
+    for answers in ([["127.0.0.1"], ["169.254.169.254"]], [["127.0.0.1"]]):
+        dns["tls.test"] = answers  # the first send: a second lookup would get the metadata IP
+        response = send(
+            "GET", f"https://tls.test:{server.port}/x", content=None, headers={}, timeout=5
+        )
+        assert response.status_code == 201
+    assert [r["headers"]["host"] for r in server.requests] == [f"tls.test:{server.port}"] * 2
+    assert tls[1] == ["tls.test"]  # one handshake, named for the host: the second reused it
+    assert len({r["client_port"] for r in server.requests}) == 1
+
+
+def test_a_certificate_for_another_name_is_refused_before_anything_is_sent(
+    serve: Any, settings: Any, dns: dict[str, list[list[str]]], tls: Any
+) -> None:
+    server = serve(answer_json, tls=served_as(tls, "other.test"))
+    settings.HOLDPOINT_TOOL_HOSTS = ["tls.test"]
+    dns["tls.test"] = [["127.0.0.1"]]
+    with pytest.raises(httpx.ConnectError, match="certificate"):
+        send("GET", f"https://tls.test:{server.port}/x", content=None, headers={}, timeout=5)
+    assert server.requests == []
+
+
+def test_a_connection_verified_for_one_name_never_serves_another_on_the_same_address(
+    serve: Any, settings: Any, dns: dict[str, list[list[str]]], tls: Any
+) -> None:
+    """Two names on one address (a shared ingress): the pooled connection whose
+    certificate was checked for the first must not carry a request for the second."""
+    server = serve(answer_json, tls=served_as(tls, "tls.test"))
+    settings.HOLDPOINT_TOOL_HOSTS = ["tls.test", "alias.test"]
+    dns["tls.test"] = dns["alias.test"] = [["127.0.0.1"]]
+    url = f"https://{{}}:{server.port}/x"
+    assert send("GET", url.format("tls.test"), content=None, headers={}, timeout=5).body
+    with pytest.raises(httpx.ConnectError, match="certificate"):
+        send("GET", url.format("alias.test"), content=None, headers={}, timeout=5)
+    assert len(server.requests) == 1
+    assert tls[1] == ["tls.test", "alias.test"]
+
+
+def test_connections_are_pooled_per_process_host_and_address() -> None:
+    pool = outbound.origin("https", "a.example", "192.0.2.1", 443)
+    assert outbound.origin("https", "a.example", "192.0.2.1", 443) is pool
+    # Another name on the same address: a TLS connection verified for a.example only.
+    assert outbound.origin("https", "b.example", "192.0.2.1", 443) is not pool
+    assert outbound.origin("https", "a.example", "192.0.2.2", 443) is not pool
+    assert outbound.origin("http", "a.example", "192.0.2.1", 443) is not pool
 
 
 def test_one_connection_serves_consecutive_requests_to_a_host(serve: Any) -> None:
