@@ -7,6 +7,7 @@ stream is audit.verification.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +34,10 @@ class Head:
     hash: str
 
 
+@functools.lru_cache(maxsize=4096)
 def run_stream(run_id: object) -> str:
+    """A run's stream name (also its object_ref), remembered: a step names it for each
+    entry it appends, and a UUID's text is rebuilt on every str()."""
     return f"run:{run_id}"
 
 

@@ -61,12 +61,13 @@ def record(
     `head`: the stream head the caller (an executor holding the lease) already knows, which
     saves reading and locking it; a wrong one raises StreamMoved and the caller retries.
     """
+    stream = journal.run_stream(run.run_id)
     return journal.append(
-        journal.run_stream(run.run_id),
+        stream,
         type.value,
         tenant_id=run.tenant_id,
         actor=actor,
-        object_ref=f"run:{run.run_id}",
+        object_ref=stream,  # the run: "run:<id>", its stream's name
         payload=payload,
         expected_head=head,
     )
