@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
 from fastsql.statements import tenant_check
-from runtime import gates, observe
+from runtime import observe
 from runtime.errors import (
     AlreadyCompleted,
     InvalidParams,
@@ -26,12 +26,9 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.graphs import registry
-from runtime.ledger import cancel_older_revisions
+from runtime.ledger import cancel_older_revisions, withdraw_unsent
 from runtime.models import (
     TERMINAL,
-    UNSENT,
-    Action,
-    ActionStatus,
     Run,
     RunStatus,
     ShaperKind,
@@ -131,10 +128,7 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
         run.refresh_from_db()
         if changed != 1:
             raise RunFinished(f"the run is {run.status}")
-        withdrawn = Action.objects.filter(tenant_check(run.tenant_id), run=run, status__in=UNSENT)
-        ids = [str(a) for a in withdrawn.values_list("action_id", flat=True)]
-        withdrawn.update(status=ActionStatus.CANCELLED, last_error="run cancelled")
-        gates.withdrawn(ids, "run cancelled", actor)
+        ids = withdraw_unsent(run, "run cancelled", actor)
         if run.external:  # its executor reports nothing more: a person settles the rest
             from runtime.protocol import hand_over_unproven
 

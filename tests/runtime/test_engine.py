@@ -23,7 +23,16 @@ from runtime.errors import (
 from runtime.executor import advance_run, backoff_seconds
 from runtime.graphs import registry
 from runtime.lifecycle import cancel_run, create_run, provide_input, resume_run
-from runtime.models import Artifact, Checkpoint, RecordedCall, Run, RunStatus, Tenant
+from runtime.models import (
+    Action,
+    ActionStatus,
+    Artifact,
+    Checkpoint,
+    RecordedCall,
+    Run,
+    RunStatus,
+    Tenant,
+)
 from runtime.sweeper import sweep_once
 from tests.graphs import evolving, flaky
 from tests.runtime.helpers import events, expire_lease, make_due, payloads
@@ -137,6 +146,26 @@ def test_cancel_stops_the_run_and_refuses_repeats(tenant_a: Tenant) -> None:
     with pytest.raises(RunFinished):
         resume_run(run, actor="t")
     assert advance_run(run.run_id, "w1").outcome == "skipped"
+
+
+def test_cancel_withdraws_a_held_action_as_a_revision_does(tenant_a: Tenant) -> None:
+    """The action a cancelled run leaves unsent is withdrawn by the ledger's one writer:
+    its row says when, its own journal entry says why, and its approval request closes."""
+    from approvals.models import ApprovalRequest
+
+    run = create_run(tenant_a, "proposer", {"title": "first"}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    held = Action.objects.get(run=run)
+    assert held.status == ActionStatus.AWAITING_APPROVAL
+    cancel_run(run, "not needed", actor="user:alice")
+    held_then, held = held, Action.objects.get(pk=held.pk)
+    assert (held.status, held.last_error) == (ActionStatus.CANCELLED, "run cancelled")
+    assert held.updated_at > held_then.updated_at
+    assert payloads(run, "action_cancelled") == [
+        {"action_id": str(held.action_id), "reason": "run cancelled"}
+    ]
+    assert payloads(run, "cancelled")[0]["withdrawn_actions"] == [str(held.action_id)]
+    assert not ApprovalRequest.objects.filter(action=held, status="pending").exists()
 
 
 def test_resume_of_a_completed_run_answers_already_completed(tenant_a: Tenant) -> None:
