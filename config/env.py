@@ -11,6 +11,7 @@ import base64
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 
@@ -141,3 +142,11 @@ def load_local_env(path: Path) -> list[str]:
     for name in added:
         os.environ[name] = values[name]
     return added
+
+
+def stderr_is_terminal() -> bool:
+    """Whether log lines go to a person's terminal (the default log format follows it)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except ValueError:  # closed
+        return False

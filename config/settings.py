@@ -11,7 +11,15 @@ import dj_database_url
 import django_stubs_ext
 from csp.constants import NONE, SELF
 
-from config.env import EnvError, env_bool, env_fernet_keys, env_int, env_list, env_str
+from config.env import (
+    EnvError,
+    env_bool,
+    env_fernet_keys,
+    env_int,
+    env_list,
+    env_str,
+    stderr_is_terminal,
+)
 
 # The code names its admin and form classes' model for the type checker (`ModelAdmin[Run]`,
 # `ModelForm[Membership]`), which needs Django's generic classes subscriptable at run time.
@@ -492,8 +500,11 @@ HOLDPOINT_METRICS_TOKEN = env_str("HOLDPOINT_METRICS_TOKEN", "")
 PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = PROMETHEUS_MULTIPROC_DIR
 Path(PROMETHEUS_MULTIPROC_DIR).mkdir(parents=True, exist_ok=True)
-# One line per record: JSON (production) or a readable line (`make run` sets console).
-HOLDPOINT_LOG_FORMAT = env_str("HOLDPOINT_LOG_FORMAT", "json")
+# One line per record: JSON (production: a file, a pipe, a collector) or a readable line —
+# the default when nothing says and the log goes to a terminal (a person typing manage.py).
+HOLDPOINT_LOG_FORMAT = env_str(
+    "HOLDPOINT_LOG_FORMAT", "console" if stderr_is_terminal() else "json"
+)
 if HOLDPOINT_LOG_FORMAT not in {"json", "console"}:
     raise EnvError(f"HOLDPOINT_LOG_FORMAT must be json or console, got {HOLDPOINT_LOG_FORMAT!r}")
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO")

@@ -100,3 +100,56 @@ def test_console_format_is_one_readable_line() -> None:
     assert "\n" not in text and "run r1 done" in text and "fence=2" in text and "{" not in text
     with pytest.raises(ValueError):
         logs.formatter("xml")
+
+
+_SAY = (
+    "import django, logging; django.setup(); "
+    "logging.getLogger('holdpoint.test').warning('hello %s', 'there')"
+)
+
+
+def _logged(stderr_to_terminal: bool, **extra: str) -> str:
+    """What a process writes to its stderr — a pseudo-terminal, or a pipe — for one line."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT, child_env
+
+    env = child_env()
+    env.pop("HOLDPOINT_LOG_FORMAT", None)  # unless the test says: the default
+    env.update(extra)
+    if not stderr_to_terminal:
+        done = subprocess.run(
+            [sys.executable, "-c", _SAY], cwd=ROOT, env=env, capture_output=True, timeout=60
+        )
+        return done.stderr.decode()
+    leader, follower = pty.openpty()
+    try:
+        subprocess.run([sys.executable, "-c", _SAY], cwd=ROOT, env=env, stderr=follower, timeout=60)
+        os.close(follower)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out.decode()
+    finally:
+        os.close(leader)
+
+
+def test_the_default_format_is_readable_on_a_terminal_and_json_elsewhere() -> None:
+    """A person running manage.py in a terminal reads lines, not JSON; a worker whose
+    stderr is a file, a pipe or a collector writes JSON; HOLDPOINT_LOG_FORMAT decides when
+    it is set."""
+    on_terminal = _logged(True).strip()
+    assert "hello there" in on_terminal and not on_terminal.startswith("{"), on_terminal
+    [piped] = [json.loads(line) for line in _logged(False).splitlines() if line.strip()]
+    assert piped["event"] == "hello there" and piped["logger"] == "holdpoint.test"
+    said = _logged(True, HOLDPOINT_LOG_FORMAT="json").strip()
+    assert json.loads(said)["event"] == "hello there"
