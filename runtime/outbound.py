@@ -494,7 +494,8 @@ class Origin:
         self, response: http.client.HTTPResponse, limit: int, deadline: float, timeout: float
     ) -> OutboundResponse:
         status = response.status
-        headers = httpx.Headers(response.getheaders())
+        # http.client decodes header bytes as Latin-1; kept so, any byte reads back as sent.
+        headers = httpx.Headers(response.getheaders(), encoding="iso-8859-1")
         if 300 <= status < 400:
             location = headers.get("location", "")
             raise OutboundRefused(

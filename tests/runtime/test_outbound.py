@@ -420,6 +420,25 @@ def test_a_kept_connection_the_server_closed_is_not_used_again(serve: Any) -> No
     assert len({r["client_port"] for r in server.requests}) == 3
 
 
+def test_a_header_that_is_not_ascii_is_read_as_sent(serve: Any) -> None:
+    """HTTP header values are bytes; a service may send Latin-1 in one (a file name). The
+    answer is read, not refused as an encoding error that would leave the call unsettled."""
+
+    def latin1(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        body = b'{"id": "T-1"}'
+        handler.send_response(201)
+        handler.send_header("Content-Disposition", 'attachment; filename="caf\u00e9.txt"')
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = serve(latin1)
+    response = send("POST", server.url + "/x", content=b"{}", headers={}, timeout=5)
+    assert response.json() == {"id": "T-1"}
+    assert response.headers["content-disposition"] == 'attachment; filename="caf\u00e9.txt"'
+
+
 def test_a_chunked_answer_is_read_whole_and_its_connection_kept(serve: Any) -> None:
     def chunked(handler: BaseHTTPRequestHandler, server: Server) -> None:
         handler.send_response(200)
