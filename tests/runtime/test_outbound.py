@@ -7,12 +7,14 @@ not allow, to a private address, along a redirect, or past the response cap.
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
 import ssl
 import subprocess
 import sys
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from runtime.outbound import (
     parse_networks,
     send,
 )
-from tests.httpservers import Server, answer_json, stream_forever
+from tests.httpservers import Behaviour, Server, answer_json, stream_forever
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -418,6 +420,59 @@ def test_a_kept_connection_the_server_closed_is_not_used_again(serve: Any) -> No
         assert send("POST", server.url + "/x", content=b"{}", headers={}, timeout=5).body
         time.sleep(0.1)  # the hang-up reaches the client
     assert len({r["client_port"] for r in server.requests}) == 3
+
+
+def _compressed(body: bytes, coding: str) -> Behaviour:
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Encoding", coding)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return behaviour
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    ("coding", "pack"),
+    [("gzip", gzip.compress), ("deflate", zlib.compress), ("deflate", _raw_deflate)],
+    ids=["gzip", "deflate", "raw-deflate"],
+)
+def test_a_compressed_answer_is_read_decoded(serve: Any, coding: str, pack: Any) -> None:
+    """A service may compress although identity was asked for (or a definition asks for
+    compression): the answer is read as what it says, as before."""
+    server = serve(_compressed(pack(b'{"id": "T-7"}'), coding))
+    response = send("GET", server.url + "/x", content=None, headers={}, timeout=5)
+    assert response.json() == {"id": "T-7"}
+
+
+def test_a_compressed_answer_is_capped_as_it_inflates(serve: Any) -> None:
+    """64 MB of zeros are 64 KB of gzip: refused at the cap, and never inflated whole."""
+    import tracemalloc
+
+    server = serve(_compressed(gzip.compress(bytes(64 * 1024 * 1024)), "gzip"))
+    tracemalloc.start()
+    try:
+        with pytest.raises(OutboundRefused) as refused:
+            send("GET", server.url + "/x", content=None, headers={}, timeout=10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused.value.code == "too_large"
+    assert peak < 8 * 1024 * 1024  # the cap is 1 MB; nothing near 64 MB was held
+
+
+def test_a_compressed_answer_cut_short_proves_nothing(serve: Any) -> None:
+    whole = gzip.compress(b'{"id": "T-7", "pad": "' + b"x" * 5000 + b'"}')
+    server = serve(_compressed(whole[: len(whole) // 2], "gzip"))
+    with pytest.raises(httpx.DecodingError):
+        send("GET", server.url + "/x", content=None, headers={}, timeout=5)
 
 
 def test_a_header_that_is_not_ascii_is_read_as_sent(serve: Any) -> None:
