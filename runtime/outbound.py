@@ -414,10 +414,28 @@ _KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
 _ORIGIN_LIMIT = 256  # origins come from definitions: keep the table bounded
 
 
+class _Answer(http.client.HTTPResponse):
+    """http.client's response, but every interim (1xx) answer before the real one is read
+    and dropped, as h11 does: http.client skips only `100 Continue`, and would take a
+    `103 Early Hints` for the answer — "refused" for a request the service applied, and the
+    real answer left in the connection for the next request on it to read."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        # http.client internals: begin() reads the status line through _read_status and
+        # skips only a 100's headers itself; _read_headers reads one header block.
+        while True:
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if status == 101 or not 100 < status < 200:  # a 101 is refused by _read
+                return version, status, reason
+            http.client._read_headers(self.fp)  # type: ignore[attr-defined]
+
+
 class _Pinned(http.client.HTTPConnection):
     """A connection that only ever uses the socket `Origin` opened to the vetted address.
     http.client reconnects by itself when its socket is gone (to `host`, without TLS): here
     that is refused, so a closed connection can never be reopened but by `Origin`."""
+
+    response_class = _Answer
 
     def connect(self) -> None:
         raise httpx.ConnectError("the connection was closed; not reopened outside Origin")
@@ -495,6 +513,8 @@ class Origin:
         self, response: http.client.HTTPResponse, limit: int, deadline: float, timeout: float
     ) -> OutboundResponse:
         status = response.status
+        if status < 200:  # 101: a switch of protocols nobody asked for (other 1xx skipped)
+            raise httpx.RemoteProtocolError(f"{self.host} answered HTTP {status} to a request")
         # http.client decodes header bytes as Latin-1; kept so, any byte reads back as sent.
         headers = httpx.Headers(response.getheaders(), encoding="iso-8859-1")
         if 300 <= status < 400:

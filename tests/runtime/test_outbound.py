@@ -475,6 +475,37 @@ def test_a_compressed_answer_cut_short_proves_nothing(serve: Any) -> None:
         send("GET", server.url + "/x", content=None, headers={}, timeout=5)
 
 
+def test_an_interim_answer_is_skipped_and_never_taken_for_the_answer(serve: Any) -> None:
+    """A 1xx (here 103 Early Hints) comes before the real answer on the same connection.
+    Taken as the answer, it would say "refused" of a request the service applied, and leave
+    the real answer in the connection for the next request — another tenant's — to read."""
+
+    def hints_first(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response_only(103)
+        handler.send_header("Link", "</style.css>; rel=preload")
+        handler.end_headers()
+        answer_json(handler, server)
+
+    server = serve(hints_first)
+    for title in ("first", "second"):
+        response = send("POST", server.url + f"/{title}", content=b"{}", headers={}, timeout=5)
+        assert response.status_code == 201 and response.json()["id"] == "T-1"
+    assert [r["path"] for r in server.requests] == ["/first", "/second"]
+    assert len({r["client_port"] for r in server.requests}) == 1
+
+
+def test_a_switch_of_protocols_nobody_asked_for_proves_nothing(serve: Any) -> None:
+    def switch(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response_only(101)
+        handler.send_header("Upgrade", "websocket")
+        handler.end_headers()
+        handler.close_connection = True
+
+    server = serve(switch)
+    with pytest.raises(httpx.RemoteProtocolError):
+        send("POST", server.url + "/x", content=b"{}", headers={}, timeout=5)
+
+
 def test_a_header_that_is_not_ascii_is_read_as_sent(serve: Any) -> None:
     """HTTP header values are bytes; a service may send Latin-1 in one (a file name). The
     answer is read, not refused as an encoding error that would leave the call unsettled."""
