@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import http.client
+import io
 import ipaddress
 import json
+import math
 import os
 import re
 import select
@@ -414,11 +416,59 @@ _KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
 _ORIGIN_LIMIT = 256  # origins come from definitions: keep the table bounded
 
 
+class _Deadline(io.RawIOBase):
+    """The socket's reads, refused once the request's deadline has passed: a head that
+    never ends (a header a second, a flood of interim answers or of trailers) is bounded
+    by the timeout overall, not only each read by it."""
+
+    def __init__(self, raw: Any, deadline: float) -> None:
+        self.raw, self.deadline = raw, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        if time.monotonic() > self.deadline:
+            raise TimeoutError("the answer was not complete in time")
+        return self.raw.readinto(buffer)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+class _Lines(io.BufferedReader):
+    """A line cut short by the end of the stream is an error, not a line: http.client takes
+    the end of the stream inside a head (or a chunk's size, or its trailer) for its end, so
+    an answer cut after its status line would read as complete."""
+
+    def readline(self, size: int | None = -1) -> bytes:
+        line = super().readline(size)
+        if not line.endswith(b"\n") and (size is None or size < 0 or len(line) < size):
+            raise http.client.IncompleteRead(line)
+        return line
+
+
 class _Answer(http.client.HTTPResponse):
-    """http.client's response, but every interim (1xx) answer before the real one is read
+    """http.client's response, read within the request's deadline (`_Deadline`), with no
+    line cut short (`_Lines`), and with every interim (1xx) answer before the real one read
     and dropped, as h11 does: http.client skips only `100 Continue`, and would take a
     `103 Early Hints` for the answer — "refused" for a request the service applied, and the
     real answer left in the connection for the next request on it to read."""
+
+    def __init__(
+        self,
+        sock: Any,
+        debuglevel: int = 0,
+        method: str | None = None,
+        url: Any = None,
+        *,
+        deadline: float = math.inf,
+    ) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        self.fp.close()  # the reader http.client made: replaced by one that keeps the rules
+        self.fp = _Lines(_Deadline(sock.makefile("rb", buffering=0), deadline))
 
     def _read_status(self) -> tuple[str, int, str]:
         # http.client internals: begin() reads the status line through _read_status and
@@ -478,10 +528,14 @@ class Origin:
         the whole answer. The connection goes back to the pool only after a complete answer
         that leaves it open; on anything else it is closed."""
         conn = self._reuse(timeout) or self._connect(timeout)
+        conn.response_class = functools.partial(_Answer, deadline=deadline)  # type: ignore[assignment]
+        # The framing is http.client's: a caller's Content-Length or Transfer-Encoding could
+        # make part of the body a second request on the kept connection.
+        sent = {k: v for k, v in headers.items() if k.lower() not in _FRAMING}
         keep = False
         try:
             try:
-                conn.request(method, target, body=content, headers=dict(headers))
+                conn.request(method, target, body=content, headers=sent)
             except TimeoutError:
                 raise httpx.WriteTimeout(f"sending to {self.host} timed out") from None
             except (ValueError, http.client.HTTPException) as exc:  # an illegal header
@@ -501,7 +555,7 @@ class Origin:
             except OSError as exc:
                 raise httpx.ReadError(f"reading from {self.host} failed: {exc}") from None
             answer = self._read(response, limit, deadline, timeout)
-            keep = not response.will_close and conn.sock is not None
+            keep = not response.will_close and conn.sock is not None and not _pending(conn.sock)
             return answer
         finally:
             if keep:
@@ -524,7 +578,13 @@ class Origin:
                 f"HTTP {status} redirect to {location or '(no Location)'} (not followed)",
                 status_code=status,
             )
-        declared = headers.get("content-length", "")
+        lengths = set(headers.get_list("content-length", split_commas=True))
+        framed = len(lengths) == 1 and next(iter(lengths)).isdigit()
+        if lengths and not response.chunked and not framed:
+            # Two lengths, or one that is no number: http.client would frame the body by a
+            # guess (the first, or until the connection closes); h11 refused it.
+            raise httpx.RemoteProtocolError(f"an answer framed by Content-Length {lengths}")
+        declared = next(iter(lengths), "")
         if declared.isdigit() and int(declared) > limit:
             raise _too_large(status, limit)
         inflate = _Inflate.chain(headers.get_list("content-encoding", split_commas=True))
@@ -543,6 +603,11 @@ class Origin:
                 chunks.append(chunk)
                 if time.monotonic() > deadline:
                     raise httpx.ReadTimeout(f"the answer was not complete within {timeout:g}s")
+            if response.length:  # bytes still owed: the connection ended before the body
+                raise httpx.RemoteProtocolError(
+                    f"{self.host} closed the connection {response.length} bytes before the"
+                    " end of the answer"
+                )
             if inflate and not inflate[0].ended:
                 raise httpx.DecodingError(f"the {inflate[0].coding} answer ended early")
             response.close()  # read to its end: the connection may take the next request
@@ -589,7 +654,7 @@ class Origin:
                     return None
                 conn, since = self._idle.pop()
             sock = conn.sock
-            if sock is None or now - since > _KEEPALIVE_EXPIRY or _readable(sock):
+            if sock is None or now - since > _KEEPALIVE_EXPIRY or _readable(sock) or _pending(sock):
                 conn.close()  # expired, or the server closed it (or sent what nobody asked)
                 continue
             if conn.timeout != timeout:
@@ -657,6 +722,15 @@ class _Inflate:
 
 class _PastTheCap(Exception):
     pass
+
+
+def _pending(sock: socket.socket) -> bool:
+    """Bytes the TLS layer has already decrypted and nobody asked for: the socket does not
+    show them (poll sees only what the kernel holds)."""
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
+
+
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
 def _readable(sock: socket.socket) -> bool:
