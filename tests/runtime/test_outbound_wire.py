@@ -464,6 +464,18 @@ LENGTHS: dict[str, tuple[bytes, bool]] = {  # what the server sends, and whether
 }
 
 
+def _answer_once(data: bytes, hang_up: bool) -> Callable[[Peer, Request], bool]:
+    """The first request's answer: `data` as it is, then a hang-up if `hang_up`."""
+
+    def first(peer: Peer, request: Request) -> bool:
+        peer.send(data)
+        if hang_up:
+            peer.close()
+        return not hang_up
+
+    return first
+
+
 @pytest.mark.parametrize("case", list(LENGTHS))
 def test_a_content_length_that_frames_nothing_is_a_protocol_error(
     raw: Callable[..., RawServer], case: str
@@ -474,13 +486,7 @@ def test_a_content_length_that_frames_nothing_is_a_protocol_error(
     not be taken for one ("applied" with an id)."""
     data, hang_up = LENGTHS[case]
 
-    def first(peer: Peer, request: Request) -> bool:
-        peer.send(data)
-        if hang_up:
-            peer.close()
-        return not hang_up
-
-    server = raw(first_then_echo(first))
+    server = raw(first_then_echo(_answer_once(data, hang_up)))
     with pytest.raises(Exception) as raised:
         response = get(server, "/tasks")
         pytest.fail(f"an answer framed by a guess was taken: {response.body!r}")
@@ -575,13 +581,7 @@ def test_a_malformed_answer_is_an_error_and_its_connection_is_dropped(
 ) -> None:
     data, hang_up = MALFORMED[case]
 
-    def first(peer: Peer, request: Request) -> bool:
-        peer.send(data)
-        if hang_up:
-            peer.close()
-        return not hang_up
-
-    server = raw(first_then_echo(first))
+    server = raw(first_then_echo(_answer_once(data, hang_up)))
     started = time.monotonic()
     with pytest.raises(Exception) as raised:
         response = get(server, "/tasks", method="POST", content=b"{}", timeout=2)
