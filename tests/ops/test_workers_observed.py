@@ -43,6 +43,9 @@ def test_worker_histograms_and_log_lines(tenant_a: Tenant, tmp_path: Path) -> No
     runs = [create_run(tenant_a, "chain", {"steps": 3}, actor="t") for _ in range(3)]
     flaky = create_run(tenant_a, "flaky", {"fail_times": 1}, actor="t")
     log = tmp_path / "worker.log"
+    committed = JournalEntry.objects.filter(
+        stream__in=[f"run:{r.run_id}" for r in [here, *runs, flaky]], type="step_committed"
+    )
     worker = procs.start(["qcluster"], procs.child_env(), log=log)
     try:
 
@@ -52,14 +55,14 @@ def test_worker_histograms_and_log_lines(tenant_a: Tenant, tmp_path: Path) -> No
                 pk__in=[r.run_id for r in runs], status=RunStatus.COMPLETED
             ).count()
             flaky.refresh_from_db()
-            return done == len(runs) and flaky.status == RunStatus.RETRYING
+            # A worker observes a step just after its commit: the run can read `completed`
+            # a moment before the last step is in the worker's histogram file.
+            observed = value(scrape(), STEPS) - before == committed.count()
+            return done == len(runs) and flaky.status == RunStatus.RETRYING and observed
 
         procs.wait_for(settled, timeout=90, every=0.5)
     finally:
         procs.kill(worker)  # SIGKILL: what a process observed is in its file already
-    committed = JournalEntry.objects.filter(
-        stream__in=[f"run:{r.run_id}" for r in [here, *runs, flaky]], type="step_committed"
-    )
     actors = set(committed.values_list("actor", flat=True))
     assert any(a.startswith("worker:pytest#") for a in actors) and len(actors) > 1
     assert value(scrape(), STEPS) - before == committed.count() == 2 + 3 * 3
