@@ -15,6 +15,7 @@ Pure module: reads settings, knows no model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import io
@@ -29,7 +30,7 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urlsplit
@@ -417,9 +418,10 @@ _ORIGIN_LIMIT = 256  # origins come from definitions: keep the table bounded
 
 
 class _Deadline(io.RawIOBase):
-    """The socket's reads, refused once the request's deadline has passed: a head that
-    never ends (a header a second, a flood of interim answers or of trailers) is bounded
-    by the timeout overall, not only each read by it."""
+    """The socket's reads, refused once the request's deadline has passed: the whole
+    answer — a head that never ends (a header a second, a flood of interim answers or of
+    trailers) as much as a body that trickles — is bounded by the timeout overall, not only
+    each read by it."""
 
     def __init__(self, raw: Any, deadline: float) -> None:
         self.raw, self.deadline = raw, deadline
@@ -544,19 +546,9 @@ class Origin:
                 raise httpx.LocalProtocolError(str(exc)) from None
             except OSError as exc:
                 raise httpx.WriteError(f"sending to {self.host} failed: {exc}") from None
-            try:
+            with self._reading(timeout):
                 response = conn.getresponse()
-            except TimeoutError:
-                raise httpx.ReadTimeout(f"{self.host} did not answer in {timeout:g}s") from None
-            except http.client.RemoteDisconnected:
-                raise httpx.RemoteProtocolError(
-                    "Server disconnected without sending a response."
-                ) from None
-            except http.client.HTTPException as exc:
-                raise httpx.RemoteProtocolError(f"bad answer from {self.host}: {exc!r}") from None
-            except OSError as exc:
-                raise httpx.ReadError(f"reading from {self.host} failed: {exc}") from None
-            answer = self._read(response, limit, deadline, timeout)
+                answer = self._read(response, limit)
             keep = not response.will_close and conn.sock is not None and not _pending(conn.sock)
             return answer
         finally:
@@ -565,9 +557,24 @@ class Origin:
             else:
                 conn.close()  # unread or unusable: dropped, never returned to the pool
 
-    def _read(
-        self, response: http.client.HTTPResponse, limit: int, deadline: float, timeout: float
-    ) -> OutboundResponse:
+    @contextlib.contextmanager
+    def _reading(self, timeout: float) -> Iterator[None]:
+        """The answer's errors as httpx's: the request may have reached the service. A
+        timeout is the socket's for one read or `_Deadline`'s for the whole answer."""
+        try:
+            yield
+        except TimeoutError:
+            raise httpx.ReadTimeout(
+                f"no complete answer from {self.host} within {timeout:g}s"
+            ) from None
+        except http.client.HTTPException as exc:  # a head or a body cut short, a bad chunk
+            raise httpx.RemoteProtocolError(f"bad answer from {self.host}: {exc!r}") from None
+        except OSError as exc:
+            raise httpx.ReadError(f"reading from {self.host} failed: {exc}") from None
+
+    def _read(self, response: http.client.HTTPResponse, limit: int) -> OutboundResponse:
+        """The whole answer, within `limit` bytes; the exchange's deadline bounds every read
+        of it (`_Deadline`)."""
         status = response.status
         if status < 200:  # 101: a switch of protocols nobody asked for (other 1xx skipped)
             raise httpx.RemoteProtocolError(f"{self.host} answered HTTP {status} to a request")
@@ -595,32 +602,23 @@ class Origin:
         try:
             while chunk := response.read1(65536):
                 for step in inflate:  # never more than the room left: a bomb stops here
-                    try:
-                        chunk = step.feed(chunk, limit - size)
-                    except _PastTheCap:
-                        raise _too_large(status, limit) from None
+                    chunk = step.feed(chunk, limit - size)
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(status, limit)
                 chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(f"the answer was not complete within {timeout:g}s")
-            if response.length:  # bytes still owed: the connection ended before the body
-                raise httpx.RemoteProtocolError(
-                    f"{self.host} closed the connection {response.length} bytes before the"
-                    " end of the answer"
-                )
-            if inflate and not inflate[0].ended:
-                raise httpx.DecodingError(f"the {inflate[0].coding} answer ended early")
-            response.close()  # read to its end: the connection may take the next request
+        except _PastTheCap:
+            raise _too_large(status, limit) from None
         except zlib.error as exc:
             raise httpx.DecodingError(f"the answer does not decode: {exc}") from None
-        except TimeoutError:
-            raise httpx.ReadTimeout(f"{self.host} did not answer in {timeout:g}s") from None
-        except http.client.HTTPException as exc:  # IncompleteRead, a bad chunk
-            raise httpx.RemoteProtocolError(f"bad answer from {self.host}: {exc!r}") from None
-        except OSError as exc:
-            raise httpx.ReadError(f"reading from {self.host} failed: {exc}") from None
+        if response.length:  # bytes still owed: the connection ended before the body
+            raise httpx.RemoteProtocolError(
+                f"{self.host} closed the connection {response.length} bytes before the"
+                " end of the answer"
+            )
+        if inflate and not inflate[0].ended:
+            raise httpx.DecodingError(f"the {inflate[0].coding} answer ended early")
+        response.close()  # read to its end: the connection may take the next request
         return OutboundResponse(status, headers, b"".join(chunks))
 
     def _connect(self, timeout: float) -> _Pinned:
