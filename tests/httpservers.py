@@ -82,6 +82,22 @@ def answer_json(handler: BaseHTTPRequestHandler, server: Server) -> None:
     handler.wfile.write(body)
 
 
+def answer_with(status: int, body: bytes, *headers: tuple[str, str]) -> Behaviour:
+    """Answer every request with `status`, `body` (its Content-Length said) and `headers`
+    (a name may come twice), Content-Type JSON."""
+
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        handler.send_response(status)
+        for name, value in headers:
+            handler.send_header(name, value)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return behaviour
+
+
 def stream_forever(total: int, *, declare: bool) -> Behaviour:
     """`total` bytes in 64 KiB writes, with or without a Content-Length; counts what it
     managed to write before the client hung up."""

@@ -38,7 +38,7 @@ from runtime.outbound import (
     parse_networks,
     send,
 )
-from tests.httpservers import Behaviour, Server, answer_json, stream_forever
+from tests.httpservers import Behaviour, Server, answer_json, answer_with, stream_forever
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,17 +255,14 @@ def test_a_cookie_one_answer_sets_is_never_sent_again(serve: Any) -> None:
     next request to that host — another tenant's — and speak as the first. Nothing is
     kept."""
 
-    def set_cookie(handler: BaseHTTPRequestHandler, server: Server) -> None:
-        body = b'{"id": "T-1"}'
-        handler.send_response(201)
-        handler.send_header("Set-Cookie", "session=tenant-a-secret; Path=/")
-        handler.send_header("Set-Cookie", "other=x; Path=/; Max-Age=3600")
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    server = serve(set_cookie)
+    server = serve(
+        answer_with(
+            201,
+            b'{"id": "T-1"}',
+            ("Set-Cookie", "session=tenant-a-secret; Path=/"),
+            ("Set-Cookie", "other=x; Path=/; Max-Age=3600"),
+        )
+    )
     for url in (server.url + "/login", f"http://localhost:{server.port}/login"):
         for _ in range(2):
             send("POST", url, content=b"{}", headers={}, timeout=5)
@@ -423,15 +420,7 @@ def test_a_kept_connection_the_server_closed_is_not_used_again(serve: Any) -> No
 
 
 def _compressed(body: bytes, coding: str) -> Behaviour:
-    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Encoding", coding)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    return behaviour
+    return answer_with(200, body, ("Content-Encoding", coding))
 
 
 def _raw_deflate(data: bytes) -> bytes:
@@ -510,16 +499,8 @@ def test_a_header_that_is_not_ascii_is_read_as_sent(serve: Any) -> None:
     """HTTP header values are bytes; a service may send Latin-1 in one (a file name). The
     answer is read, not refused as an encoding error that would leave the call unsettled."""
 
-    def latin1(handler: BaseHTTPRequestHandler, server: Server) -> None:
-        body = b'{"id": "T-1"}'
-        handler.send_response(201)
-        handler.send_header("Content-Disposition", 'attachment; filename="caf\u00e9.txt"')
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    server = serve(latin1)
+    disposition = 'attachment; filename="caf\u00e9.txt"'
+    server = serve(answer_with(201, b'{"id": "T-1"}', ("Content-Disposition", disposition)))
     response = send("POST", server.url + "/x", content=b"{}", headers={}, timeout=5)
     assert response.json() == {"id": "T-1"}
     assert response.headers["content-disposition"] == 'attachment; filename="caf\u00e9.txt"'
