@@ -194,6 +194,8 @@ class ActionRunner:
         self.graph = graph
         # The credential the last prepare statement read for its call (`credential_read_along`).
         self.credential: Read | None = None
+        # The executor read the run row: its tools need not read the run's tenant again.
+        tools.remember_run_tenant(str(host.run.run_id), host.run.tenant_id)
 
     @property
     def lease(self) -> Lease:

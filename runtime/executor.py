@@ -134,23 +134,42 @@ def backoff_seconds(graph: Graph, failures: int) -> float:
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
-def call_with_timeout(
-    seconds: float, fn: Callable[[StepContext], Outcome], ctx: StepContext
-) -> Outcome:
-    """Run a step with a wall-clock limit (SIGALRM; only possible on the main thread)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        return fn(ctx)
+class StepClock:
+    """A wall-clock limit on each step (SIGALRM: only possible on the main thread; elsewhere
+    steps run unlimited). The handler is installed once for a loop of steps, not per step:
+    swapping it costs 6.5 µs (the signal module's enum conversions), 2% of a no-op step's
+    client CPU; each step only arms the timer and disarms it. Leaving restores the handler
+    that was there."""
 
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise StepTimeout(f"step {ctx.step} exceeded {seconds:g}s")
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = seconds > 0 and threading.current_thread() is threading.main_thread()
+        self.step = ""
+        self.previous: Any = None
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn(ctx)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def __enter__(self) -> StepClock:
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self.on_alarm)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+    def on_alarm(self, signum: int, frame: Any) -> None:
+        raise StepTimeout(f"step {self.step} exceeded {self.seconds:g}s")
+
+    def call(self, fn: Callable[[StepContext], Outcome], ctx: StepContext) -> Outcome:
+        """Run one step within the limit."""
+        if not self.armed:
+            return fn(ctx)
+        self.step = ctx.step
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        try:
+            return fn(ctx)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 class Executor:
@@ -197,7 +216,12 @@ class Executor:
             return self.loop(graph, slice_seconds, beater)
 
     def loop(self, graph: Graph, slice_seconds: float, beater: Heartbeater | None) -> AdvanceResult:
-        deadline = time.monotonic() + slice_seconds
+        with StepClock(graph.step_timeout) as clock:
+            return self.steps_until(graph, time.monotonic() + slice_seconds, beater, clock)
+
+    def steps_until(
+        self, graph: Graph, deadline: float, beater: Heartbeater | None, clock: StepClock
+    ) -> AdvanceResult:
         while True:
             if self.state_goal_rev != self.run.goal_rev:
                 if not self.apply_revision(graph):
@@ -213,7 +237,7 @@ class Executor:
             step_watch = observe.step_begins(ctx, quiet=(Park, _Aborted))
             try:
                 with step_watch:
-                    outcome = call_with_timeout(graph.step_timeout, step, ctx)
+                    outcome = clock.call(step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
             except StaleFence:

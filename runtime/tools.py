@@ -372,10 +372,16 @@ def tenant_of_run(run_id: str) -> int | None:
             tenant_id = None  # not a run id
         if tenant_id is None:
             return None
-        if len(_run_tenants) >= 10_000:
-            _run_tenants.clear()
-        _run_tenants[run_id] = tenant_id
+        remember_run_tenant(run_id, tenant_id)
     return tenant_id
+
+
+def remember_run_tenant(run_id: str, tenant_id: int) -> None:
+    """Tell `tenant_of_run` what a caller that read the run row knows (the executor): the
+    run's first call then reads nothing more for its credential."""
+    if len(_run_tenants) >= 10_000:
+        _run_tenants.clear()
+    _run_tenants[run_id] = tenant_id
 
 
 _run_tenants: dict[str, int] = {}

@@ -52,3 +52,23 @@ def read_back(ctx: StepContext) -> Outcome:
 
 
 register(echo)
+
+
+# A step that outlives its graph's step_timeout: it sleeps for the goal's `sleep` seconds.
+slow = Graph("slow", version="1", max_failures=3, step_timeout=0.3, retry_base=0.05, retry_max=0.2)
+
+
+@slow.step(start=True)
+def linger(ctx: StepContext) -> Outcome:
+    import time
+
+    time.sleep(ctx.goal["sleep"])
+    return Next("done", update={"slept": ctx.goal["sleep"]})
+
+
+@slow.step(name="done")
+def slow_done(ctx: StepContext) -> Outcome:
+    return Complete()
+
+
+register(slow)

@@ -34,7 +34,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import dispatch, ledger
+from runtime import dispatch, ledger, tools
 from runtime.artifacts import CHUNK, INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
 from runtime.errors import StaleFence
@@ -93,9 +93,26 @@ register_tool(
     )
 )
 
+
+class Credentialed(Ledgered):
+    """Reads the run's credential for its service as an http tool does; records what it got."""
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        secret = tools.credential_for_run(self.credential, run_id)
+        SECRETS_SEEN.append(secret.reveal() if secret is not None else None)
+        return super().call(params_text, key=key, fence=fence, run_id=run_id)
+
+
+SECRETS_SEEN: list[str | None] = []
+register_tool(
+    Credentialed(name="perf.with-secret", schema={"type": "object"}, credential="perf-svc")
+)
+
 MAX_ACTS = 20
 FAILED_ONCE: list[str] = []
-acts = Graph("perf-acts", version="1", tools=("perf.effect", "perf.effect-once"))
+acts = Graph(
+    "perf-acts", version="1", tools=("perf.effect", "perf.effect-once", "perf.with-secret")
+)
 
 
 def act_once(ctx: StepContext) -> Outcome:
@@ -232,6 +249,22 @@ def test_an_action_of_a_tool_that_cannot_deduplicate_is_prepared_on_its_own_comm
     # prepare; `sent` (a crash between them must leave an action safe to send); the step
     assert per_action["commits"] == 3
     assert per_action["head_reads"] == 0
+
+
+def test_a_run_s_first_credential_needs_no_read_of_its_tenant(tenant_a: Tenant) -> None:
+    """The executor read the run row: a tool's credential lookup does not read the run's
+    tenant again (it did, once per run and process), and still finds the tenant's secret."""
+    from runtime.models import ToolCredential
+
+    credential = ToolCredential(tenant=tenant_a, service="perf-svc")
+    credential.set_secret("s3cret-of-a", actor="test")
+    credential.save()
+    tools._run_tenants.clear()  # as in a fresh worker process
+    SECRETS_SEEN.clear()
+    seen = cost(tenant_a, "perf-acts", 3, tool="perf.with-secret")
+    assert SECRETS_SEEN == ["s3cret-of-a"] * 3
+    tenant_reads = [s for s in seen["sql"] if re.match(r'SELECT "runtime_run"."tenant_id"', s)]
+    assert tenant_reads == [], tenant_reads
 
 
 def test_a_prepare_that_marks_sent_writes_what_a_sent_mark_does(tenant_a: Tenant) -> None:

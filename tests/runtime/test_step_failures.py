@@ -162,3 +162,34 @@ def test_a_migration_to_a_state_that_is_not_json_half_applies_nothing(tenant_a: 
     run.refresh_from_db()
     assert run.graph_version == "1" and run.checkpoint_rev == 1
     assert "migration from 1 failed: $.since: date is not a JSON value" in run.attention_reason
+
+
+def test_a_step_past_its_timeout_is_stopped_and_counted(tenant_a: Tenant) -> None:
+    """A step that runs past its graph's step_timeout is interrupted (it would sleep 30 s)
+    and counted as a failure; the alarm's handler is given back and no timer is left armed
+    for whatever the process does next."""
+    import signal
+    import time
+
+    before = signal.getsignal(signal.SIGALRM)
+    run = create_run(tenant_a, "slow", {"sleep": 30}, actor="user:t")
+    started = time.monotonic()
+    assert advance_run(run.run_id, "w1").outcome == "retrying"
+    assert time.monotonic() - started < 20  # interrupted, not slept out
+    run.refresh_from_db()
+    assert run.last_error.startswith("StepTimeout: step linger exceeded 0.3s")
+    assert [f["error"] for f in payloads(run, "step_failed")] == [run.last_error]
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_steps_within_their_timeout_leave_no_alarm_behind(tenant_a: Tenant) -> None:
+    """Steps that finish in time complete the run; afterwards no alarm is pending (one
+    that fired later would raise StepTimeout into whatever the worker did next)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGALRM)
+    run = create_run(tenant_a, "slow", {"sleep": 0.01}, actor="user:t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
