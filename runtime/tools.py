@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
@@ -28,6 +27,7 @@ from fastsql import statements
 from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
+from runtime.paramcheck import ParamsSchema
 
 
 class Effect:
@@ -145,17 +145,14 @@ class Tool:
     builtin: bool = False
     # The compensating tool's param that receives this action's external id.
     compensation_param: str = "external_id"
-    _validator: Any = field(default=None, repr=False, compare=False)
+    _validator: ParamsSchema | None = field(default=None, repr=False, compare=False)
 
     def validate(self, params: Any) -> None:
         """Refuse params that do not fit the schema, with field errors, before preparing.
         The validator is built once per tool version (a tool object is one version)."""
         if self._validator is None:
-            self._validator = jsonschema.Draft202012Validator(self.schema)
-        errors: dict[str, list[str]] = {}
-        for error in self._validator.iter_errors(params):
-            where = ".".join(str(p) for p in error.absolute_path) or "params"
-            errors.setdefault(where, []).append(error.message)
+            self._validator = ParamsSchema(self.schema)
+        errors = self._validator.errors(params)
         if errors:
             raise InvalidParams(f"params do not fit the {self.name} schema", errors=errors)
 

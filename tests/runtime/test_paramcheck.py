@@ -1,0 +1,253 @@
+"""A tool's params are judged as python-jsonschema alone judges them, though jsonschema-rs
+answers first where it can (runtime.paramcheck): generated schemas and values look for one
+it accepts that python-jsonschema refuses, and the messages a caller gets are compared."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.errors import InvalidParams
+from runtime.ledger import canonical_params
+from runtime.paramcheck import FAST_KEYWORDS, ParamsSchema, fast_enough
+from runtime.tools import Tool
+
+# Numbers at and around the bounds below, where two implementations' arithmetic can part.
+EDGES = [0, 1, -1, 0.5, 1.0, 1.5, -1.5, 2.0, -0.0, 3, -3, 2**63, 2**64, 2**64 + 1, 1e300]
+NAMES = st.sampled_from(["a", "b", "title", "n", "é"])
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.integers(min_value=-5, max_value=5)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from(EDGES)
+    | st.text(max_size=6)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(NAMES | st.text(max_size=3), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+SMALL = st.integers(min_value=0, max_value=4)
+BOUND = st.integers(min_value=-3, max_value=3) | st.sampled_from([0.5, -1.5, 2**64, 1e300])
+TYPES = st.sampled_from(["null", "boolean", "integer", "number", "string", "array", "object"])
+
+
+def _leaf() -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "type": TYPES | st.lists(TYPES, min_size=1, max_size=3, unique=True),
+            "minLength": SMALL,
+            "maxLength": SMALL,
+            "minimum": BOUND,
+            "maximum": BOUND,
+            "exclusiveMinimum": BOUND,
+            "exclusiveMaximum": BOUND,
+            "enum": st.lists(JSON, min_size=1, max_size=3),
+            "const": JSON,
+            "required": st.lists(NAMES, max_size=3, unique=True),
+            "minProperties": SMALL,
+            "maxProperties": SMALL,
+            "minItems": SMALL,
+            "maxItems": SMALL,
+            "description": st.text(max_size=5),
+        },
+    )
+
+
+def _composed(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    some = st.lists(inner, min_size=1, max_size=3)
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "type": TYPES,
+            "properties": st.dictionaries(NAMES, inner, max_size=3),
+            "additionalProperties": inner,
+            "items": inner,
+            "prefixItems": some,
+            "allOf": some,
+            "anyOf": some,
+            "oneOf": some,
+            "not": inner,
+            "if": inner,
+            "then": inner,
+            "else": inner,
+            "required": st.lists(NAMES, max_size=3, unique=True),
+        },
+    )
+
+
+SCHEMAS = st.recursive(st.booleans() | _leaf(), _composed, max_leaves=8)
+
+
+def _constants(schema: Any, numbers: list[Any], names: list[str], values: list[Any]) -> None:
+    """What a schema names — bounds, lengths, enum members, constants, property names — so
+    that values are drawn at and around them, where implementations part."""
+    if not isinstance(schema, dict):
+        return
+    for keyword, value in schema.items():
+        if keyword in ("enum",):
+            values.extend(value)
+        elif keyword == "const":
+            values.append(value)
+        elif keyword == "required":
+            names.extend(value)
+        elif keyword == "properties":
+            names.extend(value)
+            for sub in value.values():
+                _constants(sub, numbers, names, values)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            numbers.append(value)
+        elif isinstance(value, dict):
+            _constants(value, numbers, names, values)
+        elif isinstance(value, list):
+            for sub in value:
+                _constants(sub, numbers, names, values)
+
+
+@st.composite
+def schema_and_value(draw: st.DrawFn) -> tuple[Any, Any]:
+    schema = draw(SCHEMAS)
+    numbers: list[Any] = []
+    names: list[str] = []
+    values: list[Any] = []
+    _constants(schema, numbers, names, values)
+    near = [
+        x
+        for n in numbers
+        for x in (n, n + 1, n - 1, n + 0.5, n - 0.5, float(n), -n, "a" * min(int(abs(n)), 9))
+    ]
+    scalars = st.sampled_from(near + values + EDGES) | SCALARS
+    keys = st.sampled_from(names) | NAMES if names else NAMES
+    value = draw(
+        st.recursive(
+            scalars,
+            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4),
+            max_leaves=12,
+        )
+    )
+    return schema, value
+
+
+@st.composite
+def bound_and_scalar(draw: st.DrawFn) -> tuple[Any, Any]:
+    """One level of keywords and a value at or around what they name: where two
+    implementations' arithmetic, types and lengths part, searched densely."""
+    schema = draw(_leaf())
+    numbers: list[Any] = []
+    _constants(schema, numbers, [], [])
+    near = [
+        x
+        for n in numbers
+        for x in (n, n + 1, n - 1, n + 0.5, float(n), -n, "é" * min(int(abs(n)), 9))
+    ]
+    return schema, draw(st.sampled_from(near + EDGES) | SCALARS)
+
+
+def python_only(schema: Any, value: Any) -> dict[str, list[str]]:
+    errors: dict[str, list[str]] = {}
+    for error in jsonschema.Draft202012Validator(schema).iter_errors(value):
+        where = ".".join(str(p) for p in error.absolute_path) or "params"
+        errors.setdefault(where, []).append(error.message)
+    return errors
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=schema_and_value())
+def test_the_fast_answer_never_differs_from_python_jsonschema(case: tuple[Any, Any]) -> None:
+    schema, value = case
+    assert fast_enough(schema)
+    checked = ParamsSchema(schema)
+    assert checked.fast is not None or isinstance(schema, bool)
+    assert checked.errors(value) == python_only(schema, value)
+
+
+@settings(max_examples=600, deadline=None)
+@given(case=bound_and_scalar())
+def test_the_fast_answer_agrees_at_the_bounds(case: tuple[Any, Any]) -> None:
+    schema, value = case
+    assert ParamsSchema(schema).errors(value) == python_only(schema, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.dictionaries(NAMES, JSON, max_size=4),
+    title=st.text(max_size=300),
+)
+def test_a_built_in_shaped_schema_agrees_on_objects(value: dict[str, Any], title: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "minLength": 1, "maxLength": 200},
+            "body": {"type": "string", "maxLength": 20000},
+        },
+        "required": ["title"],
+        "additionalProperties": False,
+    }
+    checked = ParamsSchema(schema)
+    assert checked.fast is not None
+    for params in (value, {**value, "title": title}, {"title": title}):
+        assert checked.errors(params) == python_only(schema, params)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "pattern": "^[a-z]+$"},
+        {"type": "string", "format": "email"},
+        {"$ref": "#/$defs/x", "$defs": {"x": {"type": "string"}}},
+        {"type": "number", "multipleOf": 0.1},
+        {"type": "array", "uniqueItems": True},
+        {"properties": {"a": {"patternProperties": {"^x": {"type": "string"}}}}},
+        {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"},
+        {"anyOf": [{"type": "string"}, {"format": "date"}]},
+        {"properties": "not a map"},
+    ],
+)
+def test_keywords_outside_the_shared_set_are_judged_by_python_jsonschema_alone(
+    schema: dict[str, Any],
+) -> None:
+    assert not fast_enough(schema)
+    assert ParamsSchema(schema).fast is None
+
+
+def test_the_shared_set_is_what_the_fast_path_names() -> None:
+    assert {"pattern", "format", "$ref", "multipleOf", "uniqueItems"}.isdisjoint(FAST_KEYWORDS)
+
+
+def test_values_the_fast_validator_cannot_take_are_judged_by_python_jsonschema() -> None:
+    checked = ParamsSchema({"type": "object", "properties": {"a": {"maxLength": 1}}})
+    assert checked.fast is not None
+    # A lone surrogate (jsonschema-rs cannot encode it) and a key that is no string.
+    assert checked.errors({"a": "\ud800x"}) == {"a": ["'\\ud800x' is too long"]}
+    assert checked.errors({1: "x"}) == python_only(checked.full.schema, {1: "x"}) == {}
+
+
+def test_where_the_fast_validator_is_more_lenient_canonical_json_decides() -> None:
+    """A tuple passes as the array canonical JSON sends; an infinity passes a bound and
+    canonical JSON, which every action's params go through, refuses it."""
+    tool = Tool(
+        name="t.lenient",
+        schema={"type": "object", "properties": {"xs": {"type": "array"}, "n": {"maximum": 1}}},
+    )
+    tool.validate({"xs": (1, 2)})
+    assert canonical_params({"xs": (1, 2)})[0] == '{"xs":[1,2]}'
+    tool.validate({"n": math.inf})
+    with pytest.raises(InvalidParams, match="NaN and Infinity are not JSON"):
+        canonical_params({"n": math.inf})
+    with pytest.raises(InvalidParams) as refused:
+        tool.validate({"n": 2, "xs": "no"})
+    assert refused.value.extra["errors"] == {
+        "n": ["2 is greater than the maximum of 1"],
+        "xs": ["'no' is not of type 'array'"],
+    }
