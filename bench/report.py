@@ -92,6 +92,9 @@ def build(
                     target("action: durable commits", name, v, f"≤ {goal:.0f}", v <= goal)
                 v, goal = led["act_cpu_ms_per_action"]["median"], TARGETS["action_cpu_ms"]
                 target("action: client CPU (ms)", name, v, f"≤ {goal}", v <= goal)
+                if "cpu_over_bare_cpu" in led:  # runs before it did not record it
+                    v = led["cpu_over_bare_cpu"]["median"]
+                    target("action: client CPU ÷ the bare call's CPU", name, v, "info", None)
                 v, goal = led["overhead_ms_per_action"]["median"], TARGETS["action_overhead_ms"]
                 target(
                     "action: A − B, overhead over the bare call (ms)",
