@@ -455,6 +455,43 @@ def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
     assert _reached(upstream, title) == []
 
 
+def test_a_body_over_the_limit_gets_413_before_any_session_and_the_server_goes_on(
+    web: str, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """HOLDPOINT_MCP_MAX_BODY_BYTES (1 MiB, the module's server runs with the default): a
+    body over it, whether its length is declared or it comes in chunks with none, is
+    refused with 413 and the limit, and nothing — no session run — is stored."""
+    url, limit = _endpoint(web, tenant_a), 1024 * 1024
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    head = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
+    head += b'"2025-11-25","capabilities":{},"clientInfo":{"version":"1","name":"'
+    runs = Run.objects.count()
+
+    declared = httpx.post(url, content=head + b"x" * limit + b'"}}}', headers=headers, timeout=30)
+    assert declared.status_code == 413, declared.text
+    assert f"larger than {limit} bytes" in declared.text
+
+    def chunks() -> Iterator[bytes]:
+        yield head
+        for _ in range(limit // 65536 + 1):
+            yield b"x" * 65536
+        yield b'"}}}'
+
+    streamed = httpx.post(url, content=chunks(), headers=headers, timeout=30)
+    assert streamed.status_code == 413, streamed.text
+    assert Run.objects.count() == runs
+
+    # Just under the limit is a request like any other.
+    name = b"x" * (limit - len(head) - 4)
+    fits = httpx.post(url, content=head + name + b'"}}}', headers=headers, timeout=30)
+    assert fits.status_code == 200, fits.text
+    assert Run.objects.count() == runs + 1
+
+
 def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
     web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
 ) -> None:

@@ -54,6 +54,36 @@ def test_chain_checkpoints_every_step_and_completes(tenant_a: Tenant) -> None:
     assert verify_stream(run_stream(run.run_id)) is None
 
 
+def test_a_run_past_its_slice_gives_the_worker_up_and_rings_itself_again(
+    tenant_a: Tenant, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    """HOLDPOINT_SLICE_SECONDS: a run that has used its slice stops after the step it is in
+    (committed), gives its lease up as `queued` and rings its doorbell — on django-q2's real
+    ORM broker — so other runs get the worker; the next execution goes on from the next
+    step, no step done twice."""
+    from django_q.models import OrmQ
+
+    settings.HOLDPOINT_SLICE_SECONDS = 1e-6  # spent by the end of any step
+    run = create_run(tenant_a, "chain", {"steps": 3}, actor="user:alice")
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        result = advance_run(run.run_id, "w1")
+    assert (result.outcome, result.steps) == ("yielded", 1)
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED and run.checkpoint_rev == 1
+    assert run.lease_owner == "" and run.lease_expires_at is None
+    assert payloads(run, "lease_released")[-1] == {"fence": 1, "status": "queued"}
+    rung = [(q.task["func"], tuple(q.task["args"])) for q in OrmQ.objects.all()]
+    assert rung == [("runtime.tasks.advance", (str(run.run_id),))]
+
+    settings.HOLDPOINT_SLICE_SECONDS = 60
+    result = advance_run(run.run_id, "w2")
+    assert (result.outcome, result.steps) == ("completed", 2)
+    revs = list(Checkpoint.objects.filter(run=run).order_by("rev").values_list("rev", "fence"))
+    assert revs == [(1, 1), (2, 2), (3, 2)]
+    assert verify_stream(run_stream(run.run_id)) is None
+
+
 def test_unknown_graph_and_bad_goal_are_refused(tenant_a: Tenant) -> None:
     with pytest.raises(UnknownGraph):
         create_run(tenant_a, "no-such-graph", {}, actor="t")
