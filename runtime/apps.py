@@ -40,6 +40,7 @@ class RuntimeConfig(AppConfig):
 
         # Each django-q2 worker process runs a sweeper loop; they take turns (SweeperTurn).
         post_spawn.connect(start_in_worker, dispatch_uid="holdpoint-sweeper-thread")
-        from runtime import tracing
+        from runtime import tenancy, tracing
 
+        tracing.name_tenants(tenancy.slug_of)
         tracing.configure()  # on only when OTEL_TRACES_EXPORTER names an exporter

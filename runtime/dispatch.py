@@ -32,6 +32,7 @@ from runtime.errors import (
     ApprovalRequired,
     HoldpointError,
     InvalidParams,
+    Park,
     StaleFence,
     Unwritten,
 )
@@ -76,21 +77,6 @@ class ToolNotAllowed(HoldpointError):
     code = "tool_not_allowed"
     status = 422
     title = "The graph does not declare this tool"
-
-
-class Park(Exception):
-    """Stop executing this run for now; the executor turns it into a run status."""
-
-    def __init__(
-        self,
-        status: str,
-        reason: str,
-        *,
-        until: datetime | None = None,
-        action: Action | None = None,
-    ) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.until, self.action = status, reason, until, action
 
 
 @dataclass(frozen=True)

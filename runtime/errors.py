@@ -7,6 +7,7 @@ whether trying again later may succeed.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 
@@ -166,3 +167,19 @@ class FieldNotEditable(HoldpointError):
     code = "field_not_editable"
     status = 422
     title = "This field may not be edited"
+
+
+class Park(Exception):
+    """Stop executing this run for now; the executor turns it into a run status. Not an
+    error: control flow, which the traces record as why a span stopped (runtime.tracing)."""
+
+    def __init__(
+        self,
+        status: str,
+        reason: str,
+        *,
+        until: datetime | None = None,
+        action: Any = None,  # the Action it waits on (typed loosely: models import this)
+    ) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.until, self.action = status, reason, until, action

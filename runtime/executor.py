@@ -32,12 +32,13 @@ from fastsql import statements
 from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
-from runtime.dispatch import ActionRunner, Confirmed, Park
+from runtime.dispatch import ActionRunner, Confirmed
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
     LeaseHeld,
     NotFound,
+    Park,
     RunFinished,
     StaleFence,
     Unwritten,

@@ -173,3 +173,18 @@ def journal_for(principal: Principal) -> QuerySet[JournalEntry]:
     from audit.models import JournalEntry
 
     return JournalEntry.objects.filter(tenant_id=principal.tenant.pk)
+
+
+def slug_of(tenant_id: int) -> str:
+    """A tenant's slug by its id, read once per tenant and process (a tenant's slug does not
+    change): what traces name a tenant by (runtime.tracing.tenant_slug)."""
+    slug = _slugs.get(tenant_id)
+    if slug is None:
+        slug = Tenant.objects.filter(pk=tenant_id).values_list("slug", flat=True).first() or ""
+        if len(_slugs) >= 10_000:
+            _slugs.clear()
+        _slugs[tenant_id] = slug
+    return slug
+
+
+_slugs: dict[int, str] = {}

@@ -30,6 +30,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer
 
+from runtime.errors import Park
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -266,27 +268,29 @@ def action_phase(
 
 def _quiet() -> tuple[type[BaseException], ...]:
     """A phase that parks the run (waiting for approval, reconciling later) stops on purpose."""
-    from runtime.dispatch import Park
-
     return (Park,)
 
 
 # --- tenants -------------------------------------------------------------------------------
 
-_slugs: dict[int, str] = {}
-
 
 def tenant_slug(tenant_id: int) -> str:
-    """`holdpoint.tenant` is the slug operators know; read once per tenant and process."""
-    slug = _slugs.get(tenant_id)
-    if slug is None:
-        from runtime.models import Tenant
+    """`holdpoint.tenant`: the slug operators know, as the reader `name_tenants` installed
+    says ("" until one is: this module sits below the models and reads none itself)."""
+    return _tenant_names(tenant_id)
 
-        slug = Tenant.objects.filter(pk=tenant_id).values_list("slug", flat=True).first() or ""
-        if len(_slugs) >= 10_000:
-            _slugs.clear()
-        _slugs[tenant_id] = slug
-    return slug
+
+def name_tenants(reader: Callable[[int], str]) -> None:
+    """Install what `tenant_slug` asks (runtime.apps does, with runtime.tenancy.slug_of)."""
+    global _tenant_names
+    _tenant_names = reader
+
+
+def _unnamed(tenant_id: int) -> str:
+    return ""
+
+
+_tenant_names: Callable[[int], str] = _unnamed
 
 
 # --- requests ------------------------------------------------------------------------------
