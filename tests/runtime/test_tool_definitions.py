@@ -209,6 +209,29 @@ def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
     assert box.tasks() == []
 
 
+def test_the_api_answers_409_tool_changed_for_a_redefinition_that_refuses_the_params(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The same over REST (API.md's code `tool_changed`): the agent's dispatch is refused
+    with a problem naming the new version, the action is cancelled and nothing is sent."""
+    from tests.api import post, problem
+
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    run, fence = _external_run(tenant_a, agent_a)
+    action, _ = protocol.prepare(
+        run, fence, "tickets.create", {"title": "A long title"}, reason="r", who="agent:a"
+    )
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 5}}}
+    define_tickets(tenant_a, box.url, schema=schema)
+    refused = post(agent_a.api(), f"actions/{action.action_id}/dispatch/", {"fence": fence})
+    body = problem(refused, 409, "tool_changed")
+    assert "version 2" in body["detail"] and "title" in body["detail"]
+    action.refresh_from_db()
+    assert action.status == S.CANCELLED and box.tasks() == []
+
+
 def test_an_external_runs_http_tool_is_sent_by_the_server_not_the_agent(
     tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
 ) -> None:
