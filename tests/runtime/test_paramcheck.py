@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from runtime.errors import InvalidParams
@@ -18,7 +18,8 @@ from runtime.paramcheck import FAST_KEYWORDS, ParamsSchema, fast_enough
 from runtime.tools import Tool
 
 # Numbers at and around the bounds below, where two implementations' arithmetic can part.
-EDGES = [0, 1, -1, 0.5, 1.0, 1.5, -1.5, 2.0, -0.0, 3, -3, 2**63, 2**64, 2**64 + 1, 1e300]
+EDGES = [0, 1, -1, 0.5, 1.0, 1.5, -1.5, 2.0, -0.0, 3, -3, 2**53 - 1, 2**53, 2**53 + 1]
+EDGES += [float(2**53), -(2**53) - 1, 2**63, 2**64, 2**64 + 1, float(2**64), 1e300]
 NAMES = st.sampled_from(["a", "b", "title", "n", "é"])
 SCALARS = (
     st.none()
@@ -38,7 +39,9 @@ JSON = st.recursive(
     max_leaves=12,
 )
 SMALL = st.integers(min_value=0, max_value=4)
-BOUND = st.integers(min_value=-3, max_value=3) | st.sampled_from([0.5, -1.5, 2**64, 1e300])
+BOUND = st.integers(min_value=-3, max_value=3) | st.sampled_from(
+    [0.5, -1.5, 2**53 - 1, -(2**53 - 1), 2.0**52 + 0.5, 2**53, 2**64, float(2**64), 1e300]
+)
 TYPES = st.sampled_from(["null", "boolean", "integer", "number", "string", "array", "object"])
 
 
@@ -166,14 +169,16 @@ def python_only(schema: Any, value: Any) -> dict[str, list[str]]:
 @given(case=schema_and_value())
 def test_the_fast_answer_never_differs_from_python_jsonschema(case: tuple[Any, Any]) -> None:
     schema, value = case
-    assert fast_enough(schema)
     checked = ParamsSchema(schema)
-    assert checked.fast is not None or isinstance(schema, bool)
+    assert (checked.fast is not None) == fast_enough(schema)
     assert checked.errors(value) == python_only(schema, value)
 
 
 @settings(max_examples=600, deadline=None)
 @given(case=bound_and_scalar())
+@example(case=({"exclusiveMinimum": 2**64}, float(2**64)))  # found by this test
+@example(case=({"maximum": 2**53 - 1}, 2**53 + 1))
+@example(case=({"minimum": -(2**53 - 1)}, -(2**53 + 1)))
 def test_the_fast_answer_agrees_at_the_bounds(case: tuple[Any, Any]) -> None:
     schema, value = case
     assert ParamsSchema(schema).errors(value) == python_only(schema, value)
@@ -219,6 +224,24 @@ def test_keywords_outside_the_shared_set_are_judged_by_python_jsonschema_alone(
 ) -> None:
     assert not fast_enough(schema)
     assert ParamsSchema(schema).fast is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "fast"),
+    [
+        ({"maximum": 2**53 - 1}, True),
+        ({"minimum": -(2.0**52)}, True),
+        ({"maximum": 2**53}, False),
+        ({"exclusiveMinimum": 2**64}, False),
+        ({"properties": {"n": {"enum": [1, [2**60]]}}}, False),
+        ({"const": {"n": 1e300}}, False),
+    ],
+)
+def test_numbers_past_2_53_are_judged_by_python_jsonschema_alone(schema: Any, fast: bool) -> None:
+    """Past 2**53 jsonschema-rs compares numbers inexactly: {"exclusiveMinimum": 2**64}
+    passed float(2**64), which python-jsonschema refuses (the bounds test found it)."""
+    assert fast_enough(schema) is fast
+    assert ParamsSchema(schema).errors(float(2**64)) == python_only(schema, float(2**64))
 
 
 def test_the_shared_set_is_what_the_fast_path_names() -> None:
