@@ -25,12 +25,14 @@ from typing import Any, TypeVar
 
 import anyio
 import mcp_types as types
+import pydantic_core
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connections
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.shared.exceptions import MCPError
+from mcp_types import PARSE_ERROR
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway import calls
@@ -188,6 +190,9 @@ class Endpoint:
             await _plain(send, 413, f"request body larger than {limit} bytes")
             return
         first = _message(body)
+        if first is None:
+            await _parse_error(send, "the body is not JSON (or nested too deep)")
+            return
         if not session:
             if first.get("method") != "initialize":
                 await _plain(send, 400, "Bad Request: no Mcp-Session-Id (initialize first)")
@@ -204,12 +209,25 @@ class Endpoint:
         await self.manager.handle_request(scope, _replay(body, receive), send)
 
 
-def _message(body: bytes) -> dict[str, Any]:
+def _message(body: bytes) -> dict[str, Any] | None:
+    """The body's JSON-RPC message as the SDK will read it — with its parser, pydantic-core,
+    which refuses JSON nested past its limit as it refuses any other bad JSON (json.loads
+    raised RecursionError there: a 500) — or {} if it is not one object; None if the body
+    is not JSON at all."""
     try:
-        data = json.loads(body)
+        data = pydantic_core.from_json(body)
     except ValueError:
-        return {}
+        return None
     return data if isinstance(data, dict) else {}
+
+
+async def _parse_error(send: Send, reason: str) -> None:
+    """JSON-RPC's parse error, HTTP 400 — what the SDK answers a session's bad JSON with."""
+    error = {"code": PARSE_ERROR, "message": f"Parse error: {reason}"}
+    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _body(receive: Receive, limit: int) -> bytes | None:

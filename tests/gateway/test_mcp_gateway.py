@@ -492,6 +492,48 @@ def test_a_body_over_the_limit_gets_413_before_any_session_and_the_server_goes_o
     assert Run.objects.count() == runs + 1
 
 
+def _deep(depth: int) -> bytes:
+    body = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":' + b"[" * depth
+    return body + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [_deep(5_000), _deep(100_000), b'{"jsonrpc": "2.0", "method": "initial', b"\xff\xfe"],
+    ids=["nested-5000", "nested-100000", "cut-short", "not-utf8"],
+)
+@pytest.mark.parametrize("carried", [False, True], ids=["new", "in-a-session"])
+def test_a_body_that_is_not_json_is_a_parse_error_not_a_crash(
+    web: str, tenant_a: Tenant, agent_a: Persona, body: bytes, carried: bool
+) -> None:
+    """TEST-MATRIX D2 at the gateway: JSON nested 5,000 or 100,000 deep (Python's parser
+    gives up with RecursionError, not ValueError: it was a 500), cut short, or not UTF-8 is
+    JSON-RPC's parse error, HTTP 400, with or without a session — and nothing is stored;
+    the server goes on serving."""
+    url = _endpoint(web, tenant_a)
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {}},
+    }
+    if carried:
+        opened = httpx.post(url, json=initialize, headers=headers, timeout=30)
+        headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+    runs = Run.objects.count()
+    answer = httpx.post(url, content=body, headers=headers, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == -32700  # JSON-RPC: parse error
+    assert Run.objects.count() == runs
+    headers.pop("Mcp-Session-Id", None)
+    assert httpx.post(url, json=initialize, headers=headers, timeout=30).status_code == 200
+
+
 def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
     web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
 ) -> None:
