@@ -441,7 +441,7 @@ def _structured(result: CallToolResult) -> Any:
         if isinstance(text, str):
             try:
                 return json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser
                 return None
     return None
 

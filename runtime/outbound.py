@@ -399,7 +399,13 @@ class OutboundResponse:
     body: bytes
 
     def json(self) -> Any:
-        return json.loads(self.body)
+        """The body as JSON; ValueError when it is not — also when it nests deeper than
+        Python's parser goes (which raises RecursionError: no caller expected that from a
+        service's answer)."""
+        try:
+            return json.loads(self.body)
+        except RecursionError:
+            raise ValueError("JSON nested too deep to read") from None
 
     @property
     def text(self) -> str:

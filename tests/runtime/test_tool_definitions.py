@@ -290,3 +290,27 @@ def test_definitions_are_append_only(tenant_a: Tenant) -> None:
         first.delete()
     assert ToolDefinition.objects.filter(tenant=tenant_a, name="tickets.create").count() == 1
     assert tickets("http://x")[1]["name"] == "tickets.create"
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_a_service_answering_json_nested_too_deep_is_unknown_not_a_crash(
+    serve: Any, tenant_a: Tenant, depth: int
+) -> None:
+    """A 2xx whose body is JSON nested deeper than Python's parser goes (RecursionError,
+    not ValueError: it escaped the tool as a step failure, leaving the classification to
+    chance) is a success without readable proof — `unknown`, settled by the tool's
+    contract — and a lookup that answers so is no answer."""
+    import uuid
+
+    from tests.httpservers import answer_with
+
+    deep = b"[" * depth + b"]" * depth
+    server = serve(answer_with(200, deep))
+    define_tickets(tenant_a, server.url)
+    tool = get_tool("tickets.create", tenant_a.pk)
+    result = tool.call('{"title":"t"}', key="k-deep", fence=1, run_id=str(uuid.uuid4()))
+    assert (result.outcome, result.external_id) == ("unknown", "")
+    assert "success without JSON" in result.detail
+    found = tool.lookup("k-deep", run_id=str(uuid.uuid4()))
+    assert found.found is None and "without JSON" in found.detail
+    assert [r["method"] for r in server.requests] == ["POST", "GET"]
