@@ -192,16 +192,47 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_strict(text: str | bytes) -> Any:
-    """Parse JSON the one way every entry point must: no duplicate keys, NaN or Infinity.
+    """Parse JSON the one way every entry point must: no duplicate keys, NaN or Infinity,
+    nothing nested deeper than MAX_DEPTH.
 
     A lenient parser keeps the last of two equal keys, so what a person or agent sent and
-    what was hashed could differ. Raises CanonicalError (a ValueError) with the reason.
+    what was hashed could differ. Past some depth Python's parser raises RecursionError,
+    which no caller expects from bad input (a 500 on the run page's forms): it is refused
+    at MAX_DEPTH, well before, like any other bad JSON. Raises CanonicalError (a ValueError)
+    with the reason.
     """
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except CanonicalError:
         raise
+    except RecursionError:
+        raise CanonicalError(_TOO_DEEP) from None
     except ValueError as exc:  # JSONDecodeError, bad UTF-8
         raise CanonicalError(str(exc)) from None
+    if _deeper_than(value, MAX_DEPTH):
+        raise CanonicalError(_TOO_DEEP)
     _check(value, "")
     return value
+
+
+# The deepest nesting parse_strict takes (objects and arrays; the API refuses deeper bodies
+# before parsing them, runtime.api.parsers).
+MAX_DEPTH = 64
+_TOO_DEEP = f"JSON nested deeper than {MAX_DEPTH} levels"
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False

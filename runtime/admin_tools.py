@@ -24,6 +24,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from audit.canonical import parse_strict
 from runtime import gates, toolcatalog, tooldefs
 from runtime.admin import TenantScopedAdmin, _actor, admin_tenants
 from runtime.errors import HoldpointError, InvalidParams
@@ -92,7 +93,7 @@ class ToolDefinitionForm(forms.ModelForm[ToolDefinition]):
         if tenant is None or text is None:
             return data
         try:
-            spec = json.loads(text)
+            spec = parse_strict(text)  # as the API parses it: no duplicate keys, NaN, depth
         except ValueError as exc:
             self.add_error("definition", f"not JSON: {exc}")
             return data
@@ -132,7 +133,7 @@ class DryRunForm(forms.Form):
 
     def clean_params(self) -> Any:
         try:
-            return json.loads(self.cleaned_data["params"])
+            return parse_strict(self.cleaned_data["params"])
         except ValueError as exc:
             raise forms.ValidationError(f"not JSON: {exc}") from None
 

@@ -14,9 +14,7 @@ from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 
-from audit.canonical import CanonicalError, parse_strict
-
-MAX_DEPTH = 64
+from audit.canonical import MAX_DEPTH, CanonicalError, parse_strict
 
 
 def _depth_ok(data: bytes) -> bool:

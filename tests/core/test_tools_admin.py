@@ -99,9 +99,17 @@ def test_a_refused_definition_shows_its_field_errors_and_stores_nothing(
     assert ToolDefinition.objects.count() == 0
 
 
-def test_text_that_is_not_json_is_a_form_error(client: Client, admin_a: Persona) -> None:
+@pytest.mark.parametrize(
+    "text",
+    ["{nope", "[" * 5_000 + "]" * 5_000, '{"name": "a.b", "name": "c.d"}'],
+    ids=["broken", "nested-5000", "duplicate-key"],
+)
+def test_text_that_is_not_json_is_a_form_error(
+    client: Client, admin_a: Persona, text: str
+) -> None:
+    """Parsed as the API parses (deep JSON was a 500; a repeated key kept its last value)."""
     _login(client, admin_a)
-    response = client.post(TOOLS + "add/", {"tenant": admin_a.tenant.pk, "definition": "{nope"})
+    response = client.post(TOOLS + "add/", {"tenant": admin_a.tenant.pk, "definition": text})
     assert any(e.startswith("not JSON") for e in _form_errors(response))
     assert ToolDefinition.objects.count() == 0
 

@@ -113,7 +113,15 @@ def test_only_a_host_not_allowed_is_its_own_code(tenant_a: Tenant, tmp_path: Pat
 
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [("{not json", "is not JSON"), ("[]", "file: empty list"), ("[1]", "#1: tool:")],
+    [
+        ("{not json", "is not JSON"),
+        ("[]", "file: empty list"),
+        ("[1]", "#1: tool:"),
+        # Parsed as the API parses: a traceback (RecursionError) and a silent last-key-wins
+        # before.
+        ("[" * 5_000 + "]" * 5_000, "nested deeper than 64 levels"),
+        ('{"name": "a.b", "name": "c.d"}', "duplicate key"),
+    ],
 )
 def test_what_is_not_a_definition_is_refused(
     tenant_a: Tenant, tmp_path: Path, content: str, expected: str

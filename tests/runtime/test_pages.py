@@ -221,6 +221,11 @@ def test_start_without_thread_id_gets_a_fresh_one(client: Client, reviewer_a: Pe
         ({"graph": "chain", "goal": '{"steps": 2'}, "goal is not valid JSON"),
         ({"graph": "chain", "goal": '{"a": 1, "a": 2}'}, "duplicate key"),
         ({"graph": "chain", "goal": '{"a": NaN}'}, "NaN is not JSON"),
+        # Past Python's parser (RecursionError: it was a 500) and just within it.
+        ({"graph": "chain", "goal": "[" * 100_000 + "]" * 100_000}, "nested deeper than 64 levels"),
+        ({"graph": "chain", "goal": "[" * 5_000 + "]" * 5_000}, "nested deeper than 64 levels"),
+        ({"graph": "chain", "goal": "[" * 900 + "]" * 900}, "nested deeper than 64 levels"),
+        ({"graph": "chain", "goal": '{"a":' * 65 + "1" + "}" * 65}, "nested deeper than 64"),
         ({"graph": "no-such-graph", "goal": "{}"}, "no graph named"),
         ({"graph": "chain", "goal": "{}", "thread_id": "x" * 201}, "no more than 200"),
     ],

@@ -24,6 +24,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from audit.canonical import parse_strict
 from runtime import toolcatalog, tooldefs
 from runtime.models import Tenant
 
@@ -60,7 +61,7 @@ class Command(BaseCommand):
         except OSError as exc:
             raise CommandError(f"cannot read {source}: {exc.strerror}") from None
         try:
-            data = json.loads(text)
+            data = parse_strict(text)  # as the API parses it: no duplicate keys, NaN, depth
         except ValueError as exc:
             raise CommandError(f"{source} is not JSON: {exc}") from None
         actor = f"system:tools import ({_os_user()})"

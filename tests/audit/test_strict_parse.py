@@ -1,0 +1,36 @@
+"""audit.canonical.parse_strict — how every entry point parses JSON — refuses what it cannot
+take with CanonicalError, nesting included: Python's own parser answers deep input with
+RecursionError, which no caller expected (the run page's forms answered it with a 500)."""
+
+from __future__ import annotations
+
+import pytest
+
+from audit.canonical import MAX_DEPTH, CanonicalError, parse_strict
+
+
+def _arrays(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _objects(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("nest", [_arrays, _objects])
+def test_as_deep_as_the_limit_is_read(nest: object) -> None:
+    assert parse_strict(nest(MAX_DEPTH)) is not None  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 900, 5_000, 100_000, 1_000_000])
+@pytest.mark.parametrize("nest", [_arrays, _objects])
+def test_deeper_is_refused_as_bad_json_not_a_recursion_error(nest: object, depth: int) -> None:
+    with pytest.raises(CanonicalError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        parse_strict(nest(depth))  # type: ignore[operator]
+
+
+def test_depth_counts_objects_and_arrays_together() -> None:
+    mixed = '{"a":[' * (MAX_DEPTH // 2) + "1" + "]}" * (MAX_DEPTH // 2)
+    assert parse_strict(mixed) is not None
+    with pytest.raises(CanonicalError):
+        parse_strict("[" + mixed + "]")
