@@ -34,3 +34,25 @@ def test_depth_counts_objects_and_arrays_together() -> None:
     assert parse_strict(mixed) is not None
     with pytest.raises(CanonicalError):
         parse_strict("[" + mixed + "]")
+
+
+def test_a_reviewer_s_json_field_edit_nested_too_deep_is_a_field_error() -> None:
+    """approvals.forms reads a reviewer's edit of a JSON-valued param with parse_strict:
+    deep JSON is that field's error, with the draft kept (it was a 500)."""
+    from django.http import QueryDict
+
+    from approvals.forms import edits_from
+    from runtime.errors import InvalidParams
+
+    shown = {
+        "tool": "t.unknown",
+        "schema": {"type": "object", "properties": {"labels": {"type": "array"}}},
+        "editable": ["labels"],
+    }
+    post = QueryDict(mutable=True)
+    post["param-labels"] = "[" * 5_000 + "]" * 5_000
+    with pytest.raises(InvalidParams) as refused:
+        edits_from(post, shown, {"labels": ["a"]})
+    message = f"labels is not valid JSON: JSON nested deeper than {MAX_DEPTH} levels"
+    assert refused.value.extra["errors"] == {"labels": [message]}
+    assert refused.value.extra["drafts"]["labels"] == post["param-labels"]

@@ -104,9 +104,7 @@ def test_a_refused_definition_shows_its_field_errors_and_stores_nothing(
     ["{nope", "[" * 5_000 + "]" * 5_000, '{"name": "a.b", "name": "c.d"}'],
     ids=["broken", "nested-5000", "duplicate-key"],
 )
-def test_text_that_is_not_json_is_a_form_error(
-    client: Client, admin_a: Persona, text: str
-) -> None:
+def test_text_that_is_not_json_is_a_form_error(client: Client, admin_a: Persona, text: str) -> None:
     """Parsed as the API parses (deep JSON was a 500; a repeated key kept its last value)."""
     _login(client, admin_a)
     response = client.post(TOOLS + "add/", {"tenant": admin_a.tenant.pk, "definition": text})
