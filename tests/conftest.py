@@ -143,6 +143,20 @@ def closed_circuits() -> None:
 
 
 @pytest.fixture(autouse=True)
+def forgotten_tenant_memos() -> None:
+    """What a process remembers per tenant id — the tool version it last found current, a
+    tenant's slug for traces, the tools a policy named lately — starts empty in each test,
+    as in a fresh worker: ids are reused after a test's rollback, and a memo of the last
+    test's tenant made a tracing test count two prepares (the guessed version of
+    tickets.create was the last test's, so the prepare started again; CI, SQLite)."""
+    from runtime import dispatch, tenancy, tools
+
+    tools._latest.clear()
+    tenancy._slugs.clear()
+    dispatch._NAMED.clear()
+
+
+@pytest.fixture(autouse=True)
 def unused_rate_limits() -> None:
     """Rate limits (decisions, API tokens) are counted in the default cache, which outlives a
     test's database: ids reused after a rollback would inherit the last test's count."""
