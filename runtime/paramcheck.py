@@ -25,8 +25,10 @@ from typing import Any
 import jsonschema
 import jsonschema_rs
 
+from audit.canonical import MAX_SAFE_INT
+
 # Keywords whose meaning jsonschema-rs and python-jsonschema implement identically for JSON
-# values, with where each keeps its subschemas (None: none).
+# values: those that hold subschemas, with how (one, a list, a map of them), and the rest.
 _SUBSCHEMAS = {
     "properties": "map",
     "additionalProperties": "one",
@@ -98,22 +100,19 @@ def fast_enough(schema: Any) -> bool:
 
 
 def _exact(value: Any) -> bool:
-    """Whether every number in `value` is below 2**53 in magnitude. Beyond it jsonschema-rs
-    compares numbers inexactly where python-jsonschema does not (`exclusiveMinimum: 2**64`
-    passed float(2**64), found by the property test); canonical JSON refuses such numbers in
-    params, so below it both compare the same values the same way."""
+    """Whether every number in `value` is within ±MAX_SAFE_INT (2**53 - 1), the numbers
+    canonical JSON takes in params. Beyond it jsonschema-rs compares numbers inexactly where
+    python-jsonschema does not (`exclusiveMinimum: 2**64` passed float(2**64), found by the
+    property test); within it both compare the same values the same way."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return True
     if isinstance(value, int | float):
-        return abs(value) < _EXACT
+        return abs(value) <= MAX_SAFE_INT
     if isinstance(value, list):
         return all(_exact(item) for item in value)
     if isinstance(value, dict):
         return all(_exact(item) for item in value.values())
     return False
-
-
-_EXACT = 2**53
 
 
 class ParamsSchema:
