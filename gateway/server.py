@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -224,10 +224,7 @@ def _message(body: bytes) -> dict[str, Any] | None:
 async def _parse_error(send: Send, reason: str) -> None:
     """JSON-RPC's parse error, HTTP 400 — what the SDK answers a session's bad JSON with."""
     error = {"code": PARSE_ERROR, "message": f"Parse error: {reason}"}
-    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
-    headers = [(b"content-type", b"application/json")]
-    await send({"type": "http.response.start", "status": 400, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await _json(send, 400, {"jsonrpc": "2.0", "id": None, "error": error})
 
 
 async def _body(receive: Receive, limit: int) -> bytes | None:
@@ -272,13 +269,21 @@ def _with_session(send: Send, session: str) -> Send:
 async def _plain(
     send: Send, status: int, text: str, *, www_auth: bool = False, allow: str = ""
 ) -> None:
-    headers = [(b"content-type", b"application/json")]
+    headers: list[tuple[bytes, bytes]] = []
     if www_auth:
         headers.append((b"www-authenticate", b'Bearer realm="holdpoint"'))
     if allow:
         headers.append((b"allow", allow.encode()))
-    body = b"" if status == 204 else json.dumps({"error": text}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await _json(send, status, None if status == 204 else {"error": text}, headers)
+
+
+async def _json(
+    send: Send, status: int, payload: Any, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """An answer of JSON (`payload`; None: no body) with `headers` besides its type."""
+    body = b"" if payload is None else json.dumps(payload).encode()
+    start = [(b"content-type", b"application/json"), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})
 
 
