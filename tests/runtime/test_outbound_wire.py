@@ -248,6 +248,19 @@ def path_of(response: OutboundResponse) -> str:
     return str(response.json()["path"])
 
 
+def _first_then_second(
+    server: RawServer, answered: threading.Event, misbehaved: threading.Event
+) -> None:
+    """GET /first and read its answer; let the server misbehave after it (`answered`), wait
+    until it has (`misbehaved`) and its bytes reached the client's socket; then GET /second
+    must get /second's own answer."""
+    assert path_of(get(server, "/first")) == "/first"
+    answered.set()
+    assert misbehaved.wait(3)
+    time.sleep(0.05)
+    assert path_of(get(server, "/second")) == "/second"
+
+
 def sent_maybe(exc: BaseException) -> None:
     """What a caller needs of an error after the request may have reached the service: an
     httpx error (tools.HttpTool.call knows them), and not ConnectError ("nothing sent")."""
@@ -345,11 +358,7 @@ def test_bytes_sent_while_the_connection_is_idle_are_never_an_answer(
             peer.send(echo(request))
 
     server = raw(handle)
-    assert path_of(get(server, "/first")) == "/first"
-    answered.set()
-    assert stale_sent.wait(3)
-    time.sleep(0.05)  # the stray bytes reach the client's socket
-    assert path_of(get(server, "/second")) == "/second"
+    _first_then_second(server, answered, stale_sent)
     first_port, second_port = server.ports()
     assert first_port != second_port  # the connection that spoke out of turn was dropped
 
@@ -784,11 +793,7 @@ def test_a_kept_connection_the_server_dropped_while_idle_is_not_used(
             peer.send(echo(request))
 
     server = raw(handle)
-    assert path_of(get(server, "/first")) == "/first"
-    answered.set()
-    assert dropped.wait(3)
-    time.sleep(0.05)
-    assert path_of(get(server, "/second")) == "/second"
+    _first_then_second(server, answered, dropped)
     assert len(set(server.ports())) == 2
 
 

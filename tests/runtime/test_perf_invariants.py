@@ -34,7 +34,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import dispatch, ledger, tools
+from runtime import ledger, tools
 from runtime.artifacts import CHUNK, INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
 from runtime.errors import StaleFence
@@ -138,7 +138,6 @@ register(acts)
 
 @pytest.fixture(autouse=True)
 def _clean_seams() -> Iterator[None]:
-    dispatch._NAMED.clear()  # the per-process hint of tools a policy named
     CALLS.clear()
     BEFORE_SEND.clear()
     AFTER_CALL.clear()

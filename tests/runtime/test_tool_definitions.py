@@ -185,13 +185,12 @@ def _external_run(tenant: Tenant, agent: Persona) -> tuple[Run, int]:
     return Run.objects.get(pk=run.pk), protocol.take(run, "agent-1", 30, who="agent:a").fence
 
 
-def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
-    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
-) -> None:
-    box = sandbox_factory("key")
-    define_tickets(tenant_a, box.url)
-    _exempt(tenant_a)
-    run, fence = _external_run(tenant_a, agent_a)
+def _prepared_then_refused(tenant: Tenant, agent: Persona, box: Sandbox) -> tuple[Action, int]:
+    """An external run's tickets.create action prepared under version 1, then the tool
+    redefined (version 2) with a schema that refuses its params; (the action, the fence)."""
+    define_tickets(tenant, box.url)
+    _exempt(tenant)
+    run, fence = _external_run(tenant, agent)
     action, _ = protocol.prepare(
         run, fence, "tickets.create", {"title": "A long title"}, reason="r", who="agent:a"
     )
@@ -201,7 +200,15 @@ def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
         "properties": {"title": {"type": "string", "maxLength": 5}},
         "required": ["title"],
     }
-    define_tickets(tenant_a, box.url, schema=schema)
+    define_tickets(tenant, box.url, schema=schema)
+    return action, fence
+
+
+def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    action, fence = _prepared_then_refused(tenant_a, agent_a, box)
     with pytest.raises(ToolChanged):
         protocol.dispatch(action, fence, "agent:a")
     action.refresh_from_db()
@@ -217,14 +224,7 @@ def test_the_api_answers_409_tool_changed_for_a_redefinition_that_refuses_the_pa
     from tests.api import post, problem
 
     box = sandbox_factory("key")
-    define_tickets(tenant_a, box.url)
-    _exempt(tenant_a)
-    run, fence = _external_run(tenant_a, agent_a)
-    action, _ = protocol.prepare(
-        run, fence, "tickets.create", {"title": "A long title"}, reason="r", who="agent:a"
-    )
-    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 5}}}
-    define_tickets(tenant_a, box.url, schema=schema)
+    action, fence = _prepared_then_refused(tenant_a, agent_a, box)
     refused = post(agent_a.api(), f"actions/{action.action_id}/dispatch/", {"fence": fence})
     body = problem(refused, 409, "tool_changed")
     assert "version 2" in body["detail"] and "title" in body["detail"]

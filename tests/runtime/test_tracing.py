@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanContext, Tracer
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from holdpoint_client import AsyncClient, Client
-from runtime import tenancy, tracing
+from runtime import tracing
 from runtime.context import StepContext
 from runtime.executor import advance_run
 from runtime.graphs import Complete, Graph, Next, Outcome, register
@@ -83,7 +83,6 @@ def spans() -> Iterator[Spans]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tenancy._slugs.clear()  # tenant ids are reused after a rollback
     tracing.install(provider)
     try:
         yield Spans(exporter, provider.get_tracer("test"))
