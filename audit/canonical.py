@@ -206,11 +206,11 @@ def parse_strict(text: str | bytes) -> Any:
     except CanonicalError:
         raise
     except RecursionError:
-        raise CanonicalError(_TOO_DEEP) from None
+        raise CanonicalError(TOO_DEEP) from None
     except ValueError as exc:  # JSONDecodeError, bad UTF-8
         raise CanonicalError(str(exc)) from None
-    if _deeper_than(value, MAX_DEPTH):
-        raise CanonicalError(_TOO_DEEP)
+    if deeper_than(value, MAX_DEPTH):
+        raise CanonicalError(TOO_DEEP)
     _check(value, "")
     return value
 
@@ -218,10 +218,10 @@ def parse_strict(text: str | bytes) -> Any:
 # The deepest nesting parse_strict takes (objects and arrays; the API refuses deeper bodies
 # before parsing them, runtime.api.parsers).
 MAX_DEPTH = 64
-_TOO_DEEP = f"JSON nested deeper than {MAX_DEPTH} levels"
+TOO_DEEP = f"JSON nested deeper than {MAX_DEPTH} levels"
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
+def deeper_than(value: Any, limit: int) -> bool:
     """Whether objects and arrays nest more than `limit` levels (without recursion)."""
     stack = [(value, 1)]
     while stack:

@@ -38,6 +38,7 @@ from urllib.parse import SplitResult, quote, unquote, urlsplit
 import httpx
 from django.conf import settings
 
+from audit.canonical import MAX_DEPTH, TOO_DEEP, deeper_than
 from runtime import tracing
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -400,12 +401,17 @@ class OutboundResponse:
 
     def json(self) -> Any:
         """The body as JSON; ValueError when it is not — also when it nests deeper than
-        Python's parser goes (which raises RecursionError: no caller expected that from a
-        service's answer)."""
+        MAX_DEPTH, the limit of all JSON Holdpoint takes in. Python's parser reads a little
+        deeper than its encoder writes again, so an answer ~940 deep parsed as proof and then
+        failed the step's commit that stores it; deeper still, the parser raised
+        RecursionError, which no caller expected from a service's answer."""
         try:
-            return json.loads(self.body)
+            value = json.loads(self.body)
         except RecursionError:
-            raise ValueError("JSON nested too deep to read") from None
+            raise ValueError(TOO_DEEP) from None
+        if deeper_than(value, MAX_DEPTH):
+            raise ValueError(TOO_DEEP)
+        return value
 
     @property
     def text(self) -> str:

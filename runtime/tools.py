@@ -299,8 +299,8 @@ class HttpTool(Tool):
         if 200 <= status < 300:
             try:
                 body = response.json()
-            except ValueError:
-                return CallResult("unknown", detail=f"success without JSON: {detail}")
+            except ValueError as exc:  # not JSON, or nested past what Holdpoint keeps
+                return CallResult("unknown", detail=f"success without JSON ({exc}): {detail}")
             external_id = jsonpaths.compile_path(self.id_path).first(body)
             if external_id is None or isinstance(external_id, dict | list):
                 return CallResult("unknown", detail=f"success without a usable id: {detail}")

@@ -314,3 +314,46 @@ def test_a_service_answering_json_nested_too_deep_is_unknown_not_a_crash(
     found = tool.lookup("k-deep", run_id=str(uuid.uuid4()))
     assert found.found is None and "without JSON" in found.detail
     assert [r["method"] for r in server.requests] == ["POST", "GET"]
+
+
+def _nested(depth: int) -> bytes:
+    """A tool service's answer whose id is at the top and whose `x` nests `depth` levels."""
+    return b'{"id":"t-1","x":' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+
+def test_a_service_answer_may_nest_64_levels_like_any_json_holdpoint_keeps(
+    serve: Any, tenant_a: Tenant
+) -> None:
+    """64 levels (MAX_DEPTH, the API's limit) is an answer like any other; one level more
+    is a success without usable proof, with the reason in the detail a reviewer reads."""
+    import uuid
+
+    from tests.httpservers import answer_with
+
+    for depth, outcome in ((64, "applied"), (65, "unknown")):
+        server = serve(answer_with(200, _nested(depth)))
+        define_tickets(tenant_a, server.url)
+        tool = get_tool("tickets.create", tenant_a.pk)
+        result = tool.call('{"title":"t"}', key=f"k-{depth}", fence=1, run_id=str(uuid.uuid4()))
+        assert result.outcome == outcome, depth
+    assert "nested deeper than 64 levels" in result.detail
+
+
+def test_an_answer_too_deep_to_store_is_unknown_not_a_step_failure(
+    serve: Any, tenant_a: Tenant
+) -> None:
+    """Python parses JSON a little deeper than it can encode it again: an answer ~940 deep
+    was read as proof, then the step's commit raised RecursionError storing it — a step
+    failure with the action left `sent`, retried until a person was asked (the window moves
+    with the stack's depth, so every depth around it is tried)."""
+    from tests.httpservers import answer_with
+
+    _exempt(tenant_a)
+    for depth in range(880, 1001, 15):
+        server = serve(answer_with(200, _nested(depth)))
+        define_tickets(tenant_a, server.url)
+        run = _ticket_run(tenant_a, title=f"deep {depth}")
+        advance_run(run.run_id, "w1")
+        action = Action.objects.get(run=run)
+        assert action.status == S.UNKNOWN, (depth, action.status)
+        assert "nested deeper than 64 levels" in action.last_error, depth
