@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, Group
+from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
 from runtime.models import Membership, Role, Tenant
@@ -20,6 +22,14 @@ from tests.sandbox import sandbox_factory, sandbox_pool  # noqa: F401  (fixtures
 
 User = get_user_model()
 install_pg_flush()  # PostgreSQL: truncate only the tables a test left rows in
+
+# Property tests: CI (`.ci/run` sets HYPOTHESIS_PROFILE=ci) tries the same examples on every
+# run, so main's verdict never depends on which examples a run happened to draw; a developer's
+# run draws new ones (the default profile) — that is where a fast path's disagreement with its
+# authority turns up — and a failure prints the blob that replays it.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+hypothesis_settings.register_profile("dev", print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 @dataclass
