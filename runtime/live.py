@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,12 @@ CHANNEL = "holdpoint_journal"  # audit/migrations/0006_notify_appends.py
 POLL_SECONDS = 0.5  # SQLite: how stale a wake-up may be
 READERS = 4
 RETRY_SECONDS = 1.0
+
+
+def _close_kept(gate: threading.Barrier) -> None:
+    with contextlib.suppress(threading.BrokenBarrierError):
+        gate.wait(timeout=30)
+    connection.close()
 
 
 def _read_in_thread(fn: Callable[[], T]) -> T:
@@ -108,14 +115,29 @@ class Doorbell:
                 event.set()
 
     async def stop(self) -> None:
-        """Stop listening or polling (the LISTEN connection is closed) and the readers."""
+        """Stop listening or polling (the LISTEN connection is closed) and the readers (the
+        connections they kept are closed)."""
         task, self.task = self.task, None
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self.readers.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.close_readers)
+
+    def close_readers(self) -> None:
+        """End the reader threads, each closing the connection it kept; reads already asked
+        finish first. A web process's readers live as long as it does, and its exit closes
+        their sockets; a process that goes on (a test session, before it drops the test
+        database: "being accessed by other users", and the database was left behind) must
+        close them itself. New readers start with the next read."""
+        readers = self.readers
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
+        # One close per thread: each waits at the barrier until every thread holds one, so
+        # no thread takes two (the pool starts the threads it has not started yet).
+        gate = threading.Barrier(READERS)
+        for _ in range(READERS):
+            readers.submit(_close_kept, gate)
+        readers.shutdown(wait=True)
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()

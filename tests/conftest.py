@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,17 @@ install_pg_flush()  # PostgreSQL: truncate only the tables a test left rows in
 hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
 hypothesis_settings.register_profile("dev", print_blob=True)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def live_readers_closed(django_db_setup: None) -> Iterator[None]:
+    """The process's live-event doorbell keeps a PostgreSQL connection per reader thread
+    (runtime.live) for as long as the process lives: closed before the test database is
+    dropped, which they kept from being dropped (and left on the server)."""
+    yield
+    from runtime import live
+
+    live.doorbell.close_readers()
 
 
 @dataclass

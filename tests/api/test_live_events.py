@@ -361,6 +361,47 @@ def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Person
     assert asyncio.run(rung())
 
 
+@pytest.mark.postgres
+def test_stopping_the_doorbell_closes_the_connections_its_readers_kept() -> None:
+    """On PostgreSQL a reader thread keeps its connection between reads; stopping the doorbell
+    closes them. The test session's doorbell used to leave one open, so dropping the test
+    database failed ("being accessed by other users") and left it on the server."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's readers close their connection after every read")
+
+    def sessions() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            return int(cursor.fetchone()[0])
+
+    def settled(expected: int) -> int:
+        deadline = time.monotonic() + 10  # a closed session leaves pg_stat_activity soon after
+        while (found := sessions()) != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
+    def slow_read() -> int:
+        time.sleep(0.3)  # held long enough for the others to need threads of their own
+        return JournalEntry.objects.count()
+
+    doorbell = live.Doorbell()
+
+    async def read_at_once() -> None:
+        await asyncio.gather(*(doorbell.read(key, slow_read) for key in range(live.READERS)))
+
+    before = sessions()
+    asyncio.run(read_at_once())
+    assert settled(before + live.READERS) == before + live.READERS  # each reader kept one
+    asyncio.run(doorbell.stop())
+    assert settled(before) == before
+    asyncio.run(read_at_once())  # a stopped doorbell reads again (new readers) ...
+    doorbell.close_readers()  # ... and closes them again, outside any event loop
+    assert settled(before) == before
+
+
 def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
     body = {
         "fence": fence,
