@@ -24,17 +24,14 @@ import base64
 import binascii
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
-import socket
 import time
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
@@ -44,6 +41,7 @@ from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus, TenantWebhook, WebhookDelivery
 from approvals.policies import deciders, shaped_by
+from runtime import outbound
 from runtime.queue import on_commit_task
 
 if TYPE_CHECKING:
@@ -66,6 +64,9 @@ EVENTS = {
 RETRY_DELAYS = (5, 30, 120, 600, 3600)
 MAX_ATTEMPTS = 1 + len(RETRY_DELAYS)
 WEBHOOK_TIMEOUT = 5.0
+# A receiver's answer is read up to this much (only its status counts); past it the
+# connection is dropped and the status still decides.
+ANSWER_BYTES = 64 * 1024
 SIGNATURE_TOLERANCE = 300  # seconds a receiver should accept between timestamp and now
 _MESSAGE_NS = uuid.UUID("5b0c1a9e-6f0b-4a55-9a4e-6a1f3d2c7e10")
 
@@ -380,30 +381,20 @@ def verify_signature(
     )
 
 
-def _refusal(url: str) -> tuple[str, bool]:
-    """Why a webhook URL may not be called ('' if it may), and whether to try again later.
+def reach() -> outbound.Reach:
+    """Where webhook receivers may be: any host whose every address is public, or inside
+    HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS (anywhere with HOLDPOINT_WEBHOOK_ALLOW_PRIVATE).
 
     Tenant admins type these URLs; the worker must not become their probe into loopback,
-    private or cloud-metadata addresses. (The address is resolved again by the HTTP client;
-    a DNS answer that changes in between is not covered — an egress proxy is the real fix.)
+    private or cloud-metadata addresses. So a delivery is sent as tools' requests are
+    (runtime.outbound): the name resolved once, every address judged (IPv4 carried inside
+    IPv6 too), the connection made to the address judged — never to a second DNS answer
+    (rebinding) — and no redirect followed.
     """
     if settings.HOLDPOINT_WEBHOOK_ALLOW_PRIVATE:
-        return "", False
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "refused: not an http(s) URL", False
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, ValueError) as exc:
-        return f"DNS: {exc}", True
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0])
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-            address = address.ipv4_mapped
-        if not address.is_global:
-            return f"refused: {parts.hostname} resolves to non-public address {address}", False
-    return "", False
+        return outbound.Reach(hosts=None, networks=outbound.EVERYWHERE)
+    networks = outbound.parse_networks(settings.HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS)
+    return outbound.Reach(hosts=None, networks=networks)
 
 
 def send_webhook(
@@ -426,22 +417,27 @@ def send_webhook(
         "webhook-signature": sign(hook.secret, msg_id, stamp, body),
     }
     status: int | None = None
-    error, retry = _refusal(hook.url)
-    if not error:
-        try:
-            # Streamed and never read: a receiver cannot make us download a large answer.
-            with httpx.stream(
-                "POST",
-                hook.url,
-                content=body.encode("utf-8"),
-                headers=headers,
-                timeout=WEBHOOK_TIMEOUT,
-                follow_redirects=False,
-            ) as response:
-                status = response.status_code
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        retry = status is None or not 200 <= status < 300
+    error = ""
+    try:
+        response = outbound.send(
+            "POST",
+            hook.url,
+            content=body.encode("utf-8"),
+            headers=headers,
+            timeout=WEBHOOK_TIMEOUT,
+            max_bytes=ANSWER_BYTES,
+            reach=reach(),
+        )
+        status = response.status_code
+    except outbound.OutboundRefused as exc:
+        # A redirect or an oversized answer is the receiver's answer (its status decides);
+        # anything else was refused before sending, and would be refused again.
+        status = exc.status_code
+        error = f"{exc.code}: {exc.detail}" if status is not None else f"refused: {exc.detail}"
+    except httpx.HTTPError as exc:  # DNS, connect, timeout: worth another attempt
+        error = f"{type(exc).__name__}: {exc}"
+    refused = status is None and error.startswith("refused:")
+    retry = not refused and (status is None or not 200 <= status < 300)
     next_at = None
     if retry and attempt < MAX_ATTEMPTS:
         next_at = timezone.now() + timedelta(seconds=RETRY_DELAYS[attempt - 1])

@@ -433,9 +433,11 @@ if not HOLDPOINT_BASE_URL.startswith(("http://", "https://")):
     raise EnvError(
         f"HOLDPOINT_BASE_URL must start with http:// or https://, got {HOLDPOINT_BASE_URL!r}"
     )
-# Webhook URLs are typed in by tenant admins: unless allowed, a URL resolving to a loopback,
-# private or link-local address is refused at send time (no probing of internal services).
+# Webhook URLs are typed in by tenant admins: a URL resolving to a loopback, private or
+# link-local address is refused at send time (no probing of internal services) unless it is
+# inside one of the networks listed, or private addresses are allowed altogether.
 HOLDPOINT_WEBHOOK_ALLOW_PRIVATE = env_bool("HOLDPOINT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
+HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS = env_list("HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS", [])
 
 # --- Tools as data: outbound requests (runtime/outbound.py) -----------------------------
 # Tenant admins define HTTP tools; the workers send them from inside this network. Only
@@ -472,6 +474,7 @@ from runtime.outbound import check_patterns, host_allowed, parse_networks  # noq
 for _name, _check in (
     ("HOLDPOINT_TOOL_HOSTS", check_patterns),
     ("HOLDPOINT_TOOL_PRIVATE_NETWORKS", parse_networks),
+    ("HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS", parse_networks),
 ):
     try:
         _check(globals()[_name])

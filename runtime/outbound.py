@@ -277,10 +277,11 @@ def _allowed_host(url: str) -> tuple[str, int, str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _judged_url(url: str, hosts: tuple[str, ...]) -> tuple[str, int, str]:
+def _judged_url(url: str, hosts: tuple[str, ...] | None) -> tuple[str, int, str]:
     """`_allowed_host`, remembered per URL and allowlist (a tool sends to a few URLs many
     times; the allowlist is part of the key, so a changed setting is judged afresh). A
-    refusal is an exception, never remembered."""
+    refusal is an exception, never remembered. `hosts` None: any well-formed host (a
+    `Reach` judged by its addresses alone)."""
     try:
         split = urlsplit(url)
         port = split.port
@@ -295,7 +296,7 @@ def _judged_url(url: str, hosts: tuple[str, ...]) -> tuple[str, int, str]:
         raise OutboundRefused("bad_url", "the URL must name a host")
     if not host.isascii():
         raise OutboundRefused("bad_url", "write a non-ASCII host in its xn-- form")
-    if not host_allowed(host, hosts):
+    if hosts is not None and not host_allowed(host, hosts):
         raise OutboundRefused(
             "host_not_allowed", f"{host} is not among the hosts allowed (HOLDPOINT_TOOL_HOSTS)"
         )
@@ -353,15 +354,17 @@ def _judged_address(address: str, networks: tuple[IPNetwork, ...]) -> bool:
     return _public(ip)
 
 
-def resolve(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to, each refused unless allowed (all must be: which
-    one the connection would use is not ours to predict). A name that does not resolve is
-    an httpx.ConnectError, as httpx itself would raise: certainly nothing was sent."""
+def resolve(host: str, port: int, networks: Sequence[IPNetwork] | None = None) -> list[str]:
+    """Every address `host` resolves to, each refused unless allowed — public, or inside
+    `networks` (by default HOLDPOINT_TOOL_PRIVATE_NETWORKS) — all must be: which one the
+    connection would use is not ours to predict. A name that does not resolve is an
+    httpx.ConnectError, as httpx itself would raise: certainly nothing was sent."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise httpx.ConnectError(f"DNS lookup of {host} failed: {exc}") from None
-    networks = _allowed_networks()
+    if networks is None:
+        networks = _allowed_networks()
     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     for address in addresses:
         if not address_allowed(address, networks):
@@ -369,6 +372,25 @@ def resolve(host: str, port: int) -> list[str]:
                 "private_address", f"{host} resolves to {address}, which is not public"
             )
     return addresses
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Where one kind of request may go, when not a tool's (HOLDPOINT_TOOL_HOSTS and
+    HOLDPOINT_TOOL_PRIVATE_NETWORKS): `hosts`, the host patterns allowed (None: any host,
+    judged by its addresses alone — a webhook receiver its tenant typed), and the networks
+    allowed beside public addresses. The other rules hold whatever the reach: the connection
+    goes to the address that was checked, no redirect is followed, the answer is capped."""
+
+    hosts: tuple[str, ...] | None
+    networks: tuple[IPNetwork, ...]
+
+
+# Every address: a Reach's networks when its operator allows private addresses altogether.
+EVERYWHERE: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("0.0.0.0/0"),
+    ipaddress.ip_network("::/0"),
+)
 
 
 @dataclass(frozen=True)
@@ -794,6 +816,7 @@ def send(
     headers: Mapping[str, str],
     timeout: float,
     max_bytes: int | None = None,
+    reach: Reach | None = None,
 ) -> OutboundResponse:
     """Send one request to an allowed host at a vetted address; the whole answer, or a
     refusal.
@@ -804,11 +827,16 @@ def send(
     A 3xx is OutboundRefused("redirect") and nothing goes to its Location. The body is read
     up to `max_bytes` (HOLDPOINT_TOOL_MAX_RESPONSE_BYTES) and within `timeout` overall; past
     either the connection is dropped. httpx's errors are raised: ConnectError means nothing
-    was sent, the others that the caller cannot know.
+    was sent, the others that the caller cannot know. `reach`: where a request that is not
+    a tool's may go (the tools' settings otherwise).
     """
-    host, port, scheme = _allowed_host(url)
+    if reach is None:
+        host, port, scheme = _allowed_host(url)
+        addresses = resolve(host, port)
+    else:
+        host, port, scheme = _judged_url(url, reach.hosts)
+        addresses = resolve(host, port, reach.networks)
     limit = settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES if max_bytes is None else max_bytes
-    addresses = resolve(host, port)
     target, host_header = _target(url)
     sent_headers = {k: v for k, v in headers.items() if k.lower() != "host"}
     sent_headers["Host"] = host_header  # host[:port] as the URL gave it

@@ -4,6 +4,7 @@ recorded before a behaviour answers it (JSON, a redirect, an endless body, ...).
 from __future__ import annotations
 
 import json
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -130,3 +131,30 @@ def redirect_to(location: str, status: int = 302) -> Behaviour:
         handler.end_headers()
 
     return behaviour
+
+
+@pytest.fixture
+def dns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
+    """Names under `.test` answer from this table, one answer per lookup (the last one
+    repeats): a DNS server that changes its answer, as a rebinding attacker's does."""
+    answers: dict[str, list[list[str]]] = {}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(host, str) and host in answers:
+            queue = answers[host]
+            addresses = queue.pop(0) if len(queue) > 1 else queue[0]
+            return [
+                (
+                    socket.AF_INET6 if ":" in a else socket.AF_INET,
+                    socket.SOCK_STREAM,
+                    6,
+                    "",
+                    (a, port, 0, 0) if ":" in a else (a, port),
+                )
+                for a in addresses
+            ]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return answers

@@ -51,6 +51,13 @@ class Receiver:
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
+    found, stop = _receiver("127.0.0.1", 0)
+    yield found
+    stop()
+
+
+def _receiver(host: str, port: int) -> tuple[Receiver, Callable[[], None]]:
+    """A receiver on `host`:`port` (0: a free one) and what stops it."""
     box: dict[str, Receiver] = {}
 
     class Handler(BaseHTTPRequestHandler):
@@ -66,13 +73,16 @@ def receiver() -> Iterator[Receiver]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    box["r"] = Receiver(url=f"http://127.0.0.1:{server.server_address[1]}/hooks")
+    server = ThreadingHTTPServer((host, port), Handler)
+    box["r"] = Receiver(url=f"http://{host}:{server.server_address[1]}/hooks")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield box["r"]
-    server.shutdown()
-    server.server_close()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return box["r"], stop
 
 
 @pytest.fixture
@@ -362,6 +372,65 @@ def test_private_addresses_are_refused_by_default(
     row = WebhookDelivery.objects.get()
     assert row.error.startswith("refused:") and "127.0.0.1" in row.error
     assert row.next_attempt_at is None  # not retried: it would be refused again
+
+
+def test_a_delivery_goes_to_the_address_that_was_checked(
+    held: Any, receiver: Receiver, settings: Any, dns: dict[str, list[list[str]]]
+) -> None:
+    """The receiver's name is resolved once, judged, and the connection goes to the address
+    judged: a second DNS answer (rebinding: public when checked, then an internal address)
+    is never used. The check and the connection each resolved the name before, so an answer
+    that changed in between was where the request went."""
+    settings.HOLDPOINT_WEBHOOK_ALLOW_PRIVATE = False
+    settings.HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS = ["127.0.0.1/32"]  # the receiver's only
+    port = int(receiver.url.split(":")[2].split("/")[0])
+    elsewhere, stop = _receiver("127.0.0.2", port)  # the same port, an address not allowed
+    _, request, _ = held
+    TenantWebhook.objects.create(tenant=request.tenant, url=f"http://hooks.test:{port}/hooks")
+    dns["hooks.test"] = [["127.0.0.1"], ["127.0.0.2"]]
+    try:
+        assert deliver("requested", str(request.id)) == {"emails": 0, "webhooks": 1}
+    finally:
+        stop()
+    [(headers, _)] = receiver.received
+    assert headers["Host"] == f"hooks.test:{port}" and elsewhere.received == []
+    assert WebhookDelivery.objects.get().status_code == 200
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::a9fe:a9fe", "2002:7f00:1::1", "::ffff:10.0.0.1", "169.254.169.254"],
+    ids=["nat64-metadata", "6to4-loopback", "mapped-private", "metadata"],
+)
+def test_addresses_that_carry_a_private_one_are_refused(
+    held: Any, settings: Any, dns: dict[str, list[list[str]]], address: str
+) -> None:
+    """IPv4 carried inside IPv6 (NAT64, 6to4, mapped) is judged as the IPv4 it reaches —
+    NAT64's and 6to4's forms of the metadata service and loopback passed `is_global` — and
+    a refusal is not retried."""
+    settings.HOLDPOINT_WEBHOOK_ALLOW_PRIVATE = False
+    _, request, _ = held
+    TenantWebhook.objects.create(tenant=request.tenant, url="http://inside.test/hooks")
+    dns["inside.test"] = [[address]]
+    deliver("requested", str(request.id))
+    row = WebhookDelivery.objects.get()
+    assert row.error.startswith("refused:") and address in row.error, row.error
+    assert row.status_code is None and row.next_attempt_at is None
+
+
+def test_a_redirect_is_an_answer_not_followed(held: Any, serve: Any, local_hooks: None) -> None:
+    """A 3xx is the receiver's answer, retried like any non-2xx; nothing goes to its
+    Location (an internal address, say)."""
+    from tests.httpservers import answer_with
+
+    target = serve(answer_with(200, b"{}"))
+    bounce = serve(answer_with(307, b"", ("Location", target.url + "/inside")))
+    _, request, _ = held
+    TenantWebhook.objects.create(tenant=request.tenant, url=bounce.url + "/hooks")
+    deliver("requested", str(request.id))
+    row = WebhookDelivery.objects.get()
+    assert row.status_code == 307 and row.next_attempt_at is not None
+    assert len(bounce.requests) == 1 and target.requests == []
 
 
 def test_subscriptions_and_decided_event(

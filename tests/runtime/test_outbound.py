@@ -351,33 +351,6 @@ def test_connect_failure_is_an_httpx_connect_error(settings: Any) -> None:
         send("GET", "http://no-such-host.invalid/", content=None, headers={}, timeout=5)
 
 
-@pytest.fixture
-def dns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
-    """Names under `.test` answer from this table, one answer per lookup (the last one
-    repeats): a DNS server that changes its answer, as a rebinding attacker's does."""
-    answers: dict[str, list[list[str]]] = {}
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(host, str) and host in answers:
-            queue = answers[host]
-            addresses = queue.pop(0) if len(queue) > 1 else queue[0]
-            return [
-                (
-                    socket.AF_INET6 if ":" in a else socket.AF_INET,
-                    socket.SOCK_STREAM,
-                    6,
-                    "",
-                    (a, port, 0, 0) if ":" in a else (a, port),
-                )
-                for a in addresses
-            ]
-        return real(host, port, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    return answers
-
-
 def test_the_connection_goes_to_the_vetted_address(
     serve: Any, settings: Any, dns: dict[str, list[list[str]]]
 ) -> None:
