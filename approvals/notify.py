@@ -417,7 +417,7 @@ def send_webhook(
         "webhook-signature": sign(hook.secret, msg_id, stamp, body),
     }
     status: int | None = None
-    error = ""
+    error, retry = "", True
     try:
         response = outbound.send(
             "POST",
@@ -430,14 +430,15 @@ def send_webhook(
         )
         status = response.status_code
     except outbound.OutboundRefused as exc:
-        # A redirect or an oversized answer is the receiver's answer (its status decides);
-        # anything else was refused before sending, and would be refused again.
-        status = exc.status_code
-        error = f"{exc.code}: {exc.detail}" if status is not None else f"refused: {exc.detail}"
+        status = exc.status_code  # a redirect or an oversized answer: the receiver's answer
+        if status is None:  # refused before sending: it would be refused again
+            error, retry = f"refused: {exc.detail}", False
+        else:
+            error = f"{exc.code}: {exc.detail}"
     except httpx.HTTPError as exc:  # DNS, connect, timeout: worth another attempt
         error = f"{type(exc).__name__}: {exc}"
-    refused = status is None and error.startswith("refused:")
-    retry = not refused and (status is None or not 200 <= status < 300)
+    if status is not None:
+        retry = not 200 <= status < 300
     next_at = None
     if retry and attempt < MAX_ATTEMPTS:
         next_at = timezone.now() + timedelta(seconds=RETRY_DELAYS[attempt - 1])
