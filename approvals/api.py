@@ -100,19 +100,28 @@ class Approvals(streams.StreamingList):
         description=(
             "With `stream=1`: server-sent events (`event: approval`, `data:` the approval as "
             "JSON), one each time an approval of the caller's tenant is created or changes "
-            "status after the stream opened; a comment line at least every 15 s."
+            "status after the stream opened (with `status`: only when it becomes that "
+            "status); a comment line at least every 15 s."
         ),
     )
     def get(self, request: Request) -> Response | StreamingHttpResponse:
+        mine = approvals_for(self.principal(request))
         if streams.requested(request):
+            # The list's filters hold for the stream too, refused alike when invalid: an
+            # event is an approval now in the status asked for.
+            filters.apply(ApprovalFilter, request, mine)
             principal = self.principal(request)
             follow = sse.follows(request._request)
             standing = Standing.of(request, principal)
-            events = approval_events(principal, timezone.now(), follow=follow, standing=standing)
+            events = approval_events(
+                principal,
+                timezone.now(),
+                follow=follow,
+                standing=standing,
+                status=request.query_params.get("status"),
+            )
             return live.response(events)
-        approvals = filters.apply(
-            ApprovalFilter, request, approvals_for(self.principal(request))
-        ).select_related("run", "decided_by")
+        approvals = filters.apply(ApprovalFilter, request, mine).select_related("run", "decided_by")
         paginator = Cursor()
         page = paginator.paginate_queryset(approvals, request, view=self)
         return paginator.get_paginated_response(ApprovalSerializer(page, many=True).data)
@@ -139,9 +148,11 @@ async def approval_events(
     *,
     follow: bool = True,
     standing: Standing | None = None,
+    status: str | None = None,
 ) -> AsyncIterator[bytes]:
-    """Each approval of the tenant as it is created and as its status changes. Every read
-    compares the statuses with the last ones seen, so a merged wake-up loses no change.
+    """Each approval of the tenant as it is created and as its status changes (only those
+    it changes to `status`, if given). Every read compares the statuses with the last ones
+    seen, so a merged wake-up loses no change.
     Without `follow` (not served on the event loop: runtime.api.sse.follows) it ends at once:
     it shows changes after it opened, and there are none yet. It also ends once what opened
     it (`standing`) no longer stands (runtime.api.streams.Recheck)."""
@@ -162,8 +173,8 @@ async def approval_events(
                 continue
             fresh = {pk: status for pk, status, _ in rows}
             if known is not None:
-                for pk, status, chunk in rows:
-                    if known.get(pk) != status:
+                for pk, now, chunk in rows:
+                    if known.get(pk) != now and status in (None, now):
                         yield chunk
             known = {pk: s for pk, s in fresh.items() if s == ApprovalStatus.PENDING}
             first = await recheck.wait(wake)

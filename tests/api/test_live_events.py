@@ -413,10 +413,25 @@ def _finish(agent: Persona, run_id: str, fence: int, rev: int) -> None:
     ok(post(agent.api(), f"runs/{run_id}/checkpoints/", body), 201)
 
 
+@pytest.mark.parametrize(
+    ("status", "expected"), [(None, ["pending", "approved"]), ("approved", ["approved"])]
+)
 def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
-    web: str, agent_a: Persona, reviewer_a: Persona
+    web: str, agent_a: Persona, reviewer_a: Persona, status: str | None, expected: list[str]
 ) -> None:
+    """And takes the list's `status` filter: only the approvals now in that status (it was
+    neither checked nor applied — every approval streamed, whatever was asked)."""
     grant_policy(agent_a.tenant)
+    with httpx.stream(  # a stream opened by mistake would never end: only its status is read
+        "GET",
+        f"{web}/api/v1/approvals/",
+        params={**STREAM, "status": "pending-ish"},
+        headers=headers(agent_a),
+        timeout=30,
+    ) as bad:
+        assert bad.status_code == 422
+        problem = json.loads(bad.read())
+    assert problem["code"] == "invalid_params" and "status" in problem["errors"]
     run = new_run(agent_a.api())
     fence = take_lease(agent_a.api(), run["run_id"])
 
@@ -424,7 +439,8 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
         seen: list[dict[str, Any]] = []
         async with httpx.AsyncClient(headers=headers(agent_a), timeout=60) as http:
             url = f"{web}/api/v1/approvals/"
-            async with http.stream("GET", url, params=STREAM) as response:
+            params = {**STREAM, **({"status": status} if status else {})}
+            async with http.stream("GET", url, params=params) as response:
                 assert response.status_code == 200
                 opened.set()
                 async for sse in EventSource(response).aiter_sse():
@@ -441,7 +457,10 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
         await opened.wait()
         await asyncio.sleep(1)  # the stream's first read is done: what follows is new
         approval = await off_loop(_create)
-        await created.wait()  # seen pending (a change faster than a wake-up shows its result)
+        if status is None:  # seen pending (a change faster than a wake-up shows its result)
+            await created.wait()
+        else:  # nothing shows the pending one: give the stream a read of it
+            await asyncio.sleep(2 * live.POLL_SECONDS)
         await off_loop(_decide, approval)
 
     def _create() -> ApprovalRequest:
@@ -458,8 +477,9 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
 
     opened, created = asyncio.Event(), asyncio.Event()
     seen = asyncio.run(both())
-    assert [a["status"] for a in seen] == ["pending", "approved"]
-    assert seen[0]["id"] == seen[1]["id"] and seen[1]["decided_by"] == reviewer_a.user.username
+    assert [a["status"] for a in seen] == expected
+    assert {a["id"] for a in seen} == {seen[0]["id"]}
+    assert seen[-1]["decided_by"] == reviewer_a.user.username
 
 
 def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
