@@ -74,6 +74,24 @@ def test_bad_database_url_names_the_variable() -> None:
     assert "DATABASE_URL" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS", "10.1.2.0/24,not-a-network"),
+        ("HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS", "10.1.2.3/24"),  # host bits set: a typo
+        ("HOLDPOINT_TOOL_PRIVATE_NETWORKS", "fd00::/300"),
+        ("HOLDPOINT_TOOL_HOSTS", "*"),
+    ],
+)
+def test_a_bad_outbound_setting_stops_the_start_and_names_itself(name: str, value: str) -> None:
+    """Where requests may go is checked at start, by the functions that apply it at send
+    time: a bad value is an error naming the variable, never a silently narrower or wider
+    reach."""
+    result = _manage(dict(PRODUCTION, **{name: value}), "check")
+    assert result.returncode != 0
+    assert f"{name}:" in result.stderr
+
+
 def test_an_empty_database_url_is_the_default_sqlite_not_an_error() -> None:
     code = "from django.db import connection as c; print(c.vendor, c.settings_dict['NAME'])"
     result = _manage(dict(PRODUCTION, DATABASE_URL=" "), "shell", "--no-imports", "-c", code)
