@@ -37,10 +37,11 @@ from approvals.models import (
     TenantWebhook,
     WebhookDelivery,
 )
-from approvals.notify import redeliver, renotify
+from approvals.notify import reach, redeliver, renotify
 from approvals.policies import DECIDE, grant
 from approvals.requests import reassign_request
 from audit import journal
+from runtime import outbound
 from runtime.admin import OperationsAdmin, ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
 from runtime.models import Tenant
 
@@ -380,9 +381,15 @@ class TenantWebhookForm(forms.ModelForm[TenantWebhook]):
         fields = ["tenant", "url", "active", "event_types"]
 
     def clean_url(self) -> str:
+        """What the sender would refuse of the URL itself (scheme, credentials in it, a
+        non-ASCII host), said now; its addresses are judged at each delivery."""
         url: str = self.cleaned_data["url"]
         if not url.lower().startswith(("http://", "https://")):
             raise forms.ValidationError("an http:// or https:// URL")
+        try:
+            outbound.check_url(url, reach())
+        except outbound.OutboundRefused as refused:
+            raise forms.ValidationError(refused.detail) from None
         return url
 
 

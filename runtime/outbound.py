@@ -263,12 +263,15 @@ def parse_networks(cidrs: Iterable[str]) -> tuple[IPNetwork, ...]:
     return tuple(networks)
 
 
-def check_url(url: str) -> None:
-    """Static check when a definition is saved: a well-formed http(s) URL to an allowed
-    host. No DNS: what a name resolves to is judged at send time, every time. A template
-    must be compiled first (UrlTemplate.compile): `http://{x}.example.com` would pass here
-    as a subdomain."""
-    _allowed_host(url)
+def check_url(url: str, reach: Reach | None = None) -> None:
+    """Static check when a definition (or another URL requests will go to) is saved: a
+    well-formed http(s) URL to a host allowed — the tools' hosts, or `reach`'s. No DNS: what
+    a name resolves to is judged at send time, every time. A template must be compiled
+    first (UrlTemplate.compile): `http://{x}.example.com` would pass here as a subdomain."""
+    if reach is None:
+        _allowed_host(url)
+    else:
+        _judged_url(url, reach.hosts)
 
 
 def _allowed_host(url: str) -> tuple[str, int, str]:

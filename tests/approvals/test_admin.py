@@ -282,6 +282,16 @@ def test_webhook_admin_generates_and_shows_the_secret(
         {"tenant": admin_a.tenant.pk, "url": "ftp://x.example/", "event_types": []},
     )
     assert {"url", "event_types"} <= set(_errors(bad_url))
+    # What delivery would refuse of the URL itself is said on the form, not at each event.
+    with_password = client.post(
+        f"{WEBHOOKS}add/",
+        {
+            "tenant": admin_a.tenant.pk,
+            "url": "https://hook:s3cret@hooks.acme.example/holdpoint",
+            "event_types": ["approval.decided"],
+        },
+    )
+    assert _errors(with_password) == {"url": ["the URL may not contain a user name or password"]}
     assert TenantWebhook.objects.count() == 1
 
 
