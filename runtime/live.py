@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.http import StreamingHttpResponse
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,17 @@ READERS = 4
 RETRY_SECONDS = 1.0
 
 
-def _close_kept(gate: threading.Barrier) -> None:
-    with contextlib.suppress(threading.BrokenBarrierError):
-        gate.wait(timeout=30)
-    connection.close()
+def _readers() -> tuple[ThreadPoolExecutor, list[BaseDatabaseWrapper]]:
+    """A pool of reader threads, and the database connection object of each thread it
+    starts (registered as the thread starts: the pool's scheduling decides which thread
+    runs a task, so a close cannot be sent to each thread as a task)."""
+    kept: list[BaseDatabaseWrapper] = []
+    pool = ThreadPoolExecutor(
+        READERS,
+        thread_name_prefix="holdpoint-live-read",
+        initializer=lambda: kept.append(connections[DEFAULT_DB_ALIAS]),
+    )
+    return pool, kept
 
 
 def _read_in_thread(fn: Callable[[], T]) -> T:
@@ -72,7 +79,7 @@ class Doorbell:
 
     def __init__(self) -> None:
         self.waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
-        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
+        self.readers, self.kept = _readers()
         self.inflight: dict[Hashable, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -125,19 +132,20 @@ class Doorbell:
         await asyncio.get_running_loop().run_in_executor(None, self.close_readers)
 
     def close_readers(self) -> None:
-        """End the reader threads, each closing the connection it kept; reads already asked
-        finish first. A web process's readers live as long as it does, and its exit closes
-        their sockets; a process that goes on (a test session, before it drops the test
-        database: "being accessed by other users", and the database was left behind) must
-        close them itself. New readers start with the next read."""
-        readers = self.readers
-        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="holdpoint-live-read")
-        # One close per thread: each waits at the barrier until every thread holds one, so
-        # no thread takes two (the pool starts the threads it has not started yet).
-        gate = threading.Barrier(READERS)
-        for _ in range(READERS):
-            readers.submit(_close_kept, gate)
+        """End the reader threads (reads already asked finish first), then close the
+        connection each of them kept. A web process's readers live as long as it does, and
+        its exit closes their sockets; a process that goes on (a test session, before it
+        drops the test database: "being accessed by other users", and the database was left
+        behind) must close them itself. New readers start with the next read."""
+        readers, kept = self.readers, self.kept
+        self.readers, self.kept = _readers()
         readers.shutdown(wait=True)
+        for wrapper in kept:  # each thread has ended: its connection is closed from here
+            wrapper.inc_thread_sharing()
+            try:
+                wrapper.close()
+            finally:
+                wrapper.dec_thread_sharing()
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()

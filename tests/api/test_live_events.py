@@ -392,7 +392,12 @@ def test_stopping_the_doorbell_closes_the_connections_its_readers_kept() -> None
     async def read_at_once() -> None:
         await asyncio.gather(*(doorbell.read(key, slow_read) for key in range(live.READERS)))
 
+    async def read_one_by_one() -> None:
+        for key in range(2 * live.READERS):
+            await doorbell.read(key, JournalEntry.objects.count)
+
     before = sessions()
+    asyncio.run(read_one_by_one())  # threads that have done more reads than there are threads
     asyncio.run(read_at_once())
     assert settled(before + live.READERS) == before + live.READERS  # each reader kept one
     asyncio.run(doorbell.stop())
