@@ -384,8 +384,6 @@ class TenantWebhookForm(forms.ModelForm[TenantWebhook]):
         """What the sender would refuse of the URL itself (scheme, credentials in it, a
         non-ASCII host), said now; its addresses are judged at each delivery."""
         url: str = self.cleaned_data["url"]
-        if not url.lower().startswith(("http://", "https://")):
-            raise forms.ValidationError("an http:// or https:// URL")
         try:
             outbound.check_url(url, reach())
         except outbound.OutboundRefused as refused:

@@ -105,12 +105,12 @@ class Approvals(streams.StreamingList):
         ),
     )
     def get(self, request: Request) -> Response | StreamingHttpResponse:
-        mine = approvals_for(self.principal(request))
+        principal = self.principal(request)
+        mine = approvals_for(principal)
         if streams.requested(request):
             # The list's filters hold for the stream too, refused alike when invalid: an
             # event is an approval now in the status asked for.
             filters.apply(ApprovalFilter, request, mine)
-            principal = self.principal(request)
             follow = sse.follows(request._request)
             standing = Standing.of(request, principal)
             events = approval_events(
