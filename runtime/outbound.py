@@ -553,6 +553,7 @@ class Origin:
         self._idle: list[tuple[_Pinned, float]] = []
         self._lock = threading.Lock()
         self.retired = False
+        self.used = time.monotonic()  # when `origin` last handed it out (the table's LRU)
 
     def exchange(
         self,
@@ -804,11 +805,19 @@ def origin(scheme: str, host: str, address: str, port: int) -> Origin:
             found = _origins.get(key)
             if found is None:
                 if len(_origins) >= _ORIGIN_LIMIT:
-                    for old in _origins.values():
-                        old.close()
-                    _origins.clear()
+                    _retire_least_recent()
                 found = _origins[key] = Origin(scheme, host, address, port)
+    found.used = time.monotonic()
     return found
+
+
+def _retire_least_recent() -> None:
+    """Make room for one origin (under `_lock`): the one used longest ago is closed — not
+    every pool at once, so origins that come and go (many tenants' webhook receivers, a
+    tool per customer host) do not cost the busy ones their kept connections. A caller
+    still holding the retired pool finishes its request; the connection is then closed."""
+    oldest = min(_origins, key=lambda key: _origins[key].used)
+    _origins.pop(oldest).close()
 
 
 def send(

@@ -967,3 +967,33 @@ def test_concurrent_sends_to_one_origin_each_get_their_own_answer(
         problems = [p for found in pool.map(worker, range(8)) for p in found]
     assert problems == []
     assert len(server.requests) == 96
+
+
+# --- The table of origins ---------------------------------------------------------------
+
+
+def serve_echo(peer: Peer) -> None:
+    while (request := peer.request()) is not None:
+        peer.send(echo(request))
+
+
+def test_a_busy_origin_keeps_its_connection_while_others_come_and_go(
+    raw: Callable[..., RawServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table of pools is bounded; past its limit the pool used longest ago goes, not
+    every pool: a tool sending all the time keeps its kept-alive connection while one-off
+    origins (other tenants' webhook receivers) pass through."""
+    monkeypatch.setattr(outbound, "_ORIGIN_LIMIT", 3)
+    busy = raw(serve_echo)
+    passing = [raw(serve_echo) for _ in range(6)]
+    assert path_of(get(busy, "/0")) == "/0"
+    for n, other in enumerate(passing, start=1):
+        assert path_of(get(other, "/once")) == "/once"
+        assert path_of(get(busy, f"/{n}")) == f"/{n}"
+        assert len(outbound._origins) <= 3
+    assert len(busy.ports()) == 7
+    assert len(set(busy.ports())) == 1  # one connection for all seven requests
+    # The first passing origins were retired, and their kept connections closed with them:
+    # asked again, each connects anew.
+    assert path_of(get(passing[0], "/again")) == "/again"
+    assert len(set(passing[0].ports())) == 2
