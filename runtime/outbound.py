@@ -267,11 +267,24 @@ def check_url(url: str, reach: Reach | None = None) -> None:
     """Static check when a definition (or another URL requests will go to) is saved: a
     well-formed http(s) URL to a host allowed — the tools' hosts, or `reach`'s. No DNS: what
     a name resolves to is judged at send time, every time. A template must be compiled
-    first (UrlTemplate.compile): `http://{x}.example.com` would pass here as a subdomain."""
+    first (UrlTemplate.compile): `http://{x}.example.com` would pass here as a subdomain.
+
+    A `reach` that allows any host judges by address alone, so a host written as an address
+    is judged here too (a webhook to http://169.254.169.254/ is the form's error, not a
+    refusal recorded at every event); the tools' reach names its hosts, and an operator who
+    allowed an address there chose it."""
     if reach is None:
         _allowed_host(url)
-    else:
-        _judged_url(url, reach.hosts)
+        return
+    host = _judged_url(url, reach.hosts)[0]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return  # a name: its addresses are judged when a request goes out
+    if not address_allowed(host, reach.networks):
+        raise OutboundRefused(
+            "private_address", f"{host} is not a public address, nor in a network allowed"
+        )
 
 
 def _allowed_host(url: str) -> tuple[str, int, str]:

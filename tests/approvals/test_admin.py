@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group
-from django.test import Client
+from django.test import Client, override_settings
 
 from approvals.models import ApprovalPolicy, ApprovalRequest, TenantWebhook, WebhookDelivery
 from approvals.policies import may_decide
@@ -292,7 +292,26 @@ def test_webhook_admin_generates_and_shows_the_secret(
         },
     )
     assert _errors(with_password) == {"url": ["the URL may not contain a user name or password"]}
+    # A host written as an address needs no DNS to be judged: a private or metadata one is
+    # refused on the form (a name is judged at each delivery, as it may resolve elsewhere).
+    for host in ("169.254.169.254", "10.1.2.3", "[::ffff:127.0.0.1]", "[64:ff9b::a9fe:a9fe]"):
+        inside = client.post(
+            f"{WEBHOOKS}add/",
+            {"tenant": admin_a.tenant.pk, "url": f"http://{host}/hook", "event_types": []},
+        )
+        assert "not a public address" in _errors(inside)["url"][0], host
     assert TenantWebhook.objects.count() == 1
+    with override_settings(HOLDPOINT_WEBHOOK_PRIVATE_NETWORKS=["10.0.0.0/8"]):
+        internal = client.post(
+            f"{WEBHOOKS}add/",
+            {
+                "tenant": admin_a.tenant.pk,
+                "url": "http://10.1.2.3:8080/hook",
+                "event_types": ["approval.decided"],
+            },
+        )
+    assert internal.status_code == 302, _errors(internal)
+    assert TenantWebhook.objects.count() == 2
 
 
 def test_admin_of_two_tenants_cannot_cross_grant(
