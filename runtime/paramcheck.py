@@ -20,12 +20,19 @@ are stored or sent, sends it as that array), an infinite number as within a boun
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import jsonschema_rs
+import referencing
+import referencing.exceptions
+from referencing.jsonschema import DRAFT202012
 
 from audit.canonical import MAX_SAFE_INT
+
+if TYPE_CHECKING:
+    from referencing._core import Resolver  # not exported by the package, only typed
 
 # Keywords whose meaning jsonschema-rs and python-jsonschema implement identically for JSON
 # values: those that hold subschemas, with how (one, a list, a map of them), and the rest.
@@ -115,11 +122,42 @@ def _exact(value: Any) -> bool:
     return False
 
 
+# Where a `$ref` may point: inside its own schema (jsonschema adds its metaschemas),
+# never a URL. python-jsonschema's default fetches any other `$ref` with urllib when a
+# value reaches it — from the API or a worker, to any host and address a tenant admin
+# typed, past HOLDPOINT_TOOL_HOSTS and the private networks.
+NOWHERE: referencing.Registry[Any] = referencing.Registry()
+
+
+def unresolved_ref(schema: Any) -> str:
+    """The first `$ref` (or `$dynamicRef`) of `schema` that does not point inside it, or ""
+    when every one does: a tool whose schema has one could never check its params."""
+    root = DRAFT202012.create_resource(schema)
+    return _unresolved(NOWHERE.resolver_with_root(root), root)
+
+
+def _unresolved(resolver: Resolver[Any], resource: referencing.Resource[Any]) -> str:
+    if isinstance(resource.contents, Mapping):
+        for keyword in ("$ref", "$dynamicRef"):
+            ref = resource.contents.get(keyword)
+            if not isinstance(ref, str):
+                continue
+            try:
+                resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable:
+                return ref
+    for inner in resource.subresources():
+        found = _unresolved(resolver.in_subresource(inner), inner)
+        if found:
+            return found
+    return ""
+
+
 class ParamsSchema:
     """One tool version's schema, its validators built once."""
 
     def __init__(self, schema: dict[str, Any]) -> None:
-        self.full = jsonschema.Draft202012Validator(schema)
+        self.full = jsonschema.Draft202012Validator(schema, registry=NOWHERE)
         self.fast: Any = None
         if fast_enough(schema):
             try:
@@ -137,7 +175,10 @@ class ParamsSchema:
             except Exception:  # a value it cannot take (a lone surrogate, a key that is no
                 pass  # string): the full check says
         errors: dict[str, list[str]] = {}
-        for error in self.full.iter_errors(params):
-            where = ".".join(str(p) for p in error.absolute_path) or "params"
-            errors.setdefault(where, []).append(error.message)
+        try:
+            for error in self.full.iter_errors(params):
+                where = ".".join(str(p) for p in error.absolute_path) or "params"
+                errors.setdefault(where, []).append(error.message)
+        except referencing.exceptions.Unresolvable as exc:  # stored before `unresolved_ref`
+            errors.setdefault("params", []).append(f"the tool's schema cannot be used: {exc}")
         return errors

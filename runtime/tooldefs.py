@@ -8,8 +8,9 @@ not a new version, so importing the same file twice changes nothing), and the ch
 journalled in the tenant's stream.
 
 What is checked, because each would otherwise fail at send time, on a tenant's behalf:
-- the schema is a JSON Schema (2020-12) for an object, and every name the definition cites
-  (`editable`, `sensitive`, URL placeholders) is one of its properties;
+- the schema is a JSON Schema (2020-12) for an object whose `$ref`s point inside it (no
+  schema is fetched from elsewhere: that would be a request to any host), and every name
+  the definition cites (`editable`, `sensitive`, URL placeholders) is one of its properties;
 - URL templates place params only in the path and query (`runtime.outbound.UrlTemplate`),
   and their hosts are allowed by `HOLDPOINT_TOOL_HOSTS` (422 `host_not_allowed`);
 - JSONPath expressions (`lookup.found`, `result.external_id`) parse (RFC 9535);
@@ -35,7 +36,7 @@ from django.db.models import Max
 
 from audit import journal
 from audit.canonical import canonical_bytes, sha256_hex
-from runtime import jsonpaths, outbound
+from runtime import jsonpaths, outbound, paramcheck
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
@@ -247,6 +248,9 @@ def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
     except jsonschema.SchemaError as exc:
         errors.add("schema", f"not a valid JSON Schema: {exc.message}")
         return {}
+    ref = paramcheck.unresolved_ref(schema)
+    if ref:
+        errors.add("schema", f"$ref {ref!r} does not point inside the schema (none is fetched)")
     if schema.get("type") != "object":
         errors.add("schema", 'params are an object: "type": "object"')
     properties = schema.get("properties", {})

@@ -15,7 +15,7 @@ from approvals.models import ApprovalPolicy
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Tenant, ToolDefinition
-from runtime.tooldefs import HostNotAllowed, InvalidTool, define
+from runtime.tooldefs import HostNotAllowed, InvalidTool, define, parse
 from tests.httpservers import Behaviour, Server, answer_json, redirect_to, stream_forever
 from tests.tooldefs import tickets
 
@@ -109,3 +109,36 @@ def test_a_definition_that_would_send_elsewhere_is_refused_and_not_stored(
         define(tenant_a, create, "user:admin", known_tools=["tickets.close"])
     assert "request.url" in refused.value.extra["errors"]  # type: ignore[attr-defined]
     assert not ToolDefinition.objects.exists()
+
+
+def test_a_schema_cannot_make_holdpoint_fetch_a_url(
+    tenant_a: Tenant, serve: Serve, settings: Any
+) -> None:
+    """A `$ref` to a URL: python-jsonschema fetched it (urllib, with a DeprecationWarning)
+    when a param reached it — from the API or a worker, to any host and address, past
+    HOLDPOINT_TOOL_HOSTS and the private networks, its answer judging the params."""
+    service, probe = serve(answer_json), serve(answer_json)
+    settings.HOLDPOINT_TOOL_HOSTS = ["127.0.0.1"]  # not localhost, the probe's name
+    ref = f"http://localhost:{probe.port}/schema.json"
+    schema = {"type": "object", "properties": {"title": {"$ref": ref}}}
+    create = {**tickets(service.url)[1], "schema": schema}
+    with pytest.raises(InvalidTool) as refused:
+        parse(create, known_tools=["tickets.close"])
+    assert "schema" in refused.value.extra["errors"]
+
+    # A definition stored before it was refused so: its actions fetch nothing either.
+    action = _run_ticket(tenant_a, service.url, mode="key")
+    assert action.status == S.CONFIRMED
+    row = ToolDefinition.objects.get(tenant=tenant_a, name="tickets.create")
+    ToolDefinition.objects.create(
+        tenant=tenant_a,
+        name=row.name,
+        version=row.version + 1,
+        spec={**row.spec, "schema": schema},
+        digest="0" * 64,
+        created_by="user:admin",
+    )
+    run = create_run(tenant_a, "ticketing", {"title": "probe"}, actor="user:t")
+    advance_run(run.run_id, "w1")
+    assert probe.requests == []
+    assert len(service.requests) == 1  # the first run's; the second action was not sent
