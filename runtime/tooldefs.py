@@ -484,7 +484,7 @@ def define(
         row = ToolDefinition.objects.create(
             tenant=tenant,
             name=name,
-            version=(latest.version + 1) if latest else 1,
+            version=(latest.version + 1) if latest else _first_version(name),
             spec=spec,
             digest=fingerprint,
             created_by=actor[:200],
@@ -498,6 +498,14 @@ def define(
             object_ref=f"tool:{name}",
         )
     return Defined(row, created=True)
+
+
+def _first_version(name: str) -> int:
+    """A built-in tool is version 1 of its name (runtime.tools: "1"), so a tenant's own
+    definition of that name starts at 2: an action prepared with the built-in and approved
+    for it is then sent, and reconciled, under the version it was given for (a changed
+    version re-stamps it and supersedes the approval), not under the tenant's version 1."""
+    return 2 if name in builtin_names() else 1
 
 
 def define_many(tenant: Tenant, items: list[Any], actor: str) -> list[Defined]:

@@ -11,9 +11,9 @@ import pytest
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
-from runtime import protocol
+from runtime import protocol, tooldefs
 from runtime.compensation import compensate, dispatch_standalone
-from runtime.errors import InvalidParams, NotPermitted, ToolChanged
+from runtime.errors import ApprovalRequired, InvalidParams, NotPermitted, ToolChanged
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant, ToolDefinition
@@ -171,6 +171,39 @@ def test_a_redefined_tool_supersedes_the_approval_given_for_the_old_version(
     decide(second.id, reviewer_a.user, "approve", second.action_hash, reason="v2 is fine")
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert len(box.tasks()) == 1
+
+
+def test_a_tenants_definition_of_a_built_in_name_does_not_inherit_its_approvals(
+    tenant_a: Tenant,
+    agent_a: Persona,
+    reviewer_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+) -> None:
+    """Both were version 1: an action of the built-in tasks.create approved, then the tenant
+    defining its own tasks.create (allowed: it takes precedence) sent the action to the
+    tenant's URL under the approval given for the built-in — the hash binds (name, version)
+    and neither had changed — and a later reconcile would ask the tenant's service."""
+    mine = sandbox_factory("key")
+    tracker = sandbox_factory("key")  # the last one asked for: the built-in tasks.* use it
+    ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="tasks held", tool="tasks.create", any_reviewer=True
+    )
+    run, fence = _external_run(tenant_a, agent_a)
+    action, _ = protocol.prepare(
+        run, fence, "tasks.create", {"title": "For the tracker"}, reason="r", who="agent:a"
+    )
+    request = ApprovalRequest.objects.get(run=run)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="tracker: fine")
+    create = next(t for t in tracker_definitions(mine.url) if t["name"] == "tasks.create")
+    defined = tooldefs.define(tenant_a, create, "user:admin").definition
+    assert defined.version == 2  # version 1 of tasks.create is the built-in one
+
+    with pytest.raises(ApprovalRequired):
+        protocol.dispatch(Action.objects.get(pk=action.pk), fence, "agent:a")
+    assert mine.tasks() == [] and tracker.tasks() == []
+    request.refresh_from_db()
+    assert request.status == ApprovalStatus.SUPERSEDED
+    assert get_tool("tasks.create", tenant_a.pk, "1").builtin  # what version 1 was sent as
 
 
 def _external_run(tenant: Tenant, agent: Persona) -> tuple[Run, int]:
