@@ -14,7 +14,8 @@ What is checked, because each would otherwise fail at send time, on a tenant's b
 - URL templates place params only in the path and query (`runtime.outbound.UrlTemplate`),
   and their hosts are allowed by `HOLDPOINT_TOOL_HOSTS` (422 `host_not_allowed`);
 - JSONPath expressions (`lookup.found`, `result.external_id`) parse (RFC 9535);
-- extra headers cannot replace the ones Holdpoint sets (the key, the fence, the credential);
+- extra headers cannot replace the ones Holdpoint sets (the key — `dedup.header` in any
+  case —, the fence, the credential);
 - a compensation names a tool that exists;
 - an `mcp` tool names an upstream server the tenant registered (runtime.models.McpServer)
   whose URL host is allowed, and declares dedup `none` (MCP has no idempotency contract, so
@@ -160,7 +161,7 @@ def parse(
     spec["dedup"] = {"mode": mode, "header": header}
     params = set(properties)
     if executor == "http":
-        spec["request"] = _request(data.get("request"), params, errors)
+        spec["request"] = _request(data.get("request"), params, header, errors)
     elif "request" in data:
         errors.add("request", f"an {executor} tool has no http request")
     lookup = data.get("lookup")
@@ -292,7 +293,7 @@ def _template(
     return template
 
 
-def _request(request: Any, params: set[str], errors: _Errors) -> dict[str, Any]:
+def _request(request: Any, params: set[str], key_header: Any, errors: _Errors) -> dict[str, Any]:
     if not isinstance(request, Mapping):
         errors.add("request", "an http tool needs a request: {method, url, headers}")
         return {}
@@ -310,6 +311,10 @@ def _request(request: Any, params: set[str], errors: _Errors) -> dict[str, Any]:
             errors.add("request.headers", f"{key!r} is not a header name")
         elif str(key).lower() in RESERVED_HEADERS:
             errors.add("request.headers", f"{key} is set by Holdpoint")
+        elif isinstance(key_header, str) and str(key).lower() == key_header.lower():
+            # Sent beside the action's key, as a second header: a service reading the first
+            # would take this constant for every action's key.
+            errors.add("request.headers", f"{key} carries the action's key (dedup.header)")
         if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
             errors.add("request.headers", f"{key}: a single-line string")
     return {"method": method, "url": url, "headers": dict(headers)}

@@ -140,6 +140,19 @@ BAD = {
         "invalid_tool",
         "request.url",
     ),
+    # Sent beside the key as a second header: a service reading the first one dedups every
+    # action by this constant (the sandbox does: the second action "applied" as the first).
+    "the dedup header as an extra header": (
+        tickets(
+            request={
+                "method": "POST",
+                "url": "http://127.0.0.1:8765/tickets",
+                "headers": {"idempotency-key": "same-for-all"},
+            }
+        ),
+        "invalid_tool",
+        "request.headers",
+    ),
     "not an object": (["tickets.create"], "invalid_tool", "tool"),
     "unknown field": (tickets(surprise=1), "invalid_tool", "surprise"),
 }
