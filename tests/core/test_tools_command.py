@@ -133,6 +133,18 @@ def test_what_is_not_a_definition_is_refused(
     assert ToolDefinition.objects.count() == 0
 
 
+def test_a_file_not_in_utf_8_is_refused_with_a_sentence(tenant_a: Tenant, tmp_path: Path) -> None:
+    """A file saved as Latin-1 (an editor's default): UnicodeDecodeError is no OSError, so
+    it escaped the command as a traceback."""
+    path = tmp_path / "latin1.json"
+    path.write_bytes(
+        json.dumps(tool("cafe.open", description="Café"), ensure_ascii=False).encode("latin-1")
+    )
+    code, _, err = run("import", str(path), "--tenant", "acme")
+    assert code != 0 and "is not UTF-8" in err, err
+    assert ToolDefinition.objects.count() == 0
+
+
 def test_a_name_twice_in_one_file_is_refused(tenant_a: Tenant, tmp_path: Path) -> None:
     path = tmp_path / "twice.json"
     path.write_text(json.dumps([tool("same.name"), tool("same.name", effect="read")]))

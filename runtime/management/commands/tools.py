@@ -60,6 +60,8 @@ class Command(BaseCommand):
             text = sys.stdin.read() if source == "-" else Path(source).read_text("utf-8")
         except OSError as exc:
             raise CommandError(f"cannot read {source}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:  # JSON is UTF-8 (RFC 8259); no OSError
+            raise CommandError(f"{source} is not UTF-8: byte {exc.start} ({exc.reason})") from None
         try:
             data = parse_strict(text)  # as the API parses it: no duplicate keys, NaN, depth
         except ValueError as exc:
