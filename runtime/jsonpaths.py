@@ -43,7 +43,9 @@ class JsonPath:
 def compile_path(expr: str) -> JsonPath:
     try:
         return JsonPath(expr, jsonpath_rfc9535.compile(expr))
-    except (jsonpath_rfc9535.JSONPathError, RecursionError) as exc:  # nesting past the stack
+    # RecursionError: nesting past the stack; OverflowError: a number past a double's range
+    # (`1e400`), which the library reads as an integer through float.
+    except (jsonpath_rfc9535.JSONPathError, RecursionError, OverflowError) as exc:
         raise JsonPathError(
             f"{expr!r} is not a JSONPath expression (RFC 9535, such as $.id or $[0].id): {exc}"
         ) from None

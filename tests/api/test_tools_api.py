@@ -120,6 +120,12 @@ BAD = {
         "invalid_tool",
         "result",
     ),
+    # RFC 9535 numbers are I-JSON's: the library's OverflowError was a 500 before.
+    "JSONPath with a number past a double's range": (
+        tickets(result={"external_id": "$[?@.a==1e400].id"}),
+        "invalid_tool",
+        "result",
+    ),
     "lookup JSONPath that does not parse": (
         tickets(lookup={"url": "http://127.0.0.1:8765/t?key={idempotency_key}", "found": "$$"}),
         "invalid_tool",
