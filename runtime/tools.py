@@ -238,14 +238,18 @@ class HttpTool(Tool):
         shows where it would go, never what it is)."""
         assert self.url is not None
         text = params_text if params_text is not None else json.dumps(dict(params))
-        headers = {
-            **self.extra_headers,
+        own = {
             "Content-Type": "application/json",
             self.key_header: key,
             "Holdpoint-Fence": str(fence),
             "Holdpoint-Run": run_id,
+            **self.authorization(run_id, reveal=reveal),
         }
-        headers.update(self.authorization(run_id, reveal=reveal))
+        headers = dict(self.extra_headers)
+        if headers:  # a header of ours replaces a definition's of that name in any case
+            taken = {name.lower() for name in own}
+            headers = {name: v for name, v in headers.items() if name.lower() not in taken}
+        headers.update(own)
         content = b"" if self.method in ("GET", "DELETE") else text.encode("utf-8")
         return OutboundRequest(self.method, self.url.render(params), headers, content)
 

@@ -61,6 +61,37 @@ def test_a_defined_tool_is_sent_by_the_worker_from_its_definition(
     assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
 
 
+def test_a_stored_header_named_like_the_key_header_is_never_sent_beside_the_key(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """A definition stored before such headers were refused (`idempotency-key`, the key
+    header in another case): the action's key is the only one sent. Sent beside it, the
+    sandbox (which reads the first) took the constant for every action's key, and the
+    second action came back as the first's task, its own effect never made."""
+    box = sandbox_factory("key")
+    row = define_tickets(tenant_a, box.url)
+    spec = {**row.spec, "request": {**row.spec["request"], "headers": {"idempotency-key": "k"}}}
+    ToolDefinition.objects.create(
+        tenant=tenant_a,
+        name=row.name,
+        version=row.version + 1,
+        spec=spec,
+        digest="1" * 64,
+        created_by="user:admin",
+    )
+    _exempt(tenant_a)
+    runs = [_ticket_run(tenant_a, title) for title in ("First", "Second")]
+    for run in runs:
+        assert advance_run(run.run_id, "w1").outcome == "completed"
+    actions = Action.objects.filter(run__in=runs).order_by("created_at")
+    tasks = {task["idempotency_key"]: task for task in box.tasks()}
+    assert len(tasks) == 2
+    for action, title in zip(actions, ("First", "Second"), strict=True):
+        assert action.status == S.CONFIRMED and action.tool_version == "2"
+        assert tasks[action.idempotency_key]["title"] == title
+        assert action.external_id == tasks[action.idempotency_key]["id"]
+
+
 @pytest.mark.django_db(transaction=True)  # commits of their own: PostgreSQL's one statement
 def test_a_tool_redefined_after_the_worker_last_sent_it_is_sent_as_the_new_version(
     tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
