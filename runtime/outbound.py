@@ -240,6 +240,20 @@ def check_patterns(patterns: Iterable[str]) -> None:
             raise ValueError(
                 f"host pattern {raw!r} is not allowed: name hosts exactly or as *.example.com"
             )
+        if any(c in rest for c in ":/@[] ") and not _is_address(rest):
+            # `api.example.com:8443` or a URL would never match a request's host: refused
+            # rather than silently allowing nothing.
+            raise ValueError(
+                f"host pattern {raw!r} is not allowed: name hosts without a scheme, port or path"
+            )
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _allowed_networks() -> tuple[IPNetwork, ...]:

@@ -76,7 +76,15 @@ def test_host_allowed(host: str, patterns: list[str], allowed: bool) -> None:
     assert host_allowed(host, patterns) is allowed
 
 
-@pytest.mark.parametrize("pattern", ["*", "*.", "a.*.com", "*.*.example.com", "*.com", "", "x*"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        *("*", "*.", "a.*.com", "*.*.example.com", "*.com", "", "x*"),
+        # Would never match a request's host: a port, a scheme, a path, a user.
+        *("api.example.com:8443", "https://api.example.com", "api.example.com/v1", "u@h.com"),
+        *("127.0.0.1:80", "[::1]:8080", "*.example.com:443"),
+    ],
+)
 def test_check_patterns_refuses_what_would_allow_too_much(pattern: str) -> None:
     with pytest.raises(ValueError, match="not allowed"):
         check_patterns(["api.example.com", pattern])
