@@ -306,7 +306,7 @@ class HttpTool(Tool):
             except ValueError as exc:  # not JSON, or nested past what Holdpoint keeps
                 return CallResult("unknown", detail=f"success without JSON ({exc}): {detail}")
             external_id = jsonpaths.compile_path(self.id_path).first(body)
-            if external_id is None or isinstance(external_id, dict | list):
+            if not usable_id(external_id):
                 return CallResult("unknown", detail=f"success without a usable id: {detail}")
             return CallResult("applied", external_id=str(external_id), result=body)
         if status == 409 and "fence" in detail:
@@ -337,11 +337,25 @@ class HttpTool(Tool):
             body = response.json()
         except ValueError:
             return LookupResult(found=None, detail="lookup answered without JSON")
-        found = jsonpaths.compile_path(self.found_path).first(body)
-        if found is None:
+        matched = jsonpaths.compile_path(self.found_path).values(body)
+        if not matched:
             return LookupResult(found=False)
+        if not usable_id(matched[0]):
+            # Something is there, but not an id (null, "", an object): "not found" would let
+            # the action be sent again; this is no answer, and the contract asks again.
+            return LookupResult(
+                found=None, detail=f"lookup: {self.found_path} is {matched[0]!r}, not an id"
+            )
         first = body[0] if isinstance(body, list) and body else body
-        return LookupResult(found=True, external_id=str(found), result=first)
+        return LookupResult(found=True, external_id=str(matched[0]), result=first)
+
+
+def usable_id(value: Any) -> bool:
+    """Whether a service's value can stand as the external object's id: a number or a
+    non-empty string (true/false, null, "" and objects identify nothing)."""
+    if isinstance(value, str):
+        return value != ""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def credential_for_run(service: str, run_id: str) -> Secret | None:

@@ -4,6 +4,7 @@ data"). The tracker is the real sandbox process; the oracle is its own list of t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -421,3 +422,46 @@ def test_an_answer_too_deep_to_store_is_unknown_not_a_step_failure(
         action = Action.objects.get(run=run)
         assert action.status == S.UNKNOWN, (depth, action.status)
         assert "nested deeper than 64 levels" in action.last_error, depth
+
+
+@pytest.mark.parametrize(
+    ("answer", "found", "applied"),
+    [
+        (b"[]", False, False),
+        (b'[{"id": 7}]', True, True),
+        (b'[{"id": "t-1"}]', True, True),
+        # Something is there, but not an id: no answer, never "not found" (which would let
+        # the action be sent again) nor an id made of Python's text of it.
+        (b'[{"id": null}]', None, False),
+        (b'[{"id": ""}]', None, False),
+        (b'[{"id": {"inner": 1}}]', None, False),
+        (b'[{"id": [1]}]', None, False),
+        (b'[{"id": true}]', None, False),
+    ],
+)
+def test_only_a_number_or_a_non_empty_string_is_an_id(
+    serve: Any, tenant_a: Tenant, answer: bytes, found: bool | None, applied: bool
+) -> None:
+    """What the definition's JSONPath finds must identify the external object, in a
+    lookup's answer as in a send's (`result.external_id`)."""
+    import uuid
+
+    from tests.httpservers import answer_with
+
+    lookup_answer = serve(answer_with(200, answer))
+    define_tickets(tenant_a, lookup_answer.url)
+    tool = get_tool("tickets.create", tenant_a.pk)
+    looked = tool.lookup("k-1", run_id=str(uuid.uuid4()))
+    assert looked.found is found
+    if found:
+        assert looked.external_id == str(json.loads(answer)[0]["id"])
+    elif found is None:
+        assert "not an id" in looked.detail
+
+    body = json.loads(answer)  # the send's answer: the object alone
+    if body:
+        send_answer = serve(answer_with(200, json.dumps(body[0]).encode()))
+        define_tickets(tenant_a, send_answer.url)
+        tool = get_tool("tickets.create", tenant_a.pk)
+        sent = tool.call('{"title":"t"}', key="k-2", fence=1, run_id=str(uuid.uuid4()))
+        assert sent.outcome == ("applied" if applied else "unknown")
