@@ -177,8 +177,9 @@ EXECUTING = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING)
 def flag_lost_executors(limit: int) -> int:
     """External runs whose executor's lease expired and was not renewed within
     HOLDPOINT_EXECUTOR_GRACE: no worker will ever pick them up, so a person must know —
-    `needs_attention`, attention_reason `executor_lost`, the dead lease cleared (its holder's
-    writes are refused from now on), journalled. A new lease takes the run back
+    `needs_attention`, attention_reason `executor_lost`, the dead lease cleared and its fence
+    revoked (fence + 1: every executor write is conditional on the fence alone, so only this
+    refuses the holder's writes from now on), journalled. A new lease takes the run back
     (runtime.leases.take_lease). Each is a compare-and-swap on the fence it read, so an
     executor that renewed meanwhile, or a successor's lease, is never flagged."""
     grace = db_now_plus(-settings.HOLDPOINT_EXECUTOR_GRACE)
@@ -197,6 +198,7 @@ def flag_lost_executors(limit: int) -> int:
             ).update(
                 status=RunStatus.NEEDS_ATTENTION,
                 attention_reason=EXECUTOR_LOST,
+                fence=F("fence") + 1,
                 lease_owner="",
                 lease_expires_at=None,
                 updated_at=Now(),

@@ -428,7 +428,8 @@ def test_a_lost_executor_is_flagged_by_the_sweeper_and_a_new_lease_takes_the_run
     again = take_lease(client, lost_id, owner="agent-2")
 
     back = Run.objects.get(pk=lost_id)
-    assert (back.status, back.attention_reason, back.fence) == (RunStatus.RUNNING, "", fence + 1)
+    assert (back.status, back.attention_reason, back.fence) == (RunStatus.RUNNING, "", again)
+    assert again > fence
     ok(
         post(
             client,
@@ -444,6 +445,41 @@ def test_a_lost_executor_is_flagged_by_the_sweeper_and_a_new_lease_takes_the_run
         201,
     )
     assert Run.objects.get(pk=lost_id).status == RunStatus.COMPLETED
+
+
+def test_a_lost_executor_writes_nothing_after_the_sweeper_flagged_it(
+    agent_a: Persona, settings: Any
+) -> None:
+    """The sweeper clears a lost executor's lease and says its holder's writes are refused
+    from then on; but it kept the fence, and every executor write is conditional on the fence
+    alone — so the executor, back from its pause, wrote a checkpoint (the run `running` again,
+    with no lease and still `executor_lost`, never flagged again) and prepared and sent an
+    action on a run nobody held. Found by probing the protocol after a sweep."""
+    settings.HOLDPOINT_EXECUTOR_GRACE = 10
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, ttl=5)
+    earlier = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    Run.objects.filter(pk=run_id).update(lease_expires_at=timezone.now() - timedelta(seconds=11))
+    sweep_once(ring=lambda run_id: None)
+    before = row_counts()
+
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "x"}
+    problem(post(client, f"runs/{run_id}/checkpoints/", body), 409, "stale_fence")
+    problem(prepare(client, run_id, fence, tool=CLIENT), 409, "stale_fence")
+    problem(dispatch(client, earlier["action_id"], fence), 409, "stale_fence")
+
+    assert row_counts() == before
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.attention_reason, run.checkpoint_rev) == (
+        RunStatus.NEEDS_ATTENTION,
+        "executor_lost",
+        0,
+    )
+    assert Action.objects.get(pk=earlier["action_id"]).status == ActionStatus.PREPARED
+    again = take_lease(client, run_id, owner="agent-2")
+    assert again > fence
+    ok(dispatch(client, earlier["action_id"], again))
 
 
 def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
