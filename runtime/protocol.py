@@ -561,13 +561,17 @@ def record_outcome(
             .values_list("goal_rev", flat=True)
             .get()
         )
-        if action.goal_rev != goal_rev:
-            return ledger.record_late_result(
-                action, outcome, result, actor, external_id=external_id
-            )
         action = ledger.reload(action)  # its status now, under the run's row lock
         if action.status == S.MANUAL_REVIEW:
             raise InvalidTransition("the action waits for a person to resolve it")
+        if action.goal_rev != goal_rev:
+            # Kept on the action, advancing nothing — but only for an action that may have
+            # been sent: a settled one's status and result are not a late report's to change.
+            if action.status not in ledger.UNSETTLED:
+                raise InvalidTransition(f"action is {action.status}; an outcome answers a send")
+            return ledger.record_late_result(
+                action, outcome, result, actor, external_id=external_id
+            )
         if outcome == "not_found":
             return _not_found(action, actor, reported)
         if outcome == "unknown" and action.status in ledger.UNSETTLED:

@@ -423,6 +423,45 @@ def test_dispatch_of_an_old_revisions_action_is_409_stale_goal_rev(agent_a: Pers
     assert JournalEntry.objects.filter(stream=f"run:{run_id}", type="late_result_ignored").exists()
 
 
+@pytest.mark.parametrize("settled", ["confirmed", "manual_review", "cancelled"])
+def test_an_old_revisions_outcome_is_refused_for_an_action_that_cannot_take_one(
+    agent_a: Persona, settings: Any, settled: str
+) -> None:
+    """An outcome for an action of an older goal revision took a path of its own (kept on the
+    action as a late result) that checked nothing of the action's status: a `failed` report
+    for a confirmed action answered 200 and overwrote its result; a `confirmed` one settled an
+    action that waits for a person (the run left in needs_reconciliation, its resolve then
+    refused); a never-sent, cancelled action took a result. All are 409 invalid_transition,
+    as for the current revision, and change nothing. Found by probing outcomes after a
+    revision."""
+    settings.HOLDPOINT_TASKS_DEDUP = "none" if settled == "manual_review" else "key"
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    if settled != "cancelled":
+        ok(dispatch(client, action["action_id"], fence))
+        verdict = "confirmed" if settled == "confirmed" else "unknown"
+        body = {"external_id": "T-1", "result": {"id": "T-1"}}
+        ok(outcome(client, action["action_id"], fence, verdict, **body))
+    ok(post(client, f"runs/{run_id}/revisions/", {"goal": {"x": 1}, "expected_goal_rev": 1}))
+    stored = Action.objects.get(pk=action["action_id"])
+    assert stored.status == settled
+    before = row_counts()
+
+    for verdict, fields in (("failed", {"result": {"error": "no"}}), ("confirmed", {})):
+        body = {"external_id": "T-2", "result": {"id": "T-2"}, **fields}
+        response = outcome(client, action["action_id"], fence, verdict, **body)
+        problem(response, 409, "invalid_transition")
+
+    assert row_counts() == before
+    after = Action.objects.get(pk=action["action_id"])
+    assert (after.status, after.external_id, after.result) == (
+        stored.status,
+        stored.external_id,
+        stored.result,
+    )
+
+
 @pytest.mark.parametrize("how", ["revision", "cancel"])
 def test_dispatch_of_a_withdrawn_action_is_409_action_cancelled(agent_a: Persona, how: str) -> None:
     client = agent_a.api()

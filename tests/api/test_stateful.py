@@ -254,10 +254,13 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             response = self.call(p, f"actions/{action_id}/outcome/", body)
             if fence != run.fence:
                 self.refused(response, "stale_fence")
-            elif action.goal_rev != run.goal_rev:
-                self.accepted(response)  # a late result: recorded, the run does not move
             elif action.status == ActionStatus.MANUAL_REVIEW:
                 self.refused(response, "invalid_transition")  # a person's to resolve
+            elif action.goal_rev != run.goal_rev:
+                if action.status in (ActionStatus.SENT, ActionStatus.UNKNOWN):
+                    self.accepted(response)  # a late result: recorded, the run does not move
+                else:  # settled, or never sent: not a late report's to change
+                    self.refused(response, "invalid_transition")
             elif action.status not in sources(verdict):
                 self.refused(response, "invalid_transition")
             else:
