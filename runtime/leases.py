@@ -252,10 +252,18 @@ def heartbeat(lease: Lease) -> datetime:
 
 def release(lease: Lease, *, requeue: bool = False) -> None:
     """Give the lease up (graceful stop), journalled. A running run goes back to queued for
-    the next one (`requeue`: and its doorbell rings); a waiting one keeps waiting."""
+    the next one (`requeue`: and its doorbell rings); a waiting one keeps waiting.
+
+    The fence moves on with it: every executor write is conditional on the fence alone, so
+    a holder that gave its lease up — an external agent's stray checkpoint, prepare or
+    dispatch after its release — is refused as stale, not written on a run nobody holds."""
     with transaction.atomic(durable=True):
         mine = _held(lease)
-        changes: dict[str, Any] = {"lease_owner": "", "lease_expires_at": None}
+        changes: dict[str, Any] = {
+            "lease_owner": "",
+            "lease_expires_at": None,
+            "fence": F("fence") + 1,
+        }
         entry: dict[str, Any] = {"fence": lease.fence}
         released = mine.filter(status=RunStatus.RUNNING).update(status=RunStatus.QUEUED, **changes)
         if released:

@@ -132,7 +132,7 @@ def test_release_answers_200_then_a_stale_fence_is_409(agent_a: Persona) -> None
     stored = Run.objects.get(pk=run_id)
     assert stored.lease_owner == "" and stored.lease_expires_at is None
     second = take_lease(client, run_id, owner="p2")
-    assert second == fence + 1
+    assert second == fence + 2  # the release moved the fence on, the take once more
     problem(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}), 409, "stale_fence")
     assert Run.objects.get(pk=run_id).lease_owner == "p2"
 
@@ -144,7 +144,29 @@ def test_a_heartbeat_after_release_is_409_and_the_run_stays_free(agent_a: Person
     problem(post(client, f"runs/{run_id}/lease/heartbeat/", {"fence": fence}), 409, "stale_fence")
     stored = Run.objects.get(pk=run_id)
     assert (stored.lease_owner, stored.lease_expires_at) == ("", None)
-    assert take_lease(client, run_id, owner="p2") == fence + 1
+    assert take_lease(client, run_id, owner="p2") == fence + 2
+
+
+def test_a_released_lease_writes_nothing(agent_a: Persona) -> None:
+    """An executor that gave its lease up holds nothing: its fence is refused for every
+    write, as a worker's is (before, its checkpoint was 201 and put the run back to running
+    with no owner and no expiry — never flagged lost — and its prepare and dispatch went
+    through on a run nobody held)."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    held = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}))
+    before = row_counts()
+    checkpoint = {"fence": fence, "expected_rev": 0, "state": {"n": 1}, "next_step": "more"}
+    problem(post(client, f"runs/{run_id}/checkpoints/", checkpoint), 409, "stale_fence")
+    problem(prepare(client, run_id, fence, tool=CLIENT, params={"title": "x"}), 409, "stale_fence")
+    problem(dispatch(client, held["action_id"], fence), 409, "stale_fence")
+    stored = Run.objects.get(pk=run_id)
+    assert (stored.status, stored.lease_owner, stored.checkpoint_rev) == ("queued", "", 0)
+    assert Action.objects.get(pk=held["action_id"]).status == ActionStatus.PREPARED
+    after = row_counts()
+    after.pop("JournalEntry"), before.pop("JournalEntry")  # the refusals are journalled
+    assert after == before
 
 
 def test_heartbeat_and_release_naming_another_owner_are_409_stale_fence(
