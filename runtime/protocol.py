@@ -267,6 +267,11 @@ def write_checkpoint(
     changes: dict[str, Any] = {"step_rev": rev, "next_step": next_step, "status": run_status}
     if run_status != RunStatus.RUNNING:
         changes.update(lease_owner="", lease_expires_at=None)
+        if run_status not in TERMINAL:
+            # The lease ends with the checkpoint (waiting for input): its fence with it, as
+            # at a release, so a write of the same holder after it is refused as stale —
+            # the run waits for its input and the next lease, not for more of this one.
+            changes["fence"] = fence + 1
     for _ in range(_CHECKPOINT_ATTEMPTS):
         current = _writable(run, fence, expected_rev)
         commit = StepCommit(

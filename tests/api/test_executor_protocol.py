@@ -147,6 +147,29 @@ def test_a_heartbeat_after_release_is_409_and_the_run_stays_free(agent_a: Person
     assert take_lease(client, run_id, owner="p2") == fence + 2
 
 
+def test_a_checkpoint_that_waits_for_input_ends_its_lease_and_its_fence(
+    agent_a: Persona,
+) -> None:
+    """`status: waiting_input` gives the lease up with the checkpoint: the same fence's
+    next prepare or checkpoint is 409 stale_fence (before: 201 on a run waiting for input
+    that nobody held); after the input, the next lease carries on."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    wait = {"fence": fence, "expected_rev": 0, "state": {"asked": True}, "next_step": "answer"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", {**wait, "status": "waiting_input"}), 201)
+    stored = Run.objects.get(pk=run_id)
+    assert (stored.status, stored.lease_owner) == ("waiting_input", "")
+    problem(prepare(client, run_id, fence, tool=CLIENT), 409, "stale_fence")
+    more = {**wait, "expected_rev": 1, "state": {"asked": False}}
+    problem(post(client, f"runs/{run_id}/checkpoints/", more), 409, "stale_fence")
+    assert not Action.objects.filter(run_id=run_id).exists()
+    assert Checkpoint.objects.filter(run_id=run_id).count() == 1
+    ok(post(client, f"runs/{run_id}/input/", {"data": {"answer": 42}, "expected_rev": 1}))
+    again = take_lease(client, run_id, owner="p2")
+    assert again == fence + 2
+    ok(post(client, f"runs/{run_id}/checkpoints/", {**more, "fence": again}), 201)
+
+
 def test_a_released_lease_writes_nothing(agent_a: Persona) -> None:
     """An executor that gave its lease up holds nothing: its fence is refused for every
     write, as a worker's is (before, its checkpoint was 201 and put the run back to running
