@@ -439,7 +439,12 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
 
     if tool.sent_by_holdpoint:
         if action.status in (S.CONFIRMED, S.FAILED, S.COMPENSATED, S.MANUAL_REVIEW):
-            return action  # a retried dispatch: it was sent here and settled (or a person's)
+            # A retried dispatch: it was sent here and settled (or is a person's) — answered
+            # with the action, to the lease's holder only, as every dispatch is.
+            held = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
+            if not held.exists():
+                raise StaleFence(f"fence {fence} no longer owns run {action.run_id}")
+            return action
         return perform(action, fence, tool, actor, ttl=ttl, then=resume)
     if action.status in ledger.UNSETTLED:
         return _dispatch_again(action, fence, ttl, tool, actor)

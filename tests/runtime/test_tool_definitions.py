@@ -14,7 +14,13 @@ from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
 from runtime import protocol, tooldefs
 from runtime.compensation import compensate, dispatch_standalone
-from runtime.errors import ApprovalRequired, InvalidParams, NotPermitted, ToolChanged
+from runtime.errors import (
+    ApprovalRequired,
+    InvalidParams,
+    NotPermitted,
+    StaleFence,
+    ToolChanged,
+)
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant, ToolDefinition
@@ -327,6 +333,9 @@ def test_an_external_runs_http_tool_is_sent_by_the_server_not_the_agent(
         protocol.record_outcome(done, fence, "failed", who="agent:a")
     again = protocol.dispatch(Action.objects.get(pk=action.pk), fence, "agent:a")
     assert again.status == S.CONFIRMED and len(box.tasks()) == 1  # a retried dispatch: once
+    protocol.release(Run.objects.get(pk=run.pk), fence, "agent:a")
+    with pytest.raises(StaleFence):  # not the lease's holder any more: refused as any write
+        protocol.dispatch(Action.objects.get(pk=action.pk), fence, "agent:a")
 
 
 def test_compensation_is_another_defined_tool(
