@@ -17,7 +17,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from approvals.hashing import action_hash
-from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
+from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, ApprovalVote
 from approvals.policies import policy_for
 from audit import journal
 from fastsql.statements import tenant_check
@@ -133,6 +133,10 @@ def record_edits(
     stands for the edited action — its edits, params, hash, and its title, which names the
     action by its params ("Create task: <the edited title>"), so inbox, history, notices and
     the page never show the original's title for what will actually be sent."""
+    if new_hash != request.action_hash:
+        # Under a quorum, the approvals cast so far were of the action before this edit: they
+        # do not approve what will now be sent. Their reviewers vote again (on the new hash).
+        ApprovalVote.objects.filter(request=request).delete()
     params = json.loads(action.params)
     request.title = tool_of(action).title_for(params, action.target)
     request.edits = edits

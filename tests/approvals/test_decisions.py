@@ -332,3 +332,23 @@ def test_a_decision_made_while_the_run_is_still_parking_wakes_it(
     assert run.status == RunStatus.QUEUED  # woken, not stuck in waiting_approval
     assert "woken" in events(run)
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
+
+
+def test_an_edit_voids_the_quorum_votes_cast_for_the_unedited_action(
+    held: Any, reviewer_a: Persona, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(quorum=2)
+    beth = make_persona(tenant_a, "beth", Role.REVIEWER)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    edited = decide(
+        request.id, beth.user, "approve", request.action_hash, edits={"title": "Something else"}
+    )
+    # Alice approved the original title, not this one: one approval of the edited action.
+    assert edited.status == A.PENDING
+    assert Action.objects.get(run=run).status == ActionStatus.AWAITING_APPROVAL
+    # She votes again on what will be sent.
+    done = decide(request.id, reviewer_a.user, "approve", edited.action_hash)
+    assert done.status == A.APPROVED
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert [t["title"] for t in box.tasks()] == ["Something else"]
