@@ -13,8 +13,8 @@ from typing import Any
 
 from django.contrib.auth.models import User
 from django.db import transaction
+from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
@@ -81,7 +81,12 @@ def decide(
     changed = False
     with transaction.atomic(durable=True):
         request = (
-            ApprovalRequest.objects.select_for_update().select_related("policy").get(pk=request_id)
+            ApprovalRequest.objects.select_for_update()
+            .select_related("policy")
+            # Expiry is the database clock's verdict, as the expirer's (expiry.expire): a
+            # host whose clock runs behind must not accept what the database sees expired.
+            .annotate(expired=ExpressionWrapper(Q(expires_at__lte=Now()), BooleanField()))
+            .get(pk=request_id)
         )
         # Permission first: whoever may not decide learns nothing about the request's state.
         if not may_decide(user, request.policy, escalated=request.escalated):
@@ -98,7 +103,7 @@ def decide(
         vote = ApprovalVote.objects.filter(request=request, user=user).first()
         if vote is not None:
             return _repeat_vote(request, vote, decision, seen_hash)
-        if timezone.now() >= request.expires_at:
+        if request.expired:
             raise Expired(f"expired at {request.expires_at.isoformat()}")
         action = Action.objects.select_for_update().get(pk=request.action_id)
         if not same_hash(seen_hash, request.action_hash):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.db.models import QuerySet
-from django.utils import timezone
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
+from django.db.models.functions import Now
 
 from approvals.expiry import sweep_approvals
 from approvals.hashing import action_hash, same_hash
@@ -58,7 +58,14 @@ class HoldPoints:
         requests = ApprovalRequest.objects.filter(
             tenant_check(action.tenant_id), action=action
         ).select_related("policy")
-        approved = requests.filter(status=A.APPROVED).order_by("-decided_at").first()
+        # Expiry is the database clock's verdict, as at the decision (decisions.decide).
+        expired = ExpressionWrapper(Q(expires_at__lte=Now()), BooleanField())
+        approved = (
+            requests.filter(status=A.APPROVED)
+            .annotate(expired=expired)
+            .order_by("-decided_at")
+            .first()
+        )
         if approved is None:
             tool = tool_of(action)
             held = (
@@ -68,7 +75,7 @@ class HoldPoints:
                 or held_by_default(tool, action.tenant_id)
             )
             return Verdict("approval_required") if held else GO
-        refusal = _no_longer_binds(approved, action)
+        refusal = _no_longer_binds(approved, action, expired=approved.expired)
         return Verdict(refusal, stale=approved.pk) if refusal else GO
 
     def supersede(self, approval: Any, action: Action, reason: str, actor: str) -> None:
@@ -94,11 +101,11 @@ class HoldPoints:
         return set(policies.values_list("tool", flat=True))
 
 
-def _no_longer_binds(approved: ApprovalRequest, action: Action) -> str:
+def _no_longer_binds(approved: ApprovalRequest, action: Action, *, expired: bool) -> str:
     """Why an approved request does not let this action go now ("" if it does)."""
     if not same_hash(action_hash(action), approved.action_hash):
         return "approval_required"
-    if timezone.now() >= approved.expires_at:
+    if expired:
         return "approval_expired"
     votes = approved.votes.filter(
         decision=Decision.APPROVE, request__tenant_id=action.tenant_id

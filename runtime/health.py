@@ -31,11 +31,11 @@ from django.views.decorators.http import require_GET
 Result = dict[str, Any]
 ERROR, WARNING = "error", "warning"
 
-# Leases and expiry compare against the database's clock, but approval expiry at decision
-# time and django-q2's ORM-broker task locks use the app's. Past this many seconds apart, a
-# decision just before `expires_at` by the app's clock can be just after it by the
-# database's, and a worker can take a task another still holds. NTP keeps hosts within
-# milliseconds; a second means the host has no time sync at all.
+# Leases and expiry compare against the database's clock, but django-q2's ORM-broker task
+# locks use the app's, and a new approval's `expires_at` is set from it. Past this many
+# seconds apart, a worker can take a task another still holds, and a request's time to
+# decide is longer or shorter than its policy says. NTP keeps hosts within milliseconds; a
+# second means the host has no time sync at all.
 MAX_CLOCK_SKEW = 1.0
 # A tool call must end well inside the lease: the lease is renewed at each commit and, with
 # the heartbeat thread, every TTL/3. A call longer than TTL minus one heartbeat interval

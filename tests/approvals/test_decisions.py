@@ -352,3 +352,37 @@ def test_an_edit_voids_the_quorum_votes_cast_for_the_unedited_action(
     assert done.status == A.APPROVED
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert [t["title"] for t in box.tasks()] == ["Something else"]
+
+
+def test_expiry_at_decision_is_judged_by_the_database_clock(held: Any, reviewer_a: Persona) -> None:
+    """The expirer and leases read the database's clock; a decision does too. Python's clock
+    is moved back (time-machine never moves the database's): a request the database sees
+    expired is refused, and nothing is written."""
+    import time_machine
+
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with time_machine.travel(timezone.now() - timedelta(minutes=5), tick=False):
+        with pytest.raises(Expired):
+            decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    request.refresh_from_db()
+    assert request.status == A.PENDING and not ApprovalVote.objects.filter(request=request)
+    assert Action.objects.get(run=run).status == ActionStatus.AWAITING_APPROVAL
+
+
+def test_dispatch_judges_the_approvals_expiry_by_the_database_clock(
+    held: Any, reviewer_a: Persona
+) -> None:
+    import time_machine
+
+    run, request, box = held
+    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    with time_machine.travel(timezone.now() - timedelta(minutes=5)):
+        assert advance_run(run.run_id, "w1").outcome == "waiting"
+    request.refresh_from_db()
+    assert request.status == A.SUPERSEDED and box.tasks() == []
