@@ -129,15 +129,20 @@ class Approvals(streams.StreamingList):
 
 def _changed(
     principal: Principal, since: datetime, known: dict[Any, str]
-) -> list[tuple[Any, str, bytes]]:
+) -> list[tuple[Any, str, bool, bytes]]:
     """On a reader thread: the approvals that may have changed since the stream opened —
-    those created since, those pending, and those this stream last saw pending."""
+    those created since (flagged), those pending, and those this stream saw before."""
     rows = approvals_for(principal).filter(
         Q(created_at__gte=since) | Q(status=ApprovalStatus.PENDING) | Q(pk__in=list(known))
     )
     render = JSONRenderer().render
     return [
-        (a.pk, a.status, live.event(render(ApprovalSerializer(a).data), type="approval"))
+        (
+            a.pk,
+            a.status,
+            a.created_at >= since,
+            live.event(render(ApprovalSerializer(a).data), type="approval"),
+        )
         for a in rows.select_related("run", "decided_by")
     ]
 
@@ -171,12 +176,14 @@ async def approval_events(
             except DatabaseError:
                 await asyncio.sleep(live.RETRY_SECONDS)
                 continue
-            fresh = {pk: status for pk, status, _ in rows}
-            if known is not None:
-                for pk, now, chunk in rows:
-                    if known.get(pk) != now and status in (None, now):
-                        yield chunk
-            known = {pk: s for pk, s in fresh.items() if s == ApprovalStatus.PENDING}
+            if known is None:  # what there was when the stream opened is not news
+                known = {pk: now for pk, now, new, _ in rows if not new}
+            for pk, now, _, chunk in rows:
+                if known.get(pk) != now and status in (None, now):
+                    yield chunk
+            # Every approval read, decided ones too: one created since the stream opened is
+            # read again at each wake-up, and must not be sent again as if it had changed.
+            known = {pk: now for pk, now, _, _ in rows}
             first = await recheck.wait(wake)
             if first is None:
                 return

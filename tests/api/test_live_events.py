@@ -487,6 +487,93 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
     assert seen[-1]["decided_by"] == reviewer_a.user.username
 
 
+def test_the_approvals_stream_sends_each_change_once(agent_a: Persona, reviewer_a: Persona) -> None:
+    """An approval created after the stream opened and then decided is sent once per change:
+    the next wake-up (here the next approval's creation; in a quiet tenant each keep-alive)
+    sent it again, decided, because the stream forgot what it had last seen of it. Driven in
+    this process (approvals.api.approval_events on the process's doorbell)."""
+    from django.utils import timezone
+
+    from approvals.api import approval_events
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    grant_policy(agent_a.tenant)
+    run = new_run(agent_a.api())
+    fence = take_lease(agent_a.api(), run["run_id"])
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    seen: list[tuple[str, str]] = []
+
+    def create(title: str) -> str:
+        action = prepare(agent_a.api(), run["run_id"], fence, params={"title": title}).json()
+        return str(ApprovalRequest.objects.get(action_id=action["action_id"]).pk)
+
+    def decide(approval_id: str) -> None:
+        approval = ApprovalRequest.objects.get(pk=approval_id)
+        decision = {"decision": "approve", "action_hash": approval.action_hash}
+        ok(post(reviewer_a.api(), f"approvals/{approval_id}/decision/", decision))
+
+    async def until(wanted: tuple[str, str]) -> None:
+        while wanted not in seen:
+            await asyncio.sleep(0.05)
+
+    async def watch() -> None:
+        async for chunk in approval_events(principal, timezone.now()):
+            if chunk.startswith(b"event: approval"):
+                data = json.loads(chunk.split(b"data: ", 1)[1])
+                seen.append((data["id"], data["status"]))
+
+    async def act() -> None:
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.sleep(1)  # the stream's first read is done: what follows is new
+            first = await off_loop(create, "one")
+            await asyncio.wait_for(until((first, "pending")), 30)
+            await off_loop(decide, first)
+            await asyncio.wait_for(until((first, "approved")), 30)
+            second = await off_loop(create, "two")
+            await asyncio.wait_for(until((second, "pending")), 30)
+            await asyncio.sleep(3 * live.POLL_SECONDS)  # anything more would show by now
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await live.doorbell.stop()
+        assert seen == [(first, "pending"), (first, "approved"), (second, "pending")]
+
+    asyncio.run(act())
+
+
+def test_the_approvals_stream_sends_one_created_before_its_first_read(
+    agent_a: Persona,
+) -> None:
+    """The stream opens (its `since`) before its first read: an approval created in between
+    was taken for what there was at the opening, and never sent."""
+    from django.utils import timezone
+
+    from approvals.api import approval_events
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    grant_policy(agent_a.tenant)
+    run = new_run(agent_a.api())
+    fence = take_lease(agent_a.api(), run["run_id"])
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    since = timezone.now()
+    action = ok(prepare(agent_a.api(), run["run_id"], fence), 201)
+
+    async def first() -> bytes:
+        events = approval_events(principal, since)
+        try:
+            return await asyncio.wait_for(anext(events), 5)
+        finally:
+            await events.aclose()
+            await live.doorbell.stop()
+
+    data = json.loads(asyncio.run(first()).split(b"data: ", 1)[1])
+    assert (data["id"], data["status"]) == (action["approval"], "pending")
+
+
 def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
     run = new_run(agent_a.api())
     run_id = run["run_id"]
