@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -704,11 +704,17 @@ def resolve(
             errors={"external_id": ["required when applied"]},
         )
     with transaction.atomic(durable=True):
-        locked = Action.objects.select_for_update().get(pk=action.pk)
+        # The window is the database clock's verdict (in_flight_until is database time), as
+        # for an executor's not_found (protocol._not_found): not this host's clock.
+        locked = (
+            Action.objects.select_for_update()
+            .annotate(in_flight=ExpressionWrapper(Q(in_flight_until__gt=Now()), BooleanField()))
+            .get(pk=action.pk)
+        )
         if locked.status != S.MANUAL_REVIEW:
             raise InvalidTransition(f"action is {locked.status}, not manual_review")
         in_flight = locked.in_flight_until
-        if outcome == "not_applied" and in_flight and in_flight > timezone.now():
+        if outcome == "not_applied" and in_flight and locked.in_flight:
             # Saying "not applied" while the sender may still land its request is how a
             # human causes a duplicate; wait until it cannot.
             raise InvalidTransition(

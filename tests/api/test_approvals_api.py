@@ -333,6 +333,24 @@ def test_resolve_not_applied_while_the_sender_may_be_in_flight_is_409(
     assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.MANUAL_REVIEW
 
 
+def test_resolve_judges_the_in_flight_window_by_the_database_clock(
+    parked: dict[str, Any], reviewer_a: Persona
+) -> None:
+    """The window is database time (set by the sender's `sent` mark); an app host whose clock
+    runs ahead of the database's must not take "not applied" while the sender may land."""
+    import time_machine
+
+    in_flight_until = Action.objects.get(pk=parked["action_id"]).in_flight_until
+    assert in_flight_until is not None
+    alice = session(reviewer_a.user)
+    with time_machine.travel(in_flight_until + timedelta(seconds=60)):
+        response = post(
+            alice, f"actions/{parked['action_id']}/resolve/", {"outcome": "not_applied"}
+        )
+    problem(response, 409, "invalid_transition")
+    assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.MANUAL_REVIEW
+
+
 def test_resolve_of_an_action_not_in_manual_review_is_409_invalid_transition(
     agent_a: Persona, reviewer_a: Persona
 ) -> None:
