@@ -18,8 +18,14 @@ from django.db.models.functions import Now
 
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
-from approvals.policies import may_decide, shaped_by
-from approvals.requests import close_request, record_edits, request_approval, wake_run
+from approvals.policies import may_decide, policy_for, shaped_by
+from approvals.requests import (
+    close_request,
+    reassign_request,
+    record_edits,
+    request_approval,
+    wake_run,
+)
 from audit import journal
 from runtime import ledger, observe
 from runtime.errors import (
@@ -143,7 +149,7 @@ def _vote(
     The quorum counts only approvals by people who did not shape the action (`shapers`):
     a vote cast before its voter shaped the run does not count towards it."""
     if edits and decision == Decision.APPROVE:
-        action = _apply_edits(request, action, edits, label)
+        action = _apply_edits(request, action, user, edits, label)
     ApprovalVote.objects.create(
         request=request,
         user=user,
@@ -212,7 +218,7 @@ def _repeat_or_refuse(
 
 
 def _apply_edits(
-    request: ApprovalRequest, action: Action, edits: dict[str, Any], actor: str
+    request: ApprovalRequest, action: Action, user: User, edits: dict[str, Any], actor: str
 ) -> Action:
     tool = tool_of(action)
     refused = sorted(set(edits) - set(tool.editable))
@@ -222,9 +228,28 @@ def _apply_edits(
         )
     params = {**_params(action.params), **edits}
     tool.validate(params)
+    _hold_as_edited(request, action, user, params, actor)
     action = ledger.edit_params(action, params, actor)
     record_edits(request, action, edits, action_hash(action))
     return action
+
+
+def _hold_as_edited(
+    request: ApprovalRequest, action: Action, user: User, params: dict[str, Any], actor: str
+) -> None:
+    """An edit can bring the action under another policy (one whose condition names an
+    edited param): that policy decides it from now on — its deciders, its quorum. An editor
+    it does not name may not make that edit, or a reviewer of a lenient policy could approve
+    what a stricter one holds."""
+    policy = policy_for(request.tenant_id, action.tool, params, action.target)
+    if policy is None or policy.pk == request.policy_id:
+        return
+    if not may_decide(user, policy):
+        raise NotPermitted(
+            f"the edited action is held by the policy {policy.name!r}, "
+            "under which you may not decide"
+        )
+    reassign_request(request, policy, actor, "the reviewer's edit brought it under this policy")
 
 
 def _finalise(

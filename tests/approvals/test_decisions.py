@@ -386,3 +386,55 @@ def test_dispatch_judges_the_approvals_expiry_by_the_database_clock(
         assert advance_run(run.run_id, "w1").outcome == "waiting"
     request.refresh_from_db()
     assert request.status == A.SUPERSEDED and box.tasks() == []
+
+
+def test_an_edit_into_a_stricter_policy_is_not_approved_under_the_lenient_one(
+    held: Any, reviewer_a: Persona, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    """A reviewer may not edit an action into one that another policy holds, and approve it
+    under the policy the original fell under: whoever the other policy names decides it."""
+    run, request, box = held
+    production = ApprovalPolicy.objects.create(
+        tenant=tenant_a,
+        name="production tasks",
+        tool="tasks.create",
+        condition={"param": "title", "op": "contains", "value": "PRODUCTION"},
+        priority=10,
+    )
+    grant(production, Group.objects.create(name="acme-release-managers"))
+    with pytest.raises(NotPermitted):
+        decide(
+            request.id,
+            reviewer_a.user,
+            "approve",
+            request.action_hash,
+            edits={"title": "Wipe PRODUCTION"},
+        )
+    request.refresh_from_db()
+    assert request.status == A.PENDING and request.edits is None
+    assert Action.objects.get(run=run).status == ActionStatus.AWAITING_APPROVAL
+    assert box.tasks() == []
+
+
+def test_an_edit_into_another_policy_is_decided_by_that_policys_quorum(
+    held: Any, reviewer_a: Persona, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    run, request, box = held
+    production = ApprovalPolicy.objects.create(
+        tenant=tenant_a,
+        name="production tasks",
+        tool="tasks.create",
+        condition={"param": "title", "op": "contains", "value": "PRODUCTION"},
+        priority=10,
+        quorum=2,
+    )
+    grant(production, Group.objects.get(name="acme-reviewers"))
+    beth = make_persona(tenant_a, "beth", Role.REVIEWER)
+    edited = decide(
+        request.id, reviewer_a.user, "approve", request.action_hash, edits={"title": "PRODUCTION"}
+    )
+    assert (edited.status, edited.policy_id, edited.quorum) == (A.PENDING, production.pk, 2)
+    done = decide(request.id, beth.user, "approve", edited.action_hash)
+    assert done.status == A.APPROVED
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert [t["title"] for t in box.tasks()] == ["PRODUCTION"]
