@@ -686,13 +686,26 @@ def reload(action: Action) -> Action:
     return _absorb(action, row[0])
 
 
+def _moved_on(run: Run, action: Action) -> str:
+    """Why no step will send a not-applied action again ("" if one will): its run finished
+    (a cancel withdrew the run's unsent actions; no executor writes to it now), or the goal
+    was revised since it was prepared (a revision withdrew the older unsent actions;
+    dispatch refuses it as stale_goal_rev)."""
+    if run.status in TERMINAL:
+        return f"not applied, and the run is {run.status}"
+    if action.goal_rev < run.goal_rev:
+        return f"not applied, and the goal was revised (goal_rev {run.goal_rev})"
+    return ""
+
+
 def resolve(
     action: Action, outcome: str, *, actor: str, external_id: str = "", note: str = ""
 ) -> Action:
     """A human settles an action nothing could prove: applied (with the id) or not applied.
 
-    Not applied puts it back to `prepared`: the step sends it again with the same key. The
-    run leaves `needs_reconciliation` when no other action of it waits for a human.
+    Not applied puts it back to `prepared`: the step sends it again with the same key — or,
+    when no step will (`_moved_on`), withdraws it (`cancelled`). The run leaves
+    `needs_reconciliation` when no other action of it waits for a human.
     """
     if outcome not in ("applied", "not_applied"):
         raise InvalidParams(
@@ -735,6 +748,9 @@ def resolve(
             "note": note[:2000],
         }
         record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
+        moved_on = _moved_on(run, locked) if target == S.PREPARED else ""
+        if moved_on:  # nothing will send it again: withdrawn, as the run's other unsent were
+            transition(locked, S.CANCELLED, actor, last_error=moved_on)
         # A human act: the tenant's stream records it too (DESIGN.md, "Journal").
         journal.append(
             journal.tenant_stream(run.tenant_id),

@@ -143,7 +143,7 @@ def reconcile_resolve(request: HttpRequest, principal: Principal, action_id: UUI
     answer = page_input(ResolveIn, texts, partial=True)
     outcome = post.get("outcome", "")
     try:
-        resolve(
+        settled = resolve(
             action,
             outcome,
             actor=principal.label,
@@ -154,6 +154,8 @@ def reconcile_resolve(request: HttpRequest, principal: Principal, action_id: UUI
         messages.error(request, exc.detail)
         return redirect("reconcile-detail", action_id=action.action_id)
     said, then = SAID[outcome]
+    if settled.status == ActionStatus.CANCELLED:
+        then = "Nothing will send it now: it is withdrawn."
     messages.success(
         request, f"Recorded: {action.tool} {action.idempotency_key} was {said}. {then}"
     )

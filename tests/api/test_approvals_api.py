@@ -351,6 +351,31 @@ def test_resolve_judges_the_in_flight_window_by_the_database_clock(
     assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.MANUAL_REVIEW
 
 
+@pytest.mark.parametrize("how", ["cancelled", "revised"])
+def test_resolve_not_applied_of_a_run_that_moved_on_withdraws_the_action(
+    parked: dict[str, Any], reviewer_a: Persona, agent_a: Persona, how: str
+) -> None:
+    """Not applied puts an action back to `prepared` so that its step sends it again — but
+    nothing sends it for a cancelled run, nor for a goal revised since it was prepared
+    (dispatch refuses stale_goal_rev): it is withdrawn, as the cancel or the revision
+    withdrew the run's other unsent actions, not left `prepared` for ever."""
+    run_id = parked["run_id"]
+    if how == "cancelled":
+        ok(post(agent_a.api(), f"runs/{run_id}/cancel/", {"reason": "not needed"}))
+    else:
+        body = {"goal": {"topic": "another"}, "expected_goal_rev": 1}
+        ok(post(agent_a.api(), f"runs/{run_id}/revisions/", body))
+    Action.objects.filter(pk=parked["action_id"]).update(
+        in_flight_until=timezone.now() - timedelta(seconds=1)
+    )
+    alice = session(reviewer_a.user)
+    data = ok(post(alice, f"actions/{parked['action_id']}/resolve/", {"outcome": "not_applied"}))
+    assert data["status"] == "cancelled"
+    assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.CANCELLED
+    if how == "cancelled":
+        assert Run.objects.get(pk=run_id).status == RunStatus.CANCELLED
+
+
 def test_resolve_of_an_action_not_in_manual_review_is_409_invalid_transition(
     agent_a: Persona, reviewer_a: Persona
 ) -> None:
