@@ -290,9 +290,14 @@ async def lifespan() -> AsyncIterator[None]:
 async def heartbeat_or_wake(wake: asyncio.Event) -> bool:
     """Wait for a ring, or HOLDPOINT_SSE_KEEPALIVE seconds (API.md: a comment line at least
     every 15 s by default); True if it rang. The caller clears the event *before* it reads,
-    so a ring during the read is never lost."""
+    so a ring during the read is never lost.
+
+    `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11 wait_for swallows a
+    cancellation that arrives after the event was set and before it resumed (a client that
+    leaves in the turn its stream was rung), and the stream would go on for ever."""
     try:
-        await asyncio.wait_for(wake.wait(), settings.HOLDPOINT_SSE_KEEPALIVE)
+        async with asyncio.timeout(settings.HOLDPOINT_SSE_KEEPALIVE):
+            await wake.wait()
     except TimeoutError:
         return False
     return True

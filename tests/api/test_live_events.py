@@ -574,6 +574,41 @@ def test_the_approvals_stream_sends_one_created_before_its_first_read(
     assert (data["id"], data["status"]) == (action["approval"], "pending")
 
 
+def test_a_stream_cancelled_just_after_a_wake_up_ends(agent_a: Persona) -> None:
+    """A client that goes away has its stream's task cancelled (Django's ASGI handler). On
+    Python 3.11 `asyncio.wait_for` swallows a cancellation that arrives after the event it
+    waits for was set and before it resumed: a stream woken in the same turn as its client
+    left went on for ever (uvicorn drops what is sent to a closed connection), reading at
+    every wake-up, and the handler waited on it."""
+    from django.utils import timezone
+
+    from approvals.api import approval_events
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+
+    async def leave_on_a_ring() -> bool:
+        async def watch() -> None:
+            async for _ in approval_events(principal, timezone.now()):
+                pass
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.sleep(1)  # the first read is done: it waits for a wake-up
+            live.doorbell.ring(live.tenant_key(agent_a.tenant.pk))
+            watcher.cancel()  # the client left, in the same turn
+            done, _ = await asyncio.wait([watcher], timeout=5)
+            return watcher in done and watcher.cancelled()
+        finally:
+            while not watcher.done():  # what a swallowed cancel left running
+                watcher.cancel()
+                await asyncio.wait([watcher], timeout=1)
+            await live.doorbell.stop()
+
+    assert asyncio.run(leave_on_a_ring())
+
+
 def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
     run = new_run(agent_a.api())
     run_id = run["run_id"]
