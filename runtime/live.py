@@ -287,16 +287,17 @@ async def lifespan() -> AsyncIterator[None]:
         await doorbell.stop()
 
 
-async def heartbeat_or_wake(wake: asyncio.Event) -> bool:
-    """Wait for a ring, or HOLDPOINT_SSE_KEEPALIVE seconds (API.md: a comment line at least
-    every 15 s by default); True if it rang. The caller clears the event *before* it reads,
-    so a ring during the read is never lost.
+async def heartbeat_or_wake(wake: asyncio.Event, seconds: float | None = None) -> bool:
+    """Wait for a ring, or `seconds` (HOLDPOINT_SSE_KEEPALIVE by default; API.md: a comment
+    line at least every 15 s by default); True if it rang. The caller clears the event
+    *before* it reads, so a ring during the read is never lost.
 
     `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11 wait_for swallows a
     cancellation that arrives after the event was set and before it resumed (a client that
     leaves in the turn its stream was rung), and the stream would go on for ever."""
     try:
-        async with asyncio.timeout(settings.HOLDPOINT_SSE_KEEPALIVE):
+        wait = settings.HOLDPOINT_SSE_KEEPALIVE if seconds is None else seconds
+        async with asyncio.timeout(wait):
             await wake.wait()
     except TimeoutError:
         return False

@@ -107,16 +107,23 @@ class Recheck:
 
     def __init__(self, standing: Standing | None) -> None:
         self.standing = standing
-        self.looked = time.monotonic()
+        self.looked = self.spoke = time.monotonic()
 
     async def wait(self, wake: asyncio.Event) -> bytes | None:
         """A stream's wait between reads (live.heartbeat_or_wake), then the look: None if
-        the stream must end, else what to send first — a keep-alive after quiet, nothing
-        after a ring."""
-        woken = await live.heartbeat_or_wake(wake)
+        the stream must end, else what to send first — a keep-alive once an interval has
+        passed since the last one, nothing else. Counted from the last keep-alive, not from
+        the last wake-up: wake-ups that send nothing (an approvals stream is rung by every
+        append in its tenant) must not keep the comment line from ever going out."""
+        interval = settings.HOLDPOINT_SSE_KEEPALIVE
+        left = interval - (time.monotonic() - self.spoke)
+        woken = await live.heartbeat_or_wake(wake, max(left, 0.0))
         if not await self.holds(quiet=not woken):
             return None
-        return b"" if woken else KEEP_ALIVE
+        if time.monotonic() - self.spoke < interval:
+            return b""
+        self.spoke = time.monotonic()
+        return KEEP_ALIVE
 
     async def holds(self, *, quiet: bool) -> bool:
         if self.standing is None:

@@ -609,6 +609,43 @@ def test_a_stream_cancelled_just_after_a_wake_up_ends(agent_a: Persona) -> None:
     assert asyncio.run(leave_on_a_ring())
 
 
+def test_a_stream_woken_often_with_nothing_to_send_still_sends_a_comment_line(
+    agent_a: Persona, settings: Any
+) -> None:
+    """The approvals stream is woken by every append in its tenant (each step of each run),
+    most of which change no approval: the comment line went out only after a keep-alive
+    interval with no wake-up at all, so while the tenant was busy the stream sent nothing
+    (API.md: a comment line at least every 15 s) and a proxy closed it as idle."""
+    from django.utils import timezone
+
+    from approvals.api import approval_events
+    from runtime.api.streams import KEEP_ALIVE
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    settings.HOLDPOINT_SSE_KEEPALIVE = 1
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    got: list[bytes] = []
+
+    async def busy() -> None:
+        async def watch() -> None:
+            async for chunk in approval_events(principal, timezone.now()):
+                got.append(chunk)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            for _ in range(14):  # 3.5 s of wake-ups, 4 a second
+                await asyncio.sleep(0.25)
+                live.doorbell.ring(live.tenant_key(agent_a.tenant.pk))
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher], timeout=5)
+            await live.doorbell.stop()
+
+    asyncio.run(busy())
+    assert got.count(KEEP_ALIVE) >= 2, got
+
+
 def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
     run = new_run(agent_a.api())
     run_id = run["run_id"]
