@@ -149,7 +149,15 @@ def _vote(
     The quorum counts only approvals by people who did not shape the action (`shapers`):
     a vote cast before its voter shaped the run does not count towards it."""
     if edits and decision == Decision.APPROVE:
+        policy_id = request.policy_id
         action = _apply_edits(request, action, user, edits, label)
+        if request.policy_id != policy_id:  # the edit moved it: that policy's duties apply
+            shapers = shaped_by(request, run) if request.policy.separation_of_duties else set()
+            if label in shapers:
+                raise NotPermitted(
+                    f"under the policy {request.policy.name!r} whoever shaped this action "
+                    "cannot decide it: someone else must"
+                )
     ApprovalVote.objects.create(
         request=request,
         user=user,

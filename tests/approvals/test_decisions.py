@@ -438,3 +438,32 @@ def test_an_edit_into_another_policy_is_decided_by_that_policys_quorum(
     assert done.status == A.APPROVED
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert [t["title"] for t in box.tasks()] == ["PRODUCTION"]
+
+
+def test_an_edit_into_a_policy_that_separates_duties_is_not_decided_by_a_shaper(
+    tenant_a: Tenant, reviewer_a: Persona, policy: ApprovalPolicy, sandbox_factory: Any
+) -> None:
+    box = sandbox_factory("key")
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(separation_of_duties=False)
+    production = ApprovalPolicy.objects.create(
+        tenant=tenant_a,
+        name="production tasks",
+        tool="tasks.create",
+        condition={"param": "title", "op": "contains", "value": "PRODUCTION"},
+        priority=10,
+    )
+    grant(production, Group.objects.get(name="acme-reviewers"))
+    run = create_run(tenant_a, "api-review", GOAL, actor="user:alice")  # alice shaped it
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    request = ApprovalRequest.objects.get(run=run)
+    with pytest.raises(NotPermitted, match="cannot decide"):
+        decide(
+            request.id,
+            reviewer_a.user,
+            "approve",
+            request.action_hash,
+            edits={"title": "PRODUCTION"},
+        )
+    request.refresh_from_db()
+    assert (request.status, request.policy_id, request.edits) == (A.PENDING, policy.pk, None)
+    assert box.tasks() == []
