@@ -128,12 +128,12 @@ class Approvals(streams.StreamingList):
 
 
 def _changed(
-    principal: Principal, since: datetime, known: dict[Any, str]
+    principal: Principal, since: datetime, was_pending: list[Any]
 ) -> list[tuple[Any, str, bool, bytes]]:
     """On a reader thread: the approvals that may have changed since the stream opened —
-    those created since (flagged), those pending, and those this stream saw before."""
+    those created since (flagged), those pending, and those this stream last saw pending."""
     rows = approvals_for(principal).filter(
-        Q(created_at__gte=since) | Q(status=ApprovalStatus.PENDING) | Q(pk__in=list(known))
+        Q(created_at__gte=since) | Q(status=ApprovalStatus.PENDING) | Q(pk__in=was_pending)
     )
     render = JSONRenderer().render
     return [
@@ -169,9 +169,10 @@ async def approval_events(
     async with live.doorbell.subscription(live.tenant_key(principal.tenant.pk)) as wake:
         while True:
             wake.clear()
+            was_pending = [pk for pk, s in (known or {}).items() if s == ApprovalStatus.PENDING]
             try:
                 rows = await live.doorbell.read(
-                    me, partial(_changed, principal, since, dict(known or {}))
+                    me, partial(_changed, principal, since, was_pending)
                 )
             except DatabaseError:
                 await asyncio.sleep(live.RETRY_SECONDS)
@@ -181,9 +182,11 @@ async def approval_events(
             for pk, now, _, chunk in rows:
                 if known.get(pk) != now and status in (None, now):
                     yield chunk
-            # Every approval read, decided ones too: one created since the stream opened is
-            # read again at each wake-up, and must not be sent again as if it had changed.
-            known = {pk: now for pk, now, _, _ in rows}
+            # What is read again at the next wake-up: the pending ones, and those created
+            # since the stream opened, decided ones too — those are read at every wake-up,
+            # and must not be sent again as if they had changed. (Only the pending ones are
+            # asked for by id: the list stays as short as the pending approvals.)
+            known = {pk: now for pk, now, new, _ in rows if new or now == ApprovalStatus.PENDING}
             first = await recheck.wait(wake)
             if first is None:
                 return
