@@ -576,7 +576,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         )
     if found.found is None:
         return _again(action, fence, actor, found.detail)
-    if action.in_flight_until and timezone.now() < action.in_flight_until:
+    if ledger.may_be_in_flight(action):
         # Absent *now*, but the sender may still be in flight: concluding "not applied"
         # here is how duplicates happen. Look again once it cannot be.
         return Verdict("wait", "the sender may still be in flight", until=action.in_flight_until)

@@ -686,6 +686,17 @@ def reload(action: Action) -> Action:
     return _absorb(action, row[0])
 
 
+def may_be_in_flight(action: Action) -> bool:
+    """Whether the action's sender may still land its request — by the database clock, as
+    `in_flight_until` was set (its lease plus the tool's timeout): an app host whose clock
+    runs ahead must not conclude "not applied" early (that is how duplicates happen)."""
+    if action.in_flight_until is None:
+        return False
+    return Action.objects.filter(
+        pk=action.pk, tenant_id=action.tenant_id, in_flight_until__gt=Now()
+    ).exists()
+
+
 def _moved_on(run: Run, action: Action) -> str:
     """Why no step will send a not-applied action again ("" if one will): its run finished
     (a cancel withdrew the run's unsent actions; no executor writes to it now), or the goal

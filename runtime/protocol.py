@@ -639,10 +639,7 @@ def _not_found(action: Action, actor: str, reported: dict[str, Any]) -> Action:
     current = action
     if current.status not in ledger.UNSETTLED:
         raise InvalidTransition(f"action is {current.status}; not_found answers sent or unknown")
-    in_flight = Action.objects.filter(
-        pk=current.pk, tenant_id=current.tenant_id, in_flight_until__gt=Now()
-    ).exists()
-    if in_flight:
+    if ledger.may_be_in_flight(current):
         raise InvalidTransition(
             f"the sender may still be in flight until {current.in_flight_until}; "
             "look up again after that"

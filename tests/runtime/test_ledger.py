@@ -355,3 +355,24 @@ def test_a_step_that_loops_to_itself_acts_once_per_visit(
     keys = [t["idempotency_key"] for t in box.tasks()]
     assert len(keys) == 3 and len(set(keys)) == 3
     assert Action.objects.filter(run=run, status=ActionStatus.CONFIRMED).count() == 3
+
+
+def test_lookup_judges_the_in_flight_window_by_the_database_clock(
+    tenant_a: Tenant, sandbox_factory: Factory
+) -> None:
+    """The window is database time (the sent mark's); a worker whose clock runs ahead of
+    the database's must not take "absent now" for "not applied" while the sender may land."""
+    import time_machine
+
+    box = sandbox_factory("lookup")
+    box.faults(fail_before=1)
+    run = _review(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "retrying"
+    run.refresh_from_db()
+    action = Action.objects.get(run=run)
+    assert action.status == ActionStatus.UNKNOWN and action.in_flight_until is not None
+    with time_machine.travel(action.in_flight_until + timedelta(seconds=60)):
+        verdict = reconcile_action(action, run.fence, "worker:w1")
+    assert verdict.status == "wait"
+    assert Action.objects.get(pk=action.pk).status == ActionStatus.UNKNOWN
+    assert box.tasks() == []
