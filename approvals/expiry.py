@@ -68,7 +68,7 @@ def expire(request_id: UUID) -> int:
             )
             wake_run(run, SYSTEM)
         elif request.rerequest_count < 1:
-            request_approval(action, run, SYSTEM, previous=request)
+            request_approval(action, run, SYSTEM, previous=request, expired=True)
         else:
             reason = (
                 f"approval of {action.tool} expired twice without a decision (policy {policy.name})"

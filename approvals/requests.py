@@ -52,9 +52,17 @@ def _shown(
 
 
 def request_approval(
-    action: Action, run: Run, actor: str, *, previous: ApprovalRequest | None = None
+    action: Action,
+    run: Run,
+    actor: str,
+    *,
+    previous: ApprovalRequest | None = None,
+    expired: bool = False,
 ) -> ApprovalRequest | None:
-    """Open a request for a held action (inside its transaction); idempotent per action."""
+    """Open a request for a held action (inside its transaction); idempotent per action.
+
+    `previous`: the request this one follows. Only one that `expired` counts against the
+    policy's single re-request; one closed because its action changed passes its count on."""
     open_ = ApprovalRequest.objects.filter(
         tenant_check(action.tenant_id), action=action, status=A.PENDING
     ).first()
@@ -79,7 +87,7 @@ def request_approval(
                 expires_at=timezone.now() + timedelta(seconds=policy.expiry_seconds),
                 checkpoint_rev=run.checkpoint_rev,
                 previous=previous,
-                rerequest_count=(previous.rerequest_count + 1) if previous else 0,
+                rerequest_count=(previous.rerequest_count + expired) if previous else 0,
             )
     except IntegrityError:  # a concurrent holder opened it: the database refused a second
         return ApprovalRequest.objects.get(

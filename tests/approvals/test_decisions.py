@@ -230,6 +230,27 @@ def test_expiry_rerequests_once_then_needs_attention(held: Any, reviewer_a: Pers
     assert ApprovalRequest.objects.filter(run=run, status=A.PENDING).count() == 1
 
 
+def test_a_request_replaced_because_its_action_changed_keeps_the_re_request(
+    held: Any, reviewer_a: Persona
+) -> None:
+    """Only an expiry spends the policy's one re-request: a request closed because its action
+    changed under it (and replaced at once) is no expiry, so the replacement, left to expire,
+    is asked again before the run needs attention (before: needs_attention at once)."""
+    run, request, box = held
+    Action.objects.filter(run=run).update(params='{"title":"something else"}')
+    with pytest.raises(HashMismatch):
+        decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    replacement = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert replacement.previous_id == request.pk and replacement.rerequest_count == 0
+    ApprovalRequest.objects.filter(pk=replacement.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    sweep_approvals()
+    asked_again = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert asked_again.rerequest_count == 1
+    assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL
+
+
 @pytest.mark.parametrize("on_expiry", [OnExpiry.REJECT, OnExpiry.APPROVE])
 def test_expiry_follows_the_policy(held: Any, policy: ApprovalPolicy, on_expiry: str) -> None:
     run, request, box = held
