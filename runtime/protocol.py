@@ -445,10 +445,27 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
             if not held.exists():
                 raise StaleFence(f"fence {fence} no longer owns run {action.run_id}")
             return action
-        return perform(action, fence, tool, actor, ttl=ttl, then=resume)
+        sent = perform(action, fence, tool, actor, ttl=ttl, then=resume)
+        if sent.status in ledger.UNSETTLED and tool.dedup_mode() == Dedup.NONE:
+            return _lost_answer(sent, fence, tool, actor)
+        return sent
     if action.status in ledger.UNSETTLED:
         return _dispatch_again(action, fence, ttl, tool, actor)
     return ledger.mark_sent(action, fence, ttl, tool, actor, then=resume)
+
+
+def _lost_answer(action: Action, fence: int, tool: Tool, actor: str) -> Action:
+    """A request Holdpoint sent whose answer was lost (a timeout, a dropped connection), of a
+    tool with neither key nor lookup: nothing will ever prove what happened, so it goes to a
+    person at once — as a client's `unknown` does (record_outcome) — not left `unknown` for
+    an executor that may never call again (an MCP client that got no answer)."""
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence, action.tenant_id)
+        action = ledger.reload(action)  # its status now, under the run's row lock
+        if action.status not in ledger.UNSETTLED:
+            return action
+        reason = f"{tool.name} cannot deduplicate or be looked up; last error: {action.last_error}"
+        return _to_person(action, fence, actor, reason)
 
 
 def _lease_left(action: Action) -> float:
