@@ -350,6 +350,12 @@ def settle_delivery(caller: Caller, call: Call, action: Action) -> None:
 # --- answers -----------------------------------------------------------------------------
 
 
+# Every answer that is not the call's outcome starts with PENDING: and says so — the server's
+# instructions tell the host that such an answer is not a result (a bare "in progress" reads
+# as the tool's output to a model).
+AGAIN = "Call it again with the same arguments to get its outcome."
+
+
 @dataclass
 class Answer:
     """What the client is told about its call now. `final`: the call's last word (its
@@ -368,7 +374,8 @@ def answer(action: Action | None) -> Answer:
     """The MCP answer for an action as it stands (None: the session is busy)."""
     if action is None:
         return Answer(
-            "Holdpoint: another call of this session is being sent; waiting.", waiting=True
+            "PENDING: not done yet. Another call of this session is being sent first. " + AGAIN,
+            waiting=True,
         )
     meta = {
         "holdpoint/action_id": str(action.action_id),
@@ -414,7 +421,11 @@ def answer(action: Action | None) -> Answer:
             is_error=True,
             meta=meta,
         )
-    return Answer(f"IN PROGRESS: {action.tool} is {action.status}.", meta=meta, waiting=True)
+    return Answer(
+        f"PENDING: not done yet. {action.tool} is {action.status}. " + AGAIN,
+        meta=meta,
+        waiting=True,
+    )
 
 
 def approval_link(action: Action) -> str:

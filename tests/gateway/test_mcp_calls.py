@@ -3,13 +3,16 @@ process (tests/mcp_upstream.py): what one `tools/call` comes to, without the web
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from types import SimpleNamespace
 
+import mcp_types as types
 import pytest
 
 from approvals.models import ApprovalPolicy
 from gateway import calls
-from runtime import mcp
+from runtime import mcp, protocol
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
@@ -48,3 +51,28 @@ def test_a_lost_answer_of_a_tool_without_lookup_is_a_persons_at_once(
     assert said.text.startswith("NEEDS A PERSON") and said.is_error and not said.final
     assert Run.objects.get(pk=session).status == RunStatus.NEEDS_RECONCILIATION
     assert len(upstream.calls()) == 1
+
+
+def test_a_call_that_finds_its_session_busy_is_answered_pending_not_as_a_result(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """Hosts make parallel tool calls; one that comes while another call of the session is
+    being sent is neither stored nor sent. Without a progressToken it is answered at once:
+    that answer must say it is not a result (PENDING, as the server's instructions tell the
+    host), not read as the tool's output."""
+    from gateway import server
+
+    upstream = mcp_upstream()
+    _plain(tenant_a, upstream)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    run = Run.objects.get(pk=session)
+    protocol.take(run, "mcp-gateway:other", 30, who=caller.who)  # the other call's lease
+    request = SimpleNamespace(scope={server.SCOPE_KEY: {"caller": caller, "session": session}})
+    ctx = SimpleNamespace(request=request, request_id=1, session=None)
+    params = types.CallToolRequestParams(name=CREATE, arguments={"title": "Printer on fire"})
+    result = asyncio.run(server.call_tool(ctx, params))
+    said = " ".join(getattr(block, "text", "") for block in result.content)
+    assert said.startswith("PENDING:") and not result.is_error, said
+    assert "same arguments" in said
+    assert not Action.objects.filter(tenant=tenant_a).exists() and upstream.calls() == []
