@@ -33,12 +33,13 @@ import json
 import re
 import ssl
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 import httpx2
+from django.conf import settings
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
@@ -83,13 +84,15 @@ class Target:
     args: tuple[str, ...] = ()
     headers: dict[str, str] = field(default_factory=dict)
     timeout: float = 10.0
+    max_bytes: int = 0  # the most one answer may carry (0: no cap)
 
 
-def target_for(server: McpServer, secret: Secret | None, timeout: float | None = None) -> Target:
+def target_for(
+    server: McpServer, secret: Secret | None, timeout: float | None = None, max_bytes: int = 0
+) -> Target:
     """The server as this connection may reach it. OutboundRefused (host or address not
-    allowed, stdio off) or httpx.ConnectError (the name does not resolve): nothing sent."""
-    from django.conf import settings
-
+    allowed, stdio off) or httpx.ConnectError (the name does not resolve): nothing sent.
+    `max_bytes`: a streamable HTTP answer longer than that is dropped as it is read."""
     headers = {"Authorization": f"Bearer {secret.reveal()}"} if secret is not None else {}
     seconds = float(timeout if timeout is not None else server.timeout_seconds)
     if server.transport == McpTransport.STDIO:
@@ -109,6 +112,7 @@ def target_for(server: McpServer, secret: Secret | None, timeout: float | None =
         vetted=outbound.vet(server.url),
         headers=headers,
         timeout=seconds,
+        max_bytes=max_bytes,
     )
 
 
@@ -116,8 +120,9 @@ class _Pinned(httpx2.AsyncBaseTransport):
     """Sends every request of the session to the vetted address, for the vetted host only
     (the SDK follows same-origin redirects itself: another host is refused here too)."""
 
-    def __init__(self, vetted: outbound.Vetted) -> None:
+    def __init__(self, vetted: outbound.Vetted, max_bytes: int = 0) -> None:
         self.vetted = vetted
+        self.max_bytes = max_bytes
         self.inner = httpx2.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -128,7 +133,33 @@ class _Pinned(httpx2.AsyncBaseTransport):
         request.url = request.url.copy_with(host=self.vetted.addresses[0].split("%", 1)[0])
         if self.vetted.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": self.vetted.host}
-        return await self.inner.handle_async_request(request)
+        response = await self.inner.handle_async_request(request)
+        if self.max_bytes:
+            response.stream = _Capped(response.stream, self.max_bytes)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _Capped(httpx2.AsyncByteStream):
+    """An answer read up to `limit` bytes, as http tools' are (runtime.outbound): past it the
+    connection is dropped, so an upstream's megabytes never fill a worker's or the gateway's
+    memory, nor an action's result."""
+
+    def __init__(self, inner: Any, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.inner:
+            seen += len(chunk)
+            if seen > self.limit:
+                raise httpx2.ReadError(
+                    f"the answer is larger than {self.limit} bytes "
+                    "(HOLDPOINT_TOOL_MAX_RESPONSE_BYTES)"
+                )
+            yield chunk
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -151,7 +182,7 @@ async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
             return await work(client)
     assert target.vetted is not None
     http = httpx2.AsyncClient(
-        transport=_Pinned(target.vetted),
+        transport=_Pinned(target.vetted, target.max_bytes),
         headers=target.headers,
         timeout=httpx2.Timeout(target.timeout),
         follow_redirects=False,
@@ -349,7 +380,10 @@ class McpTool(Tool):
             return CallResult("refused", detail=f"no active MCP server {self.server!r}")
         try:
             target = target_for(
-                server, credential_for_run(self.credential, run_id), timeout=self.timeout
+                server,
+                credential_for_run(self.credential, run_id),
+                timeout=self.timeout,
+                max_bytes=settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES,
             )
         except outbound.OutboundRefused as exc:
             return CallResult("refused", detail=f"{exc.code}: {exc.detail}")
@@ -398,7 +432,10 @@ class McpTool(Tool):
         }
         try:
             target = target_for(
-                server, credential_for_run(self.credential, run_id), timeout=self.timeout
+                server,
+                credential_for_run(self.credential, run_id),
+                timeout=self.timeout,
+                max_bytes=settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES,
             )
             result = _run(
                 lambda: _session(target, lambda c: c.call_tool(self.lookup_tool, arguments)),

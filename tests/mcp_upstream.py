@@ -5,7 +5,8 @@ The oracle is its own record, not Holdpoint's: every call that reaches a tool ap
 JSON line to DIR/calls.jsonl *before* the tool answers, so a test can count effects across a
 lost answer. DIR/faults.json, read on each call, makes the next answers misbehave:
 `{"hang": SECONDS}` applies the call (it is recorded) and then waits before answering — a
-client with a shorter timeout never learns the outcome.
+client with a shorter timeout never learns the outcome; `{"huge": BYTES}` applies it and
+answers with that much padding.
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`): what an MCP definition with dedup
@@ -43,6 +44,13 @@ async def _misbehave() -> None:
         await asyncio.sleep(float(faults["hang"]))
 
 
+def _padding() -> dict[str, str]:
+    """`{"huge": BYTES}`: an answer that carries that much besides the ticket."""
+    path = DATA / "faults.json"
+    faults = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return {"padding": "x" * int(faults["huge"])} if faults.get("huge") else {}
+
+
 @server.tool(
     annotations=ToolAnnotations(title="Open a ticket", read_only_hint=False, destructive_hint=False)
 )
@@ -52,7 +60,7 @@ async def tickets_create(title: str) -> dict[str, Any]:
         raise ToolError("the help desk refuses this title")
     number = _record("tickets_create", {"title": title})
     await _misbehave()
-    return {"id": f"T-{number}", "title": title}
+    return {"id": f"T-{number}", "title": title, **_padding()}
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))

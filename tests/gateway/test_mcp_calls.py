@@ -4,11 +4,13 @@ process (tests/mcp_upstream.py): what one `tools/call` comes to, without the web
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import mcp_types as types
 import pytest
+from django.test import override_settings
 
 from approvals.models import ApprovalPolicy
 from gateway import calls
@@ -76,3 +78,23 @@ def test_a_call_that_finds_its_session_busy_is_answered_pending_not_as_a_result(
     assert said.startswith("PENDING:") and not result.is_error, said
     assert "same arguments" in said
     assert not Action.objects.filter(tenant=tenant_a).exists() and upstream.calls() == []
+
+
+@override_settings(HOLDPOINT_TOOL_MAX_RESPONSE_BYTES=64 * 1024)
+def test_an_upstream_answer_past_the_response_cap_is_not_read_whole_nor_stored(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """An upstream that answers with megabytes is held to the cap http tools get: the
+    connection is dropped past it, nothing of it is stored, and as the upstream may have
+    acted, a person settles it (this tool has no lookup)."""
+    upstream = mcp_upstream()
+    _plain(tenant_a, upstream)
+    upstream.faults(huge=4 * 1024 * 1024)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    call = calls.parse(caller, session, CREATE, {"title": "Printer on fire"})
+    action = Action.objects.get(pk=calls.drive(caller, call).pk)
+    assert action.status == S.MANUAL_REVIEW, (action.status, len(json.dumps(action.result)))
+    assert "larger than" in action.last_error
+    assert len(json.dumps(action.result)) < 64 * 1024
+    assert len(upstream.calls()) == 1
