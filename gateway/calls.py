@@ -55,7 +55,7 @@ from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, Leas
 from runtime.events import RunEvent, record
 from runtime.lifecycle import create_run
 from runtime.models import TERMINAL, Action, ActionStatus, AgentToken, Run, Tenant
-from runtime.tools import Effect, Sender, Tool, get_tool
+from runtime.tools import Effect, Sender, Tool, get_tool, tool_of
 
 S = ActionStatus
 # The executors whose tools the gateway can perform itself; `client` tools are the agent's.
@@ -383,7 +383,11 @@ def answer(action: Action | None) -> Answer:
         "holdpoint/session": str(action.run_id),  # the Mcp-Session-Id, and the run's id
     }
     if action.status == S.CONFIRMED:
+        # Only an upstream's answer is an MCP result (runtime.mcp): an http service's JSON may
+        # have fields of these names (a note's own `content`) that are no MCP blocks.
         result = action.result if isinstance(action.result, dict) else {}
+        if tool_of(action).executor != Sender.MCP:
+            result = {}
         content = list(result.get("content") or [])
         structured = result.get("structuredContent")
         if not content:

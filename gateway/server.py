@@ -114,9 +114,10 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
                 token, waited, bound, said.text, related_request_id=ctx.request_id
             )
         await anyio.sleep(POLL_SECONDS)
+    result = _result(said)  # built before its delivery is recorded: one that fails is not
     if said.final and action is not None:
         await db(calls.settle_delivery, caller, call, action)
-    return _result(said)
+    return result
 
 
 def _result(said: calls.Answer) -> types.CallToolResult:

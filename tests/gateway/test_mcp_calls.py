@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import mcp_types as types
 import pytest
@@ -18,6 +19,7 @@ from runtime import mcp, protocol
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
+from tests.tooldefs import define_tickets
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 S = ActionStatus
@@ -98,3 +100,33 @@ def test_an_upstream_answer_past_the_response_cap_is_not_read_whole_nor_stored(
     assert "larger than" in action.last_error
     assert len(json.dumps(action.result)) < 64 * 1024
     assert len(upstream.calls()) == 1
+
+
+def _call_now(caller: calls.Caller, session: str, name: str, arguments: Any) -> Any:
+    """server.call_tool as the SDK calls it, for a client without a progressToken."""
+    from gateway import server
+
+    request = SimpleNamespace(scope={server.SCOPE_KEY: {"caller": caller, "session": session}})
+    ctx = SimpleNamespace(request=request, request_id=1, session=None)
+    params = types.CallToolRequestParams(name=name, arguments=arguments)
+    return asyncio.run(server.call_tool(ctx, params))
+
+
+def test_an_http_tools_answer_with_a_content_field_is_handed_over_not_a_crash(
+    serve: Any, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """An http service's JSON answer is not an MCP result: a created note's own `content`
+    field (a string) was taken for MCP content blocks, building the answer failed after its
+    delivery was recorded, so the client got an internal error and its retry — the next
+    identical call after a delivery — sent the note a second time."""
+    from tests.httpservers import answer_with
+
+    service = serve(answer_with(201, b'{"id": "N-1", "content": "Remember the milk"}'))
+    define_tickets(tenant_a, service.url, mode="none")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="go", tool="tickets.create", required=False)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    result = _call_now(caller, session, "tickets.create", {"title": "Milk"})
+    said = " ".join(getattr(block, "text", "") for block in result.content)
+    assert not result.is_error and "N-1" in said, said
+    assert [r["method"] for r in service.requests] == ["POST"]
