@@ -448,6 +448,10 @@ class McpTool(Tool):
         if result.is_error:
             return LookupResult(found=None, detail=f"lookup: {_error_text(result)}")
         content = _structured(result)
+        if content is None:  # plain text: it may name the effect in words, so not "absent"
+            return LookupResult(
+                found=None, detail="lookup: the answer is neither structured nor JSON"
+            )
         found = jsonpaths.compile_path(self.found_path).first(content)
         if found is None or isinstance(found, dict | list) or not str(found):
             return LookupResult(found=False)
@@ -470,7 +474,7 @@ def _is_placeholder(value: Any) -> bool:
 
 def _structured(result: CallToolResult) -> Any:
     """What a lookup's `found` path reads: the structured result, else the first text block
-    parsed as JSON (servers that answer in text only), else nothing."""
+    parsed as JSON (servers that answer in text only), else None: the lookup cannot tell."""
     if result.structured_content is not None:
         return result.structured_content
     for block in result.content:

@@ -9,8 +9,9 @@ client with a shorter timeout never learns the outcome; `{"huge": BYTES}` applie
 answers with that much padding.
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
-and finds a ticket by it (`tickets_open`, `tickets_find`): what an MCP definition with dedup
-`lookup` needs. `{"find_fails": 1}` makes the finder answer with an error.
+and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
+text): what an MCP definition with dedup `lookup` needs. `{"find_fails": 1}` makes the finder
+answer with an error.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ async def tickets_find(request_id: str) -> dict[str, Any]:
     return {"found": False}
 
 
+async def tickets_find_text(request_id: str) -> str:
+    """The finder of a server written for people: plain text, no structured result
+    (`--keyed`)."""
+    calls = DATA / "calls.jsonl"
+    lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
+    for number, line in enumerate(lines, 1):
+        if json.loads(line)["arguments"].get("request_id") == request_id:
+            return f"Ticket T-{number} was opened with this request id."
+    return "No ticket has this request id."
+
+
 def main() -> None:
     global DATA
     parser = argparse.ArgumentParser()
@@ -111,6 +123,9 @@ def main() -> None:
     if args.keyed:
         server.tool(annotations=ToolAnnotations(read_only_hint=False))(tickets_open)
         server.tool(annotations=ToolAnnotations(read_only_hint=True))(tickets_find)
+        server.tool(annotations=ToolAnnotations(read_only_hint=True), structured_output=False)(
+            tickets_find_text
+        )
     DATA = Path(args.data)
     DATA.mkdir(parents=True, exist_ok=True)
     if args.transport == "stdio":

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from approvals.models import ApprovalPolicy
 from runtime import tooldefs
@@ -147,3 +149,30 @@ def test_a_bad_lookup_declaration_is_refused_with_its_field(
         tooldefs.define(tenant_a, _definition(**change), "user:admin")
     assert field in refused.value.extra["errors"], refused.value.extra["errors"]
     assert not ToolDefinition.objects.exists()
+
+
+def test_a_lookup_answer_in_plain_text_cannot_tell_and_is_never_read_as_absent(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream], settings: Any
+) -> None:
+    """`found` reads the structured result or the JSON text: a lookup tool that answers in
+    plain text ("Ticket T-1 was opened …") gives neither, and that is no answer — as for an
+    http lookup without JSON — not "absent", which sent the ticket again once the first
+    send could no longer be in flight."""
+    settings.HOLDPOINT_RECONCILE_ATTEMPTS = 2
+    upstream = mcp_upstream(keyed=True)
+    McpServer.objects.create(tenant=tenant_a, name="helpdesk", url=upstream.url, timeout_seconds=2)
+    lookup = {"tool": "tickets_find_text", "arguments": {"request_id": "{idempotency_key}"}}
+    tooldefs.define(tenant_a, _definition(lookup={**lookup, "found": "$.id"}), "user:admin")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="opens go", tool=OPEN, required=False)
+    upstream.faults(hang=30)  # applies, then answers long after the timeout
+    run = _run(tenant_a)
+    for _ in range(6):
+        Run.objects.filter(pk=run.pk).update(wake_at=None)  # the retry's back-off is over
+        past = timezone.now() - timedelta(minutes=5)  # the first send can no longer land
+        Action.objects.filter(run=run).update(in_flight_until=past)
+        advance_run(run.run_id, "w1")
+        if Action.objects.get(run=run).status == S.MANUAL_REVIEW:
+            break
+    action = Action.objects.get(run=run)
+    assert len(upstream.calls("tickets_open")) == 1
+    assert action.status == S.MANUAL_REVIEW, (action.status, action.last_error)
