@@ -57,6 +57,7 @@ from runtime.tools import (
     Tool,
     credential_for_run,
     tenant_of_run,
+    usable_id,
 )
 
 T = TypeVar("T")
@@ -452,10 +453,14 @@ class McpTool(Tool):
             return LookupResult(
                 found=None, detail="lookup: the answer is neither structured nor JSON"
             )
-        found = jsonpaths.compile_path(self.found_path).first(content)
-        if found is None or isinstance(found, dict | list) or not str(found):
+        matched = jsonpaths.compile_path(self.found_path).values(content)
+        if not matched:
             return LookupResult(found=False)
-        return LookupResult(found=True, external_id=str(found)[:200], result=_dump(result))
+        if not usable_id(matched[0]):  # something is there, but not an id: no answer
+            return LookupResult(
+                found=None, detail=f"lookup: {self.found_path} is {matched[0]!r}, not an id"
+            )
+        return LookupResult(found=True, external_id=str(matched[0])[:200], result=_dump(result))
 
     def _proof(self, result: CallToolResult, key: str) -> str:
         """The upstream's own id for the effect if its structured result has one, else the

@@ -176,3 +176,25 @@ def test_a_lookup_answer_in_plain_text_cannot_tell_and_is_never_read_as_absent(
     action = Action.objects.get(run=run)
     assert len(upstream.calls("tickets_open")) == 1
     assert action.status == S.MANUAL_REVIEW, (action.status, action.last_error)
+
+
+def test_a_lookup_that_finds_no_id_cannot_tell(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """What `found` matches must be an id: the finder's `{"found": false}` read through
+    `$.found` matched `false`, and its text "False" was taken as the ticket's id — an action
+    never applied would be confirmed as ticket "False" (and `null` or an object read as
+    "absent" let it be sent again). Such an answer cannot tell."""
+    import uuid
+
+    from runtime.tools import get_tool
+
+    upstream = mcp_upstream(keyed=True)
+    McpServer.objects.create(tenant=tenant_a, name="helpdesk", url=upstream.url, timeout_seconds=2)
+    lookup = {"tool": "tickets_find", "arguments": {"request_id": "{idempotency_key}"}}
+    tooldefs.define(tenant_a, _definition(lookup={**lookup, "found": "$.found"}), "user:admin")
+    run = _run(tenant_a)
+    tool = get_tool(OPEN, tenant_a.pk)
+    looked = tool.lookup(f"never-sent-{uuid.uuid4()}", '{"title": "x"}', run_id=str(run.run_id))
+    assert looked.found is None and "not an id" in looked.detail, looked
+    assert upstream.calls("tickets_open") == []
