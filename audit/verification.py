@@ -25,6 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit import journal
+from audit.canonical import CanonicalError
 from audit.chain import GENESIS, RULE, entry_hash_from_digest, stored_payload_digest
 from audit.models import JournalEntry, StreamHead
 
@@ -62,10 +63,13 @@ def verify_entries(
         owner = entry.tenant_id if owner is None else owner
         if entry.tenant_id != owner:
             return Break(stream, entry.seq, "tenant_id is not its stream's tenant")
-        digest = stored_payload_digest(entry)
+        try:
+            digest = stored_payload_digest(entry)
+            rule = None if digest is None else _rule_of(prev, entry, digest)
+        except CanonicalError as exc:  # a value append refuses: it can only be tampering
+            return Break(stream, entry.seq, f"entry content cannot have been appended ({exc})")
         if digest is None:
             return Break(stream, entry.seq, "redaction flag does not match the payload")
-        rule = _rule_of(prev, entry, digest)
         if rule is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
         if rule < RULE and newer_rule_seen:

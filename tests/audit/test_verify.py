@@ -10,6 +10,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, transaction
+from django.test import Client
+from django.urls import reverse
 
 from audit import journal
 from audit.chain import entry_hash
@@ -19,6 +21,7 @@ from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Checkpoint, Run, Tenant
 from tests.audit.tamper import tampering
+from tests.conftest import Persona
 
 
 def _verify(*args: str) -> tuple[bool, str]:
@@ -188,3 +191,32 @@ def test_stream_heads_match_their_chains(tenant_a: Tenant) -> None:
     for head in StreamHead.objects.all():
         last: Any = JournalEntry.objects.filter(stream=head.stream).order_by("-seq").first()
         assert (head.seq, head.hash) == (last.seq, last.hash)
+
+
+@pytest.mark.tampers_journal
+@pytest.mark.parametrize("payload", ['{"n": 18014398509481984}', '{"n": 1e400}'])
+def test_a_payload_no_append_could_write_is_a_break_not_a_crash(
+    client: Client, reviewer_a: Persona, payload: str
+) -> None:
+    """A number outside ±2**53 (or past a float's range) is valid JSON to the database, but
+    `append` refuses it, so it can only have come from tampering: every check must name the
+    entry — the command, the hourly alert, the run's trail — not stop with a traceback
+    (which also left every later stream unchecked and wrote no alert)."""
+    tenant_a = reviewer_a.tenant
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    victim = JournalEntry.objects.get(stream=stream, seq=3)
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET payload = %s WHERE id = %s", [payload, victim.pk]
+        )
+    ok, text = _verify("--tenant", tenant_a.slug)
+    assert not ok and f"BROKEN {stream} at seq 3" in text, text
+    assert verify_recent() == 1
+    alert = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
+    )
+    assert alert.payload["stream"] == stream and alert.payload["seq"] == 3
+    client.force_login(reviewer_a.user)
+    trail = client.get(reverse("run-trail", args=[run.run_id]))
+    assert trail.status_code == 200 and trail.context["trail"].chain_break.seq == 3
