@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from django.core import signing
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from audit import journal
@@ -161,20 +161,29 @@ def verify_all(
 
 
 def alert(found: Break) -> None:
-    """Log it and write it into the tenant's own stream, where its reviewers will see it."""
+    """Log it and write it into the tenant's own stream, where its reviewers will see it: the
+    tenant of the stream's head or, its head deleted, of its first entry."""
     log.error("journal chain broken: %s at seq %s: %s", found.stream, found.seq, found.problem)
     head = StreamHead.objects.filter(stream=found.stream).first()
-    if head is None:
-        return
-    tenant_id = head.tenant_id
-    with transaction.atomic():
-        journal.append(
-            journal.tenant_stream(tenant_id),
-            "chain_break_detected",
-            tenant_id=tenant_id,
-            actor="system:verifier",
-            payload=asdict(found),
-        )
+    if head is not None:
+        tenant_id = head.tenant_id
+    else:
+        first = JournalEntry.objects.filter(stream=found.stream).order_by("seq")
+        owner = first.values_list("tenant_id", flat=True).first()
+        if owner is None:
+            return
+        tenant_id = owner
+    try:
+        with transaction.atomic():
+            journal.append(
+                journal.tenant_stream(tenant_id),
+                "chain_break_detected",
+                tenant_id=tenant_id,
+                actor="system:verifier",
+                payload=asdict(found),
+            )
+    except IntegrityError:  # the tenant's stream lost its head too: a new one starts at seq 1
+        log.error("journal chain broken: no alert written, tenant:%s has no head", tenant_id)
 
 
 def verify_recent(hours: int = 2) -> int:

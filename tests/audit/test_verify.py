@@ -220,3 +220,23 @@ def test_a_payload_no_append_could_write_is_a_break_not_a_crash(
     client.force_login(reviewer_a.user)
     trail = client.get(reverse("run-trail", args=[run.run_id]))
     assert trail.status_code == 200 and trail.context["trail"].chain_break.seq == 3
+
+
+@pytest.mark.tampers_journal
+def test_periodic_verification_alerts_the_tenant_of_a_stream_whose_head_was_deleted(
+    tenant_a: Tenant,
+) -> None:
+    """The break is found ("entries without a stream head"); its tenant is its entries'."""
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    with tampering() as cursor:
+        cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [stream])
+    assert verify_recent() == 1
+    alert = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
+    )
+    assert alert.payload["stream"] == stream
+    tenant = journal.tenant_stream(tenant_a.pk)
+    with tampering() as cursor:  # the tenant's own stream too: no alert can go there
+        cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [tenant])
+    assert verify_recent() == 2
