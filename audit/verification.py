@@ -70,6 +70,8 @@ def verify_entries(
             return Break(stream, entry.seq, f"entry content cannot have been appended ({exc})")
         if digest is None:
             return Break(stream, entry.seq, "redaction flag does not match the payload")
+        if entry.redacted and not stream.startswith("run:"):
+            return Break(stream, entry.seq, "redacted, but only purged runs' entries are")
         if rule is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
         if rule < RULE and newer_rule_seen:

@@ -245,3 +245,18 @@ def test_the_hourly_check_alerts_on_a_row_moved_between_tenants(
         stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
     )
     assert alert.payload["stream"] == journal.run_stream(run.run_id) and alert.payload["seq"] == 2
+
+
+def test_a_redacted_entry_in_a_tenant_stream_is_a_break(tenant_a: Tenant) -> None:
+    """The purge redacts only purged runs' streams: a tenant's human acts are never redacted,
+    so one that is had its payload wiped by someone else — the digest left in its place
+    verifies as a redaction would, which must not pass for one there."""
+    tenant_acts(tenant_a)
+    stream = journal.tenant_stream(tenant_a.pk)
+    victim = JournalEntry.objects.get(stream=stream, seq=2)
+    with tampering():
+        JournalEntry.objects.filter(pk=victim.pk).redact()
+    found = verify_stream(stream)
+    assert found is not None and found.seq == 2 and "redact" in found.problem
+    ok, text = verify("--tenant", tenant_a.slug)
+    assert not ok and f"BROKEN {stream} at seq 2" in text
