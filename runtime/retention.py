@@ -43,7 +43,10 @@ def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
 
 
 def due_runs(tenant: Tenant, now: datetime) -> QuerySet[Run]:
-    cutoff = now - timedelta(days=tenant.retention_days)
+    try:
+        cutoff = now - timedelta(days=tenant.retention_days)
+    except OverflowError:  # kept for longer than the calendar goes back: nothing is due
+        return Run.objects.none()
     return purgeable(Run.objects.filter(tenant=tenant, updated_at__lt=cutoff))
 
 

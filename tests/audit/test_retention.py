@@ -89,6 +89,25 @@ def test_purge_never_takes_an_open_run_or_an_unsettled_action(tenant_a: Tenant) 
     assert Run.objects.filter(pk__in=[waiting.pk, done.pk]).count() == 2
 
 
+def test_a_retention_longer_than_the_calendar_keeps_everything_and_purges_the_others(
+    tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    """`retention_days` 999999 ("keep for ever") put the cutoff before year 1: the date
+    arithmetic raised OverflowError, and `purge` stopped there — every tenant after it in
+    slug order kept its expired runs too."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=999_999)
+    Tenant.objects.filter(pk=tenant_b.pk).update(retention_days=30)
+    kept = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    expired = create_run(tenant_b, "chain", {"steps": 1}, actor="t")
+    for run in (kept, expired):
+        advance_run(run.run_id, "w1")
+        _aged(run, 400)
+    out = _purge()
+    assert "acme: purged 0 run(s)" in out and "globex: purged 1 run(s)" in out, out
+    assert Run.objects.filter(pk=kept.pk).exists()
+    assert not Run.objects.filter(pk=expired.pk).exists()
+
+
 def test_deleting_one_threads_data_on_request(tenant_a: Tenant) -> None:
     mine = create_run(tenant_a, "chain", {"steps": 2}, actor="t", thread_id="customer-42")
     other = create_run(tenant_a, "chain", {"steps": 2}, actor="t", thread_id="customer-7")
