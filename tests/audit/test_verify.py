@@ -240,3 +240,17 @@ def test_periodic_verification_alerts_the_tenant_of_a_stream_whose_head_was_dele
     with tampering() as cursor:  # the tenant's own stream too: no alert can go there
         cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [tenant])
     assert verify_recent() == 2
+
+
+@pytest.mark.tampers_journal
+def test_verifying_a_stream_that_is_not_there_is_not_a_success(tenant_a: Tenant) -> None:
+    """A whole stream deleted (head and entries), or a mistyped name: `--stream` checked
+    nothing and exited 0 as if it verified — as `--tenant` with an unknown slug does not."""
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    assert _verify("--stream", stream)[0]
+    with tampering() as cursor:
+        cursor.execute("DELETE FROM audit_journalentry WHERE stream = %s", [stream])
+        cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [stream])
+    ok, text = _verify("--stream", stream)
+    assert not ok and "0 stream(s) checked" in text, text

@@ -40,3 +40,5 @@ class Command(BaseCommand):
         )
         if breaks or anchored:
             raise CommandError("the journal does not verify")
+        if options["stream"] and not checked:  # gone, or another tenant's: nothing proven
+            raise CommandError(f"no stream {options['stream']!r} to verify")
