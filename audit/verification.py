@@ -82,9 +82,13 @@ def verify_entries(
 
 
 def _rule_of(prev: str, entry: JournalEntry, digest: str) -> int | None:
-    """The hash rule the stored hash matches (the current one first), or None."""
+    """The hash rule the stored hash matches (the current one first), or None. Compared as
+    bytes: compare_digest refuses a str with a non-ASCII character, which an edited hash
+    column may hold."""
+    stored = entry.hash.encode("utf-8")
     for rule in range(RULE, 0, -1):
-        if hmac.compare_digest(entry_hash_from_digest(prev, entry, digest, rule=rule), entry.hash):
+        computed = entry_hash_from_digest(prev, entry, digest, rule=rule).encode("ascii")
+        if hmac.compare_digest(computed, stored):
             return rule
     return None
 

@@ -254,3 +254,18 @@ def test_verifying_a_stream_that_is_not_there_is_not_a_success(tenant_a: Tenant)
         cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [stream])
     ok, text = _verify("--stream", stream)
     assert not ok and "0 stream(s) checked" in text, text
+
+
+@pytest.mark.tampers_journal
+def test_a_hash_with_a_non_ascii_character_is_a_break_not_a_crash(tenant_a: Tenant) -> None:
+    """hmac.compare_digest refuses a str with a non-ASCII character (TypeError): a stored
+    hash edited to one stopped the walk instead of naming the entry."""
+    run = _run(tenant_a)
+    stream = journal.run_stream(run.run_id)
+    victim = JournalEntry.objects.get(stream=stream, seq=3)
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET hash = %s WHERE id = %s", ["é" * 64, victim.pk]
+        )
+    ok, text = _verify("--tenant", tenant_a.slug)
+    assert not ok and f"BROKEN {stream} at seq 3" in text, text
