@@ -269,3 +269,28 @@ def test_a_hash_with_a_non_ascii_character_is_a_break_not_a_crash(tenant_a: Tena
         )
     ok, text = _verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq 3" in text, text
+
+
+@pytest.mark.tampers_journal
+def test_an_entry_the_database_cannot_hand_back_is_a_break_not_a_crash(
+    tenant_a: Tenant,
+) -> None:
+    """PostgreSQL stores a created_at of 'infinity', which no datetime holds (psycopg raises
+    DataError reading it): the stream is named broken, and the other streams still checked
+    and alerted on, instead of the walk stopping there."""
+    if connection.vendor != "postgresql":
+        pytest.skip("'infinity' is a PostgreSQL timestamp")
+    run, other = _run(tenant_a), _run(tenant_a)
+    stream, edited = journal.run_stream(run.run_id), journal.run_stream(other.run_id)
+    victim = JournalEntry.objects.get(stream=stream, seq=3)
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET created_at = 'infinity' WHERE id = %s", [victim.pk]
+        )
+        cursor.execute(
+            "UPDATE audit_journalentry SET actor = 'user:mallory' WHERE stream = %s AND seq = 2",
+            [edited],
+        )
+    ok, text = _verify("--tenant", tenant_a.slug)
+    assert not ok and f"BROKEN {stream}" in text and f"BROKEN {edited} at seq 2" in text, text
+    assert verify_recent() == 2
