@@ -34,7 +34,7 @@ import re
 import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -56,8 +56,8 @@ from runtime.tools import (
     LookupResult,
     Tool,
     credential_for_run,
+    found_in,
     tenant_of_run,
-    usable_id,
 )
 
 T = TypeVar("T")
@@ -453,14 +453,10 @@ class McpTool(Tool):
             return LookupResult(
                 found=None, detail="lookup: the answer is neither structured nor JSON"
             )
-        matched = jsonpaths.compile_path(self.found_path).values(content)
-        if not matched:
-            return LookupResult(found=False)
-        if not usable_id(matched[0]):  # something is there, but not an id: no answer
-            return LookupResult(
-                found=None, detail=f"lookup: {self.found_path} is {matched[0]!r}, not an id"
-            )
-        return LookupResult(found=True, external_id=str(matched[0])[:200], result=_dump(result))
+        verdict = found_in(self.found_path, content)
+        if not verdict.found:
+            return verdict
+        return replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))
 
     def _proof(self, result: CallToolResult, key: str) -> str:
         """The upstream's own id for the effect if its structured result has one, else the

@@ -291,9 +291,7 @@ def check_url(url: str, reach: Reach | None = None) -> None:
         _allowed_host(url)
         return
     host = _judged_url(url, reach.hosts)[0]
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
+    if not _is_address(host):
         return  # a name: its addresses are judged when a request goes out
     if not address_allowed(host, reach.networks):
         raise OutboundRefused(

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -337,17 +337,24 @@ class HttpTool(Tool):
             body = response.json()
         except ValueError:
             return LookupResult(found=None, detail="lookup answered without JSON")
-        matched = jsonpaths.compile_path(self.found_path).values(body)
-        if not matched:
-            return LookupResult(found=False)
-        if not usable_id(matched[0]):
-            # Something is there, but not an id (null, "", an object): "not found" would let
-            # the action be sent again; this is no answer, and the contract asks again.
-            return LookupResult(
-                found=None, detail=f"lookup: {self.found_path} is {matched[0]!r}, not an id"
-            )
+        verdict = found_in(self.found_path, body)
+        if not verdict.found:
+            return verdict
         first = body[0] if isinstance(body, list) and body else body
-        return LookupResult(found=True, external_id=str(matched[0]), result=first)
+        return replace(verdict, result=first)
+
+
+def found_in(found_path: str, answer: Any) -> LookupResult:
+    """A lookup's verdict from its answer, for every kind of tool: nothing at `found_path` is
+    absent; something there that is not an id (null, "", an object) is no answer — "not
+    found" would let the action be sent again, so the contract asks again; else found, with
+    that id (the caller adds the answer as its result)."""
+    matched = jsonpaths.compile_path(found_path).values(answer)
+    if not matched:
+        return LookupResult(found=False)
+    if not usable_id(matched[0]):
+        return LookupResult(found=None, detail=f"lookup: {found_path} is {matched[0]!r}, not an id")
+    return LookupResult(found=True, external_id=str(matched[0]))
 
 
 def usable_id(value: Any) -> bool:
