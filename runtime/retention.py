@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -76,6 +76,7 @@ def purge_tenant(
         streams = [journal.run_stream(run_id) for run_id in report.runs]
         report.entries_redacted = JournalEntry.objects.filter(stream__in=streams).redact()
         Run.objects.filter(run_id__in=report.runs).delete()  # cascades to the run's rows
+        _hold_artifact_writes()
         kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
         orphans = Artifact.objects.filter(tenant=tenant, digest__in=doomed_refs - kept_refs)
         report.artifacts = orphans.count()
@@ -96,6 +97,29 @@ def purge_tenant(
         )
         gate.delete()
     return report
+
+
+def _hold_artifact_writes() -> None:
+    """Until the purge commits, no step commit may store an artifact (PostgreSQL).
+
+    A step commit refers to an artifact that is already stored without writing it again
+    (`ON CONFLICT DO NOTHING` takes no lock on the row it finds). Had it done so between
+    the purge's reading of the kept references and its delete, the purge would delete an
+    artifact its new checkpoint needs, and the run could never be read back or resumed.
+    Every step commit that refers to an artifact it did not load from its own run's
+    checkpoints (those are kept) inserts it, and an insert takes ROW EXCLUSIVE on the
+    table, which this SHARE ROW EXCLUSIVE lock conflicts with: a commit under way is waited
+    for (the kept references, read after, see its checkpoint), a later one waits for the
+    purge (its insert then finds the row deleted and stores it again). Reads go on; so does
+    every commit that stores nothing, and the step commit gains no statement. The lock is
+    also self-exclusive, so two purges take their turns here. SQLite needs nothing: the
+    purge's transaction (IMMEDIATE) holds the one write lock from its start.
+    """
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        table = connection.ops.quote_name(Artifact._meta.db_table)
+        cursor.execute(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
 
 
 def _refs(tenant_id: int, checkpoints: QuerySet[Checkpoint]) -> set[str]:

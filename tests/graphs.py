@@ -105,6 +105,26 @@ def grow(ctx: StepContext) -> Outcome:
 
 register(grower)
 
+# The same notes as `grower` (so the same artifacts in a tenant), then a wait for input: a
+# run that is not finished — the retention purge must keep it, and what it refers to.
+patient_grower = Graph("patient_grower", version="1")
+
+
+@patient_grower.step(start=True)
+def grow_then_ask(ctx: StepContext) -> Outcome:
+    notes = [*ctx.state.get("notes", []), "x" * 1000 + str(len(ctx.state.get("notes", [])))]
+    if len(notes) >= int(ctx.goal["steps"]):
+        return Wait("input", then="take_answer", update={"notes": notes}, prompt="And then?")
+    return Next("grow_then_ask", update={"notes": notes})
+
+
+@patient_grower.step
+def take_answer(ctx: StepContext) -> Outcome:
+    return Complete(update={"answer": ctx.input})
+
+
+register(patient_grower)
+
 
 def evolving(version: str) -> Graph:
     """A graph that exists in several versions (tests register/unregister them)."""

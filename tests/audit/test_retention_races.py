@@ -1,0 +1,169 @@
+"""The retention purge against the writers running beside it (real connections, threads).
+
+A step commit stores its artifacts by content: one that another run stored already is not
+inserted again (`ON CONFLICT DO NOTHING`), the commit only refers to it. The purge finds the
+artifacts no kept checkpoint refers to and deletes them; a commit that refers to one of them
+between the two must not lose it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, connections
+from django.utils import timezone
+
+from runtime import retention, stepcommit
+from runtime.artifacts import resolve
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run, provide_input
+from runtime.models import Checkpoint, Run, RunStatus, Tenant
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _blocked_or_done(worker: threading.Thread) -> None:
+    """Until the worker has finished or (PostgreSQL) waits for a lock; SQLite serialises
+    writers, so there the worker waits for the purge's write lock (bounded)."""
+    if connection.vendor != "postgresql":
+        worker.join(timeout=3)
+        return
+    deadline = time.monotonic() + 20
+    while worker.is_alive() and time.monotonic() < deadline:
+        if _lock_waiters() >= 1:
+            return
+        time.sleep(0.02)
+
+
+def _expired_and_live(tenant: Tenant) -> tuple[Run, Run]:
+    """A run past retention and a new one that will store the same notes (so the same
+    artifacts), then wait for input."""
+    Tenant.objects.filter(pk=tenant.pk).update(retention_days=30)
+    old = create_run(tenant, "grower", {"steps": 40}, actor="t")
+    assert advance_run(old.run_id, "w1").outcome == "completed"
+    Run.objects.filter(pk=old.pk).update(updated_at=timezone.now() - timedelta(days=31))
+    return old, create_run(tenant, "patient_grower", {"steps": 40}, actor="t")
+
+
+def _purge_into(outcome: dict[str, Any], tenant: Tenant) -> None:
+    try:
+        outcome["purge"] = retention.purge_tenant(Tenant.objects.get(pk=tenant.pk))
+    except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+        outcome["purge"] = exc
+    finally:
+        connections.close_all()
+
+
+def _step_into(outcome: dict[str, Any], run: Run) -> None:
+    try:
+        outcome["step"] = advance_run(run.run_id, "w2").outcome
+    except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+        outcome["step"] = exc
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_step_commit_reusing_an_artifact_during_the_purge_keeps_it(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expired run and a live one stored the same notes. The purge took the references
+    of the checkpoints it keeps (none of the live run's yet), then the live run committed
+    its steps — referring to the expired run's artifacts, inserting none — then the purge
+    deleted those artifacts as orphans: the live run, waiting for input, could not be read
+    back nor resumed (LookupError: artifacts missing)."""
+    old, live = _expired_and_live(tenant_a)
+    paused, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    real_refs, calls = retention._refs, []
+
+    def refs_then_pause(tenant_id: int, checkpoints: Any) -> set[str]:
+        found = real_refs(tenant_id, checkpoints)
+        calls.append(checkpoints)
+        if len(calls) == 2:  # the doomed runs' references, then the kept ones: hold it here
+            paused.set()
+            go.wait(timeout=30)
+        return found
+
+    monkeypatch.setattr(retention, "_refs", refs_then_pause)
+
+    purger = threading.Thread(target=_purge_into, args=(outcome, tenant_a))
+    purger.start()
+    stepper = threading.Thread(target=_step_into, args=(outcome, live))
+    try:
+        assert paused.wait(timeout=30), "the purge never reached its kept references"
+        stepper.start()
+        _blocked_or_done(stepper)
+    finally:
+        go.set()
+        purger.join(timeout=60)
+        if stepper.is_alive() or stepper.ident is not None:
+            stepper.join(timeout=60)
+
+    _check_both(outcome, old, live)
+
+
+def _check_both(outcome: dict[str, Any], old: Run, live: Run) -> None:
+    """Both went through, and the live run reads back whole and can be resumed."""
+    tenant_id = live.tenant_id
+    assert outcome["step"] == "waiting", outcome
+    report = outcome["purge"]
+    assert isinstance(report, retention.PurgeReport), report
+    assert report.runs == [str(old.run_id)]
+    if connection.vendor == "postgresql":  # it did delete (SQLite: the live run may have
+        assert report.artifacts > 0  # taken the write lock first and referred to them all)
+    live.refresh_from_db()
+    assert live.status == RunStatus.WAITING_INPUT
+    last = Checkpoint.objects.get(run=live, rev=live.checkpoint_rev)
+    assert len(resolve(tenant_id, last.state)["notes"]) == 40
+    provide_input(live, {"more": "no"}, live.checkpoint_rev, actor="t")
+    assert advance_run(live.run_id, "w3").outcome == "completed"
+    done = Checkpoint.objects.filter(run=live).order_by("-rev").first()
+    assert done is not None
+    assert len(resolve(tenant_id, done.state)["notes"]) == 40
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_purge_during_a_step_commit_that_reuses_an_artifact_keeps_it(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: the live run's first commit has found the expired run's artifact
+    stored (and inserted nothing) and not committed yet when the purge reads the kept
+    references — which cannot see that checkpoint — and deletes the artifact."""
+    old, live = _expired_and_live(tenant_a)
+    paused, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    real_record = stepcommit.record
+
+    def record_then_pause(run: Run, *args: Any, **kwargs: Any) -> Any:
+        # Inside the commit's transaction, its artifacts written: hold it here, once.
+        if run.pk == live.pk and not paused.is_set():
+            paused.set()
+            go.wait(timeout=30)
+        return real_record(run, *args, **kwargs)
+
+    monkeypatch.setattr(stepcommit, "record", record_then_pause)
+    stepper = threading.Thread(target=_step_into, args=(outcome, live))
+    stepper.start()
+    purger = threading.Thread(target=_purge_into, args=(outcome, tenant_a))
+    try:
+        assert paused.wait(timeout=30), "the step commit never got under way"
+        purger.start()
+        _blocked_or_done(purger)
+    finally:
+        go.set()
+        stepper.join(timeout=60)
+        if purger.ident is not None:
+            purger.join(timeout=60)
+    _check_both(outcome, old, live)
