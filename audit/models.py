@@ -12,8 +12,13 @@ to by id only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
+
 from django.db import models
 
+from audit.canonical import CanonicalError
 from audit.chain import GENESIS, payload_digest, redacted_payload
 
 
@@ -38,23 +43,51 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
     def delete(self) -> tuple[int, dict[str, int]]:
         raise AppendOnly("journal entries are never deleted (the purge redacts payloads)")
 
-    def redact(self) -> int:
+    def redact(self) -> Redaction:
         """Replace payloads by their digests (the retention purge, inside its open gate).
 
         The hash of each entry covers the payload's digest, not the payload, so the chain
-        verifies after redaction exactly as before.
+        verifies after redaction exactly as before. A stream with an entry whose payload has
+        no digest (not canonical JSON: no writer stores that, it was edited) is left whole,
+        unredacted, and named in `refused`: the purge keeps its run and goes on with the
+        others, and verification still names the entry — a redaction would put a made-up
+        digest over the evidence. Done a stream at a time, so memory holds one stream's
+        digests, never the whole purge's.
         """
         if not PurgeGate.objects.exists():
             raise AppendOnly("redaction needs the purge gate open in this transaction")
-        done = 0
-        for entry in self.filter(redacted=False).only("pk", "payload").iterator():
-            digest = payload_digest(entry.payload)
-            done += models.QuerySet.update(
-                JournalEntry.objects.filter(pk=entry.pk),
-                payload=redacted_payload(digest),
-                redacted=True,
-            )
-        return done
+        done, refused = 0, {}
+        entries = self.filter(redacted=False).order_by("stream", "seq")
+        rows = entries.only("pk", "stream", "seq", "payload").iterator()
+        for stream, group in groupby(rows, key=attrgetter("stream")):
+            digests: list[tuple[int, str]] = []
+            for entry in group:
+                try:
+                    digests.append((entry.pk, payload_digest(entry.payload)))
+                except CanonicalError as exc:
+                    refused[stream] = f"seq {entry.seq}: payload is not canonical JSON ({exc})"
+                    break
+            if stream not in refused:
+                done += _redact(digests)
+        return Redaction(done, refused)
+
+
+@dataclass(frozen=True)
+class Redaction:
+    """What `redact` did: how many payloads it replaced, and the streams it left whole
+    (stream → why)."""
+
+    done: int
+    refused: dict[str, str]
+
+
+def _redact(digests: list[tuple[int, str]]) -> int:
+    done = 0
+    for pk, digest in digests:
+        done += models.QuerySet.update(
+            JournalEntry.objects.filter(pk=pk), payload=redacted_payload(digest), redacted=True
+        )
+    return done
 
 
 class JournalEntry(models.Model):

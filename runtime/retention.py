@@ -3,13 +3,17 @@
 Runs past their tenant's retention lose their checkpoints, recorded calls, actions,
 approvals and unreferenced artifacts; their journal entries stay, with payloads replaced by
 digests (the chain hashes cover digests, so it verifies as before). Never purged: a run that
-is not finished, has an open approval, or has an action whose outcome is not settled.
+is not finished, has an open approval, or has an action whose outcome is not settled. Kept
+and named (`PurgeReport.held`), the rest purged: a due run with a journal entry that cannot
+be redacted — edited into a payload no writer stores — so its evidence stays for
+audit_verify, and one such run does not stop the purge of the others, or of other tenants.
 Approvals are the hold points' business: `gates.purgeable` leaves out the runs they still
 need, and their rows cascade from the run's.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -23,6 +27,7 @@ from runtime import gates
 from runtime.artifacts import collect_refs
 from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
 
+log = logging.getLogger("holdpoint.retention")
 KEEP_ACTIONS = (ActionStatus.SENT, ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW)
 
 
@@ -33,6 +38,9 @@ class PurgeReport:
     checkpoints: int = 0
     artifacts: int = 0
     entries_redacted: int = 0
+    # Runs kept although due: their journal cannot be redacted (an entry was edited into
+    # something no writer stores). run id → why; audit_verify names the entry too.
+    held: dict[str, str] = field(default_factory=dict)
 
 
 def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
@@ -70,11 +78,21 @@ def purge_tenant(
         return report
     with transaction.atomic(durable=True):
         gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
+        streams = {journal.run_stream(run_id): run_id for run_id in report.runs}
+        redaction = JournalEntry.objects.filter(stream__in=streams).redact()
+        report.entries_redacted = redaction.done
+        report.held = {streams[name]: why for name, why in redaction.refused.items()}
+        report.runs = [run_id for run_id in report.runs if run_id not in report.held]
+        if report.held:
+            log.error(
+                "retention purge of %s kept runs it cannot redact: %s", tenant.slug, report.held
+            )
+        if not report.runs:
+            gate.delete()
+            return report
         doomed_checkpoints = Checkpoint.objects.filter(run_id__in=report.runs)
         doomed_refs = _refs(tenant.pk, doomed_checkpoints)
         report.checkpoints = doomed_checkpoints.count()
-        streams = [journal.run_stream(run_id) for run_id in report.runs]
-        report.entries_redacted = JournalEntry.objects.filter(stream__in=streams).redact()
         Run.objects.filter(run_id__in=report.runs).delete()  # cascades to the run's rows
         _hold_artifact_writes()
         kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
@@ -92,6 +110,7 @@ def purge_tenant(
                 "checkpoints": report.checkpoints,
                 "artifacts": report.artifacts,
                 "entries_redacted": report.entries_redacted,
+                "held": report.held,
                 "retention_days": tenant.retention_days,
             },
         )

@@ -6,7 +6,8 @@ from datetime import timedelta
 from io import StringIO
 from typing import Any
 
-from django.core.management import call_command
+import pytest
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
@@ -16,6 +17,7 @@ from audit.verification import verify_stream
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Artifact, Checkpoint, RecordedCall, Run, Tenant
+from tests.audit.tamper import tampering
 from tests.conftest import Persona
 
 
@@ -154,3 +156,49 @@ def test_tenant_stream_records_human_and_admin_acts(
     added: Any = JournalEntry.objects.filter(stream=tenant_stream, type="admin_added").last()
     assert added.actor == "user:ada" and added.payload["model"] == "runtime.AgentAccount"
     assert verify_stream(tenant_stream) is None
+
+
+@pytest.mark.tampers_journal
+def test_a_payload_edited_past_canonical_json_keeps_its_run_and_the_purge_goes_on(
+    tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    """An entry of an expired run edited to a payload no writer stores (an integer past
+    ±2**53) made redaction raise CanonicalError: the purge stopped at that tenant with a
+    traceback, and every tenant after it (slug order) kept its expired runs. Now the run
+    whose journal cannot be redacted is kept and named, the rest is purged, the command
+    exits non-zero, and audit_verify still names the edited entry."""
+    for tenant in (tenant_a, tenant_b):
+        Tenant.objects.filter(pk=tenant.pk).update(retention_days=30)
+    edited = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    other = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    later = create_run(tenant_b, "chain", {"steps": 1}, actor="t")
+    for run in (edited, other, later):
+        advance_run(run.run_id, "w1")
+        _aged(run, 31)
+    stream = journal.run_stream(edited.run_id)
+    victim = JournalEntry.objects.get(stream=stream, seq=2)
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET payload = %s WHERE id = %s",
+            ['{"n": 1152921504606846976}', victim.pk],
+        )
+
+    out = StringIO()
+    with pytest.raises(CommandError, match="1 due run"):
+        call_command("purge", stdout=out)
+    text = out.getvalue()
+    assert "acme: purged 1 run(s)" in text and "globex: purged 1 run(s)" in text, text
+    assert f"acme: KEPT run {edited.run_id}" in text and "seq 2" in text, text
+    assert not Run.objects.filter(pk__in=[other.pk, later.pk]).exists()
+    assert Run.objects.filter(pk=edited.pk).exists()
+    assert not JournalEntry.objects.filter(stream=stream, redacted=True).exists()
+    purged = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="retention_purged"
+    )
+    assert purged.payload["runs"] == [str(other.run_id)]
+    assert list(purged.payload["held"]) == [str(edited.run_id)]
+    verified = StringIO()
+    with pytest.raises(CommandError):
+        call_command("audit_verify", stdout=verified)
+    assert f"BROKEN {stream} at seq 2" in verified.getvalue()
+    assert "1 broken" in verified.getvalue()
