@@ -167,7 +167,11 @@ def purge(
     thread_id: str | None = None,
     now: datetime | None = None,
 ) -> list[PurgeReport]:
+    """Every tenant's purge (or one tenant's); raises Tenant.DoesNotExist for a slug that
+    names none, so a mistyped one is not taken for a tenant with nothing to purge."""
     tenants = Tenant.objects.all()
     if tenant_slug:
         tenants = tenants.filter(slug=tenant_slug)
+        if not tenants.exists():
+            raise Tenant.DoesNotExist(f"no tenant {tenant_slug!r}")
     return [purge_tenant(t, now=now, dry_run=dry_run, thread_id=thread_id) for t in tenants]

@@ -202,3 +202,16 @@ def test_a_payload_edited_past_canonical_json_keeps_its_run_and_the_purge_goes_o
         call_command("audit_verify", stdout=verified)
     assert f"BROKEN {stream} at seq 2" in verified.getvalue()
     assert "1 broken" in verified.getvalue()
+
+
+def test_purging_an_unknown_tenant_is_refused(tenant_a: Tenant) -> None:
+    """`purge --tenant <mistyped>` said nothing and exited 0, as if the tenant had nothing
+    due (audit_verify --tenant already refused an unknown slug)."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=1)
+    run = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    advance_run(run.run_id, "w1")
+    _aged(run, 10)
+    for extra in ([], ["--dry-run"], ["--thread", "customer-42"]):
+        with pytest.raises(CommandError, match="no tenant 'acmee'"):
+            _purge("--tenant", "acmee", *extra)
+    assert Run.objects.filter(pk=run.pk).exists()

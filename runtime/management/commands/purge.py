@@ -7,6 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runtime.api.idempotency import expire_keys
+from runtime.models import Tenant
 from runtime.retention import purge
 
 
@@ -24,9 +25,14 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["thread"] and not options["tenant"]:
             raise CommandError("--thread needs --tenant")
-        reports = purge(
-            dry_run=options["dry_run"], tenant_slug=options["tenant"], thread_id=options["thread"]
-        )
+        try:
+            reports = purge(
+                dry_run=options["dry_run"],
+                tenant_slug=options["tenant"],
+                thread_id=options["thread"],
+            )
+        except Tenant.DoesNotExist as exc:
+            raise CommandError(str(exc)) from None
         verb = "would purge" if options["dry_run"] else "purged"
         if not options["thread"]:
             keys = expire_keys(dry_run=options["dry_run"])
