@@ -22,6 +22,7 @@ from typing import Any
 
 from django.core import signing
 from django.db import DataError, IntegrityError, transaction
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from audit import journal
@@ -134,7 +135,8 @@ def streams(
 ) -> Iterator[str]:
     """The streams to check: those whose head is the tenant's, then those holding an entry
     of the tenant under another tenant's head or none (a row moved between tenants, a head
-    deleted) — so a moved row is named whichever tenant is checked."""
+    deleted) — so a moved row is named whichever tenant is checked. With `since`: those
+    written to since then, and those whose head's last entry is gone or changed."""
     heads = StreamHead.objects.order_by("stream")
     entries = JournalEntry.objects.all()
     if tenant_id is not None:
@@ -143,7 +145,13 @@ def streams(
         heads, entries = heads.filter(stream=stream), entries.filter(stream=stream)
     if since is not None:
         entries = entries.filter(created_at__gte=since)
-        heads = heads.filter(stream__in=entries.values("stream"))
+        # Also every head whose last entry is not there as it recorded it: a stream whose
+        # recent entries were deleted whole has none written lately, and the chain of what
+        # is left is intact — only its head still knows (one index probe per head).
+        last_entry = JournalEntry.objects.filter(
+            stream=OuterRef("stream"), seq=OuterRef("seq"), hash=OuterRef("hash")
+        )
+        heads = heads.filter(Q(stream__in=entries.values("stream")) | ~Exists(last_entry))
     yield from heads.values_list("stream", flat=True).iterator()
     strays = (
         entries.exclude(stream__in=heads.values("stream"))

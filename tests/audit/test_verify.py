@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pytest
+import time_machine
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, transaction
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from audit import journal
 from audit.chain import entry_hash
@@ -294,3 +297,27 @@ def test_an_entry_the_database_cannot_hand_back_is_a_break_not_a_crash(
     ok, text = _verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream}" in text and f"BROKEN {edited} at seq 2" in text, text
     assert verify_recent() == 2
+
+
+@pytest.mark.tampers_journal
+def test_periodic_verification_catches_a_stream_whose_recent_entries_were_deleted_whole(
+    tenant_a: Tenant,
+) -> None:
+    """The hourly check verified only the streams with an entry written lately: a stream
+    whose recent entries were all deleted had none, so it was not checked, and what was left
+    of it is an intact chain — the full audit_verify named it (its head still says the last
+    seq), the hourly check found nothing and wrote no alert."""
+    with time_machine.travel(timezone.now() - timedelta(days=3)):
+        run = create_run(tenant_a, "asker", {}, actor="user:alice")
+    advance_run(run.run_id, "w1")  # waits for input: entries written now
+    stream = journal.run_stream(run.run_id)
+    assert JournalEntry.objects.filter(stream=stream).count() > 1
+    with tampering() as cursor:
+        cursor.execute("DELETE FROM audit_journalentry WHERE stream = %s AND seq > 1", [stream])
+    ok, text = _verify()
+    assert not ok and f"BROKEN {stream} at seq 2: entries missing" in text, text
+    assert verify_recent() == 1
+    alert = JournalEntry.objects.get(
+        stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
+    )
+    assert alert.payload["stream"] == stream and alert.payload["seq"] == 2
