@@ -74,6 +74,8 @@ def purge_tenant(
         else due_runs(tenant, now)
     )
     report = PurgeReport(tenant.slug, [str(r) for r in runs.values_list("run_id", flat=True)])
+    if dry_run and report.runs:
+        _preview(tenant, report)
     if dry_run or not report.runs:
         return report
     with transaction.atomic(durable=True):
@@ -116,6 +118,20 @@ def purge_tenant(
         )
         gate.delete()
     return report
+
+
+def _preview(tenant: Tenant, report: PurgeReport) -> None:
+    """A dry run's counts, as the purge would count them, writing nothing (a dry run that
+    said "0 checkpoint(s), 0 artifact(s)" for runs with hundreds was read as "cheap")."""
+    doomed = Checkpoint.objects.filter(run_id__in=report.runs)
+    kept = Checkpoint.objects.filter(tenant=tenant).exclude(run_id__in=report.runs)
+    orphans = _refs(tenant.pk, doomed) - _refs(tenant.pk, kept)
+    streams = [journal.run_stream(run_id) for run_id in report.runs]
+    report.checkpoints = doomed.count()
+    report.artifacts = Artifact.objects.filter(tenant=tenant, digest__in=orphans).count()
+    report.entries_redacted = JournalEntry.objects.filter(
+        stream__in=streams, redacted=False
+    ).count()
 
 
 def _hold_artifact_writes() -> None:

@@ -215,3 +215,20 @@ def test_purging_an_unknown_tenant_is_refused(tenant_a: Tenant) -> None:
         with pytest.raises(CommandError, match="no tenant 'acmee'"):
             _purge("--tenant", "acmee", *extra)
     assert Run.objects.filter(pk=run.pk).exists()
+
+
+def test_a_dry_run_counts_what_the_purge_then_removes(tenant_a: Tenant) -> None:
+    """`purge --dry-run` said "would purge 1 run(s), 0 checkpoint(s), 0 artifact(s), 0
+    journal payload(s) redacted" for a run with 40 checkpoints: only the runs were counted,
+    the rest was left at zero."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    old = create_run(tenant_a, "grower", {"steps": 40}, actor="t")
+    fresh = create_run(tenant_a, "grower", {"steps": 20}, actor="t")
+    for run in (old, fresh):
+        advance_run(run.run_id, "w1")
+    _aged(old, 31)
+    planned = _purge("--dry-run", "--tenant", tenant_a.slug)
+    done = _purge("--tenant", tenant_a.slug)
+    line = next(x for x in done.splitlines() if x.startswith("acme:"))
+    assert "40 checkpoint(s)" in line and " 0 artifact(s)" not in line, line
+    assert line.replace("purged", "would purge") in planned, (planned, done)
