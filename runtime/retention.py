@@ -79,6 +79,13 @@ def purge_tenant(
     if dry_run or not report.runs:
         return report
     with transaction.atomic(durable=True):
+        # Read again under the rows' locks: a purge beside this one (two operators, a
+        # scheduled one and a deletion request) may have taken some of them meanwhile; it
+        # is waited for and what it took is not reported, nor journalled, a second time.
+        locked = runs.filter(run_id__in=report.runs).select_for_update()
+        report.runs = [str(r) for r in locked.values_list("run_id", flat=True)]
+        if not report.runs:
+            return report
         gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
         streams = {journal.run_stream(run_id): run_id for run_id in report.runs}
         redaction = JournalEntry.objects.filter(stream__in=streams).redact()

@@ -217,6 +217,22 @@ def test_purging_an_unknown_tenant_is_refused(tenant_a: Tenant) -> None:
     assert Run.objects.filter(pk=run.pk).exists()
 
 
+def test_purging_an_empty_thread_id_is_refused_not_taken_for_every_tenant(
+    tenant_a: Tenant,
+) -> None:
+    """`purge --tenant acme --thread ""` (a deletion request whose id came out empty) was
+    taken for no --thread at all: it ran the retention purge of the tenant instead of
+    refusing, deleting runs nobody asked to delete now."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=1)
+    run = create_run(tenant_a, "chain", {"steps": 1}, actor="t")
+    advance_run(run.run_id, "w1")
+    _aged(run, 10)
+    for empty in ("", "  "):
+        with pytest.raises(CommandError, match="--thread needs a thread id"):
+            _purge("--tenant", tenant_a.slug, "--thread", empty)
+    assert Run.objects.filter(pk=run.pk).exists()
+
+
 def test_a_dry_run_counts_what_the_purge_then_removes(tenant_a: Tenant) -> None:
     """`purge --dry-run` said "would purge 1 run(s), 0 checkpoint(s), 0 artifact(s), 0
     journal payload(s) redacted" for a run with 40 checkpoints: only the runs were counted,

@@ -167,3 +167,55 @@ def test_a_purge_during_a_step_commit_that_reuses_an_artifact_keeps_it(
         if purger.ident is not None:
             purger.join(timeout=60)
     _check_both(outcome, old, live)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_purges_at_once_purge_and_journal_a_run_once(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two purges of one tenant at once (a scheduled one and an operator's): both listed the
+    due run before either began, and the second, once the first had committed, journalled a
+    `retention_purged` of the run the first had already purged — the audit trail said the
+    run was purged twice, with its counts twice."""
+    from audit.models import JournalEntry
+
+    old, _live = _expired_and_live(tenant_a)
+    first_paused, go = threading.Event(), threading.Event()
+    second_listed = threading.Event()
+    outcomes: list[dict[str, Any]] = [{}, {}]
+    real_refs, real_create = retention._refs, retention.PurgeReport
+    holder: list[int] = []
+
+    def refs_then_pause(tenant_id: int, checkpoints: Any) -> set[str]:
+        if not holder:  # the first purge, inside its transaction: hold it
+            holder.append(threading.get_ident())
+            first_paused.set()
+            go.wait(timeout=30)
+        return real_refs(tenant_id, checkpoints)
+
+    def report(*args: Any, **kwargs: Any) -> retention.PurgeReport:
+        made = real_create(*args, **kwargs)
+        if holder and threading.get_ident() != holder[0]:
+            second_listed.set()  # the second purge has listed the due runs
+        return made
+
+    monkeypatch.setattr(retention, "_refs", refs_then_pause)
+    monkeypatch.setattr(retention, "PurgeReport", report)
+    first = threading.Thread(target=_purge_into, args=(outcomes[0], tenant_a))
+    second = threading.Thread(target=_purge_into, args=(outcomes[1], tenant_a))
+    first.start()
+    try:
+        assert first_paused.wait(timeout=30), "the first purge never got under way"
+        second.start()
+        assert second_listed.wait(timeout=30), "the second purge never listed the runs"
+        _blocked_or_done(second)
+    finally:
+        go.set()
+        first.join(timeout=60)
+        if second.ident is not None:
+            second.join(timeout=60)
+    reports = [o["purge"] for o in outcomes]
+    assert all(isinstance(r, real_create) for r in reports), reports
+    assert sorted(len(r.runs) for r in reports) == [0, 1], [r.runs for r in reports]
+    purged = JournalEntry.objects.filter(type="retention_purged", tenant_id=tenant_a.pk)
+    assert [e.payload["runs"] for e in purged] == [[str(old.run_id)]]

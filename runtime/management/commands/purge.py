@@ -23,6 +23,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["thread"] is not None and not options["thread"].strip():
+            # An empty id is no thread: taken as "no --thread", it purged every tenant.
+            raise CommandError("--thread needs a thread id")
         if options["thread"] and not options["tenant"]:
             raise CommandError("--thread needs --tenant")
         try:
