@@ -50,7 +50,7 @@ from audit.models import JournalEntry
 from runtime import ledger, protocol, toolcatalog
 from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
-from runtime.dispatch import ToolUnavailable
+from runtime.dispatch import ToolUnavailable, reconcile_due
 from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, LeaseHeld
 from runtime.events import RunEvent, record
 from runtime.lifecycle import create_run
@@ -287,6 +287,11 @@ def drive(caller: Caller, call: Call) -> Action:
     action = ledger.by_key(call.tenant_id, call.key)
     if action is not None and action.status not in (S.PREPARED, S.APPROVED, *ledger.UNSETTLED):
         return action  # waiting for a reviewer or a person, or settled: nothing to do now
+    if action is not None and action.status in ledger.UNSETTLED and not reconcile_due(action):
+        # A lookup that could not tell is asked again on the worker's schedule, not on every
+        # poll of a waiting call: HOLDPOINT_RECONCILE_ATTEMPTS polls would hand a finder that
+        # failed for a few seconds to a person.
+        return action
     tool = get_tool(call.tool, call.tenant_id)
     with _lease(caller, call.run_id, tool.timeout + LEASE_MARGIN) as (run, fence):
         if action is None:

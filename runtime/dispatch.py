@@ -38,6 +38,7 @@ from runtime.errors import (
 )
 from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
+from runtime.leases import db_now_plus
 from runtime.models import Action, ActionStatus, Run, ToolCredential
 from runtime.models.secrets import read_along
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
@@ -598,12 +599,30 @@ def _again(action: Action, fence: int, actor: str, detail: str) -> Verdict:
         ledger.transition(
             action, S.UNKNOWN, actor, reconcile_attempts=attempts, last_error=detail[:2000]
         )
-    delay = min(60.0, 0.5 * 2**attempts)
     return Verdict(
         "wait",
         f"reconcile again ({attempts}): {detail}",
-        until=timezone.now() + timedelta(seconds=delay),
+        until=timezone.now() + timedelta(seconds=reconcile_delay(attempts)),
     )
+
+
+def reconcile_delay(attempts: int) -> float:
+    """The back-off after the `attempts`-th reconciliation that could not tell: the one
+    schedule of every reconciler — a worker parks its run for it, the MCP gateway's wait loop
+    (gateway.calls) does not ask again before it — so a briefly failing lookup gets the same
+    minutes wherever its action is driven, not HOLDPOINT_RECONCILE_ATTEMPTS polls in a row."""
+    return min(60.0, 0.5 * 2.0**attempts)
+
+
+def reconcile_due(action: Action) -> bool:
+    """Whether `action`'s back-off (`reconcile_delay`, counted from its last reconciliation's
+    write, by the database clock) is over; at once before any attempt."""
+    if action.reconcile_attempts == 0:
+        return True
+    since = db_now_plus(-reconcile_delay(action.reconcile_attempts))
+    return Action.objects.filter(
+        pk=action.pk, tenant_id=action.tenant_id, updated_at__lte=since
+    ).exists()
 
 
 def _settle(

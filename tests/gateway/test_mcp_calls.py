@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
 import mcp_types as types
 import pytest
+from django.db.models import F
 from django.test import override_settings
 
 from approvals.models import ApprovalPolicy
 from gateway import calls
-from runtime import mcp, protocol
+from runtime import mcp, protocol, tooldefs
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
@@ -130,3 +132,47 @@ def test_an_http_tools_answer_with_a_content_field_is_handed_over_not_a_crash(
     said = " ".join(getattr(block, "text", "") for block in result.content)
     assert not result.is_error and "N-1" in said, said
     assert [r["method"] for r in service.requests] == ["POST"]
+
+
+def _keyed(tenant: Tenant, upstream: Upstream) -> str:
+    """The README's tool with a lookup (tickets_open, found by tickets_find), a short timeout
+    so its answer is lost quickly, let go by a policy. Its name."""
+    from tests.core.readme import blocks
+
+    (block,) = [b for b in blocks() if b.lang == "json" and '"executor": "mcp"' in b.text]
+    declared = {**json.loads(block.text), "timeout_seconds": 1.5}
+    McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, timeout_seconds=2)
+    tooldefs.define(tenant, declared, "user:admin")
+    ApprovalPolicy.objects.create(tenant=tenant, name="go", tool=declared["name"], required=False)
+    return str(declared["name"])
+
+
+def test_a_waiting_call_asks_a_failing_lookup_again_on_the_back_off_not_on_every_poll(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """A call whose answer was lost is settled by the tool's lookup; the gateway's wait loop
+    drives it every POLL_SECONDS. It asked a failing finder on every poll: its
+    HOLDPOINT_RECONCILE_ATTEMPTS were spent in seconds and the call went to a person
+    (NEEDS A PERSON) although the finder was back a moment later. It now waits out the
+    worker's back-off (dispatch.reconcile_delay, by the database clock) between lookups."""
+    upstream = mcp_upstream(keyed=True)
+    name = _keyed(tenant_a, upstream)
+    upstream.faults(hang=30, find_fails=1)  # the answer is lost; the finder is down
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    call = calls.parse(caller, session, name, {"title": "Printer on fire"})
+    said = []
+    for _ in range(12):  # the wait loop's polls: six seconds' worth
+        said.append(calls.answer(calls.drive(caller, call)).text)
+    action = Action.objects.get(idempotency_key=call.key)
+    assert action.status == S.UNKNOWN, (action.status, action.last_error)
+    assert action.reconcile_attempts == 1  # one lookup; the next waits for the back-off
+    assert all(text.startswith("PENDING:") for text in said), said
+
+    upstream.faults(hang=30)  # the finder is back
+    calls.drive(caller, call)
+    assert Action.objects.get(pk=action.pk).status == S.UNKNOWN  # still within the back-off
+    Action.objects.filter(pk=action.pk).update(updated_at=F("updated_at") - timedelta(seconds=2))
+    settled = calls.drive(caller, call)
+    assert settled.status == S.CONFIRMED and settled.external_id == "T-1", settled.last_error
+    assert len(upstream.calls("tickets_open")) == 1  # found, never sent again
