@@ -611,7 +611,7 @@ def reconcile_delay(attempts: int) -> float:
     schedule of every reconciler — a worker parks its run for it, the MCP gateway's wait loop
     (gateway.calls) does not ask again before it — so a briefly failing lookup gets the same
     minutes wherever its action is driven, not HOLDPOINT_RECONCILE_ATTEMPTS polls in a row."""
-    return min(60.0, 0.5 * 2.0**attempts)
+    return min(60.0, 0.5 * 2.0 ** min(attempts, 8))  # 2**8 past the cap: no float overflow
 
 
 def reconcile_due(action: Action) -> bool:
