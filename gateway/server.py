@@ -4,8 +4,9 @@ durable sessions, mounted by `config.asgi` at `/mcp/<tenant-slug>/` (streamable 
 The SDK keeps a session's state in the memory of one process, which a restart loses. So its
 session manager runs *stateless* (a fresh transport per request) and Holdpoint owns the
 session: `Endpoint` authenticates every request (a usable agent token of the endpoint's
-tenant, before the SDK sees a byte), issues `Mcp-Session-Id` at `initialize` — the id of the
-session's run (gateway.calls.open_session) — and re-adopts it on every later request, in
+tenant, before the SDK sees a byte), issues `Mcp-Session-Id` at an `initialize` the SDK
+answers with a result — the id of the session's run (gateway.calls.open_session), opened only
+then — and re-adopts it on every later request, in
 this process or the next one. A request for an unknown session gets 404, as the transport
 spec says, so the client opens a new one.
 
@@ -198,16 +199,40 @@ class Endpoint:
             if first.get("method") != "initialize":
                 await _plain(send, 400, "Bad Request: no Mcp-Session-Id (initialize first)")
                 return
+            await self._open(scope, body, receive, send, caller, first)
+            return
+        if first.get("method") == "initialize":
+            # The carried-on session's id again: the client's SDK then knows it (and sends
+            # DELETE with it when it closes).
+            send = _with_session(send, session)
+        scope = {**scope, SCOPE_KEY: {"caller": caller, "session": session}}
+        await self.manager.handle_request(scope, _replay(body, receive), send)
+
+    async def _open(
+        self,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        caller: calls.Caller,
+        first: dict[str, Any],
+    ) -> None:
+        """A new session's initialize: the SDK answers it into a buffer (it is one short
+        message), and only an answer with a result opens the session — its run — and carries
+        its id. One the SDK refuses (an Accept or Content-Type it does not serve, a
+        notification, params it cannot read) is passed on as it is and leaves nothing
+        behind: a bad client would otherwise leave an empty session run on the Runs pages,
+        per request, until the idle sweep."""
+        held = _Held()
+        scope = {**scope, SCOPE_KEY: {"caller": caller, "session": ""}}
+        await self.manager.handle_request(scope, _replay(body, receive), held)
+        session = ""
+        if held.answered(first.get("id")):
             client = (first.get("params") or {}).get("clientInfo") or {}
             session = await db(
                 calls.open_session, caller, client if isinstance(client, dict) else {}
             )
-        if first.get("method") == "initialize":
-            # A new session's id, or the carried-on one's again: the client's SDK then knows
-            # it (and sends DELETE with it when it closes).
-            send = _with_session(send, session)
-        scope = {**scope, SCOPE_KEY: {"caller": caller, "session": session}}
-        await self.manager.handle_request(scope, _replay(body, receive), send)
+        await held.flush(_with_session(send, session) if session else send)
 
 
 def _message(body: bytes) -> dict[str, Any] | None:
@@ -255,6 +280,40 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return again
+
+
+class _Held:
+    """An answer kept back whole (an ASGI `send` that stores its messages) until the caller
+    knows what it says."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def __call__(self, message: Message) -> None:
+        self.messages.append(message)
+
+    def answered(self, request_id: Any) -> bool:
+        """Whether it is a 200 carrying a JSON-RPC result for `request_id` — as a JSON body or
+        as one of its event stream's `data:` lines."""
+        start = next((m for m in self.messages if m["type"] == "http.response.start"), None)
+        if start is None or start["status"] != 200 or request_id is None:
+            return False
+        body = b"".join(
+            m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"
+        )
+        candidates = [body, *(line[5:] for line in body.splitlines() if line.startswith(b"data:"))]
+        for text in candidates:
+            try:
+                data = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and "result" in data and data.get("id") == request_id:
+                return True
+        return False
+
+    async def flush(self, send: Send) -> None:
+        for message in self.messages:
+            await send(message)
 
 
 def _with_session(send: Send, session: str) -> Send:

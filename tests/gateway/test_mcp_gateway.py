@@ -520,7 +520,11 @@ def test_a_body_that_is_not_json_is_a_parse_error_not_a_crash(
         "jsonrpc": "2.0",
         "id": 1,
         "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {}},
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
     }
     if carried:
         opened = httpx.post(url, json=initialize, headers=headers, timeout=30)
@@ -573,3 +577,51 @@ def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
     assert rejected.returncode == 1, out
     assert "REJECTED" in out and "Duplicate" in out
     assert _reached(upstream, other) == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"Accept": "application/json"},  # 406: no event stream accepted
+        {"Content-Type": "text/plain"},  # 415
+        {"body": {"jsonrpc": "2.0", "method": "initialize", "params": {}}},  # no id: 202
+        {"body": {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}},  # -32602
+    ],
+    ids=["not-acceptable", "not-json", "a-notification", "invalid-params"],
+)
+def test_an_initialize_the_sdk_refuses_opens_no_session(
+    web: str, tenant_a: Tenant, agent_a: Persona, change: dict[str, Any]
+) -> None:
+    """An initialize that authenticates but that the MCP SDK then refuses — an Accept or
+    Content-Type it does not serve, a notification, params it cannot read — is no session:
+    it left an empty `mcp-session` run (on the Runs pages, in the metrics) until the idle
+    sweep hours later, one per bad request. Only an initialize the SDK answers with a result
+    opens a session (and gets its Mcp-Session-Id)."""
+    url = _endpoint(web, tenant_a)
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    body: Any = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {}},
+    }
+    body = change.pop("body", body)
+    runs = Run.objects.count()
+    refused = httpx.post(url, content=json.dumps(body), headers={**headers, **change}, timeout=30)
+    assert "mcp-session-id" not in refused.headers, (refused.status_code, refused.text)
+    assert Run.objects.count() == runs, (refused.status_code, refused.text)
+
+    opened = httpx.post(url, content=json.dumps(_initialize()), headers=headers, timeout=30)
+    assert opened.status_code == 200 and '"result"' in opened.text, opened.text
+    assert Run.objects.filter(pk=opened.headers["mcp-session-id"], graph="mcp-session").exists()
+    assert Run.objects.count() == runs + 1
+
+
+def _initialize() -> dict[str, Any]:
+    client = {"name": "t", "version": "1"}
+    params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": client}
+    return {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
