@@ -21,7 +21,8 @@ from django.utils import timezone
 from runtime.context import StepContext
 from runtime.errors import HoldpointError
 from runtime.graphs import Fail, Graph, Outcome, register
-from runtime.models import Action, ActionStatus, Run, RunStatus
+from runtime.leases import lease_free
+from runtime.models import FINISHED, Action, ActionStatus, Run
 
 NAME = "mcp-session"
 # The lease a closing takes: long enough for its two reads and its checkpoint.
@@ -109,14 +110,21 @@ def close_idle(limit: int) -> int:
     hours = settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS
     if not hours:
         return 0
-    # Between calls a session is `queued` and holds no lease (runtime_run_mcp_sessions).
-    idle = Run.objects.filter(
-        graph=NAME,
-        status=RunStatus.QUEUED,
-        updated_at__lt=timezone.now() - timedelta(hours=hours),
-        external=True,
-        lease_expires_at__isnull=True,
-    ).exclude(Exists(_still_open().filter(run_id=OuterRef("pk"))))
+    # Between calls a session is `queued`, but not only: a gateway that died holding the
+    # lease leaves it `needs_attention` (executor_lost, runtime.sweeper), and nobody comes
+    # back for that one either. Any unfinished session whose lease is free (none, or a dead
+    # one: the close's takeover settles what it left) is a candidate; what may still be on
+    # its way (STILL_OPEN) keeps it. The exclude is runtime_run_mcp_open_sessions' own condition.
+    idle = (
+        Run.objects.filter(
+            lease_free(),
+            graph=NAME,
+            updated_at__lt=timezone.now() - timedelta(hours=hours),
+            external=True,
+        )
+        .exclude(status__in=FINISHED)
+        .exclude(Exists(_still_open().filter(run_id=OuterRef("pk"))))
+    )
     closed = 0
     for run in idle.order_by("updated_at")[:limit]:
         # Under the lease, again: a call may have come in meanwhile, or the takeover handed

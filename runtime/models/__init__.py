@@ -5,6 +5,7 @@ from runtime.models.idempotency import IdempotencyRecord
 from runtime.models.logins import FailedLoginWindow
 from runtime.models.mcp import McpServer, McpTransport
 from runtime.models.runs import (
+    FINISHED,
     RUNNABLE,
     TERMINAL,
     Artifact,
@@ -24,6 +25,7 @@ __all__ = [
     "UNSENT",
     "Action",
     "ActionStatus",
+    "FINISHED",
     "RUNNABLE",
     "TERMINAL",
     "AgentAccount",

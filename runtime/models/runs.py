@@ -136,14 +136,15 @@ class Run(models.Model):
             # Runs pages and API lists: a tenant's runs, newest first, by status.
             models.Index(fields=["tenant", "status", "-created_at"], name="runtime_run_list"),
             models.Index(fields=["tenant", "thread_id"], name="runtime_run_thread"),
-            # The sweeper: MCP gateway sessions between calls (runtime.agents.mcp_session.
-            # close_idle filters them by updated_at). No index may name a column a step commit
+            # The sweeper: unfinished MCP gateway sessions (runtime.agents.mcp_session.
+            # close_idle filters them by updated_at; between calls most are queued, one whose
+            # gateway died needs_attention). No index may name a column a step commit
             # changes (updated_at, checkpoint_rev, step_rev, next_step): PostgreSQL then
             # rewrites the row in place (a HOT update, no new index entries) on every step.
             models.Index(
                 fields=["created_at"],
-                name="runtime_run_mcp_sessions",
-                condition=Q(graph="mcp-session", status="queued"),
+                name="runtime_run_mcp_open_sessions",
+                condition=Q(graph="mcp-session") & ~Q(status__in=FINISHED),
             ),
         ]
 

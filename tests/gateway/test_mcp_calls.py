@@ -12,13 +12,19 @@ from typing import Any
 
 import mcp_types as types
 import pytest
+import time_machine
+from django.conf import settings
 from django.db.models import F
+from django.db.models.functions import Now
 from django.test import override_settings
+from django.utils import timezone
 
 from approvals.models import ApprovalPolicy
 from gateway import calls
 from runtime import mcp, protocol, tooldefs
+from runtime.agents import mcp_session
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
+from runtime.sweeper import flag_lost_executors
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
 from tests.tooldefs import define_tickets
@@ -176,3 +182,46 @@ def test_a_waiting_call_asks_a_failing_lookup_again_on_the_back_off_not_on_every
     settled = calls.drive(caller, call)
     assert settled.status == S.CONFIRMED and settled.external_id == "T-1", settled.last_error
     assert len(upstream.calls("tickets_open")) == 1  # found, never sent again
+
+
+def test_an_idle_session_whose_gateway_was_lost_is_closed_unless_a_call_may_have_gone(
+    tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """A gateway process that dies while it holds a session's lease (a deploy, a crash) leaves
+    the run to the sweeper, which flags it `needs_attention` / executor_lost. The idle sweep
+    closed only `queued` sessions, so such a session — its host long gone — stayed open for
+    ever, on the Runs pages and in the attention count. Idle, it is closed like any other,
+    its unsent call withdrawn; one whose call may have reached the service is kept for the
+    person who settles it."""
+    define_tickets(tenant_a, "http://127.0.0.1:9", mode="none")  # nothing is ever sent here
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="go", tool="tickets.create", required=False)
+    caller = _caller(agent_a)
+    runs: dict[str, Run] = {}
+    for name in ("unsent", "nothing", "sent"):
+        run = Run.objects.get(pk=calls.open_session(caller, {}))
+        lease = protocol.take(run, "mcp-gateway:dead", 5, who=caller.who)  # then it dies
+        if name != "nothing":
+            action, _ = protocol.prepare(
+                run, lease.fence, "tickets.create", {"title": name}, reason="r", who=caller.who
+            )
+        if name == "sent":  # marked sent, the request on its way when the process died
+            Action.objects.filter(pk=action.pk).update(status=S.SENT)
+        runs[name] = run
+    Run.objects.filter(pk__in=[r.pk for r in runs.values()]).update(
+        lease_expires_at=Now() - timedelta(minutes=5)
+    )
+    assert flag_lost_executors(10) == 3
+    assert {Run.objects.get(pk=r.pk).status for r in runs.values()} == {RunStatus.NEEDS_ATTENTION}
+
+    later = timezone.now() + timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS, minutes=1)
+    with time_machine.travel(later, tick=False):
+        assert mcp_session.close_idle(10) == 2
+    status = {name: Run.objects.get(pk=run.pk).status for name, run in runs.items()}
+    assert status == {
+        "unsent": RunStatus.COMPLETED,
+        "nothing": RunStatus.COMPLETED,
+        "sent": RunStatus.NEEDS_ATTENTION,  # kept: only a person can tell whether it went
+    }
+    withdrawn = Action.objects.get(run=runs["unsent"])
+    assert withdrawn.status == S.CANCELLED and withdrawn.last_error == "session closed: idle"
+    assert Action.objects.get(run=runs["sent"]).status == S.SENT
