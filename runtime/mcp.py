@@ -319,9 +319,77 @@ def definition_of(server: McpServer, tool: UpstreamTool) -> dict[str, Any]:
     return spec
 
 
+# What an import takes from the upstream's listing (and the server's own settings); every
+# other field of an imported definition is a person's to set (README, "MCP upstreams").
+FROM_UPSTREAM = ("title", "description", "effect", "schema", "timeout_seconds", "credential")
+# The fields a person sets on an imported tool, which a re-import never changes (those that
+# name schema properties lose the names the upstream's new schema no longer has).
+BY_A_PERSON = (
+    "editable",
+    "sensitive",
+    "dedup",
+    "lookup",
+    "result",
+    "compensation",
+    "compensation_param",
+)
+
+
+def said_by_upstream(spec: Mapping[str, Any]) -> dict[str, str]:
+    """A short digest of each FROM_UPSTREAM field of a definition as the upstream gave it:
+    recorded in `mcp.imported`, so the next import can tell what the upstream changed since
+    from what a person changed."""
+    from audit.canonical import canonical_bytes, sha256_hex
+
+    return {f: sha256_hex(canonical_bytes(spec.get(f, "")))[:16] for f in FROM_UPSTREAM}
+
+
+def reimported(fresh: dict[str, Any], current: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The definition an import stores for an upstream tool (`fresh`: `definition_of`) over
+    the tenant's current one. A first import is `fresh` as it is. Again, a person's
+    corrections stay: each FROM_UPSTREAM field is the upstream's only if the upstream changed
+    it since the last import (its digest in `mcp.imported` differs; a definition imported
+    before that record existed takes the upstream's), every BY_A_PERSON field and
+    `mcp.key_argument` is the current definition's — the key argument taken out of the
+    upstream's schema, as the definition rules require, and `editable`/`sensitive` kept to
+    the properties the schema still has."""
+    said = said_by_upstream(fresh)
+    if current is None or current.get("executor") != "mcp":
+        return {**fresh, "mcp": {**fresh["mcp"], "imported": said}}
+    before = (current.get("mcp") or {}).get("imported") or {}
+    merged = {f: current[f] for f in BY_A_PERSON if f in current}
+    for f in FROM_UPSTREAM:
+        changed = before.get(f) != said[f]
+        merged[f] = fresh.get(f, "") if changed or f not in current else current[f]
+    key_argument = str((current.get("mcp") or {}).get("key_argument", ""))
+    merged["schema"] = _without(merged["schema"], key_argument)
+    properties = merged["schema"].get("properties") or {}
+    for f in ("editable", "sensitive"):
+        merged[f] = [name for name in merged.get(f, []) if name in properties]
+    merged["mcp"] = {**fresh["mcp"], "imported": said}
+    if key_argument:
+        merged["mcp"]["key_argument"] = key_argument
+    return {"name": fresh["name"], "executor": "mcp", **merged}
+
+
+def _without(schema: Any, argument: str) -> Any:
+    """`schema` without the property `argument` (Holdpoint fills it: no param may name it)."""
+    if not argument or not isinstance(schema, Mapping):
+        return schema
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping) or argument not in properties:
+        return schema
+    trimmed = {**schema, "properties": {k: v for k, v in properties.items() if k != argument}}
+    required = schema.get("required")
+    if isinstance(required, list):
+        trimmed["required"] = [name for name in required if name != argument]
+    return trimmed
+
+
 def import_tools(server: McpServer, actor: str) -> list[Any]:
     """Import every tool the server lists, all or nothing (`toolcatalog.import_definitions`
-    validates the whole listing first). An unchanged tool keeps its version."""
+    validates the whole listing first). An unchanged tool keeps its version; a person's
+    corrections of an imported tool survive the next import (`reimported`)."""
     from runtime import toolcatalog, tooldefs
 
     if not server.active:
@@ -329,7 +397,11 @@ def import_tools(server: McpServer, actor: str) -> list[Any]:
             f"{server.name} is inactive", errors={"server": ["inactive: nothing imported"]}
         )
     listed = fetch_tools(server)
-    items = [definition_of(server, tool) for tool in listed]
+    items = []
+    for tool in listed:
+        fresh = definition_of(server, tool)
+        current = tooldefs.current(server.tenant_id, fresh["name"])
+        items.append(reimported(fresh, current.spec if current is not None else None))
     if not items:
         raise tooldefs.InvalidTool(
             f"{server.name} lists no tools", errors={"server": ["no tools to import"]}

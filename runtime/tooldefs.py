@@ -374,7 +374,7 @@ def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         errors.add("mcp", "an object: {server, tool}")
         return {}
-    for extra in sorted(set(value) - {"server", "tool", "key_argument"}):
+    for extra in sorted(set(value) - {"server", "tool", "key_argument", "imported"}):
         errors.add(f"mcp.{extra}", "unknown field")
     server_name, tool = value.get("server"), value.get("tool")
     if not isinstance(tool, str) or not tool or len(tool) > MAX_TOOL_NAME:
@@ -383,9 +383,18 @@ def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
     if not isinstance(key_argument, str) or len(key_argument) > MAX_TOOL_NAME:
         errors.add("mcp.key_argument", "the name of the argument the action's key goes in")
         key_argument = ""
-    named = {"server": server_name, "tool": tool}
+    named: dict[str, Any] = {"server": server_name, "tool": tool}
     if key_argument:
         named["key_argument"] = key_argument
+    imported = value.get("imported")
+    if imported is not None:
+        # What the upstream said at the last import (runtime.mcp.reimported): kept as given.
+        if not isinstance(imported, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and len(v) <= 64 for k, v in imported.items()
+        ):
+            errors.add("mcp.imported", "the import's record: field names to short digests")
+        else:
+            named["imported"] = dict(imported)
     if not isinstance(server_name, str) or not server_name:
         errors.add("mcp.server", "the name of one of the tenant's MCP servers")
         return named

@@ -63,7 +63,11 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
     assert all(item.created and item.definition.version == 1 for item in first)
     create = specs[CREATE]
     assert create["executor"] == "mcp"
-    assert create["mcp"] == {"server": "helpdesk", "tool": "tickets_create"}
+    assert create["mcp"] == {
+        "server": "helpdesk",
+        "tool": "tickets_create",
+        "imported": mcp.said_by_upstream(create),  # what the upstream said, for the next import
+    }
     assert create["dedup"]["mode"] == "none" and create["credential"] == "helpdesk"
     assert create["timeout_seconds"] == 4 and create["title"] == "Open a ticket"
     assert create["schema"]["properties"]["title"]["type"] == "string"
@@ -78,6 +82,58 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
     assert not any(item.created for item in again)
     assert ToolDefinition.objects.filter(tenant=tenant_a).count() == 3
     assert upstream.calls() == []  # listing tools calls none of them
+
+
+def test_a_reimport_keeps_what_a_person_corrected_and_takes_what_the_upstream_changed(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """An imported tool is corrected by an admin: its effect (the upstream's hints are only
+    its word), a lookup with the key argument its upstream offers (taken out of the schema).
+    Importing the same upstream again — to pick up a new tool — replaced the definition with
+    the bare import (dedup none, the key argument a param again, effect from the hints): the
+    admin's corrections were silently gone and a lost answer went to a person again. A
+    re-import now changes only what the upstream (or the server's settings) changed since
+    the last import."""
+    from runtime import toolcatalog
+
+    upstream = mcp_upstream(keyed=True)
+    server = _imported(tenant_a, upstream, timeout_seconds=2)
+    name = "helpdesk.tickets_open"
+    imported = dict(toolcatalog.entry(tenant_a.pk, name).spec)  # type: ignore[union-attr]
+    assert imported["effect"] == "write" and "request_id" in imported["schema"]["properties"]
+    schema = {**imported["schema"], "required": ["title"]}
+    schema["properties"] = {"title": schema["properties"]["title"]}
+    corrected = {
+        **imported,
+        "effect": "irreversible",
+        "schema": schema,
+        "editable": ["title"],
+        "mcp": {**imported["mcp"], "key_argument": "request_id"},
+        "dedup": {"mode": "lookup"},
+        "lookup": {
+            "tool": "tickets_find",
+            "arguments": {"request_id": "{idempotency_key}"},
+            "found": "$.id",
+        },
+    }
+    toolcatalog.revise(tenant_a, name, {**corrected, "expected_version": 1}, "user:admin")
+    kept = toolcatalog.entry(tenant_a.pk, name).spec  # type: ignore[union-attr]
+
+    again = {d.definition.name: d for d in mcp.import_tools(server, "user:admin")}
+    assert not again[name].created and again[name].definition.version == 2
+    assert toolcatalog.entry(tenant_a.pk, name).spec == kept  # type: ignore[union-attr]
+
+    # The server's timeout changes: the next import takes it, and keeps the rest.
+    McpServer.objects.filter(pk=server.pk).update(timeout_seconds=7)
+    server.refresh_from_db()
+    third = {d.definition.name: d for d in mcp.import_tools(server, "user:admin")}
+    assert third[name].created and third[name].definition.version == 3
+    spec = third[name].definition.spec
+    assert spec["timeout_seconds"] == 7
+    assert {k: spec[k] for k in ("effect", "dedup", "lookup", "editable", "schema")} == {
+        k: kept[k] for k in ("effect", "dedup", "lookup", "editable", "schema")
+    }
+    assert spec["mcp"]["key_argument"] == "request_id"
 
 
 def test_the_management_command_imports_and_says_what_changed(

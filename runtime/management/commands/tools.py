@@ -7,7 +7,8 @@ import  FILE (JSON: one definition or a list) all or nothing: every tool of the 
 export  the current definitions as a JSON list (stdout, or --output FILE): importing it
         again changes nothing.
 import-mcp --server NAME: the tools the tenant's upstream MCP server lists, each stored as
-        an `executor: mcp` definition (`unchanged vN` when it did not change).
+        an `executor: mcp` definition (`unchanged vN` when it did not change); a person's
+        corrections of an imported tool are kept (runtime.mcp.reimported).
 list    name, version, effect, executor, dedup and approval note of every tool the tenant
         may use, built-ins included.
 
