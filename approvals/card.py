@@ -26,7 +26,7 @@ from markdown_it import MarkdownIt
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
 from approvals.wording import then_phrase
-from runtime import outbound
+from runtime import urltemplates
 from runtime.errors import InvalidParams
 from runtime.models import Action, ActionStatus, Run, RunStatus
 from runtime.tenancy import Principal
@@ -97,7 +97,7 @@ def where_of(tool: Tool, params: dict[str, Any]) -> Where:
     if isinstance(tool, HttpTool) and tool.url is not None:
         try:
             url = tool.url.render(params)
-        except outbound.TemplateError as exc:
+        except urltemplates.TemplateError as exc:
             return Where("Holdpoint sends it over HTTP", problem=str(exc))
         split = _split(url)
         return Where(

@@ -11,7 +11,7 @@ What is checked, because each would otherwise fail at send time, on a tenant's b
 - the schema is a JSON Schema (2020-12) for an object whose `$ref`s point inside it (no
   schema is fetched from elsewhere: that would be a request to any host), and every name
   the definition cites (`editable`, `sensitive`, URL placeholders) is one of its properties;
-- URL templates place params only in the path and query (`runtime.outbound.UrlTemplate`),
+- URL templates place params only in the path and query (`runtime.urltemplates.UrlTemplate`),
   and their hosts are allowed by `HOLDPOINT_TOOL_HOSTS` (422 `host_not_allowed`);
 - JSONPath expressions (`lookup.found`, `result.external_id`) parse (RFC 9535);
 - extra headers cannot replace the ones Holdpoint sets (the key — `dedup.header` in any
@@ -37,7 +37,7 @@ from django.db.models import Max
 
 from audit import journal
 from audit.canonical import canonical_bytes, sha256_hex
-from runtime import jsonpaths, outbound, paramcheck
+from runtime import jsonpaths, outbound, paramcheck, urltemplates
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
@@ -272,13 +272,13 @@ def _names(
 
 def _template(
     url: Any, where: str, placeholders: set[str], errors: _Errors
-) -> outbound.UrlTemplate | None:
+) -> urltemplates.UrlTemplate | None:
     if not isinstance(url, str) or not url:
         errors.add(where, "a URL")
         return None
     try:
-        template = outbound.UrlTemplate.compile(url)
-    except outbound.TemplateError as exc:
+        template = urltemplates.UrlTemplate.compile(url)
+    except urltemplates.TemplateError as exc:
         errors.add(where, str(exc))
         return None
     for unknown in sorted(set(template.placeholders) - placeholders):

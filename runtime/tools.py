@@ -24,7 +24,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from fastsql import statements
-from runtime import jsonpaths, outbound
+from runtime import jsonpaths, outbound, urltemplates
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
 from runtime.paramcheck import ParamsSchema
@@ -216,11 +216,11 @@ class HttpTool(Tool):
     run, the tenant's credential as a bearer token; the proof id read by JSONPath."""
 
     method: str = "POST"
-    url: outbound.UrlTemplate | None = None
+    url: urltemplates.UrlTemplate | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
     key_header: str = "Idempotency-Key"
     lookup_method: str = "GET"
-    lookup_url: outbound.UrlTemplate | None = None
+    lookup_url: urltemplates.UrlTemplate | None = None
     found_path: str = ""
     id_path: str = "$.id"
 
@@ -274,7 +274,7 @@ class HttpTool(Tool):
             )
         except SecretUnreadable as exc:  # nothing was sent; an operator must fix the keys
             return CallResult("refused", transient=True, detail=str(exc))
-        except outbound.TemplateError as exc:
+        except urltemplates.TemplateError as exc:
             return CallResult("refused", detail=f"the URL cannot be built: {exc}")
         try:
             response = outbound.send(
@@ -325,7 +325,7 @@ class HttpTool(Tool):
             response = outbound.send(
                 self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )
-        except (outbound.OutboundRefused, outbound.TemplateError, SecretUnreadable) as exc:
+        except (outbound.OutboundRefused, urltemplates.TemplateError, SecretUnreadable) as exc:
             return LookupResult(found=None, detail=f"lookup refused: {exc}")
         except (httpx.HTTPError, ValueError) as exc:
             return LookupResult(found=None, detail=f"lookup failed: {exc}")
@@ -461,11 +461,11 @@ def from_spec(spec: Mapping[str, Any], version: str, *, builtin: bool = False) -
     return HttpTool(
         **common,
         method=request["method"],
-        url=outbound.UrlTemplate.compile(request["url"]),
+        url=urltemplates.UrlTemplate.compile(request["url"]),
         extra_headers=dict(request.get("headers", {})),
         key_header=spec["dedup"].get("header", "Idempotency-Key"),
         lookup_method=lookup.get("method", "GET"),
-        lookup_url=outbound.UrlTemplate.compile(lookup["url"]) if lookup.get("url") else None,
+        lookup_url=urltemplates.UrlTemplate.compile(lookup["url"]) if lookup.get("url") else None,
         found_path=lookup.get("found", ""),
         id_path=spec.get("result", {}).get("external_id", "$.id"),
     )
