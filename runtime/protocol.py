@@ -57,6 +57,10 @@ UNFINISHED = tuple(status for status in RunStatus.values if status not in TERMIN
 API_STEP = "api"
 # A checkpoint's compare-and-swap retried when only the goal revision moved under it.
 _CHECKPOINT_ATTEMPTS = 3
+# The statuses of a leased external run that a held action parks in `waiting_approval`: the
+# executor is at it — running, or `queued` again while it keeps its lease (a goal revision,
+# a decision or a resolve woke it). A run that waits for input or for a person stays as it is.
+PARKABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING)
 
 
 class IdempotencyKeyReused(InvalidParams):
@@ -375,7 +379,7 @@ def prepare(
             if idempotency_key:
                 raise IdempotencyKeyReused(f"key {key!r} is taken") from None
             raise VersionConflict(f"call {index} of this step was taken; try again") from None
-        if approval and current.status == RunStatus.RUNNING:
+        if approval and current.status in PARKABLE:
             _park(current, fence, action, actor)
     return action, True
 
@@ -408,11 +412,15 @@ def _same(action: Action, run: Run, tool: Tool, fingerprint: str) -> bool:
 
 
 def _park(run: Run, fence: int, action: Action, actor: str) -> None:
-    """A running run whose action waits for a reviewer waits with it (inside the prepare)."""
+    """A run whose executor is at it (PARKABLE) and whose action waits for a reviewer waits
+    with it (inside the prepare), as a worker's run parks: `waiting_approval`, `waiting_for`
+    naming the action."""
     waiting = {"kind": "approval", "action_id": str(action.action_id), "tool": action.tool}
-    Run.objects.filter(
-        pk=run.run_id, tenant_id=run.tenant_id, fence=fence, status=RunStatus.RUNNING
+    parked = Run.objects.filter(
+        pk=run.run_id, tenant_id=run.tenant_id, fence=fence, status__in=PARKABLE
     ).update(status=RunStatus.WAITING_APPROVAL, waiting_for=waiting, updated_at=Now())
+    if not parked:
+        return
     record(
         run,
         RunEvent.PARKED,

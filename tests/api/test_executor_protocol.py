@@ -843,3 +843,30 @@ def _wait_for_lock_waiters(n: int) -> None:
                 return
         time.sleep(0.02)
     raise AssertionError(f"fewer than {n} sessions waiting for a lock")
+
+
+def test_a_held_action_after_a_goal_revision_parks_the_run(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """A goal revision wakes a run parked for an approval (`queued`, the executor keeps its
+    lease); the executor's next held action left it `queued` with `waiting_for` null, as if
+    nothing waited for a reviewer — a worker's run parks in `waiting_approval` (DESIGN.md,
+    API.md `waiting_for`). Found reviewing the protocol's park."""
+    grant_policy(agent_a.tenant)
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    first = ok(prepare(client, run_id, fence), 201)
+    assert ok(get(client, f"runs/{run_id}/"))["status"] == "waiting_approval"
+    revised = ok(post(client, f"runs/{run_id}/revisions/", {"goal": {}, "expected_goal_rev": 1}))
+    assert revised["status"] == "queued" and revised["lease"]["fence"] == fence
+
+    second = ok(prepare(client, run_id, fence, params={"title": "the new goal's"}), 201)
+    assert second["status"] == "awaiting_approval" and second["action_id"] != first["action_id"]
+    run = ok(get(client, f"runs/{run_id}/"))
+    assert run["status"] == "waiting_approval"
+    assert run["waiting_for"]["kind"] == "approval"
+    assert run["waiting_for"]["action_id"] == second["action_id"]
+
+    approve(reviewer_a, second["approval"])
+    assert ok(dispatch(client, second["action_id"], fence))["status"] == "sent"
+    assert ok(get(client, f"runs/{run_id}/"))["status"] == "running"
