@@ -26,7 +26,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fastsql.statements import OneStatement, Part, PartsAfter, Read, tenant_check
-from runtime import gates, ledger, observe, tools
+from runtime import gates, ledger, observe, outcomes, tools
 from runtime.errors import (
     ApprovalExpired,
     ApprovalRequired,
@@ -121,13 +121,28 @@ class Confirmed:
 
 
 def keep_late(action: Action, result: CallResult, fence: int, actor: str) -> None:
-    """A call's answer that arrived after its run moved: recorded on the action, fenced, in a
-    transaction of its own; the run does not advance on it."""
+    """A call's answer that arrived after its run moved: it settles the action as it would
+    have (runtime.outcomes.record_late_result), fenced, in a transaction of its own; the run
+    does not advance on it."""
+    target, changes = outcome_of(result)
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
-        ledger.record_late_result(
-            action, result.outcome, result.result, actor, external_id=result.external_id
+        outcomes.record_late_result(
+            action,
+            target,
+            actor,
+            fence=fence,
+            outcome=result.outcome,
+            result=result.result,
+            external_id=result.external_id,
+            last_error=changes.get("last_error", ""),
         )
+
+
+class RunMoved(Exception):
+    """A side-effect checkpoint found the run moved (goal revised or cancelled): the step's
+    execution ends here, and nothing it did from now on may advance the run — its executor
+    applies the revision (or stops) instead."""
 
 
 class ActionHost(Protocol):
@@ -447,7 +462,10 @@ class ActionRunner:
             ledger.transition(action, target, actor, **changes)  # refreshes `action`
 
         if not self.host.checkpoint_action(action.step, write, allow_moved=True):
+            # Settled as a late answer; the step must not go on with it (a reconcile of the
+            # old revision's action, a failure that escalates the new revision's run).
             keep_late(action, result, self.lease.fence, actor)
+            raise RunMoved(f"{action.tool}: the run moved while the request was out")
         if target == S.PREPARED:
             raise ToolUnavailable(f"{action.tool}: {result.detail}")
         fault(FaultPoint.AFTER_CONFIRM)  # recorded at once (unknown, failed): reached here

@@ -32,7 +32,7 @@ from fastsql import statements
 from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
-from runtime.dispatch import ActionRunner, Confirmed
+from runtime.dispatch import ActionRunner, Confirmed, RunMoved
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
@@ -227,6 +227,11 @@ class Executor:
             if self.state_goal_rev != self.run.goal_rev:
                 if not self.apply_revision(graph):
                     return self.stopped()
+                # An old revision's action whose answer came late (RunMoved) may be left
+                # unknown: settled by its contract before the new revision acts (step 4).
+                parked = self.reconcile()
+                if parked is not None:
+                    return parked
                 continue
             step = graph.steps.get(self.run.next_step)
             if step is None:
@@ -235,7 +240,7 @@ class Executor:
                 )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
-            step_watch = observe.step_begins(ctx, quiet=(Park, _Aborted))
+            step_watch = observe.step_begins(ctx, quiet=(Park, RunMoved))
             try:
                 with step_watch:
                     outcome = clock.call(step, ctx)
@@ -246,11 +251,11 @@ class Executor:
             except Park as parked:
                 self.absorb(ctx)
                 return self.park(parked, ctx.step)
-            except _Aborted:
+            except RunMoved:
                 self.absorb(ctx)
                 if self.run.status != RunStatus.RUNNING:
                     return self.stopped()
-                continue  # the goal moved while preparing: apply the revision, go again
+                continue  # the goal moved under a side effect: apply the revision, go again
             except Exception as exc:  # a step's failure is data: retry, then escalate
                 self.absorb(ctx)
                 self.check_lease(beater)
@@ -399,7 +404,7 @@ class Executor:
             within_parts=within_parts,
         )
         if not done and not allow_moved:
-            raise _Aborted()
+            raise RunMoved("the run moved under a side-effect checkpoint")
         return done
 
     def park(self, parked: Park, step: str) -> AdvanceResult:
@@ -779,10 +784,6 @@ _OUTCOME: dict[str, str] = {  # keyed by RunStatus; `run.status` is its str valu
     RunStatus.RUNNING: "yielded",
     RunStatus.NEEDS_RECONCILIATION: "waiting",
 }
-
-
-class _Aborted(Exception):
-    """A side-effect checkpoint found the run moved (goal revised or cancelled)."""
 
 
 _PARK_KIND: dict[str, str] = {

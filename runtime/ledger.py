@@ -645,34 +645,6 @@ def withdraw_unsent(
     return ids
 
 
-def record_late_result(
-    action: Action, outcome: str, result: Any, actor: str, external_id: str = ""
-) -> Action:
-    """Record an old revision's result on its action; the run itself does not move.
-
-    The effect happened (or not) whatever the goal is now: the ledger must say so. But the
-    result belongs to the old goal, so it never advances the new revision's steps.
-    """
-    with transaction.atomic():
-        run = Run.objects.select_for_update().get(pk=action.run_id, tenant_id=action.tenant_id)
-        changes: dict[str, Any] = {"result": result}
-        target = {"applied": S.CONFIRMED, "confirmed": S.CONFIRMED}.get(outcome)
-        if target and external_id and action.status in sources(target):
-            changes.update(status=target, external_id=external_id)
-        mine = Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id)
-        mine.update(**changes, updated_at=Now())
-        record(
-            run,
-            RunEvent.LATE_RESULT_IGNORED,
-            actor,
-            action_id=str(action.action_id),
-            outcome=outcome,
-            action_goal_rev=action.goal_rev,
-            run_goal_rev=run.goal_rev,
-        )
-    return reload(action)
-
-
 def reload(action: Action) -> Action:
     """`refresh_from_db`, by id *and* tenant (defence in depth: a worker reads nothing of
     another tenant even by a wrong id)."""
@@ -697,7 +669,7 @@ def may_be_in_flight(action: Action) -> bool:
     ).exists()
 
 
-def _moved_on(run: Run, action: Action) -> str:
+def moved_on(run: Run, action: Action) -> str:
     """Why no step will send a not-applied action again ("" if one will): its run finished
     (a cancel withdrew the run's unsent actions; no executor writes to it now), or the goal
     was revised since it was prepared (a revision withdrew the older unsent actions;
@@ -715,7 +687,7 @@ def resolve(
     """A human settles an action nothing could prove: applied (with the id) or not applied.
 
     Not applied puts it back to `prepared`: the step sends it again with the same key — or,
-    when no step will (`_moved_on`), withdraws it (`cancelled`). The run leaves
+    when no step will (`moved_on`), withdraws it (`cancelled`). The run leaves
     `needs_reconciliation` when no other action of it waits for a human.
     """
     if outcome not in ("applied", "not_applied"):
@@ -759,9 +731,9 @@ def resolve(
             "note": note[:2000],
         }
         record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
-        moved_on = _moved_on(run, locked) if target == S.PREPARED else ""
-        if moved_on:  # nothing will send it again: withdrawn, as the run's other unsent were
-            transition(locked, S.CANCELLED, actor, last_error=moved_on)
+        gone = moved_on(run, locked) if target == S.PREPARED else ""
+        if gone:  # nothing will send it again: withdrawn, as the run's other unsent were
+            transition(locked, S.CANCELLED, actor, last_error=gone)
         # A human act: the tenant's stream records it too (DESIGN.md, "Journal").
         journal.append(
             journal.tenant_stream(run.tenant_id),

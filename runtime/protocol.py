@@ -20,7 +20,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import gates, leases, ledger, observe, stepcommit
+from runtime import gates, leases, ledger, observe, outcomes, stepcommit
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -162,7 +162,7 @@ def settle_takeover(run: Run, lease: Lease) -> None:
                 f"{action.tool} cannot deduplicate or be looked up, and its executor "
                 "changed before it reported an outcome"
             )
-            _to_person(action, lease.fence, lease.actor, reason)
+            outcomes.to_person(action, lease.fence, lease.actor, reason)
 
 
 def hand_over_unproven(run: Run, actor: str) -> list[Action]:
@@ -183,35 +183,6 @@ def hand_over_unproven(run: Run, actor: str) -> list[Action]:
         )
         for action in unproven
     ]
-
-
-def _to_person(action: Action, fence: int, actor: str, reason: str, **journal_extra: Any) -> Action:
-    """Inside a fenced transaction: the action to `manual_review`, its run (if it is still
-    going) to `needs_reconciliation` — for a reviewer, over the API or the Reconcile page."""
-    ledger.transition(
-        action,
-        S.MANUAL_REVIEW,
-        actor,
-        journal_extra=journal_extra or None,
-        last_error=reason[:2000],
-        reconcile_attempts=action.reconcile_attempts + 1,
-    )
-    waiting = {"kind": "reconciliation", "action_id": str(action.action_id), "tool": action.tool}
-    moved = (
-        Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
-        .exclude(status__in=TERMINAL)
-        .update(status=RunStatus.NEEDS_RECONCILIATION, waiting_for=waiting, updated_at=Now())
-    )
-    if moved:
-        record(
-            ledger.RunRef(action.run_id, action.tenant_id),
-            RunEvent.NEEDS_RECONCILIATION,
-            actor,
-            action_id=str(action.action_id),
-            reason=reason[:500],
-            status=RunStatus.NEEDS_RECONCILIATION,
-        )
-    return action
 
 
 def lease_of(run: Run, fence: int, who: str, *, owner: str | None = None, ttl: float = 0) -> Lease:
@@ -473,7 +444,7 @@ def _lost_answer(action: Action, fence: int, tool: Tool, actor: str) -> Action:
         if action.status not in ledger.UNSETTLED:
             return action
         reason = f"{tool.name} cannot deduplicate or be looked up; last error: {action.last_error}"
-        return _to_person(action, fence, actor, reason)
+        return outcomes.to_person(action, fence, actor, reason)
 
 
 def _lease_left(action: Action) -> float:
@@ -579,7 +550,9 @@ def record_outcome(
     `not_found` (a lookup's answer) puts the action back to `prepared` for a send with the
     same key, once the sender can no longer be in flight. Only `client` tools: what came
     back from a request Holdpoint sent itself is never an API client's to say. An old
-    revision's result is kept on the action but advances nothing."""
+    revision's result settles its action all the same (runtime.outcomes.record_late_result:
+    a failure is failed, a proved absence withdrawn, an unknown of a `none` tool a person's)
+    but advances nothing."""
     tool = tool_of(action)
     if tool.sent_by_holdpoint:
         raise NotPermitted(
@@ -600,30 +573,25 @@ def record_outcome(
         if action.status == S.MANUAL_REVIEW:
             raise InvalidTransition("the action waits for a person to resolve it")
         if action.goal_rev != goal_rev:
-            # Kept on the action, advancing nothing — but only for an action that may have
-            # been sent: a settled one's status and result are not a late report's to change.
-            if action.status not in ledger.UNSETTLED:
-                raise InvalidTransition(f"action is {action.status}; an outcome answers a send")
-            return ledger.record_late_result(
-                action, outcome, result, actor, external_id=external_id
+            # Settles the action as the report says, advancing nothing (outcomes.py).
+            if outcome == "not_found":
+                _absent_after_flight(action)
+            return outcomes.record_late_result(
+                action,
+                OUTCOMES[outcome],
+                actor,
+                fence=fence,
+                outcome=outcome,
+                result=result,
+                external_id=external_id,
+                last_error="looked up by key: not found" if outcome == "not_found" else "",
+                journal_extra=reported,
             )
         if outcome == "not_found":
             return _not_found(action, actor, reported)
         if outcome == "unknown" and action.status in ledger.UNSETTLED:
-            attempts = action.reconcile_attempts + 1
-            if mode == Dedup.NONE:
-                reason = f"{tool.name} cannot deduplicate or be looked up: only a person can tell"
-                return _to_person(action, fence, actor, reason, **reported)
-            if attempts >= settings.HOLDPOINT_RECONCILE_ATTEMPTS:
-                reason = f"{attempts} outcomes reported unknown"
-                return _to_person(action, fence, actor, reason, **reported)
-            return ledger.transition(
-                action,
-                S.UNKNOWN,
-                actor,
-                journal_extra=reported,
-                result=result,
-                reconcile_attempts=attempts,
+            return outcomes.settle_unknown(
+                action, fence, actor, mode, journal_extra=reported, result=result
             )
         changes: dict[str, Any] = {"result": result}
         if outcome == "confirmed":
@@ -658,22 +626,28 @@ def _check_outcome(tool: Tool, outcome: str, external_id: str, result: Any) -> s
     return mode
 
 
-def _not_found(action: Action, actor: str, reported: dict[str, Any]) -> Action:
-    """A lookup by key found nothing: proof of absence only once the sender cannot still be
-    in flight (its lease plus the tool's timeout, by the database clock)."""
-    current = action
-    if current.status not in ledger.UNSETTLED:
-        raise InvalidTransition(f"action is {current.status}; not_found answers sent or unknown")
-    if ledger.may_be_in_flight(current):
+def _absent_after_flight(action: Action) -> None:
+    """A lookup's "not found" is proof of absence only for an action that may have been sent
+    and only once its sender cannot still be in flight (its lease plus the tool's timeout,
+    by the database clock); else InvalidTransition."""
+    if action.status not in ledger.UNSETTLED:
+        raise InvalidTransition(f"action is {action.status}; not_found answers sent or unknown")
+    if ledger.may_be_in_flight(action):
         raise InvalidTransition(
-            f"the sender may still be in flight until {current.in_flight_until}; "
+            f"the sender may still be in flight until {action.in_flight_until}; "
             "look up again after that"
         )
+
+
+def _not_found(action: Action, actor: str, reported: dict[str, Any]) -> Action:
+    """A lookup by key found nothing (and its sender is no longer in flight): the action goes
+    back to `prepared`, for a send with the same key."""
+    _absent_after_flight(action)
     return ledger.transition(
-        current,
+        action,
         S.PREPARED,
         actor,
         journal_extra=reported,
         last_error="looked up by key: not found; safe to send again with the same key",
-        reconcile_attempts=current.reconcile_attempts + 1,
+        reconcile_attempts=action.reconcile_attempts + 1,
     )

@@ -870,3 +870,49 @@ def test_a_held_action_after_a_goal_revision_parks_the_run(
     approve(reviewer_a, second["approval"])
     assert ok(dispatch(client, second["action_id"], fence))["status"] == "sent"
     assert ok(get(client, f"runs/{run_id}/"))["status"] == "running"
+
+
+@pytest.mark.parametrize(
+    ("mode", "verdict", "settled", "run_status"),
+    [
+        ("key", "failed", "failed", "running"),
+        ("none", "failed", "failed", "running"),
+        ("none", "unknown", "manual_review", "needs_reconciliation"),
+        ("key", "unknown", "unknown", "running"),
+        ("lookup", "not_found", "cancelled", "running"),
+    ],
+)
+def test_an_old_revisions_outcome_settles_its_sent_action(
+    agent_a: Persona, settings: Any, mode: str, verdict: str, settled: str, run_status: str
+) -> None:
+    """A late outcome (its action prepared under an older goal revision) was only kept as the
+    action's result: a `failed` left the action `sent` (to be reconciled, or sent to a person,
+    though the service had said no); an `unknown` of a tool with neither key nor lookup left
+    it `sent` instead of going to a person with the run `needs_reconciliation` (API.md);
+    a lookup's `not_found` left it `sent` for ever. Now the outcome settles the action as for
+    the current revision — a proved absence withdraws it, since no step sends it again — and
+    the run, parked for nothing, does not advance."""
+    settings.HOLDPOINT_TASKS_DEDUP = mode
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    ok(dispatch(client, action["action_id"], fence))
+    ok(post(client, f"runs/{run_id}/revisions/", {"goal": {"x": 1}, "expected_goal_rev": 1}))
+    if verdict == "not_found":
+        too_soon = outcome(client, action["action_id"], fence, verdict)
+        problem(too_soon, 409, "invalid_transition")  # its sender may still be in flight
+        Action.objects.filter(pk=action["action_id"]).update(
+            in_flight_until=timezone.now() - timedelta(seconds=1)
+        )
+    run_before = ok(get(client, f"runs/{run_id}/"))
+
+    late = ok(outcome(client, action["action_id"], fence, verdict, result={"error": "no"}))
+
+    assert (late["status"], late["goal_rev"]) == (settled, 1)
+    run = ok(get(client, f"runs/{run_id}/"))
+    assert run["status"] == run_status
+    assert (run["goal_rev"], run["checkpoint_rev"]) == (2, run_before["checkpoint_rev"])
+    if settled == "manual_review":
+        assert run["waiting_for"]["action_id"] == action["action_id"]
+    late_entries = JournalEntry.objects.filter(stream=f"run:{run_id}", type="late_result_ignored")
+    assert [e.payload["outcome"] for e in late_entries] == [verdict]

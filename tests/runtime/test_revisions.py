@@ -7,12 +7,19 @@ from typing import Any
 import pytest
 
 from runtime.artifacts import resolve
-from runtime.errors import ActionCancelled, RunFinished, StaleGoalRev, VersionConflict
+from runtime.errors import (
+    ActionCancelled,
+    InvalidTransition,
+    RunFinished,
+    StaleGoalRev,
+    VersionConflict,
+)
 from runtime.executor import advance_run
 from runtime.graphs import Complete, Graph, Next, register, registry
-from runtime.ledger import check_dispatchable, record_late_result
+from runtime.ledger import check_dispatchable
 from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Action, ActionStatus, Checkpoint, Tenant
+from runtime.outcomes import record_late_result
 from tests.runtime.helpers import payloads
 
 
@@ -40,9 +47,19 @@ def test_revision_cancels_an_old_revision_action_that_waits(tenant_a: Tenant) ->
     with pytest.raises(ActionCancelled), transaction.atomic():
         check_dispatchable(old.action_id, fence)
 
-    # A late result for the old revision is recorded but does not move the run.
+    # A late answer for the old revision's action, never sent, takes nothing and moves nothing
+    # (only an action that may have been sent takes an answer: runtime.outcomes).
     before = run.__class__.objects.get(pk=run.pk)
-    record_late_result(old, "confirmed", {"external_id": "T-1"}, actor="agent:x")
+    with pytest.raises(InvalidTransition), transaction.atomic():
+        record_late_result(
+            old,
+            ActionStatus.CONFIRMED,
+            "agent:x",
+            fence=fence,
+            outcome="confirmed",
+            result={"external_id": "T-1"},
+            external_id="T-1",
+        )
     after = run.__class__.objects.get(pk=run.pk)
     assert (after.checkpoint_rev, after.status, after.goal_rev) == (
         before.checkpoint_rev,
@@ -50,7 +67,7 @@ def test_revision_cancels_an_old_revision_action_that_waits(tenant_a: Tenant) ->
         2,
     )
     old.refresh_from_db()
-    assert old.status == ActionStatus.CANCELLED and old.result == {"external_id": "T-1"}
+    assert old.status == ActionStatus.CANCELLED and old.result is None
 
     assert advance_run(run.run_id, "w1").outcome == "waiting"
     new = Action.objects.get(run=run, goal_rev=2)

@@ -1,0 +1,142 @@
+"""What an answer about an action that may have been sent does to it — one writer for every
+sender: a worker's call, an external executor's reported outcome, a late answer to either.
+
+An answer that cannot say whether the effect happened (`unknown`) is settled by the tool's
+dedup contract: a tool with neither key nor lookup goes to a person at once, as does the
+HOLDPOINT_RECONCILE_ATTEMPTS-th unknown of any tool. A late answer — its run moved on (goal
+revised, run finished) while the request was out — is still the truth about the effect, so
+the action is settled by it as any answer would settle it (DESIGN.md invariants 2 and 6):
+confirmed with its proof, failed when the service refused it, withdrawn when it certainly
+did not apply (no step will send an old revision's action again), a person's when only a
+person can tell. Only the run does not advance on it.
+
+Everything here runs inside the caller's transaction, after `ledger.fenced` locked the run
+row under the caller's fence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db.models.functions import Now
+
+from runtime import ledger
+from runtime.errors import InvalidTransition
+from runtime.events import RunEvent, record
+from runtime.models import TERMINAL, Action, ActionStatus, Run, RunStatus
+from runtime.tools import Dedup, tool_of
+
+S = ActionStatus
+
+
+def to_person(action: Action, fence: int, actor: str, reason: str, **journal_extra: Any) -> Action:
+    """The action to `manual_review`, its run (if it is still going and `fence` holds it) to
+    `needs_reconciliation` — for a reviewer, over the API or the Reconcile page."""
+    ledger.transition(
+        action,
+        S.MANUAL_REVIEW,
+        actor,
+        journal_extra=journal_extra or None,
+        last_error=reason[:2000],
+        reconcile_attempts=action.reconcile_attempts + 1,
+    )
+    waiting = {"kind": "reconciliation", "action_id": str(action.action_id), "tool": action.tool}
+    moved = (
+        Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
+        .exclude(status__in=TERMINAL)
+        .update(status=RunStatus.NEEDS_RECONCILIATION, waiting_for=waiting, updated_at=Now())
+    )
+    if moved:
+        record(
+            ledger.RunRef(action.run_id, action.tenant_id),
+            RunEvent.NEEDS_RECONCILIATION,
+            actor,
+            action_id=str(action.action_id),
+            reason=reason[:500],
+            status=RunStatus.NEEDS_RECONCILIATION,
+        )
+    return action
+
+
+def settle_unknown(
+    action: Action,
+    fence: int,
+    actor: str,
+    mode: str,
+    *,
+    journal_extra: dict[str, Any] | None = None,
+    **changes: Any,
+) -> Action:
+    """An answer that says nothing of whether the effect happened: `unknown` for the tool's
+    contract to settle (replay or lookup), or a person's when nothing ever can (mode `none`)
+    or when HOLDPOINT_RECONCILE_ATTEMPTS answers in a row said nothing."""
+    extra = journal_extra or {}
+    attempts = action.reconcile_attempts + 1
+    if mode == Dedup.NONE:
+        reason = f"{action.tool} cannot deduplicate or be looked up: only a person can tell"
+        return to_person(action, fence, actor, reason, **extra)
+    if attempts >= settings.HOLDPOINT_RECONCILE_ATTEMPTS:
+        return to_person(action, fence, actor, f"{attempts} outcomes reported unknown", **extra)
+    return ledger.transition(
+        action,
+        S.UNKNOWN,
+        actor,
+        journal_extra=extra or None,
+        reconcile_attempts=attempts,
+        **changes,
+    )
+
+
+def record_late_result(
+    action: Action,
+    target: str,
+    actor: str,
+    *,
+    fence: int,
+    outcome: str,
+    result: Any = None,
+    external_id: str = "",
+    last_error: str = "",
+    journal_extra: dict[str, Any] | None = None,
+) -> Action:
+    """An answer to a request whose run moved on since (goal revised, run finished): `target`
+    is what the answer would make of the action (confirmed, failed, prepared = certainly
+    not applied, unknown), `outcome` the answer's own word for the journal.
+
+    The action is settled by it (see the module): the effect happened or not whatever the
+    goal is now. The run is not advanced — its steps belong to the new revision — but an
+    action only a person can settle puts it in `needs_reconciliation`, as any such action
+    does. Only an action that may have been sent takes an answer: a settled or never-sent
+    one's status and result are not a late report's to change (InvalidTransition)."""
+    if action.status not in ledger.UNSETTLED:
+        raise InvalidTransition(f"action is {action.status}; an outcome answers a send")
+    run = Run.objects.only("status", "goal_rev").get(pk=action.run_id, tenant_id=action.tenant_id)
+    record(
+        run,
+        RunEvent.LATE_RESULT_IGNORED,
+        actor,
+        action_id=str(action.action_id),
+        outcome=outcome,
+        action_goal_rev=action.goal_rev,
+        run_goal_rev=run.goal_rev,
+    )
+    extra = journal_extra
+    external_id = external_id.strip()
+    if target == S.CONFIRMED and external_id:
+        return ledger.transition(
+            action, S.CONFIRMED, actor, journal_extra=extra, external_id=external_id, result=result
+        )
+    if target == S.FAILED:
+        return ledger.transition(
+            action, S.FAILED, actor, journal_extra=extra, result=result, last_error=last_error
+        )
+    if target == S.PREPARED:
+        ledger.transition(action, S.PREPARED, actor, journal_extra=extra, last_error=last_error)
+        moved_on = ledger.moved_on(run, action)
+        if not moved_on:  # the run is where the action was prepared: its step sends it again
+            return action
+        return ledger.transition(action, S.CANCELLED, actor, last_error=moved_on)
+    mode = tool_of(action).dedup_mode()
+    said = {"last_error": last_error} if last_error else {}
+    return settle_unknown(action, fence, actor, mode, journal_extra=extra, result=result, **said)

@@ -1,0 +1,96 @@
+"""Late answers (DESIGN.md invariant 6): a worker's request is out when the goal is revised.
+
+The answer still says what happened to the effect, so it settles the action as it would
+have (runtime.outcomes.record_late_result): a refusal is `failed`, a certain "not applied"
+withdraws it (no step sends an old revision's action), an unknown of a tool with neither
+key nor lookup goes to a person. The new revision goes on as if the step had never run: the
+old action's answer neither advances nor derails it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from runtime.context import StepContext
+from runtime.executor import advance_run
+from runtime.graphs import Complete, Graph, Outcome, register, registry
+from runtime.lifecycle import create_run, revise_goal
+from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.tools import CallResult, Dedup, Tool, register_tool
+from tests.runtime.helpers import payloads
+
+ANSWERS: dict[str, CallResult] = {}
+CALLS: Counter[str] = Counter()
+
+
+class RevisedMeanwhile(Tool):
+    """A service whose answer arrives after the goal was revised: while the request is out a
+    user revises the run's goal, then the service answers what the test set."""
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        CALLS[run_id] += 1
+        run = Run.objects.get(pk=run_id)
+        if run.goal_rev == 1:
+            revise_goal(run, {"v": 2}, 1, actor="user:u")
+        return ANSWERS[run_id]
+
+
+for _mode in (Dedup.KEY, Dedup.NONE):
+    register_tool(RevisedMeanwhile(name=f"test.revised_{_mode}", dedup=_mode))
+
+
+def _graph(mode: str) -> Graph:
+    """Acts under goal_rev 1 only; under the revised goal it completes at once."""
+    graph = Graph(f"late_{mode}", version="1", tools=(f"test.revised_{mode}",))
+
+    @graph.step(start=True)
+    def act(ctx: StepContext) -> Outcome:
+        if ctx.goal_rev == 1:
+            ctx.act(f"test.revised_{mode}", {"n": 1}, reason="the old goal")
+        return Complete(update={"done_under": ctx.goal_rev})
+
+    return graph
+
+
+REFUSED = CallResult("refused", detail="no such project")
+LOST = CallResult("unknown", detail="connection reset")
+BUSY = CallResult("refused", transient=True, detail="busy, try later")
+
+
+@pytest.mark.parametrize(
+    ("mode", "answer", "settled", "run_status"),
+    [
+        ("key", REFUSED, ActionStatus.FAILED, RunStatus.COMPLETED),
+        ("none", REFUSED, ActionStatus.FAILED, RunStatus.COMPLETED),
+        ("key", BUSY, ActionStatus.CANCELLED, RunStatus.COMPLETED),
+        ("none", LOST, ActionStatus.MANUAL_REVIEW, RunStatus.NEEDS_RECONCILIATION),
+    ],
+    ids=["failed-key", "failed-none", "not-applied", "unknown-none"],
+)
+def test_a_late_answer_settles_its_action_and_the_new_revision_goes_on(
+    tenant_a: Tenant, mode: str, answer: CallResult, settled: str, run_status: str
+) -> None:
+    """Before: the late answer was kept only as the action's result and the action stayed
+    `sent`; the step then went on with it — a `failed` of a key tool was sent again with its
+    key after the revision and, refused, escalated the new revision's run (needs_attention);
+    of a `none` tool it went to a person though the service had said no; a certain "not
+    applied" left it `sent` for ever."""
+    graph = register(_graph(mode))
+    try:
+        run = create_run(tenant_a, graph.name, {"v": 1}, actor="t")
+        ANSWERS[str(run.run_id)] = answer
+        advance_run(run.run_id, "w1")
+    finally:
+        registry.unregister(graph.name, "1")
+    action = Action.objects.get(run=run)
+    run.refresh_from_db()
+    assert (action.status, action.goal_rev, run.goal_rev) == (settled, 1, 2)
+    assert run.status == run_status
+    assert CALLS[str(run.run_id)] == 1  # never sent again after the revision
+    assert payloads(run, "late_result_ignored")[0]["outcome"] == answer.outcome
+    if settled == ActionStatus.MANUAL_REVIEW:
+        assert run.waiting_for["action_id"] == str(action.action_id)
+    else:
+        assert action.last_error.startswith(("no such project", "not applied, and the goal"))
