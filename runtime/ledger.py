@@ -413,6 +413,10 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
     run_id = Action.objects.values_list("run_id", flat=True).get(pk=action_id, **scope)
     run = Run.objects.select_for_update().get(pk=run_id, **scope)
     action = Action.objects.select_for_update().get(pk=action_id, **scope)
+    # The fence first: a holder that lost the lease learns that (and stops) before anything
+    # about the action, which is no longer its business.
+    if run.fence != fence:
+        raise StaleFence("the run was taken over by another executor")
     if action.status == S.CANCELLED:
         raise ActionCancelled("the action was cancelled")
     finished = run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
@@ -420,8 +424,6 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
         raise RunFinished(f"the run is {run.status}: nothing more is sent for it")
     if action.goal_rev != run.goal_rev:
         raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
-    if run.fence != fence:
-        raise StaleFence("the run was taken over by another executor")
     if action.status not in (S.PREPARED, S.APPROVED):
         raise InvalidTransition(f"action is {action.status}")
     return action

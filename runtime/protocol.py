@@ -410,6 +410,7 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
     tool = get_tool(action.tool, action.tenant_id)  # the current version: it is what is sent
     ttl = _lease_left(action)
     if action.status == S.AWAITING_APPROVAL:
+        _holds(action, fence)  # a stale holder learns it lost the lease, not to wait
         raise ApprovalRequired(f"{action.tool} is waiting for approval")
     actor = _actor(who, fence)
 
@@ -417,12 +418,12 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
         _resume(sent, fence, actor)
 
     if tool.sent_by_holdpoint:
+        if action.status not in (S.PREPARED, S.APPROVED):
+            # A retried dispatch — of a settled action (or a person's), answered with it; of
+            # a sent/unknown one, reconciled by a replay or a lookup — is the lease holder's
+            # only: nothing goes to the service for, nor is answered to, a stale fence.
+            _holds(action, fence)
         if action.status in (S.CONFIRMED, S.FAILED, S.COMPENSATED, S.MANUAL_REVIEW):
-            # A retried dispatch: it was sent here and settled (or is a person's) — answered
-            # with the action, to the lease's holder only, as every dispatch is.
-            held = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
-            if not held.exists():
-                raise StaleFence(f"fence {fence} no longer owns run {action.run_id}")
             return action
         sent = perform(action, fence, tool, actor, ttl=ttl, then=resume)
         if sent.status in ledger.UNSETTLED and tool.dedup_mode() == Dedup.NONE:
@@ -431,6 +432,14 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
     if action.status in ledger.UNSETTLED:
         return _dispatch_again(action, fence, ttl, tool, actor)
     return ledger.mark_sent(action, fence, ttl, tool, actor, then=resume)
+
+
+def _holds(action: Action, fence: int) -> None:
+    """A dispatch that writes nothing still answers only the lease's holder: StaleFence
+    for any other fence, before whatever else it would have said."""
+    held = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
+    if not held.exists():
+        raise StaleFence(f"fence {fence} no longer owns run {action.run_id}")
 
 
 def _lost_answer(action: Action, fence: int, tool: Tool, actor: str) -> Action:
@@ -476,12 +485,12 @@ def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: s
             .values_list("status", "goal_rev", "fence")
             .get()
         )
+        if run_fence != fence:
+            raise StaleFence("the run was taken over by another executor")
         if status in TERMINAL:
             raise RunFinished(f"the run is {status}: nothing more is sent for it")
         if action.goal_rev != goal_rev:
             raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}")
-        if run_fence != fence:
-            raise StaleFence("the run was taken over by another executor")
         return ledger.mark_resent(action, fence, ttl, tool, actor)
 
 

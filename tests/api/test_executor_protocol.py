@@ -916,3 +916,36 @@ def test_an_old_revisions_outcome_settles_its_sent_action(
         assert run["waiting_for"]["action_id"] == action["action_id"]
     late_entries = JournalEntry.objects.filter(stream=f"run:{run_id}", type="late_result_ignored")
     assert [e.payload["outcome"] for e in late_entries] == [verdict]
+
+
+@pytest.mark.parametrize("held", ["awaiting_approval", "cancelled", "old_revision"])
+@pytest.mark.parametrize("lost", ["takeover", "release"])
+def test_a_stale_holders_dispatch_learns_it_lost_the_lease_first(
+    agent_a: Persona, reviewer_a: Persona, held: str, lost: str
+) -> None:
+    """A holder whose lease was taken over (or that gave it up) is told `stale_fence` on
+    dispatch, whatever else is wrong with the action: before, a held action answered
+    `approval_required` (checked before the fence), a withdrawn one `action_cancelled`, an
+    old revision's `stale_goal_rev` — a stale executor was told to wait for a reviewer or
+    carry on, instead of to stop (README: a released holder's dispatch is 409 stale_fence)."""
+    if held == "awaiting_approval":
+        grant_policy(agent_a.tenant)
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence), 201)
+    if held == "cancelled":
+        ok(post(client, f"runs/{run_id}/revisions/", {"goal": {}, "expected_goal_rev": 1}))
+    elif held == "old_revision":
+        Action.objects.filter(pk=action["action_id"]).update(goal_rev=0)
+    if lost == "takeover":
+        expire_lease(run_id)
+        take_lease(client, run_id, owner="p2")
+    else:
+        ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}))
+    before = row_counts()
+    problem(dispatch(client, action["action_id"], fence), 409, "stale_fence")
+    assert Action.objects.get(pk=action["action_id"]).status != ActionStatus.SENT
+    stale = row_counts()
+    assert {k: v for k, v in stale.items() if k != "JournalEntry"} == {
+        k: v for k, v in before.items() if k != "JournalEntry"
+    }

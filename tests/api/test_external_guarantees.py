@@ -522,3 +522,29 @@ def test_the_in_flight_window_lasts_the_senders_lease_plus_the_tools_timeout(
     timeout = timedelta(seconds=get_tool(action.tool).timeout)
     assert lease_ends + timeout - timedelta(seconds=2) <= action.in_flight_until
     assert action.in_flight_until <= lease_ends + timeout + timedelta(seconds=2)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["key", "lookup"])
+def test_a_stale_holders_dispatch_of_an_unsettled_action_sends_nothing(
+    agent_a: Persona, sandbox_factory: Factory, mode: str
+) -> None:
+    """A tool Holdpoint sends: the dispatch of a `sent`/`unknown` action reconciles it by the
+    tool's contract. Under a fence that lost the lease, that reconcile ran first — a replay
+    of the request (mode key) or a lookup went to the service for the stale holder — and
+    only its write was refused. It is refused before anything leaves."""
+    box = sandbox_factory(mode)
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    box.faults(drop_after=1)  # applied, the answer lost: the action is unknown
+    action = sent(client, run_id, fence, tool="tasks.create")
+    assert action["status"] in ("sent", "unknown")
+    expire_lease(run_id)
+    take_lease(client, run_id, owner="p2")
+    asked = len(box.requests())
+
+    problem(dispatch(client, action["action_id"], fence), 409, "stale_fence")
+
+    assert len(box.requests()) == asked  # nothing went to the service for the stale holder
+    assert Action.objects.get(pk=action["action_id"]).status == action["status"]
