@@ -13,7 +13,8 @@ goes to the vetted address with the real name in `Host` and TLS's SNI.
 What a call's answer means for the effect (runtime.tools.CallResult):
 - a result with `isError` false → applied; the proof id is the result's own id (the
   definition's `result.external_id` over `structuredContent`) or else the action's
-  idempotency key, and the result is recorded;
+  idempotency key, and the result is recorded; something there that is no id (true, "",
+  null, an object) proves nothing → unknown;
 - `isError` true, or a protocol error saying the request was not acceptable (unknown
   method, invalid params) → refused for good;
 - no session could be opened (refused connection, failed handshake) → refused, transient:
@@ -58,6 +59,7 @@ from runtime.tools import (
     credential_for_run,
     found_in,
     tenant_of_run,
+    usable_id,
 )
 
 T = TypeVar("T")
@@ -479,7 +481,11 @@ class McpTool(Tool):
             return self._failed(exc, sent.is_set())
         if result.is_error:
             return CallResult("refused", detail=f"{self.upstream_tool}: {_error_text(result)}")
-        return CallResult("applied", external_id=self._proof(result, key), result=_dump(result))
+        proof = self._proof(result, key)
+        if proof is None:  # applied, it says, but with nothing that proves it: unknown
+            detail = f"{self.upstream_tool}: {self.id_path} in its result is not an id"
+            return CallResult("unknown", result=_dump(result), detail=detail)
+        return CallResult("applied", external_id=proof, result=_dump(result))
 
     def _failed(self, exc: BaseException, sent: bool) -> CallResult:
         detail = _describe(exc)
@@ -530,15 +536,19 @@ class McpTool(Tool):
             return verdict
         return replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))
 
-    def _proof(self, result: CallToolResult, key: str) -> str:
+    def _proof(self, result: CallToolResult, key: str) -> str | None:
         """The upstream's own id for the effect if its structured result has one, else the
-        action's key (stable: the same action always has the same proof)."""
+        action's key (stable: the same action always has the same proof). None when the
+        result puts something that is no id where the id belongs — true, false, "", null, an
+        object (tools.usable_id, as a lookup's answer is judged): that proves nothing, so
+        the outcome is unknown and the tool's contract settles it."""
         content = result.structured_content
-        if isinstance(content, Mapping):
-            found = jsonpaths.compile_path(self.id_path).first(content)
-            if found is not None and not isinstance(found, dict | list) and str(found):
-                return str(found)[:200]
-        return key
+        if not isinstance(content, Mapping):
+            return key
+        matched = jsonpaths.compile_path(self.id_path).values(content)
+        if not matched:
+            return key
+        return str(matched[0])[:200] if usable_id(matched[0]) else None
 
 
 def _is_placeholder(value: Any) -> bool:

@@ -28,7 +28,7 @@ class Upstream:
         found = [json.loads(line) for line in lines]
         return [c for c in found if tool is None or c["tool"] == tool]
 
-    def faults(self, **faults: float) -> None:
+    def faults(self, **faults: Any) -> None:
         (self.data / "faults.json").write_text(json.dumps(faults), "utf-8")
 
 

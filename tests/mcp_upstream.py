@@ -6,7 +6,8 @@ JSON line to DIR/calls.jsonl *before* the tool answers, so a test can count effe
 lost answer. DIR/faults.json, read on each call, makes the next answers misbehave:
 `{"hang": SECONDS}` applies the call (it is recorded) and then waits before answering — a
 client with a shorter timeout never learns the outcome; `{"huge": BYTES}` applies it and
-answers with that much padding.
+answers with that much padding; `{"id": VALUE}` applies it and answers with VALUE (any JSON:
+true, "", an object) where the ticket's id belongs.
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
@@ -45,6 +46,13 @@ async def _misbehave() -> None:
         await asyncio.sleep(float(faults["hang"]))
 
 
+def _ticket(number: int, title: str) -> dict[str, Any]:
+    """The answer for ticket `number`: its id (or the `id` fault's value instead), its title."""
+    path = DATA / "faults.json"
+    faults = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return {"id": faults["id"] if "id" in faults else f"T-{number}", "title": title}
+
+
 def _padding() -> dict[str, str]:
     """`{"huge": BYTES}`: an answer that carries that much besides the ticket."""
     path = DATA / "faults.json"
@@ -61,7 +69,7 @@ async def tickets_create(title: str) -> dict[str, Any]:
         raise ToolError("the help desk refuses this title")
     number = _record("tickets_create", {"title": title})
     await _misbehave()
-    return {"id": f"T-{number}", "title": title, **_padding()}
+    return {**_ticket(number, title), **_padding()}
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
@@ -83,7 +91,7 @@ async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
     """Open a ticket, remembering the client's request id (`--keyed`)."""
     number = _record("tickets_open", {"title": title, "request_id": request_id})
     await _misbehave()
-    return {"id": f"T-{number}", "title": title}
+    return _ticket(number, title)
 
 
 async def tickets_find(request_id: str) -> dict[str, Any]:

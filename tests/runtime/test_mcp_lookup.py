@@ -198,3 +198,22 @@ def test_a_lookup_that_finds_no_id_cannot_tell(
     looked = tool.lookup(f"never-sent-{uuid.uuid4()}", '{"title": "x"}', run_id=str(run.run_id))
     assert looked.found is None and "not an id" in looked.detail, looked
     assert upstream.calls("tickets_open") == []
+
+
+def test_an_answer_without_a_usable_id_is_settled_by_the_lookup(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """The upstream opens the ticket but answers `"id": true`: no proof (before, confirmed
+    with external id "True"). The outcome is unknown and the tool's contract settles it:
+    its lookup by key finds the ticket's real id; nothing is sent again."""
+    upstream = mcp_upstream(keyed=True)
+    _keyed(tenant_a, upstream)
+    upstream.faults(id=True)
+    run = _run(tenant_a)
+    for _ in range(5):
+        if Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED:
+            break
+        advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert (action.status, action.external_id) == (S.CONFIRMED, "T-1"), action.last_error
+    assert len(upstream.calls("tickets_open")) == 1

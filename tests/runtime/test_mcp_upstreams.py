@@ -394,3 +394,24 @@ def test_a_registered_server_cannot_be_moved_under_its_tools(tenant_a: Tenant) -
     server.url = "http://127.0.0.1:9/mcp"
     server.active = False  # anything else may change
     server.save()
+
+
+@pytest.mark.parametrize("answered_id", [True, False, ""], ids=["true", "false", "empty"])
+def test_an_id_that_is_not_an_id_is_no_proof_and_goes_to_a_person(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream], answered_id: Any
+) -> None:
+    """The upstream applies the call but answers `true`, `false` or "" where the ticket's id
+    belongs. Before, that was taken as proof: the action `confirmed` with external id "True"
+    / "False" (or, for "", the action's own key) — a completion nothing verifies. Only a
+    number or a non-empty string is an id (tools.usable_id, as for a lookup's answer): the
+    outcome is unknown, and this tool, with neither key nor lookup, goes to a person."""
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream)
+    _exempt(tenant_a)
+    upstream.faults(id=answered_id)
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert (action.status, action.external_id) == (S.MANUAL_REVIEW, ""), action.last_error
+    assert Run.objects.get(pk=run.pk).status == RunStatus.NEEDS_RECONCILIATION
+    assert len(upstream.calls()) == 1  # applied once, never sent again
