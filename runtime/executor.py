@@ -208,6 +208,11 @@ class Executor:
             return AdvanceResult("needs_attention", detail=self.run.attention_reason)
         self.load()
         self.runner = ActionRunner(self, graph)
+        # A revision made since the last checkpoint is applied before the reconcile: a park
+        # there commits a checkpoint stamped with the run's goal_rev, which must not carry
+        # the old revision's state (the hook would never run for it).
+        if self.state_goal_rev != self.run.goal_rev and not self.apply_revision(graph):
+            return self.stopped()
         parked = self.reconcile()
         if parked is not None:
             return parked

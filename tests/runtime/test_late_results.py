@@ -10,14 +10,16 @@ old action's answer neither advances nor derails it.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 
+from runtime.artifacts import resolve
 from runtime.context import StepContext
 from runtime.executor import advance_run
 from runtime.graphs import Complete, Graph, Outcome, register, registry
 from runtime.lifecycle import create_run, revise_goal
-from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.models import Action, ActionStatus, Checkpoint, Run, RunStatus, Tenant
 from runtime.tools import CallResult, Dedup, Tool, register_tool
 from tests.runtime.helpers import payloads
 
@@ -94,3 +96,53 @@ def test_a_late_answer_settles_its_action_and_the_new_revision_goes_on(
         assert run.waiting_for["action_id"] == str(action.action_id)
     else:
         assert action.last_error.startswith(("no such project", "not applied, and the goal"))
+
+
+FLAKY: Counter[str] = Counter()
+
+
+class AnswersLate(Tool):
+    """A key-deduplicating service whose first three answers are lost, the fourth arrives."""
+
+    def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        FLAKY[run_id] += 1
+        if FLAKY[run_id] <= 3:
+            return CallResult("unknown", detail="connection reset")
+        return CallResult("applied", external_id=f"T-{key}")
+
+
+register_tool(AnswersLate(name="test.answers_late", dedup=Dedup.KEY))
+
+
+def test_a_reconcile_at_start_never_skips_a_pending_revision(tenant_a: Tenant) -> None:
+    """The goal is revised while a run waits to reconcile an unknown action. The next start
+    reconciled first and parked again (another unknown) with a checkpoint stamped with the
+    new goal_rev but the old revision's state and step: the revision hook never ran, and the
+    step acted on the old state under the new goal. The revision is applied first now."""
+    graph = Graph("late_revisable", version="1", tools=("test.answers_late",))
+
+    @graph.step(start=True)
+    def act(ctx: StepContext) -> Outcome:
+        ctx.act("test.answers_late", {"n": ctx.goal["v"]}, reason="the goal says so")
+        return Complete(update={"seen": dict(ctx.state), "goal": ctx.goal["v"]})
+
+    @graph.on_revision
+    def revised(state: dict[str, Any], old: Any, new: Any) -> tuple[dict[str, Any], str]:
+        return {"evidence": "kept by the hook"}, "act"
+
+    register(graph)
+    try:
+        run = create_run(tenant_a, graph.name, {"v": 1}, actor="t")
+        assert advance_run(run.run_id, "w1").outcome == "retrying"  # unknown: reconcile later
+        revise_goal(Run.objects.get(pk=run.pk), {"v": 2}, 1, actor="user:u")
+        for _ in range(4):
+            Run.objects.filter(pk=run.pk).update(wake_at=None, lease_expires_at=None)
+            if advance_run(run.run_id, "w1").outcome == "completed":
+                break
+    finally:
+        registry.unregister(graph.name, "1")
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED
+    assert payloads(run, "revision_applied"), "the revision hook never ran"
+    final = resolve(run.tenant_id, Checkpoint.objects.get(run=run, rev=run.checkpoint_rev).state)
+    assert final["seen"] == {"evidence": "kept by the hook"} and final["goal"] == 2
