@@ -13,8 +13,10 @@ needs to carry on is therefore kept by the server, never in the process:
 
 A `sent` or `unknown` action is never "just called again" on the client's say-so. The
 server knows each tool's dedup contract and says on the action what happens next
-(`reconcile`, API.md "External executors"): `replay_same_key` — `perform` again with the
-*same* idempotency key, which the service answers with the first result; `lookup` — the
+(`reconcile`, API.md "External executors"): `replay_same_key` — dispatched again (the
+server refuses it to a stale fence, a finished run or an old goal revision), then `perform`
+again with the *same* idempotency key, which the service answers with the first result;
+`lookup` — the
 agent's `lookup` asks the service by key (found: confirmed; not found: reported, and the
 server lets it be sent again once the first request can no longer be in flight);
 `manual_review` — a person resolves it, and the executor waits for their answer. The client
@@ -468,6 +470,12 @@ class ExecutorCore(Generic[C]):
         if attempt:
             yield from pause(self.retry_pause * (2 ** min(attempt - 1, 5)))
         if how == "replay_same_key":
+            # Dispatched again first: the server re-marks it `sent` only for the lease's
+            # holder, on a run still going, under the goal revision it was prepared for
+            # (a revision meanwhile: StaleGoalRev, never a send of the old goal's action).
+            action = yield from self._dispatch(action)
+            if action.status != "sent":
+                return action  # settled or withdrawn meanwhile: the caller's loop decides
             return (yield from self._perform(action, perform, replay=True))
         if how == "lookup":
             if lookup is None:

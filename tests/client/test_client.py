@@ -556,7 +556,7 @@ def test_an_unanswered_tool_call_is_recorded_unknown_then_replayed_with_its_key(
     outcomes = [
         e.payload["action_status"] for e in api.events(run.run_id) if e.type == "action_outcome"
     ]
-    assert outcomes == ["sent", "unknown", "confirmed"]
+    assert outcomes == ["sent", "unknown", "sent", "confirmed"]  # the replay is dispatched
 
 
 def test_a_sent_action_of_a_tool_without_dedup_goes_to_a_person_not_to_the_tool(
@@ -612,3 +612,29 @@ def test_the_same_call_label_with_other_params_is_refused(api: Client) -> None:
         with pytest.raises(errors.IdempotencyKeyReused):
             ex.act(TOOL, {"title": "Something else"}, call="propose_task", perform=tracker)
     assert len(tracker.calls) == 1
+
+
+def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
+    """A `sent` action whose tool call failed is replayed with its key (mode `key`) — but
+    only through the server's dispatch, which refuses an action of an older goal revision
+    (DESIGN.md invariant 6). Here the goal is revised while the first call is on its way,
+    and that call never reached the tracker: a replay would create the old goal's task
+    after the revision."""
+    run = api.create_run("api-review", GOAL, external=True)
+    tracker = Tracker()
+    refused: list[ToolCall] = []
+
+    def revised_meanwhile(call: ToolCall) -> tuple[str, Any]:
+        if not refused:
+            refused.append(call)
+            api.revise(run.run_id, {**GOAL, "scope": ["/orders"]}, expected_goal_rev=1)
+            raise ConnectionRefusedError("the tracker was not reached")
+        return tracker(call)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        with pytest.raises(errors.ActionWithdrawn):
+            ex.act(TOOL, TASK, call="propose_task", perform=revised_meanwhile)
+
+    assert tracker.tasks == {}  # nothing was sent for the old goal after its revision
+    stored = ActionRow.objects.get(run_id=run.run_id)
+    assert (stored.goal_rev, stored.status) == (1, "sent")
