@@ -204,7 +204,14 @@ class RunCore(Generic[C]):
                 self._as_finished((yield from ask(calls.get_run(run.run_id))))
             else:
                 self.info = self.ex._run
-        self.state = yield from self._load()
+        try:
+            self.state = yield from self._load()
+        except Exception:
+            # `with` never reaches __exit__ when __enter__ raises: let go of the lease here,
+            # or its heartbeat renews it for nobody and every later try meets LeaseHeld.
+            if not self.finished:
+                yield from self.ex._close_flow()
+            raise
         self._token = _current.set(self)
 
     def _as_finished(self, run: Run) -> None:

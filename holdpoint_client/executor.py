@@ -179,8 +179,12 @@ class ExecutorCore(Generic[C]):
                 yield from pause(max(0.2, min(2.0, self.ttl / 6)))
         self.fence = grant.fence
         self._lost.clear()
-        yield from self._refresh_flow()
-        yield from invoke(self._start_beats)
+        try:
+            yield from self._refresh_flow()
+            yield from invoke(self._start_beats)
+        except Exception:
+            yield from self._close_flow()  # not kept (and heartbeated) for nobody
+            raise
         log.info("leased run %s as %s (fence %d)", self.run_id, self.owner, self.fence)
         return grant
 

@@ -29,6 +29,7 @@ from holdpoint_client import (
     Checkpoint,
     Client,
     Executor,
+    Holdpoint,
     LeaseLost,
     OutcomeUnknown,
     Run,
@@ -638,3 +639,28 @@ def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
     assert tracker.tasks == {}  # nothing was sent for the old goal after its revision
     stored = ActionRow.objects.get(run_id=run.run_id)
     assert (stored.goal_rev, stored.status) == (1, "sent")
+
+
+def test_a_run_that_failed_to_open_does_not_keep_its_lease(
+    live_server: Any, agent_a: Persona, transport: Faulty
+) -> None:
+    """The lease is taken and heartbeated before the run's state is read; when that read
+    fails, `with hp.run(...)` raises — and the lease must go with it. Before, the heartbeat
+    thread went on renewing it, so every later try in the same process met its own lease
+    (LeaseHeld after lease_timeout) for as long as the process lived."""
+    token = agent_a.token or issue_token_for(agent_a.user)
+    hp = Holdpoint(live_server.url, token, ttl=2, lease_timeout=4, retries=0, transport=transport)
+    try:
+        with hp.run("t-open", graph="api-review", complete=False) as run:
+            assert run.record("summary", lambda: "two risks") == "two risks"
+        transport.fail("GET", "/checkpoints/1/", "refuse")  # the state's read fails once
+
+        with pytest.raises(errors.TransportError):
+            with hp.run("t-open", graph="api-review", complete=False):
+                pass  # not reached
+
+        assert RunRow.objects.get(thread_id="t-open").lease_owner == ""  # handed back
+        with hp.run("t-open", graph="api-review", complete=False) as run:
+            assert run.record("summary", lambda: "asked again") == "two risks"
+    finally:
+        hp.close()
