@@ -103,6 +103,7 @@ class AsyncClient(Configured):
                             yield taken
                 if feed.ended((await self.get_run(run_id)).status):
                     return
+                await asyncio.sleep(feed.pause(self.policy))
             except httpx.TransportError as exc:
                 await asyncio.sleep(self.policy.pause(feed.call(), attempt, error=exc))
                 attempt += 1

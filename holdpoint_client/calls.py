@@ -232,6 +232,8 @@ def events_after(run_id: str, after: int) -> Call[list[JournalEntry]]:
 # The run statuses after which a run's journal ends (the server closes its stream there).
 FINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
 STREAM_READ_TIMEOUT = 45.0  # the server sends a comment line at least every 15 s
+# The longest pause before reopening a stream that closed with nothing new (see EventFeed).
+STREAM_IDLE_PAUSE = 5.0
 
 
 @dataclass
@@ -243,6 +245,7 @@ class EventFeed:
     run_id: str
     last: int = 0
     received: int = 0  # events taken on the current connection
+    idle: int = 0  # clean closes in a row that brought nothing new
 
     def call(self) -> Call[None]:
         """The request (a Call, so the retry policy treats it as a safe read)."""
@@ -280,6 +283,20 @@ class EventFeed:
         tells, so a close is resumed from `last` unless the run is finished and the last
         connection brought nothing new — any other close (a server restarting) is resumed."""
         return status in FINAL_STATUSES and self.received == 0
+
+    def pause(self, policy: RetryPolicy) -> float:
+        """How long to wait before reopening a stream that closed cleanly and is not ended.
+
+        A server that does not follow live (a WSGI server, a buffering proxy) answers what
+        is there and closes at once: reopened straight away, that is two requests in a
+        tight loop for as long as the run lives. A close that brought entries is reopened
+        at once; one that brought nothing waits the policy's backoff, doubling, up to
+        STREAM_IDLE_PAUSE — a long poll's pace, not a busy loop."""
+        if self.received:
+            self.idle = 0
+            return 0.0
+        self.idle += 1
+        return min(STREAM_IDLE_PAUSE, policy.backoff * 2.0 ** min(self.idle - 1, 16))
 
 
 def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:

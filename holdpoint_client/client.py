@@ -347,6 +347,7 @@ class Client(Configured):
                             yield entry
                 if feed.ended(self.get_run(feed.run_id).status):
                     return
+                self._sleep(feed.pause(self.policy))
             except httpx.TransportError as exc:
                 self._sleep(self.policy.pause(feed.call(), attempt, error=exc))
                 attempt += 1

@@ -8,6 +8,7 @@ cue) — never in the database, the queue or the clock.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from holdpoint_client import (
     ActionFailed,
     ActionRejected,
     Approval,
+    AsyncClient,
     Checkpoint,
     Client,
     Executor,
@@ -664,3 +666,60 @@ def test_a_run_that_failed_to_open_does_not_keep_its_lease(
             assert run.record("summary", lambda: "asked again") == "two risks"
     finally:
         hp.close()
+
+
+class CountingAsync(httpx.AsyncBaseTransport):
+    """The async client's transport: a real one, with every request kept."""
+
+    def __init__(self) -> None:
+        self.real = httpx.AsyncHTTPTransport()
+        self.seen: list[httpx.Request] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        return await self.real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_following_a_stream_the_server_closes_at_once_is_not_a_busy_loop(
+    live_server: Any, agent_a: Persona, transport: Faulty, flavour: str
+) -> None:
+    """`live_server` is a WSGI server: a stream there sends what is written and closes (the
+    server's long-poll fallback, runtime/api/sse.py). `events(follow=True)` reopened it at
+    once, with a run read between: hundreds of requests a second while the run lived. It
+    now waits (backoff, at most STREAM_IDLE_PAUSE) after a close that brought nothing, and
+    still sees every entry once, to the run's last."""
+    token = agent_a.token or issue_token_for(agent_a.user)
+    api = Client(live_server.url, token, backoff=0.05, transport=transport)
+    run = api.create_run("api-review", GOAL, external=True)
+    seen: list[int] = []
+    counting = CountingAsync()
+
+    async def follow_async() -> None:
+        async with AsyncClient(live_server.url, token, backoff=0.05, transport=counting) as aio:
+            async for entry in aio.events(run.run_id, follow=True):
+                seen.append(entry.seq)
+
+    def follow() -> None:
+        if flavour == "async":
+            asyncio.run(follow_async())
+        else:
+            seen.extend(entry.seq for entry in api.events(run.run_id, follow=True))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    try:
+        threading.Event().wait(2.0)  # the run lives two seconds with nothing new
+        api.cancel(run.run_id, "done")
+    finally:
+        follower.join(timeout=30)
+    requests = transport.seen if flavour == "sync" else counting.seen
+    opened = [r for r in requests if r.url.params.get("stream") == "1"]
+
+    assert not follower.is_alive()
+    assert len(opened) <= 12, len(opened)
+    assert seen == [entry.seq for entry in api.events(run.run_id)]  # each once, in order
+    api.close()
