@@ -246,6 +246,8 @@ class EventFeed:
     last: int = 0
     received: int = 0  # events taken on the current connection
     idle: int = 0  # clean closes in a row that brought nothing new
+    finished_seen: bool = False  # the run was read finished after a connection closed
+    after_finish: bool = False  # the current connection was opened after that read
 
     def call(self) -> Call[None]:
         """The request (a Call, so the retry policy treats it as a safe read)."""
@@ -263,6 +265,7 @@ class EventFeed:
         args = self.call().request(timeout)
         args["timeout"] = httpx.Timeout(timeout, read=STREAM_READ_TIMEOUT)
         self.received = 0
+        self.after_finish = self.finished_seen
         return args
 
     def take(self, data: str) -> JournalEntry | None:
@@ -281,8 +284,18 @@ class EventFeed:
         the end of its journal? The server closes after the run's final entry, and at once
         (nothing new) for a run already finished. Which entry is final only the run's status
         tells, so a close is resumed from `last` unless the run is finished and the last
-        connection brought nothing new — any other close (a server restarting) is resumed."""
-        return status in FINAL_STATUSES and self.received == 0
+        connection brought nothing new — any other close (a server restarting) is resumed.
+
+        That connection must have been opened *after* the run was read finished: one that
+        was already open (or closed) when the run finished may have missed the final entry,
+        which is committed with the status — so the first finished read buys one more
+        connection, and only its emptiness ends the feed."""
+        if status not in FINAL_STATUSES:
+            return False
+        if self.after_finish and self.received == 0:
+            return True
+        self.finished_seen = True
+        return False
 
     def pause(self, policy: RetryPolicy) -> float:
         """How long to wait before reopening a stream that closed cleanly and is not ended.
@@ -292,7 +305,7 @@ class EventFeed:
         tight loop for as long as the run lives. A close that brought entries is reopened
         at once; one that brought nothing waits the policy's backoff, doubling, up to
         STREAM_IDLE_PAUSE — a long poll's pace, not a busy loop."""
-        if self.received:
+        if self.received or self.finished_seen:  # more to read, or the last look
             self.idle = 0
             return 0.0
         self.idle += 1

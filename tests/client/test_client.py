@@ -723,3 +723,45 @@ def test_following_a_stream_the_server_closes_at_once_is_not_a_busy_loop(
     assert len(opened) <= 12, len(opened)
     assert seen == [entry.seq for entry in api.events(run.run_id)]  # each once, in order
     api.close()
+
+
+class FinishingBeforeTheRead(httpx.BaseTransport):
+    """A real transport that cancels the run (through the API) just before the client's
+    second plain read of it: the cancel, and its journal entry, land after a stream closed
+    empty and before the client looks at the run's status."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.real = httpx.HTTPTransport()
+        self.url, self.token = url, token
+        self.reads = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET" and path.count("/") == 5 and path.startswith("/api/v1/runs/"):
+            self.reads += 1
+            if self.reads == 2:
+                headers = {"Authorization": f"Token {self.token}"}
+                cancel = f"{self.url}{path}cancel/"
+                httpx.post(cancel, json={"reason": "done"}, headers=headers).raise_for_status()
+        return self.real.handle_request(request)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_following_a_run_that_finishes_between_two_reads_misses_no_entry(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """A stream closed with nothing new, then the run finished, then the client read the
+    run: `events(follow=True)` took "finished and nothing new" for the end and stopped
+    without the run's final entry (`cancelled`). Only a connection opened after the run
+    was seen finished may end the feed."""
+    token = agent_a.token or issue_token_for(agent_a.user)
+    hook = FinishingBeforeTheRead(live_server.url, token)
+    with Client(live_server.url, token, backoff=0.01, transport=hook) as api:
+        run = api.create_run("api-review", GOAL, external=True)
+        followed = [entry.type for entry in api.events(run.run_id, follow=True)]
+        written = [entry.type for entry in api.events(run.run_id)]
+
+    assert hook.reads >= 2  # the run was cancelled at the second look
+    assert followed == written and followed[-1] == "cancelled"
