@@ -18,6 +18,7 @@ from httpx_sse import EventSource
 
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, ClientSettings, Configured
+from holdpoint_client.errors import ExecutorError
 from holdpoint_client.executor import ActOptions, ExecutorCore, Perform
 from holdpoint_client.flow import adrive
 from holdpoint_client.models import (
@@ -152,6 +153,18 @@ class AsyncClient(Configured):
             )
         )
 
+    async def runs_page(
+        self,
+        *,
+        cursor: str | None = None,
+        status: str | None = None,
+        thread_id: str | None = None,
+        graph: str | None = None,
+    ) -> Page[Run]:
+        return await self.send(
+            calls.runs_page(status=status, thread_id=thread_id, graph=graph, cursor=cursor)
+        )
+
     async def revise(self, run_id: str, goal: Any, *, expected_goal_rev: int) -> Run:
         return await self.send(calls.revise(run_id, goal, expected_goal_rev=expected_goal_rev))
 
@@ -163,6 +176,9 @@ class AsyncClient(Configured):
 
     async def resume(self, run_id: str, *, expected_rev: int | None = None) -> Run:
         return await self.send(calls.resume(run_id, expected_rev=expected_rev))
+
+    def checkpoints(self, run_id: str) -> AsyncIterator[Checkpoint]:
+        return self._iterate(lambda cursor: calls.checkpoints_page(run_id, cursor=cursor))
 
     async def get_checkpoint(self, run_id: str, rev: int, *, inline: bool = False) -> Checkpoint:
         return await self.send(calls.get_checkpoint(run_id, rev, inline=inline))
@@ -190,6 +206,7 @@ class AsyncClient(Configured):
         state: Mapping[str, Any],
         next_step: str,
         status: str = "running",
+        idempotency_key: str | None = None,
     ) -> Checkpoint:
         call = calls.write_checkpoint(
             run_id,
@@ -198,14 +215,64 @@ class AsyncClient(Configured):
             state=state,
             next_step=next_step,
             status=status,
+            idempotency_key=idempotency_key,
+        )
+        return await self.send(call)
+
+    async def prepare_action(
+        self,
+        run_id: str,
+        *,
+        fence: int,
+        tool: str,
+        params: Mapping[str, Any],
+        reason: str = "",
+        target: str = "",
+        idempotency_key: str | None = None,
+    ) -> Action:
+        call = calls.prepare_action(
+            run_id,
+            fence=fence,
+            tool=tool,
+            params=params,
+            reason=reason,
+            target=target,
+            idempotency_key=idempotency_key,
         )
         return await self.send(call)
 
     async def get_action(self, action_id: str) -> Action:
         return await self.send(calls.get_action(action_id))
 
-    async def find_actions(self, *, idempotency_key: str | None = None) -> list[Action]:
-        page = lambda cursor: calls.actions_page(idempotency_key=idempotency_key, cursor=cursor)  # noqa: E731
+    async def dispatch(self, action_id: str, fence: int) -> Action:
+        return await self.send(calls.dispatch(action_id, fence))
+
+    async def record_outcome(
+        self,
+        action_id: str,
+        *,
+        fence: int,
+        outcome: str,
+        external_id: str = "",
+        result: Any = None,
+    ) -> Action:
+        call = calls.record_outcome(
+            action_id, fence=fence, outcome=outcome, external_id=external_id, result=result
+        )
+        return await self.send(call)
+
+    async def find_actions(
+        self,
+        *,
+        idempotency_key: str | None = None,
+        status: str | None = None,
+        tool: str | None = None,
+    ) -> list[Action]:
+        def page(cursor: str | None) -> Call[Page[Action]]:
+            return calls.actions_page(
+                idempotency_key=idempotency_key, status=status, tool=tool, cursor=cursor
+            )
+
         return [action async for action in self._iterate(page)]
 
     def approvals(self, *, status: str | None = None) -> AsyncIterator[Approval]:
@@ -272,6 +339,20 @@ class AsyncExecutor(ExecutorCore[AsyncClient]):
                 await beats
             except asyncio.CancelledError:
                 pass
+
+    @property
+    def run(self) -> Run:
+        """The run as last read (on taking the lease, or by `refresh`)."""
+        if self._run is None:
+            raise ExecutorError("no lease: use the executor as an async context manager")
+        return self._run
+
+    @property
+    def goal(self) -> Any:
+        return self.run.goal
+
+    async def refresh(self) -> Run:
+        return await adrive(self._refresh_flow(), self.client)
 
     async def load(self) -> dict[str, Any]:
         return await adrive(self._load_flow(), self.client)

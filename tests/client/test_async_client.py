@@ -5,6 +5,7 @@ both clients share, against a real local HTTP server that throttles before it an
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 import time
@@ -20,8 +21,10 @@ from approvals.models import ApprovalPolicy
 from holdpoint_client import (
     ApprovalTimeout,
     AsyncClient,
+    AsyncExecutor,
     AsyncHoldpoint,
     Client,
+    Executor,
     Run,
     ToolCall,
 )
@@ -157,3 +160,69 @@ def test_both_clients_honour_retry_after(
     assert run.run_id == RUN_JSON["run_id"]
     assert elapsed >= 2.0  # the two Retry-After seconds, not the 0.01 s backoff
     assert len(seen) == 3 and len({key for _, key in seen}) == 1  # one logical call
+
+
+def test_the_async_client_has_the_calls_of_the_client() -> None:
+    """holdpoint_client/README.md: "`AsyncClient` ... has the calls of `Client`, awaited;
+    `AsyncExecutor` those of `Executor`" — with the same keyword arguments."""
+
+    def calls_of(cls: type) -> dict[str, list[str]]:
+        return {
+            name: list(inspect.signature(member).parameters)
+            for name, member in inspect.getmembers(cls)
+            if not name.startswith("_") and callable(member) and name not in ("close", "aclose")
+        }
+
+    assert calls_of(AsyncClient) == calls_of(Client)
+    public = {n for n in dir(Executor) if not n.startswith("_")}
+    assert public <= {n for n in dir(AsyncExecutor) if not n.startswith("_")}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_agent_runs_the_executor_protocol_by_hand(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """The raw protocol (API.md "Executor protocol") on AsyncClient: lease, checkpoint,
+    prepare, dispatch, outcome, and the lists — as an agent with its own loop writes it."""
+    assert agent_a.token is not None
+
+    async def story() -> tuple[Any, ...]:
+        async with AsyncClient(live_server.url, agent_a.token, backoff=0.01) as client:
+            run = await client.create_run("api-review", {"pr": 9}, external=True)
+            grant = await client.lease(run.run_id, "async-agent", 30)
+            await client.write_checkpoint(
+                run.run_id,
+                fence=grant.fence,
+                expected_rev=0,
+                state={"step": 1},
+                next_step="propose",
+                idempotency_key="cp-1",
+            )
+            key = f"{run.run_id}:1:ext:propose"
+            action = await client.prepare_action(
+                run.run_id,
+                fence=grant.fence,
+                tool=TOOL,
+                params={"title": "Review", "body": "x"},
+                reason="r",
+                idempotency_key=key,
+            )
+            sent = await client.dispatch(action.action_id, grant.fence)
+            done = await client.record_outcome(
+                action.action_id, fence=grant.fence, outcome="confirmed", external_id="T-1"
+            )
+            found = await client.find_actions(status="confirmed", tool=TOOL)
+            revs = [c.rev async for c in client.checkpoints(run.run_id)]
+            page = await client.runs_page(status="running")
+            async with AsyncExecutor(client, run.run_id, "async-agent", ttl=10) as ex:
+                goal = ex.goal
+                refreshed = await ex.refresh()
+            return sent.status, done, found, revs, page, goal, refreshed, run
+
+    sent, done, found, revs, page, goal, refreshed, run = asyncio.run(story())
+
+    assert sent == "sent" and (done.status, done.external_id) == ("confirmed", "T-1")
+    assert [a.action_id for a in found] == [done.action_id]
+    assert revs == [1] and [r.run_id for r in page.results] == [run.run_id]
+    assert goal == {"pr": 9} and refreshed.run_id == run.run_id
+    assert Action.objects.get(pk=done.action_id).status == "confirmed"
