@@ -562,6 +562,9 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
             f"last error: {action.last_error or 'none'}",
         )
     if mode == Dedup.KEY:
+        revised = _revised_since(action)
+        if revised:  # a replay would be a send of an old revision's action (invariant 6)
+            return _settle(action, fence, actor, S.MANUAL_REVIEW, revised)
         result = tool.call(
             action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
         )
@@ -600,6 +603,25 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         # here is how duplicates happen. Look again once it cannot be.
         return Verdict("wait", "the sender may still be in flight", until=action.in_flight_until)
     return _settle(action, fence, actor, S.PREPARED, "provably absent: safe to send again")
+
+
+def _revised_since(action: Action) -> str:
+    """Why a replay of `action` may not go out ("" when it may): the goal was revised since it
+    was prepared. A replay with its key is a send — where the first request never arrived it
+    makes the effect, now, for a goal the user has since changed — and nothing prepared under
+    an older revision is sent afterwards (DESIGN.md invariant 6). A lookup can still tell
+    (it sends nothing); a key alone cannot, so a person says whether it applied."""
+    now_at = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id).values_list(
+        "goal_rev", flat=True
+    )
+    current = now_at.first()
+    if current is None or current == action.goal_rev:
+        return ""
+    return (
+        f"prepared under goal revision {action.goal_rev}, the goal is now at {current}: a "
+        "replay with its key would send it after the revision, so a person says whether it "
+        f"applied; last error: {action.last_error or 'none'}"
+    )
 
 
 def _again(action: Action, fence: int, actor: str, detail: str) -> Verdict:

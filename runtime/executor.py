@@ -356,6 +356,12 @@ class Executor:
                 self.runner.reconcile(action)
             except Park as parked:
                 return self.park(parked, self.run.next_step)
+        # Settled by a person's verdict only (a tool with neither key nor lookup, an old
+        # revision's keyed action): the run waits for them now, before its step acts.
+        for action in open_actions:
+            if action.status == ActionStatus.MANUAL_REVIEW:
+                why = Park("needs_reconciliation", action.last_error or "", action=action)
+                return self.park(why, self.run.next_step)
         return None
 
     def commit_later(self, outcome: Confirmed) -> None:

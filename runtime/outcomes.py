@@ -8,7 +8,8 @@ revised, run finished) while the request was out — is still the truth about th
 the action is settled by it as any answer would settle it (DESIGN.md invariants 2 and 6):
 confirmed with its proof, failed when the service refused it, withdrawn when it certainly
 did not apply (no step will send an old revision's action again), a person's when only a
-person can tell. Only the run does not advance on it.
+person can tell — which, for an unknown, includes a tool that deduplicates by key alone: its
+replay would be a send after the run moved on. Only the run does not advance on it.
 
 Everything here runs inside the caller's transaction, after `ledger.fenced` locked the run
 row under the caller's fence.
@@ -138,5 +139,13 @@ def record_late_result(
             return action
         return ledger.transition(action, S.CANCELLED, actor, last_error=moved_on)
     mode = tool_of(action).dedup_mode()
+    if mode == Dedup.KEY:
+        # Its contract would replay it with its key — a send of an action whose run moved on
+        # (invariant 6), which makes the effect now where the first request never arrived.
+        reason = (
+            f"{action.tool}: the answer came after the run moved on and said nothing certain; "
+            "a replay with its key would send it now, so only a person can tell"
+        )
+        return to_person(action, fence, actor, reason, **(extra or {}))
     said = {"last_error": last_error} if last_error else {}
     return settle_unknown(action, fence, actor, mode, journal_extra=extra, result=result, **said)

@@ -878,7 +878,8 @@ def test_a_held_action_after_a_goal_revision_parks_the_run(
         ("key", "failed", "failed", "running"),
         ("none", "failed", "failed", "running"),
         ("none", "unknown", "manual_review", "needs_reconciliation"),
-        ("key", "unknown", "unknown", "running"),
+        ("key", "unknown", "manual_review", "needs_reconciliation"),
+        ("lookup", "unknown", "unknown", "running"),
         ("lookup", "not_found", "cancelled", "running"),
     ],
 )
@@ -891,7 +892,9 @@ def test_an_old_revisions_outcome_settles_its_sent_action(
     it `sent` instead of going to a person with the run `needs_reconciliation` (API.md);
     a lookup's `not_found` left it `sent` for ever. Now the outcome settles the action as for
     the current revision — a proved absence withdraws it, since no step sends it again — and
-    the run, parked for nothing, does not advance."""
+    the run, parked for nothing, does not advance. An `unknown` of a key tool goes to a
+    person too: its replay would be a send of the old revision's action; a lookup tool's
+    stays `unknown` for a lookup (which sends nothing)."""
     settings.HOLDPOINT_TASKS_DEDUP = mode
     client = agent_a.api()
     run_id, fence = leased(client)

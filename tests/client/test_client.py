@@ -622,7 +622,8 @@ def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
     only through the server's dispatch, which refuses an action of an older goal revision
     (DESIGN.md invariant 6). Here the goal is revised while the first call is on its way,
     and that call never reached the tracker: a replay would create the old goal's task
-    after the revision."""
+    after the revision. The unknown answer it reports then goes to a person: a key alone
+    cannot settle an old revision's action without sending it."""
     run = api.create_run("api-review", GOAL, external=True)
     tracker = Tracker()
     refused: list[ToolCall] = []
@@ -635,12 +636,13 @@ def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
         return tracker(call)
 
     with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
-        with pytest.raises(errors.ActionWithdrawn):
-            ex.act(TOOL, TASK, call="propose_task", perform=revised_meanwhile)
+        with pytest.raises(errors.OutcomeUnknown, match="still manual_review"):
+            ex.act(TOOL, TASK, call="propose_task", perform=revised_meanwhile, resolution_timeout=1)
 
     assert tracker.tasks == {}  # nothing was sent for the old goal after its revision
     stored = ActionRow.objects.get(run_id=run.run_id)
-    assert (stored.goal_rev, stored.status) == (1, "sent")
+    assert (stored.goal_rev, stored.status) == (1, "manual_review")
+    assert RunRow.objects.get(run_id=run.run_id).status == "needs_reconciliation"
 
 
 def test_a_run_that_failed_to_open_does_not_keep_its_lease(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from runtime import ledger
 from runtime.artifacts import resolve
 from runtime.context import StepContext
 from runtime.executor import advance_run
@@ -68,8 +69,9 @@ BUSY = CallResult("refused", transient=True, detail="busy, try later")
         ("none", REFUSED, ActionStatus.FAILED, RunStatus.COMPLETED),
         ("key", BUSY, ActionStatus.CANCELLED, RunStatus.COMPLETED),
         ("none", LOST, ActionStatus.MANUAL_REVIEW, RunStatus.NEEDS_RECONCILIATION),
+        ("key", LOST, ActionStatus.MANUAL_REVIEW, RunStatus.NEEDS_RECONCILIATION),
     ],
-    ids=["failed-key", "failed-none", "not-applied", "unknown-none"],
+    ids=["failed-key", "failed-none", "not-applied", "unknown-none", "unknown-key"],
 )
 def test_a_late_answer_settles_its_action_and_the_new_revision_goes_on(
     tenant_a: Tenant, mode: str, answer: CallResult, settled: str, run_status: str
@@ -78,7 +80,9 @@ def test_a_late_answer_settles_its_action_and_the_new_revision_goes_on(
     `sent`; the step then went on with it — a `failed` of a key tool was sent again with its
     key after the revision and, refused, escalated the new revision's run (needs_attention);
     of a `none` tool it went to a person though the service had said no; a certain "not
-    applied" left it `sent` for ever."""
+    applied" left it `sent` for ever. And an unknown of a key tool was replayed with its key
+    after the revision — a send of the old revision's action, which makes its effect, now,
+    where the first request never arrived: only a person can say whether it applied."""
     graph = register(_graph(mode))
     try:
         run = create_run(tenant_a, graph.name, {"v": 1}, actor="t")
@@ -114,6 +118,14 @@ class AnswersLate(Tool):
 register_tool(AnswersLate(name="test.answers_late", dedup=Dedup.KEY))
 
 
+def _advance_until_done(run: Run) -> None:
+    """Advance it as a worker would, its back-off waived, until it completes or stops."""
+    for _ in range(4):
+        Run.objects.filter(pk=run.pk).update(wake_at=None, lease_expires_at=None)
+        if advance_run(run.run_id, "w1").outcome == "completed":
+            return
+
+
 def test_a_reconcile_at_start_never_skips_a_pending_revision(tenant_a: Tenant) -> None:
     """The goal is revised while a run waits to reconcile an unknown action. The next start
     reconciled first and parked again (another unknown) with a checkpoint stamped with the
@@ -134,11 +146,23 @@ def test_a_reconcile_at_start_never_skips_a_pending_revision(tenant_a: Tenant) -
     try:
         run = create_run(tenant_a, graph.name, {"v": 1}, actor="t")
         assert advance_run(run.run_id, "w1").outcome == "retrying"  # unknown: reconcile later
+        sent_before = FLAKY[str(run.run_id)]
         revise_goal(Run.objects.get(pk=run.pk), {"v": 2}, 1, actor="user:u")
-        for _ in range(4):
-            Run.objects.filter(pk=run.pk).update(wake_at=None, lease_expires_at=None)
-            if advance_run(run.run_id, "w1").outcome == "completed":
-                break
+        _advance_until_done(run)
+    finally:
+        registry.unregister(graph.name, "1")
+    # The old revision's action is unknown and its tool only deduplicates by key: a replay
+    # would send it after the revision, so a person says — here, that it did apply.
+    run.refresh_from_db()
+    assert run.status == RunStatus.NEEDS_RECONCILIATION
+    assert FLAKY[str(run.run_id)] == sent_before  # never replayed after the revision
+    old = Action.objects.get(run=run, goal_rev=1)
+    assert old.status == ActionStatus.MANUAL_REVIEW
+    ledger.resolve(old, "applied", actor="user:u", external_id="T-1")
+    assert Action.objects.get(pk=old.pk).status == ActionStatus.CONFIRMED
+    register(graph)
+    try:
+        _advance_until_done(run)
     finally:
         registry.unregister(graph.name, "1")
     run.refresh_from_db()
