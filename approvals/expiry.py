@@ -60,27 +60,39 @@ def expire(request_id: UUID) -> int:
             return 1
         close_request(request, A.EXPIRED, SYSTEM, "nobody decided before expiry")
         if policy.on_expiry == OnExpiry.REJECT:
-            ledger.transition(
-                action,
-                ActionStatus.CANCELLED,
-                SYSTEM,
-                last_error="rejected at expiry: nobody decided in time",
-            )
-            wake_run(run, SYSTEM)
+            _reject_at_expiry(action, run, "nobody decided in time")
         elif request.rerequest_count < 1:
             request_approval(action, run, SYSTEM, previous=request, expired=True)
         else:
             reason = (
                 f"approval of {action.tool} expired twice without a decision (policy {policy.name})"
             )
-            moved = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
-                status=RunStatus.NEEDS_ATTENTION, attention_reason=reason, updated_at=Now()
-            )
-            if moved:
-                record(
-                    run, RunEvent.ESCALATED, SYSTEM, reason=reason, status=RunStatus.NEEDS_ATTENTION
-                )
+            _reject_at_expiry(action, run, reason, attention=True)
     return 1
+
+
+def _reject_at_expiry(action: Action, run: Run, reason: str, *, attention: bool = False) -> None:
+    """Nobody decided and the policy asks no more: the action is withdrawn (`cancelled`,
+    "rejected at expiry: …"), so every way of waiting for it gets its final answer — an
+    external executor's dispatch 409 `action_cancelled`, the MCP gateway's REJECTED, a
+    hosted step's ActionRejected — instead of a hold no open request can ever lift.
+    `attention`: the run then needs a person (the re-request policy's last step); otherwise
+    it is woken to go on without the action."""
+    if action.status == ActionStatus.AWAITING_APPROVAL:
+        ledger.transition(
+            action, ActionStatus.CANCELLED, SYSTEM, last_error=f"rejected at expiry: {reason}"
+        )
+    if not attention:
+        wake_run(run, SYSTEM)
+        return
+    moved = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
+        status=RunStatus.NEEDS_ATTENTION,
+        attention_reason=reason,
+        waiting_for=None,
+        updated_at=Now(),
+    )
+    if moved:
+        record(run, RunEvent.ESCALATED, SYSTEM, reason=reason, status=RunStatus.NEEDS_ATTENTION)
 
 
 def remind(now: object, batch: int) -> int:

@@ -51,7 +51,7 @@ def then_phrase(on_expiry: str, rerequest_count: int) -> str:
         return THEN[on_expiry]
     if rerequest_count < 1:
         return "then re-requested once, then the run needs attention"
-    return "then the run needs attention (it was already re-requested once)"
+    return "then it is rejected and the run needs attention (it was already re-requested once)"
 
 
 def expiry_of(expires_at: datetime, on_expiry: str, rerequest_count: int, now: datetime) -> Expiry:

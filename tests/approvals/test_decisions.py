@@ -30,7 +30,7 @@ from runtime.errors import (
     NotPermitted,
 )
 from runtime.executor import advance_run
-from runtime.lifecycle import create_run, resume_run, revise_goal
+from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Action, ActionStatus, Checkpoint, Role, Run, RunStatus, Tenant
 from tests.approvals.conftest import GOAL
 from tests.conftest import Persona, make_persona
@@ -225,9 +225,7 @@ def test_expiry_rerequests_once_then_needs_attention(held: Any, reviewer_a: Pers
     run.refresh_from_db()
     assert run.status == RunStatus.NEEDS_ATTENTION and "expired twice" in run.attention_reason
     assert box.tasks() == []  # never auto-approved
-    resume_run(run, actor="user:alice")  # a human looked: ask again
-    assert advance_run(run.run_id, "w1").outcome == "waiting"
-    assert ApprovalRequest.objects.filter(run=run, status=A.PENDING).count() == 1
+    # What a resumed run does then: tests/approvals/test_expiry_outcome.py.
 
 
 def test_a_request_replaced_because_its_action_changed_keeps_the_re_request(

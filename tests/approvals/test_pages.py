@@ -132,7 +132,7 @@ def test_duration_and_what_happens_at_expiry() -> None:
         expiry_of(in_3h, OnExpiry.REREQUEST, 0, now).text
         == "expires in 3 h 12 min — then re-requested once, then the run needs attention"
     )
-    assert "then the run needs attention (it was already re-requested once)" in (
+    assert "then it is rejected and the run needs attention (it was already re-requested" in (
         expiry_of(in_3h, OnExpiry.REREQUEST, 1, now).text
     )
     assert "then it is rejected automatically" in expiry_of(in_3h, OnExpiry.REJECT, 0, now).text
