@@ -72,9 +72,10 @@ def decide(
 ) -> ApprovalRequest:
     """Apply a reviewer's decision once.
 
-    Refused: not permitted (403), a stale page or a changed action (hash_mismatch), already
-    decided or superseded (already_decided), past expiry (expired), an edit of a field the
-    tool does not let reviewers edit (field_not_editable). Repeating the decision that
+    Refused: a reject without a reason or with edits (invalid_params), not permitted (403),
+    a stale page or a changed action (hash_mismatch), already decided or superseded
+    (already_decided), past expiry (expired), an edit of a field the tool does not let
+    reviewers edit (field_not_editable). Repeating the decision that
     applied returns the same request.
     """
     if decision not in Decision.values:
@@ -83,6 +84,13 @@ def decide(
         )
     if decision == Decision.REJECT and not reason.strip():
         raise InvalidParams("a rejection needs a reason", errors={"reason": ["required"]})
+    if decision == Decision.REJECT and edits:
+        # Edits only shape what an approval sends: sent with a reject they are a mistake
+        # (meant "approve with edits", or a client bug), never dropped without a word.
+        raise InvalidParams(
+            "a rejection carries no edits: approve with them, or reject without them",
+            errors={"edits": ["only an approval carries edits"]},
+        )
     label = f"user:{user.get_username()}"
     changed = False
     with transaction.atomic(durable=True):

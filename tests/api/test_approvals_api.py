@@ -232,6 +232,25 @@ def test_a_rejection_needs_a_reason(hold: dict[str, Any], reviewer_a: Persona) -
     assert Action.objects.get(pk=hold["action"]["action_id"]).status == ActionStatus.CANCELLED
 
 
+def test_a_rejection_with_edits_is_refused_not_recorded_without_them(
+    hold: dict[str, Any], reviewer_a: Persona
+) -> None:
+    """A reviewer who sends edits with a reject made a mistake (meant "approve with edits",
+    or a client bug): the edits were dropped without a word and the action rejected."""
+    alice = session(reviewer_a.user)
+    action_hash = shown(alice, hold["id"])["action_hash"]
+    before = row_counts()
+    response = decide(
+        alice, hold["id"], "reject", action_hash, reason="wrong title", edits={"title": "v3"}
+    )
+    data = problem(response, 422, "invalid_params")
+    assert "edits" in data["errors"]
+    assert row_counts() == before
+    assert shown(alice, hold["id"])["status"] == "pending"
+    rejected = ok(decide(alice, hold["id"], "reject", action_hash, reason="wrong title", edits={}))
+    assert rejected["status"] == "rejected"
+
+
 @pytest.mark.parametrize("who", ["viewer", "agent"])
 def test_a_viewer_or_an_agent_token_may_not_decide(
     hold: dict[str, Any], viewer_a: Persona, agent_a: Persona, who: str
