@@ -116,7 +116,7 @@ def decide(
             )
         vote = ApprovalVote.objects.filter(request=request, user=user).first()
         if vote is not None:
-            return _repeat_vote(request, vote, decision, seen_hash)
+            return _repeat_vote(request, vote, decision, seen_hash, edits)
         if request.expired:
             raise Expired(f"expired at {request.expires_at.isoformat()}")
         action = Action.objects.select_for_update().get(pk=request.action_id)
@@ -197,16 +197,47 @@ def _vote(
 
 
 def _repeat_vote(
-    request: ApprovalRequest, vote: ApprovalVote, decision: str, seen_hash: str
+    request: ApprovalRequest,
+    vote: ApprovalVote,
+    decision: str,
+    seen_hash: str,
+    edits: dict[str, Any] | None,
 ) -> ApprovalRequest:
     """A reviewer who already voted on a request that still waits for more votes (quorum):
     the same vote again (a double click, a network retry) answers the request as it is, as
     API.md has a repeated decision do; a different one is refused. Nothing is written."""
-    if vote.decision == decision and same_hash(seen_hash, vote.action_hash):
+    if _same_vote(request, vote, decision, seen_hash, edits):
         return request
     raise AlreadyDecided(
         f"you already voted {vote.decision} on this request; it waits for more approvals"
     )
+
+
+def _same_vote(
+    request: ApprovalRequest,
+    vote: ApprovalVote,
+    decision: str,
+    seen_hash: str,
+    edits: dict[str, Any] | None,
+) -> bool:
+    """Whether a decision asks for what `vote` already decided: the same word, on the hash
+    the vote saw or the one the request now shows, with edits that change nothing in what
+    it now stands for. An approval with edits answers the edited action's hash, so a client
+    that retries with that hash — with the same edits or none — asks for the same result.
+
+    Any later edit voids every vote before it (`record_edits`), so what the request now
+    stands for is what this vote approved (or rejected)."""
+    if vote.decision != decision:
+        return False
+    if not (same_hash(seen_hash, vote.action_hash) or same_hash(seen_hash, request.action_hash)):
+        return False
+    if not edits:
+        return True
+    now = request.edited_params or request.params
+    try:
+        return ledger.canonical_params({**_params(now), **edits})[0] == now
+    except InvalidParams:
+        return False
 
 
 def _repeat_or_refuse(
@@ -219,9 +250,8 @@ def _repeat_or_refuse(
     vote = ApprovalVote.objects.filter(request=request, user=user).first()
     if (
         vote is not None
-        and vote.decision == decision
-        and same_hash(seen_hash, vote.action_hash)
         and request.status in (A.APPROVED, A.REJECTED)
+        and _same_vote(request, vote, decision, seen_hash, edits)
     ):
         return request  # the same decision again (double click, network retry): same result
     if request.status == A.EXPIRED:

@@ -164,6 +164,39 @@ def test_repeating_the_applied_decision_answers_200_with_the_same_approval(
     assert ApprovalVote.objects.filter(request_id=hold["id"]).count() == 1
 
 
+@pytest.mark.parametrize("quorum", [1, 2])
+def test_repeating_an_edited_approval_with_the_hash_it_answered_is_the_same_decision(
+    hold: dict[str, Any], reviewer_a: Persona, quorum: int
+) -> None:
+    """An approval with edits answers the edited action's hash; a client that retries with
+    that hash (what the approval it got back shows) asks for the same result, so it gets
+    the same approval — with the same edits or none. Other edits conflict: 409. Under a
+    quorum the vote waits for others, and repeating it is answered alike."""
+    ApprovalRequest.objects.filter(pk=hold["id"]).update(quorum=quorum)
+    alice = session(reviewer_a.user)
+    before_edit = shown(alice, hold["id"])["action_hash"]
+    edits = {"title": "Review v3"}
+    first = ok(decide(alice, hold["id"], "approve", before_edit, edits=edits))
+    assert first["action_hash"] != before_edit
+    assert first["status"] == ("approved" if quorum == 1 else "pending")
+    after_edit = first["action_hash"]
+    assert ok(decide(alice, hold["id"], "approve", after_edit, edits=edits)) == first
+    assert ok(decide(alice, hold["id"], "approve", after_edit)) == first
+    assert ok(decide(alice, hold["id"], "approve", before_edit, edits=edits)) == first
+    problem(
+        decide(alice, hold["id"], "approve", after_edit, edits={"title": "Other"}),
+        409,
+        "already_decided",
+    )
+    problem(
+        decide(alice, hold["id"], "approve", before_edit, edits={"title": "Other"}),
+        409,
+        "already_decided",
+    )
+    assert ApprovalVote.objects.filter(request_id=hold["id"]).count() == 1
+    assert shown(alice, hold["id"])["action"]["params"] == {"title": "Review v3"}
+
+
 def test_the_other_decision_after_one_applied_is_409_already_decided(
     hold: dict[str, Any], reviewer_a: Persona
 ) -> None:
