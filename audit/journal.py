@@ -23,6 +23,35 @@ from audit.models import JournalEntry, StreamHead
 from fastsql import statements
 from fastsql.prep import JsonText
 
+# The types of entry the code writes into a tenant's stream (human and admin acts, and the
+# system's acts on a tenant: rotations, purges, alerts) — a run's stream holds
+# runtime.events.RunEvent's. The one list every reader offers (the audit log's and the
+# journal admin's type filters); tests/audit/test_event_types.py reads every writer's call
+# and fails for a type written but not listed here.
+TENANT_EVENTS = (
+    "action_resolved",
+    "admin_added",
+    "admin_changed",
+    "admin_deleted",
+    "approval_decided",
+    "approval_reassigned",
+    "approval_renotified",
+    "audit_exported",
+    "chain_break_detected",
+    "credentials_reencrypted",
+    "login",
+    "login_failed",
+    "policy_changed",
+    "retention_purged",
+    "token_created",
+    "token_revoked",
+    "token_rotated",
+    "tool_defined",
+    "webhook_changed",
+    "webhook_deleted",
+    "webhook_redelivered",
+)
+
 
 class StreamMoved(Exception):
     """The stream head the caller expected is no longer the head: retry with a fresh one."""

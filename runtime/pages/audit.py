@@ -56,28 +56,8 @@ TRAIL_PAGE = 500
 EXPORT_CHUNK_ROWS = 2000  # rows per database round trip of the export's cursor
 EXPORT_CHUNK_BYTES = 64 * 1024  # bytes per write to the client: not one write per row
 HASH_SHOWN = 12
-# Events of the tenants' streams (human and admin acts), next to the runs' own events.
-TENANT_EVENTS = (
-    "action_resolved",
-    "admin_added",
-    "admin_changed",
-    "admin_deleted",
-    "approval_decided",
-    "approval_reassigned",
-    "approval_renotified",
-    "audit_exported",
-    "chain_break_detected",
-    "login",
-    "login_failed",
-    "policy_changed",
-    "retention_purged",
-    "token_created",
-    "token_revoked",
-    "webhook_changed",
-    "webhook_deleted",
-    "webhook_redelivered",
-)
-KNOWN_TYPES = tuple(sorted({*RunEvent.values, *TENANT_EVENTS}))
+# Every type the code writes: a run's events and the tenants' streams' (audit.journal).
+KNOWN_TYPES = tuple(sorted({*RunEvent.values, *journal.TENANT_EVENTS}))
 # The fields the log renders; prev_hash (and the rest of the row) stays in the database.
 LOG_FIELDS = ("id", "stream", "seq", "type", "actor", "object_ref", "payload", "created_at")
 EXPORT_FIELDS = (
