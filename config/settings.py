@@ -88,6 +88,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "runtime.tenancy.CurrentTenantMiddleware",
+    "runtime.middleware.AdminQueryNul",  # a NUL in an admin URL's query: 400, not a 500
     "axes.middleware.AxesMiddleware",  # last: turns a lockout into the lockout page
 ]
 
