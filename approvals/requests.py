@@ -14,7 +14,6 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from approvals.hashing import action_hash
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, ApprovalVote
@@ -84,7 +83,10 @@ def request_approval(
                 shown=_shown(action, params, run, policy),
                 params=action.params,
                 quorum=policy.quorum,
-                expires_at=timezone.now() + timedelta(seconds=policy.expiry_seconds),
+                # The database's clock, which judges it (decide, the expirer, dispatch): a
+                # host whose clock runs behind must not shorten the window, nor one ahead
+                # lengthen it.
+                expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
                 checkpoint_rev=run.checkpoint_rev,
                 previous=previous,
                 rerequest_count=(previous.rerequest_count + expired) if previous else 0,
@@ -93,6 +95,7 @@ def request_approval(
         return ApprovalRequest.objects.get(
             tenant_check(action.tenant_id), action=action, status=A.PENDING
         )
+    request.refresh_from_db(fields=["expires_at"])  # the time the database wrote
     record(
         run,
         RunEvent.APPROVAL_REQUESTED,

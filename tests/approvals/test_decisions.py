@@ -486,3 +486,26 @@ def test_an_edit_into_a_policy_that_separates_duties_is_not_decided_by_a_shaper(
     request.refresh_from_db()
     assert (request.status, request.policy_id, request.edits) == (A.PENDING, policy.pk, None)
     assert box.tasks() == []
+
+
+def test_a_request_raised_by_a_worker_whose_clock_runs_behind_gets_the_policys_whole_window(
+    tenant_a: Tenant, policy: ApprovalPolicy, sandbox_factory: Any, reviewer_a: Persona
+) -> None:
+    """Expiry is the database clock's verdict (decide, the expirer, dispatch), so the window
+    must be the database's too: a worker whose clock ran two hours behind set expires_at
+    from its own clock — an hour's window was over before anyone saw the request, a
+    reviewer's approval was refused 409 expired and the sweeper expired it at once."""
+    import time_machine
+
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(expiry_seconds=3600)
+    box = sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a")
+    with time_machine.travel(timezone.now() - timedelta(hours=2), tick=False):
+        assert advance_run(run.run_id, "w-behind").outcome == "waiting"
+    request = ApprovalRequest.objects.get(run=run)
+    decided = decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    assert decided.status == A.APPROVED
+    assert decided.expires_at > timezone.now() + timedelta(minutes=59)
+    sweep_approvals()
+    assert ApprovalRequest.objects.get(pk=request.pk).status == A.APPROVED  # not expired
+    assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
