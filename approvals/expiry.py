@@ -96,17 +96,21 @@ def _reject_at_expiry(action: Action, run: Run, reason: str, *, attention: bool 
 
 
 def remind(now: object, batch: int) -> int:
+    """Tell the deciders of each request whose reminder is due (`remind_before_seconds`
+    before it expires), once. Due by the database's clock, read with the candidates (`db_now`),
+    as expiry is."""
     from approvals.notify import notify_reminder
 
     pending = (
         ApprovalRequest.objects.filter(status=A.PENDING, reminded=False)
+        .annotate(db_now=Now())
         .select_related("policy")
         .order_by("expires_at")[:batch]
     )
     count = 0
     for request in pending:
         window = timedelta(seconds=request.policy.remind_before_seconds)
-        if request.expires_at - window > timezone.now():
+        if request.expires_at - window > request.db_now:
             continue
         if ApprovalRequest.objects.filter(pk=request.pk, reminded=False).update(reminded=True):
             notify_reminder(request)
@@ -115,18 +119,26 @@ def remind(now: object, batch: int) -> int:
 
 
 def escalate(now: object, batch: int) -> int:
+    """Widen who may decide a request nobody decided in `escalate_after_seconds` (the
+    policy's escalation group), once. Due by the database's clock, read with the candidates
+    (`db_now`), as expiry is: a sweeper whose clock runs ahead must not hand the decision
+    to the escalation group early."""
     from approvals.notify import notify_escalated
 
     count = 0
-    candidates = ApprovalRequest.objects.filter(
-        status=A.PENDING,
-        escalated=False,
-        policy__escalate_after_seconds__isnull=False,
-        policy__escalation_group__isnull=False,
-    ).select_related("policy")[:batch]
+    candidates = (
+        ApprovalRequest.objects.filter(
+            status=A.PENDING,
+            escalated=False,
+            policy__escalate_after_seconds__isnull=False,
+            policy__escalation_group__isnull=False,
+        )
+        .annotate(db_now=Now())
+        .select_related("policy")[:batch]
+    )
     for request in candidates:
         due = request.created_at + timedelta(seconds=request.policy.escalate_after_seconds or 0)
-        if due <= timezone.now() and ApprovalRequest.objects.filter(
+        if due <= request.db_now and ApprovalRequest.objects.filter(
             pk=request.pk, escalated=False
         ).update(escalated=True):
             notify_escalated(request)

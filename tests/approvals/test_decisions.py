@@ -31,7 +31,16 @@ from runtime.errors import (
 )
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run, revise_goal
-from runtime.models import Action, ActionStatus, Checkpoint, Role, Run, RunStatus, Tenant
+from runtime.models import (
+    Action,
+    ActionStatus,
+    Checkpoint,
+    Membership,
+    Role,
+    Run,
+    RunStatus,
+    Tenant,
+)
 from tests.approvals.conftest import GOAL
 from tests.conftest import Persona, make_persona
 from tests.runtime.helpers import events, payloads
@@ -509,3 +518,32 @@ def test_a_request_raised_by_a_worker_whose_clock_runs_behind_gets_the_policys_w
     sweep_approvals()
     assert ApprovalRequest.objects.get(pk=request.pk).status == A.APPROVED  # not expired
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
+
+
+def test_escalation_waits_for_the_database_clock_not_a_sweepers_clock_running_ahead(
+    held: Any, tenant_a: Tenant, policy: ApprovalPolicy
+) -> None:
+    """Escalation widens who may decide (the policy's escalation group), so when it is due
+    is the database clock's verdict as expiry is: a sweeper whose clock ran two hours ahead
+    escalated a request due in an hour, and the on-call group could decide it at once."""
+    import time_machine
+
+    run, request, box = held
+    oncall = Group.objects.create(name="acme-oncall")
+    erin = make_persona(tenant_a, "erin", Role.VIEWER)
+    Membership.objects.filter(user=erin.user).update(role=Role.REVIEWER)
+    erin.user.groups.add(oncall)  # on call only: not in acme-reviewers
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(
+        escalation_group=oncall, escalate_after_seconds=3600
+    )
+    with time_machine.travel(timezone.now() + timedelta(hours=2), tick=False):
+        sweep_approvals()
+    assert not ApprovalRequest.objects.get(pk=request.pk).escalated
+    with pytest.raises(NotPermitted):
+        decide(request.id, erin.user, "approve", request.action_hash)
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        created_at=timezone.now() - timedelta(hours=1, seconds=1)
+    )
+    sweep_approvals()
+    assert ApprovalRequest.objects.get(pk=request.pk).escalated
+    assert decide(request.id, erin.user, "approve", request.action_hash).status == A.APPROVED
