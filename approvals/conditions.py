@@ -177,6 +177,10 @@ def check(condition: Any) -> str:
         return ""
     if not isinstance(condition, dict):
         return 'an object, e.g. {"param": "amount", "op": "gt", "value": 100}'
+    if _has_nul(condition):
+        # PostgreSQL's JSONB cannot hold one (a 500 when saved); no param name, value or
+        # pattern needs one. Refused alike on SQLite, which would store it.
+        return "a NUL character (\\u0000) cannot be stored in a condition"
     if "target_matches" in condition:
         if set(condition) != {"target_matches"}:
             return '"target_matches" stands alone (no "param", "op" or "value" beside it)'
@@ -199,6 +203,17 @@ def check(condition: Any) -> str:
     if op == "matches":
         return _pattern_problem(value)
     return ""
+
+
+def _has_nul(value: Any) -> bool:
+    """Whether a NUL is anywhere in a JSON value: a string, a key, or nested."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _pattern_problem(pattern: Any) -> str:

@@ -193,6 +193,28 @@ def test_bad_condition_and_duplicate_name_are_form_errors(
     assert other.condition == {"param": "n", "op": "gt", "value": 3}
 
 
+def test_a_nul_in_a_condition_is_a_form_error_not_a_500(
+    client: Client, admin_a: Persona, policy: ApprovalPolicy
+) -> None:
+    """PostgreSQL's JSONB cannot hold \\u0000: a condition with a NUL in a value, a param
+    name or a pattern answered 500 when saved there (SQLite stored it). It is refused on
+    the form on both, and the policy keeps its condition."""
+    client.force_login(admin_a.user)
+    url = f"{POLICIES}{policy.pk}/change/"
+    for condition in (
+        '{"param": "title", "value": "a\\u0000b"}',
+        '{"param": "ti\\u0000tle", "value": 1}',
+        '{"param": "tags", "op": "contains", "value": ["\\u0000"]}',
+        '{"target_matches": "^prod\\u0000"}',
+    ):
+        response = client.post(url, _policy_form(policy, condition=condition))
+        assert response.status_code == 200, condition
+        assert list(_errors(response)) == ["condition"], condition
+        assert "NUL" in str(_errors(response)["condition"])
+    policy.refresh_from_db()
+    assert policy.condition is None
+
+
 def test_the_condition_field_explains_itself_and_no_condition_reads_always(
     client: Client, admin_a: Persona
 ) -> None:
