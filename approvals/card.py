@@ -285,6 +285,11 @@ def next_words(found: ApprovalRequest, action: Action, run: Run) -> str:
             if action.status in (ActionStatus.APPROVED, ActionStatus.PREPARED)
             else f"the action is {action.status}"
         )
+    elif status == A.EXPIRED and action.status == ActionStatus.CANCELLED:
+        head = (
+            f"the request expired undecided and the action was rejected at expiry: it is "
+            f"cancelled and never sent; the run's step {step!r} is told it was rejected"
+        )
     elif status == A.EXPIRED:
         head = "the request expired undecided"
     else:

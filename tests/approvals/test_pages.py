@@ -787,6 +787,26 @@ def test_an_expired_request_says_what_happens_next(
     assert not ApprovalVote.objects.exists()
 
 
+def test_a_request_that_expired_for_the_last_time_says_the_action_was_not_sent(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    """The re-request policy's second expiry rejects the action (approvals.expiry): its
+    request page says so and that the run needs attention, not only "expired undecided"."""
+    from approvals.expiry import sweep_approvals
+
+    run, request, box = held
+    for _ in range(2):
+        ApprovalRequest.objects.filter(run=run, status=A.PENDING).update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
+        sweep_approvals()
+    last = ApprovalRequest.objects.filter(run=run).order_by("-created_at").first()
+    assert last is not None and last.status == A.EXPIRED
+    text = login(client, reviewer_a).get(page_url(last)).content.decode()
+    assert "rejected at expiry" in text and "never sent" in text, text
+    assert "needs attention" in text
+
+
 def test_self_approval_is_not_permitted(
     client: Client, tenant_a: Tenant, policy: ApprovalPolicy
 ) -> None:
