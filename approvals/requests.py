@@ -95,7 +95,9 @@ def request_approval(
         return ApprovalRequest.objects.get(
             tenant_check(action.tenant_id), action=action, status=A.PENDING
         )
-    request.refresh_from_db(fields=["expires_at"])  # the time the database wrote
+    # The time the database wrote (read by tenant too, as every worker statement is).
+    written = ApprovalRequest.objects.filter(tenant_check(action.tenant_id), pk=request.pk)
+    request.expires_at = written.values_list("expires_at", flat=True).get()
     record(
         run,
         RunEvent.APPROVAL_REQUESTED,
