@@ -78,9 +78,12 @@ class AdminQueryNul:
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
+        self.admin = ""  # the admin's prefix, resolved once, at the first request
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if request.path.startswith(reverse("admin:index")):
+        if not self.admin:
+            self.admin = reverse("admin:index")
+        if request.path.startswith(self.admin):
             named = sorted(
                 {k for k, values in request.GET.lists() for v in [k, *values] if "\x00" in v}
             )
