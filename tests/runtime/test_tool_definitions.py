@@ -474,3 +474,41 @@ def test_only_a_number_or_a_non_empty_string_is_an_id(
         tool = get_tool("tickets.create", tenant_a.pk)
         sent = tool.call('{"title":"t"}', key="k-2", fence=1, run_id=str(uuid.uuid4()))
         assert sent.outcome == ("applied" if applied else "unknown")
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        # JSON's own values are kept as they came: a 64-bit id (Discord's and Twitter's
+        # snowflakes) is past canonical JSON's ±2**53, but the journal holds no result.
+        (b'{"id": "t-1", "snowflake": 18446744073709551615}', {"snowflake": 2**64 - 1}),
+        # What no column takes: NaN and Infinity as their text, a NUL and a lone surrogate
+        # (in a key too) as U+FFFD.
+        (b'{"id": "t-1", "ratio": NaN, "max": -Infinity}', {"ratio": "NaN", "max": "-Infinity"}),
+        (
+            b'{"id": "t-1", "note": "a\\u0000b", "k\\ud800": "\\udc00", "ok": "\\ud83d\\ude00"}',
+            {"note": "a\ufffdb", "k\ufffd": "\ufffd", "ok": "\U0001f600"},
+        ),
+    ],
+)
+def test_an_answer_holding_what_canonical_json_refuses_is_confirmed_and_kept_storable(
+    serve: Any, tenant_a: Tenant, answer: bytes, kept: dict[str, Any]
+) -> None:
+    """The service applied the effect and answered with its proof, but also with a value no
+    column takes (NaN or Infinity, which Python's parser reads; a NUL, which PostgreSQL's
+    JSON refuses; a lone surrogate, which UTF-8 cannot hold): the step's commit that stores
+    the answer failed after the effect — a step failure with the action left `sent`, its
+    replay answered the same, until a person was asked. The proof confirms it now; those
+    values are kept as text, everything else exactly."""
+    from tests.httpservers import answer_with
+
+    _exempt(tenant_a)
+    server = serve(answer_with(200, answer))
+    define_tickets(tenant_a, server.url)
+    run = _ticket_run(tenant_a, title="big ids")
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert (action.status, action.external_id) == (S.CONFIRMED, "t-1"), action.last_error
+    result = action.result if isinstance(action.result, dict) else json.loads(action.result)
+    assert {k: result[k] for k in kept} == kept
+    assert [r["method"] for r in server.requests] == ["POST"]  # sent once, not replayed
