@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -405,8 +407,41 @@ def dispatch(action_id: str, fence: int) -> Call[Action]:
 def record_outcome(
     action_id: str, *, fence: int, outcome: str, external_id: str = "", result: Any = None
 ) -> Call[Action]:
-    body = {"fence": fence, "outcome": outcome, "external_id": external_id, "result": result}
+    body = {
+        "fence": fence,
+        "outcome": outcome,
+        "external_id": external_id,
+        "result": as_api_json(result),
+    }
     return post(f"actions/{action_id}/outcome/", body, Action.from_json)
+
+
+# Integers (and whole floats) beyond this lose digits in JavaScript and in the journal's
+# canonical JSON; the API refuses them.
+_SAFE = 2**53 - 1
+_UNSENDABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def as_api_json(value: Any) -> Any:
+    """A service's answer as the API takes it: a number past ±2**53 (a 64-bit id) or NaN /
+    Infinity as its text, a NUL or a lone surrogate as U+FFFD, tuples as lists.
+
+    The answer reports an effect that happened: were it refused (400 malformed_request) the
+    outcome could not be recorded at all, and the action would stay `sent` however often it
+    was retried. Its id, the proof, is a separate field and goes as given."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) <= _SAFE else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) and abs(value) <= _SAFE else json.dumps(value)
+    if isinstance(value, str):
+        return _UNSENDABLE.sub("\ufffd", value)
+    if isinstance(value, Mapping):
+        return {as_api_json(str(k)): as_api_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_api_json(item) for item in value]
+    return value  # not JSON at all: dumps says so, naming the type
 
 
 def actions_page(**query: str | None) -> Call[Page[Action]]:

@@ -9,6 +9,7 @@ cue) — never in the database, the queue or the clock.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -443,6 +444,39 @@ def test_executor_checkpoints_and_acts_exactly_once(api: Client) -> None:
     assert first.idempotency_key == f"{run.run_id}:1:ext:propose_task"
     stored = RunRow.objects.get(pk=run.run_id)
     assert (stored.status, stored.checkpoint_rev, stored.lease_owner) == ("completed", 2, "")
+
+
+def test_an_answer_the_api_cannot_take_as_json_is_recorded_not_stranded(api: Client) -> None:
+    """The service applied the effect and answered with its id, and with a value the API's
+    JSON refuses (an integer past ±2**53 such as a 64-bit snowflake id, NaN, a NUL, a lone
+    surrogate): recording the outcome was 400 malformed_request, `act` raised after the
+    effect and every retry failed the same — the action stayed `sent`. The client sends such
+    values as text (U+FFFD for the characters), so the effect is recorded."""
+    run = api.create_run("api-review", GOAL, external=True)
+    answer = {
+        "snowflake": 2**64 - 1,
+        "ratio": float("nan"),
+        "ids": [-(2**60), 7],
+        "note": "a\x00b",
+        "k\ud800": 1.5,
+    }
+
+    def service(call: ToolCall) -> tuple[str, Any]:
+        return "T-64", answer
+
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        done = ex.act(TOOL, TASK, call="propose_task", perform=service)
+
+    assert (done.status, done.external_id) == ("confirmed", "T-64")
+    stored = ActionRow.objects.get(pk=done.action_id)
+    kept = stored.result if isinstance(stored.result, dict) else json.loads(stored.result)
+    assert kept == {
+        "snowflake": "18446744073709551615",
+        "ratio": "NaN",
+        "ids": ["-1152921504606846976", 7],
+        "note": "a\ufffdb",
+        "k\ufffd": 1.5,
+    }
 
 
 def test_executor_continues_a_sent_action_of_a_dead_process_with_the_same_key(
