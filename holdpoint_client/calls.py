@@ -130,7 +130,19 @@ class Call(Generic[T]):
         }
 
     def answer(self, response: httpx.Response) -> T:
-        return self.parse(response.json() if response.content else {})
+        try:
+            data = response.json() if response.content else {}
+        except ValueError:
+            # Not Holdpoint's answer: a login portal, a proxy's page, a base URL that is not
+            # the API's. Whether the request reached Holdpoint cannot be told from it.
+            kind = response.headers.get("content-type", "no content type")
+            raise TransportError(
+                f"{self.method} {self.path}: HTTP {response.status_code} answered with {kind}, "
+                "not JSON — is the base URL Holdpoint's API (…/api/v1/), with no proxy or "
+                "login page in the way?",
+                may_have_applied=self.method != "GET",
+            ) from None
+        return self.parse(data)
 
 
 def get(

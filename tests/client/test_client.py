@@ -801,3 +801,31 @@ def test_following_a_run_that_finishes_between_two_reads_misses_no_entry(
 
     assert hook.reads >= 2  # the run was cancelled at the second look
     assert followed == written and followed[-1] == "cancelled"
+
+
+def test_a_success_that_is_not_json_is_a_clear_error_not_a_decode_traceback(serve: Any) -> None:
+    """A 200 whose body is a web page — a base URL that is the site, not the API; a login
+    portal or proxy in the way — raised json's JSONDecodeError out of every call, sync and
+    async alike, naming nothing a user could act on. It is a TransportError that says what
+    answered and what to check; a write says it may have reached the server."""
+    page = b"<!doctype html><title>Sign in to the guest network</title>"
+
+    def portal(handler: Any, server: Any) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/html")
+        handler.send_header("Content-Length", str(len(page)))
+        handler.end_headers()
+        handler.wfile.write(page)
+
+    site = serve(portal)
+    with pytest.raises(errors.TransportError, match="text/html, not JSON") as read:
+        Client(site.url, "token", backoff=0.01).get_run("00000000-0000-0000-0000-000000000000")
+    assert read.value.may_have_applied is False
+
+    async def write() -> None:
+        async with AsyncClient(site.url, "token", backoff=0.01) as api:
+            await api.create_run("api-review", GOAL, external=True)
+
+    with pytest.raises(errors.TransportError, match="is the base URL Holdpoint's API") as sent:
+        asyncio.run(write())
+    assert sent.value.may_have_applied is True
