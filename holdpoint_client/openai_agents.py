@@ -47,12 +47,14 @@ from agents import Agent, FunctionTool, RunContextWrapper, Runner, RunState
 from agents.function_schema import function_schema
 from agents.items import ToolApprovalItem
 from agents.tool_context import ToolContext
+from pydantic import ValidationError
 
 from holdpoint_client import calls
 from holdpoint_client.agent import STEP, AsyncHoldpoint, AsyncRunHandle, Proof, current_run
 from holdpoint_client.errors import (
     ApprovalTimeout,
     ExecutorError,
+    InvalidParams,
     Rejected,
     VersionConflict,
 )
@@ -147,19 +149,42 @@ def holdpoint_tool(
                 return await fn(**call.params, **extra)
             return await asyncio.to_thread(fn, **call.params, **extra)
 
+        def misfit(params: Any) -> str:
+            """What is wrong with the model's arguments for `fn` ("" if nothing): told to
+            the model, as the SDK's own function tools tell it, before anything is prepared —
+            a reviewer never sees, nor the ledger keeps, a call the function cannot take."""
+            if not isinstance(params, dict):
+                return f"Invalid JSON input for tool {schema.name}: not a JSON object."
+            try:
+                schema.params_pydantic_model.model_validate(params)
+            except ValidationError as exc:
+                return f"Invalid JSON input for tool {schema.name}: {exc}"
+            return ""
+
         async def needs_approval(
             ctx: RunContextWrapper[Any], params: dict[str, Any], call_id: str
         ) -> bool:
+            if misfit(params):
+                return False  # invoke tells the model; nothing is prepared for a reviewer
             run = _run()
             flow = _prepared(run, tool, params, label_of(call_id), reason_for(params), target)
-            action = await adrive(flow, run.client)
+            try:
+                action = await adrive(flow, run.client)
+            except InvalidParams:
+                return False  # the server's schema refused them: invoke says so
             return action.status == "awaiting_approval" or (
                 action.status == "cancelled" and action.approval is not None
             )
 
         async def invoke(ctx: ToolContext[Any], arguments: str) -> Any:
             run = _run()
-            params = json.loads(arguments or "{}")
+            try:
+                params = json.loads(arguments or "{}")
+            except ValueError as exc:
+                return _retry_with(f"Invalid JSON input for tool {schema.name}: {exc}")
+            wrong = misfit(params)
+            if wrong:
+                return _retry_with(wrong)
             try:
                 result = await run.act(
                     tool,
@@ -173,6 +198,8 @@ def holdpoint_tool(
                 )
             except Rejected as rejected:  # decided after the SDK let the call through
                 return _rejection(rejected.reason)
+            except InvalidParams as refused:  # the tool's own schema, stricter than fn's
+                return _retry_with(f"{schema.name}: {refused.detail} {refused.errors or ''}")
             return json.dumps(result)
 
         return FunctionTool(
@@ -185,6 +212,11 @@ def holdpoint_tool(
         )
 
     return wrap
+
+
+def _retry_with(problem: str) -> str:
+    """What the SDK's default failure function tells a model whose call failed."""
+    return f"An error occurred while running the tool. Please try again. Error: {problem}"
 
 
 def _rejection(reason: str) -> str:

@@ -1,0 +1,115 @@
+"""The OpenAI Agents adapter checks a model's arguments before anything is prepared.
+
+In process: the real Agents SDK with a scripted fake Model, the API on `live_server`. A
+model that gets a tool's arguments wrong is told so, as the SDK's own `@function_tool`
+tells it, and may try again; nothing reaches the ledger, a reviewer or the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from agents import (
+    Agent,
+    Model,
+    ModelResponse,
+    ModelSettings,
+    ModelTracing,
+    Usage,
+    set_tracing_disabled,
+)
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
+
+from holdpoint_client import AsyncHoldpoint, ToolCall
+from holdpoint_client.openai_agents import holdpoint_tool, run_agent
+from runtime.models import Action, Run
+from tests.conftest import Persona
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Scripted(Model):
+    """Calls create_task with each of `attempts` in turn (one per turn); once a tool output
+    follows the last, answers with every output it was given."""
+
+    def __init__(self, attempts: list[str]) -> None:
+        self.attempts = attempts
+        self.outputs: list[str] = []
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: Any,
+        model_settings: ModelSettings,
+        tools: list[Any],
+        output_schema: Any,
+        handoffs: list[Any],
+        tracing: ModelTracing,
+        **kwargs: Any,
+    ) -> ModelResponse:
+        items = [] if isinstance(input, str) else input
+        self.outputs = [str(i["output"]) for i in items if i.get("type") == "function_call_output"]
+        turn = len(self.outputs)
+        if turn < len(self.attempts):
+            call = ResponseFunctionToolCall(
+                type="function_call",
+                call_id=f"call_{turn}",
+                name="create_task",
+                arguments=self.attempts[turn],
+            )
+            return ModelResponse(output=[call], usage=Usage(), response_id=None)
+        text = ResponseOutputText(type="output_text", text="finished", annotations=[])
+        message = ResponseOutputMessage(
+            type="message", id="msg_1", role="assistant", status="completed", content=[text]
+        )
+        return ModelResponse(output=[message], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+
+def test_arguments_that_do_not_fit_the_tool_are_refused_to_the_model_not_prepared(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """A model called create_task with a title that is not a string and no body. The
+    adapter prepared that as an action — held for a reviewer as a write no policy names, the
+    run paused on it — and would have called the function with arguments it cannot take.
+    The server's schema refused it (422), which the SDK turned into an error ending the
+    whole agent run. Now the model is told what is wrong (as `@function_tool` tells it),
+    and nothing is prepared. (Arguments that are not JSON at all the SDK itself holds for
+    approval before asking the tool; not covered here.)"""
+    set_tracing_disabled(True)
+    performed: list[dict[str, Any]] = []
+
+    @holdpoint_tool("agent.tasks.create")
+    def create_task(title: str, body: str, *, call: ToolCall) -> Any:
+        """Open a task in the tracker."""
+        performed.append({"title": title, "body": body})
+        return {"id": "T-1"}
+
+    model = Scripted([json.dumps({"title": 5})])
+    agent = Agent(name="reviewer", instructions="-", tools=[create_task], model=model)
+    assert agent_a.token is not None
+    hp = AsyncHoldpoint(live_server.url, agent_a.token, ttl=5)
+
+    async def go() -> Any:
+        try:
+            return await run_agent(hp, "args-1", agent, "go", graph="api-review")
+        finally:
+            await hp.aclose()
+
+    assert asyncio.run(go()) == "finished"
+    assert performed == []
+    run = Run.objects.get(thread_id="args-1")
+    assert not Action.objects.filter(run=run).exists()  # nothing prepared, nothing held
+    (told,) = model.outputs
+    assert told.startswith("An error occurred while running the tool. Please try again.")
+    assert "create_task" in told and "title" in told and "body" in told
