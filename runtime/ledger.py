@@ -702,12 +702,15 @@ def resolve(
             errors={"external_id": ["required when applied"]},
         )
     with transaction.atomic(durable=True):
+        # Lock order run → action, as every writer of a run's actions (a revision,
+        # check_dispatchable, a fenced outcome): the opposite order deadlocks with them.
+        run = Run.objects.select_for_update().get(pk=action.run_id, tenant_id=action.tenant_id)
         # The window is the database clock's verdict (in_flight_until is database time), as
         # for an executor's not_found (protocol._not_found): not this host's clock.
         locked = (
             Action.objects.select_for_update()
             .annotate(in_flight=ExpressionWrapper(Q(in_flight_until__gt=Now()), BooleanField()))
-            .get(pk=action.pk)
+            .get(pk=action.pk, tenant_id=action.tenant_id)
         )
         if locked.status != S.MANUAL_REVIEW:
             raise InvalidTransition(f"action is {locked.status}, not manual_review")
@@ -719,7 +722,6 @@ def resolve(
                 f"the sender may still be in flight until {in_flight.isoformat()}; "
                 "check again after that"
             )
-        run = Run.objects.select_for_update().get(pk=locked.run_id)
         target = S.CONFIRMED if outcome == "applied" else S.PREPARED
         changes: dict[str, Any] = (
             {"external_id": external_id.strip()} if target == S.CONFIRMED else {}

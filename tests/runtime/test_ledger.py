@@ -376,3 +376,63 @@ def test_lookup_judges_the_in_flight_window_by_the_database_clock(
     assert verdict.status == "wait"
     assert Action.objects.get(pk=action.pk).status == ActionStatus.UNKNOWN
     assert box.tasks() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_resolve_and_a_writer_locking_run_then_action_do_not_deadlock(
+    tenant_a: Tenant, sandbox_factory: Factory
+) -> None:
+    """Every writer of a run's actions locks the run's row, then the action's (a goal
+    revision, check_dispatchable, an executor's fenced outcome). A person's resolve locked
+    the action first, then the run: with such a writer beside it, each held the row the
+    other waited for, and PostgreSQL aborted one of them (deadlock detected) — a reviewer's
+    verdict or the writer's work lost to a 500. Both go through now, one after the other."""
+    import threading
+    import time
+
+    from django.db import connection, connections, transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks: SQLite has one writer at a time")
+    box = sandbox_factory("none")
+    box.faults(fail_before=1)
+    run = _review(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == ActionStatus.MANUAL_REVIEW
+    run_locked, errors = threading.Event(), []
+
+    def writer() -> None:  # run, then action, as a revision or a fenced outcome locks them
+        try:
+            with transaction.atomic():
+                Run.objects.select_for_update().get(pk=run.pk)
+                run_locked.set()
+                deadline = time.monotonic() + 10
+                while not _someone_waits() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                Action.objects.select_for_update().get(pk=action.pk)
+        except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def _someone_waits() -> bool:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return bool(cursor.fetchone()[0])
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert run_locked.wait(timeout=10)
+    task_id = "T-by-hand"
+    try:
+        resolve(action, "applied", actor="user:alice", external_id=task_id)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+    thread.join(timeout=30)
+    assert errors == []
+    action.refresh_from_db()
+    assert (action.status, action.external_id) == (ActionStatus.CONFIRMED, task_id)
