@@ -228,14 +228,14 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             if fence is None:
                 return
             response = self.call(p, f"actions/{action_id}/dispatch/", {"fence": fence})
-            if action.status == ActionStatus.CANCELLED:
+            if fence != run.fence:  # a holder that lost the lease learns that first
+                self.refused(response, "stale_fence")
+            elif action.status == ActionStatus.CANCELLED:
                 self.refused(response, "action_cancelled")
             elif run.status in TERMINAL:
                 self.refused(response, "run_finished")
             elif action.goal_rev != run.goal_rev:
                 self.refused(response, "stale_goal_rev")
-            elif fence != run.fence:
-                self.refused(response, "stale_fence")
             elif action.status in (ActionStatus.SENT, ActionStatus.UNKNOWN):
                 # reconcile replay_same_key (the tracker's mode here is `key`): sent again
                 assert self.accepted(response)["status"] == "sent"
