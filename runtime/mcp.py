@@ -46,6 +46,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 from mcp_types import Tool as UpstreamTool
 
+from audit.canonical import digest
 from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
@@ -341,9 +342,7 @@ def said_by_upstream(spec: Mapping[str, Any]) -> dict[str, str]:
     """A short digest of each FROM_UPSTREAM field of a definition as the upstream gave it:
     recorded in `mcp.imported`, so the next import can tell what the upstream changed since
     from what a person changed."""
-    from audit.canonical import canonical_bytes, sha256_hex
-
-    return {f: sha256_hex(canonical_bytes(spec.get(f, "")))[:16] for f in FROM_UPSTREAM}
+    return {f: digest(spec.get(f, ""))[:16] for f in FROM_UPSTREAM}
 
 
 def reimported(fresh: dict[str, Any], current: Mapping[str, Any] | None) -> dict[str, Any]:
