@@ -120,6 +120,12 @@ class Confirmed:
         keep_late(self.action, self.result, self.fence, self.actor)
 
 
+def for_a_person(action: Action) -> Park:
+    """The park of a run one of whose actions only a person can settle (`manual_review`):
+    `needs_reconciliation`, `waiting_for` naming the action — wherever the run meets it."""
+    return Park("needs_reconciliation", "an action's outcome needs a human", action=action)
+
+
 def keep_late(action: Action, result: CallResult, fence: int, actor: str) -> None:
     """A call's answer that arrived after its run moved: it settles the action as it would
     have (runtime.outcomes.record_late_result), fenced, in a transaction of its own; the run
@@ -403,9 +409,7 @@ class ActionRunner:
                     gates.hold(action, self.host.run, self.lease.actor)  # idempotent
                 raise Park("waiting_approval", f"{action.tool} needs approval", action=action)
             if status == S.MANUAL_REVIEW:
-                raise Park(
-                    "needs_reconciliation", "an action's outcome needs a human", action=action
-                )
+                raise for_a_person(action)
             if status in ledger.UNSETTLED:
                 action = self.reconcile(action)
                 continue

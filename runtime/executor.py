@@ -32,7 +32,7 @@ from fastsql import statements
 from runtime import observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
-from runtime.dispatch import ActionRunner, Confirmed, RunMoved
+from runtime.dispatch import ActionRunner, Confirmed, RunMoved, for_a_person
 from runtime.errors import (
     AlreadyCompleted,
     HoldpointError,
@@ -345,23 +345,25 @@ class Executor:
             },
             order_by=("created_at",),
         )
-        if any(a.status == ActionStatus.MANUAL_REVIEW for a in open_actions):
-            return self.park(
-                Park("needs_reconciliation", "an action's outcome needs a human"),
-                self.run.next_step,
-            )
+        waiting = self.wait_for_a_person(open_actions)  # nothing is replayed meanwhile
+        if waiting is not None:
+            return waiting
         assert self.runner is not None  # made by _execute before it reconciles
         for action in open_actions:
             try:
                 self.runner.reconcile(action)
             except Park as parked:
                 return self.park(parked, self.run.next_step)
-        # Settled by a person's verdict only (a tool with neither key nor lookup, an old
-        # revision's keyed action): the run waits for them now, before its step acts.
-        for action in open_actions:
+        # Settled to a person's verdict just now (a tool with neither key nor lookup, an old
+        # revision's keyed action): the run waits for them, before its step acts.
+        return self.wait_for_a_person(open_actions)
+
+    def wait_for_a_person(self, actions: list[Action]) -> AdvanceResult | None:
+        """Park on the first of `actions` in `manual_review` (refreshed by reconcile's
+        transitions), as a step that meets one parks; None if there is none."""
+        for action in actions:
             if action.status == ActionStatus.MANUAL_REVIEW:
-                why = Park("needs_reconciliation", action.last_error or "", action=action)
-                return self.park(why, self.run.next_step)
+                return self.park(for_a_person(action), self.run.next_step)
         return None
 
     def commit_later(self, outcome: Confirmed) -> None:
