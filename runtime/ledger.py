@@ -683,6 +683,16 @@ def moved_on(run: Run, action: Action) -> str:
     return ""
 
 
+def withdraw_if_moved_on(run: Run, action: Action, actor: str) -> Action:
+    """A not-applied action just put back to `prepared`: withdrawn (`cancelled`, with the
+    reason) when no step will send it again (`moved_on`), as the run's other unsent actions
+    were; else left for its step to send with the same key."""
+    gone = moved_on(run, action)
+    if gone:
+        transition(action, S.CANCELLED, actor, last_error=gone)
+    return action
+
+
 def resolve(
     action: Action, outcome: str, *, actor: str, external_id: str = "", note: str = ""
 ) -> Action:
@@ -735,9 +745,8 @@ def resolve(
             "note": note[:2000],
         }
         record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
-        gone = moved_on(run, locked) if target == S.PREPARED else ""
-        if gone:  # nothing will send it again: withdrawn, as the run's other unsent were
-            transition(locked, S.CANCELLED, actor, last_error=gone)
+        if target == S.PREPARED:
+            withdraw_if_moved_on(run, locked, actor)
         # A human act: the tenant's stream records it too (DESIGN.md, "Journal").
         journal.append(
             journal.tenant_stream(run.tenant_id),

@@ -134,10 +134,7 @@ def record_late_result(
         )
     if target == S.PREPARED:
         ledger.transition(action, S.PREPARED, actor, journal_extra=extra, last_error=last_error)
-        moved_on = ledger.moved_on(run, action)
-        if not moved_on:  # the run is where the action was prepared: its step sends it again
-            return action
-        return ledger.transition(action, S.CANCELLED, actor, last_error=moved_on)
+        return ledger.withdraw_if_moved_on(run, action, actor)
     mode = tool_of(action).dedup_mode()
     if mode == Dedup.KEY:
         # Its contract would replay it with its key — a send of an action whose run moved on
