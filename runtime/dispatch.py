@@ -606,7 +606,28 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
         # Absent *now*, but the sender may still be in flight: concluding "not applied"
         # here is how duplicates happen. Look again once it cannot be.
         return Verdict("wait", "the sender may still be in flight", until=action.in_flight_until)
-    return _settle(action, fence, actor, S.PREPARED, "provably absent: safe to send again")
+    return _absent(action, fence, actor)
+
+
+def _absent(action: Action, fence: int, actor: str) -> Verdict:
+    """A lookup proved the action never applied: back to `prepared` for its step to send
+    with the same key — or withdrawn when no step will (its goal was revised since, its run
+    finished: `ledger.withdraw_if_moved_on`), not left `prepared` for a send nobody makes."""
+    reason = "provably absent: safe to send again"
+    with transaction.atomic(durable=True):
+        ledger.fenced(action.run_id, fence, action.tenant_id)
+        ledger.transition(
+            action,
+            S.PREPARED,
+            actor,
+            reconcile_attempts=action.reconcile_attempts + 1,
+            last_error=reason,
+        )
+        run = Run.objects.only("status", "goal_rev").get(
+            pk=action.run_id, tenant_id=action.tenant_id
+        )
+        ledger.withdraw_if_moved_on(run, action, actor)
+    return Verdict(action.status, action.last_error)
 
 
 def _revised_since(action: Action) -> str:

@@ -436,3 +436,28 @@ def test_a_resolve_and_a_writer_locking_run_then_action_do_not_deadlock(
     assert errors == []
     action.refresh_from_db()
     assert (action.status, action.external_id) == (ActionStatus.CONFIRMED, task_id)
+
+
+def test_an_old_revisions_action_found_absent_is_withdrawn_not_left_prepared(
+    tenant_a: Tenant, sandbox_factory: Factory
+) -> None:
+    """A lookup tool's action was left unknown (the tracker answered 503), then the goal
+    was revised. The next start applied the revision and reconciled the old action: the
+    lookup found nothing, so it went back to `prepared` — for a send no step of the new
+    revision would ever make (its keys are the new revision's). It stayed `prepared` for
+    ever, counted among the actions waiting to go. Found absent after the run moved on, it
+    is withdrawn, as a person's "not applied" and a late not-found withdraw it."""
+    box = sandbox_factory("lookup")
+    box.faults(fail_before=1)
+    run = _review(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "retrying"  # unknown: 503
+    old = Action.objects.get(run=run)
+    assert old.status == ActionStatus.UNKNOWN and box.tasks() == []
+    revise_goal(Run.objects.get(pk=run.pk), {**GOAL, "scope": ["/orders"]}, 1, actor="user:u")
+    Action.objects.filter(pk=old.pk).update(in_flight_until=timezone.now() - timedelta(1))
+    make_due(run)
+    advance_run(run.run_id, "w1")
+    old.refresh_from_db()
+    assert old.status == ActionStatus.CANCELLED, (old.status, old.last_error)
+    assert "goal was revised" in old.last_error
+    assert all(task["idempotency_key"] != old.idempotency_key for task in box.tasks())
