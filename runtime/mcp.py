@@ -544,7 +544,10 @@ class McpTool(Tool):
         content = result.structured_content
         if not isinstance(content, Mapping):
             return key
-        matched = jsonpaths.compile_path(self.id_path).values(content)
+        try:
+            matched = jsonpaths.compile_path(self.id_path).values(content)
+        except jsonpaths.JsonPathError:
+            return None
         if not matched:
             return key
         return str(matched[0])[:200] if usable_id(matched[0]) else None

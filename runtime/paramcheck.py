@@ -20,6 +20,7 @@ are stored or sent, sends it as that array), an infinite number as within a boun
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ import referencing
 import referencing.exceptions
 from referencing.jsonschema import DRAFT202012
 
-from audit.canonical import MAX_SAFE_INT
+from audit.canonical import MAX_SAFE_INT, CanonicalError, canonical_bytes
 
 if TYPE_CHECKING:
     from referencing._core import Resolver  # not exported by the package, only typed
@@ -153,13 +154,60 @@ def _unresolved(resolver: Resolver[Any], resource: referencing.Resource[Any]) ->
     return ""
 
 
+# Regular expressions in a schema (`pattern`, `patternProperties`) come from a tenant's
+# admin or an upstream MCP server, and the strings they are run on from an agent. Python's
+# `re`, which python-jsonschema uses, backtracks without bound: `^(a|a)+$` against forty
+# a's and a "!" runs for days, on the API's thread or a worker's. jsonschema-rs runs them
+# with Rust's linear-time engine, and the few ECMA-262 features that need backtracking
+# (lookaround, backreferences) with a step limit; past it the string is refused
+# ("Max limit for backtracking count exceeded") instead of hanging. So a schema with a
+# regular expression anywhere is judged by jsonschema-rs alone, verdict and messages.
+REGEX_KEYWORDS = frozenset({"pattern", "patternProperties"})
+PATTERNS = jsonschema_rs.FancyRegexOptions(backtrack_limit=100_000)
+
+
+def has_regex(schema: Any) -> bool:
+    """Whether a regular-expression keyword appears anywhere in `schema`. It may also find
+    a property so named (then jsonschema-rs judges a schema it did not need to: harmless)."""
+    if isinstance(schema, dict):
+        return any(k in REGEX_KEYWORDS or has_regex(v) for k, v in schema.items())
+    if isinstance(schema, list):
+        return any(has_regex(item) for item in schema)
+    return False
+
+
+def _refuse_retrieval(uri: str) -> Any:
+    raise ValueError(f"{uri} is not fetched: a $ref must point inside the schema")
+
+
+def regex_validator(schema: Any) -> Any:
+    """jsonschema-rs for a schema with regular expressions, or ValueError saying why it
+    cannot be built (a pattern it does not take, a `$ref` outside the schema)."""
+    try:
+        return jsonschema_rs.Draft202012Validator(
+            schema,
+            validate_formats=False,
+            pattern_options=PATTERNS,
+            retriever=_refuse_retrieval,
+        )
+    except Exception as exc:  # jsonschema_rs.ValidationError, ValueError: the schema
+        raise ValueError(str(exc).split("\n", 1)[0]) from None
+
+
 class ParamsSchema:
     """One tool version's schema, its validators built once."""
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.full = jsonschema.Draft202012Validator(schema, registry=NOWHERE)
         self.fast: Any = None
-        if fast_enough(schema):
+        self.regex: Any = None
+        self.unusable = ""
+        if has_regex(schema):
+            try:
+                self.regex = regex_validator(schema)
+            except ValueError as exc:
+                self.unusable = str(exc)
+        elif fast_enough(schema):
             try:
                 self.fast = jsonschema_rs.Draft202012Validator(schema, validate_formats=False)
             except Exception:  # a schema it will not build: the full check alone
@@ -168,6 +216,10 @@ class ParamsSchema:
     def errors(self, params: Any) -> dict[str, list[str]]:
         """Each place in `params` that does not fit (a dotted path, or "params") with its
         messages; empty when the params fit."""
+        if self.unusable:
+            return {"params": [f"the tool's schema cannot be used: {self.unusable}"]}
+        if self.regex is not None:
+            return _regex_errors(self.regex, params)
         if self.fast is not None:
             try:
                 if self.fast.is_valid(params):
@@ -182,3 +234,22 @@ class ParamsSchema:
         except referencing.exceptions.Unresolvable as exc:  # stored before `unresolved_ref`
             errors.setdefault("params", []).append(f"the tool's schema cannot be used: {exc}")
         return errors
+
+
+def _regex_errors(validator: Any, params: Any) -> dict[str, list[str]]:
+    """jsonschema-rs's verdict; never python-jsonschema's, whose `re` could hang on the
+    same strings. A value jsonschema-rs cannot take (a lone surrogate) is one canonical JSON
+    refuses as well, for every action: its reason is the answer."""
+    try:
+        found = list(validator.iter_errors(params))
+    except Exception:
+        try:
+            as_json = json.loads(canonical_bytes(params))
+        except CanonicalError as exc:
+            return {exc.path if exc.path != "$" else "params": [str(exc)]}
+        found = list(validator.iter_errors(as_json))
+    errors: dict[str, list[str]] = {}
+    for error in found:
+        where = ".".join(str(p) for p in error.instance_path) or "params"
+        errors.setdefault(where, []).append(error.message)
+    return errors

@@ -252,6 +252,11 @@ def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
     ref = paramcheck.unresolved_ref(schema)
     if ref:
         errors.add("schema", f"$ref {ref!r} does not point inside the schema (none is fetched)")
+    elif paramcheck.has_regex(schema):
+        try:
+            paramcheck.regex_validator(schema)
+        except ValueError as exc:
+            errors.add("schema", f"a regular expression Holdpoint cannot run: {exc}")
     if schema.get("type") != "object":
         errors.add("schema", 'params are an object: "type": "object"')
     properties = schema.get("properties", {})

@@ -305,7 +305,10 @@ class HttpTool(Tool):
                 body = response.json()
             except ValueError as exc:  # not JSON, or nested past what Holdpoint keeps
                 return CallResult("unknown", detail=f"success without JSON ({exc}): {detail}")
-            external_id = jsonpaths.compile_path(self.id_path).first(body)
+            try:
+                external_id = jsonpaths.compile_path(self.id_path).first(body)
+            except jsonpaths.JsonPathError as exc:
+                return CallResult("unknown", detail=f"success, its id unreadable: {exc}")
             if not usable_id(external_id):
                 return CallResult("unknown", detail=f"success without a usable id: {detail}")
             return CallResult("applied", external_id=str(external_id), result=body)
@@ -349,7 +352,10 @@ def found_in(found_path: str, answer: Any) -> LookupResult:
     absent; something there that is not an id (null, "", an object) is no answer — "not
     found" would let the action be sent again, so the contract asks again; else found, with
     that id (the caller adds the answer as its result)."""
-    matched = jsonpaths.compile_path(found_path).values(answer)
+    try:
+        matched = jsonpaths.compile_path(found_path).values(answer)
+    except jsonpaths.JsonPathError as exc:
+        return LookupResult(found=None, detail=f"lookup: {exc}")
     if not matched:
         return LookupResult(found=False)
     if not usable_id(matched[0]):

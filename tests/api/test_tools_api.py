@@ -159,6 +159,18 @@ BAD = {
         "invalid_tool",
         "request.headers",
     ),
+    # Python's `re` takes `\Z`; ECMA-262 and jsonschema-rs, which run a schema's patterns
+    # (runtime.paramcheck), do not: every action would have been refused.
+    "a pattern Holdpoint cannot run": (
+        tickets(
+            schema={
+                "type": "object",
+                "properties": {"title": {"type": "string", "pattern": "^x\\Z"}},
+            }
+        ),
+        "invalid_tool",
+        "schema",
+    ),
     "not an object": (["tickets.create"], "invalid_tool", "tool"),
     "unknown field": (tickets(surprise=1), "invalid_tool", "surprise"),
 }

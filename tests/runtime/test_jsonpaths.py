@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,3 +50,61 @@ def test_not_rfc9535_dialects_are_refused() -> None:
 
 def test_compiled_once() -> None:
     assert compile_path("$.items[0].id") is compile_path("$.items[0].id")
+
+
+def finishes(work: Callable[[], Any], seconds: float = 60) -> Any:
+    """What `work` returned or raised, asserting it ended within `seconds` (a hang, not a
+    speed: the bound is a thousand times what the work takes)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except Exception as exc:
+            box["value"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    return box["value"]
+
+
+# `(a|a)+$` backtracks: against 26 a's and a "!" the library's search() took 15 s, and
+# each further "a" doubles it. RE2 answers at once.
+SLOW = "$[?search(@.title, '(a|a)+$')].id"
+HOSTILE = [{"title": "a" * 60 + "!", "id": 1}, {"title": "a" * 60, "id": 2}]
+
+
+@pytest.mark.parametrize(
+    "expr", [SLOW, "$[?match(@.title, '(a|a)+')].id", "$[?search(@.title, @.pattern)].id"]
+)
+def test_a_regular_expression_that_would_backtrack_answers_at_once(expr: str) -> None:
+    """The pattern may be the definition's or the answer's own (`@.pattern`)."""
+    data = [{**item, "pattern": "(a|a)+$"} for item in HOSTILE]
+    assert finishes(lambda: compile_path(expr).values(data)) == [2]
+    assert finishes(lambda: compile_path(expr).first(data)) == 2
+
+
+def test_match_and_search_keep_their_meaning() -> None:
+    data = [
+        {"title": "abc", "id": 1},
+        {"title": "xabc", "id": 2},
+        {"title": "a\nc", "id": 3},
+        {"title": "a\rc", "id": 4},
+        {"title": "aéc", "id": 5},
+        {"title": ".c", "id": 6},
+    ]
+    assert compile_path("$[?match(@.title, 'a.c')].id").values(data) == [1, 5]
+    assert compile_path("$[?search(@.title, 'a.c')].id").values(data) == [1, 2, 5]
+    assert compile_path("$[?match(@.title, '[.]c')].id").values(data) == [6]
+    assert compile_path("$[?match(@.title, '\\\\p{Ll}+')].id").values(data) == [1, 2, 5]
+    assert compile_path("$[?search(@.title, 7)].id").values(data) == []  # no pattern
+    assert compile_path("$[?search(@.title, '(?=a)')].id").values(data) == []  # no I-Regexp
+
+
+def test_a_string_no_regular_expression_can_read_is_an_error_not_a_miss() -> None:
+    """A lone surrogate (a service's `"\\ud800"`) is not UTF-8: "no match" there could
+    read as "not found" and let an action be sent again."""
+    with pytest.raises(JsonPathError, match="could not be applied"):
+        compile_path(SLOW).values([{"title": "a\ud800", "id": 1}])

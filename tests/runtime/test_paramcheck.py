@@ -4,7 +4,11 @@ it accepts that python-jsonschema refuses, and the messages a caller gets are co
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -208,12 +212,10 @@ def test_a_built_in_shaped_schema_agrees_on_objects(value: dict[str, Any], title
 @pytest.mark.parametrize(
     "schema",
     [
-        {"type": "string", "pattern": "^[a-z]+$"},
         {"type": "string", "format": "email"},
         {"$ref": "#/$defs/x", "$defs": {"x": {"type": "string"}}},
         {"type": "number", "multipleOf": 0.1},
         {"type": "array", "uniqueItems": True},
-        {"properties": {"a": {"patternProperties": {"^x": {"type": "string"}}}}},
         {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object"},
         {"anyOf": [{"type": "string"}, {"format": "date"}]},
         {"properties": "not a map"},
@@ -274,3 +276,70 @@ def test_where_the_fast_validator_is_more_lenient_canonical_json_decides() -> No
         "n": ["2 is greater than the maximum of 1"],
         "xs": ["'no' is not of type 'array'"],
     }
+
+
+REGEX_SCHEMA = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"}},
+    "patternProperties": {"^x-": {"type": "integer"}},
+}
+
+
+def test_a_schema_with_regular_expressions_is_judged_by_jsonschema_rs() -> None:
+    """python-jsonschema's `re` backtracks without bound; jsonschema-rs's engine does not
+    (tests/runtime/test_tool_definitions.py has the hang). Its verdicts agree here."""
+    checked = ParamsSchema(REGEX_SCHEMA)
+    assert checked.regex is not None and checked.fast is None
+    for params in (
+        {"code": "ABC-12", "x-a": 1},
+        {"code": "abc-12"},
+        {"code": "ABC-12\n"},  # Python's `$` matches before a final newline; ECMA's does not
+        {"x-a": "one", "y": "two"},
+        {"code": 7},
+    ):
+        verdict = checked.errors(params)
+        assert bool(verdict) == (params != {"code": "ABC-12", "x-a": 1}), (params, verdict)
+    assert checked.errors({"code": "abc", "x-b": "s"}) == {
+        "code": ['"abc" does not match "^[A-Z]{3}-[0-9]+$"'],
+        "x-b": ['"s" is not of type "integer"'],
+    }
+
+
+def test_a_value_jsonschema_rs_cannot_take_gets_canonical_jsons_reason() -> None:
+    """Never python-jsonschema's `re` in its place: the string could be the hostile one."""
+    checked = ParamsSchema(REGEX_SCHEMA)
+    assert checked.errors({"code": "\ud800", "x-a": 1}) == {
+        "code": [".code: lone surrogate in string"]
+    }
+    assert checked.errors(({"code": "ABC-1"},)) != {}  # not an object, said by jsonschema-rs
+
+
+def test_a_stored_schema_whose_pattern_cannot_run_refuses_every_action() -> None:
+    """Defined before `tooldefs` refused it: every action is refused, saying why."""
+    checked = ParamsSchema({"type": "object", "properties": {"a": {"pattern": "x\\Z"}}})
+    assert checked.errors({"a": "x"}) == {
+        "params": ['the tool\'s schema cannot be used: "x\\\\Z" is not a "regex"']
+    }
+
+
+def test_a_pattern_that_backtracks_is_refused_at_once_not_run_for_ever() -> None:
+    """python-jsonschema's `re` ran `^(a|a)+$` over sixty a's and a "!" for ever (without
+    releasing the GIL, so the check runs in a process of its own here, stopped at 60 s)."""
+    schema = {"type": "object", "properties": {"title": {"pattern": "^(a|a)+$"}}}
+    params = {"title": "a" * 60 + "!"}
+    code = (
+        "import json, sys; from runtime.paramcheck import ParamsSchema; "
+        "print(json.dumps(ParamsSchema(json.loads(sys.argv[1])).errors(json.loads(sys.argv[2]))))"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(schema), json.dumps(params)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the params check still ran after 60 s")
+    assert json.loads(done.stdout) == {"title": ['"' + "a" * 60 + '!" does not match "^(a|a)+$"']}

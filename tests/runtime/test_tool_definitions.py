@@ -512,3 +512,52 @@ def test_an_answer_holding_what_canonical_json_refuses_is_confirmed_and_kept_sto
     result = action.result if isinstance(action.result, dict) else json.loads(action.result)
     assert {k: result[k] for k in kept} == kept
     assert [r["method"] for r in server.requests] == ["POST"]  # sent once, not replayed
+
+
+def test_a_jsonpath_regular_expression_reads_a_hostile_answer_at_once(
+    serve: Any, tenant_a: Tenant
+) -> None:
+    """A definition's `search()` over a service's answer (runtime.jsonpaths): on the
+    library's backtracking engine it held the worker for days; on RE2 it finds the id at
+    once."""
+    import uuid
+
+    from tests.httpservers import answer_with
+    from tests.runtime.test_jsonpaths import HOSTILE, SLOW, finishes
+
+    server = serve(answer_with(200, json.dumps(HOSTILE).encode()))
+    lookup = {"method": "GET", "url": f"{server.url}/t?key={{idempotency_key}}", "found": SLOW}
+    define_tickets(tenant_a, server.url, lookup=lookup, result={"external_id": SLOW})
+    tool = get_tool("tickets.create", tenant_a.pk)
+    looked = finishes(lambda: tool.lookup("k-1", run_id=str(uuid.uuid4())))
+    assert (looked.found, looked.external_id) == (True, "2")
+    sent = finishes(
+        lambda: tool.call('{"title":"t"}', key="k-2", fence=1, run_id=str(uuid.uuid4()))
+    )
+    assert (sent.outcome, sent.external_id) == ("applied", "2")
+
+
+def test_a_pattern_that_backtracks_refuses_the_agents_params_at_once(
+    tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """The agent's view of tests/runtime/test_paramcheck.py's hang: 422 `invalid_params`
+    naming the field, and nothing prepared."""
+    from tests.api import post, problem
+
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string", "pattern": "^(a|a)+$"}},
+        "required": ["title"],
+    }
+    define_tickets(tenant_a, "http://127.0.0.1:8765", schema=schema)
+    _exempt(tenant_a)
+    run = create_run(
+        tenant_a, "ticketing", {}, actor="agent:a", external=True, executor_account=agent_a.user
+    )
+    fence = protocol.take(run, "agent-1", 30, who="agent:a").fence
+    body = {"fence": fence, "tool": "tickets.create", "params": {"title": "a" * 60 + "!"}}
+    refused = problem(
+        post(agent_a.api(), f"runs/{run.run_id}/actions/", body), 422, "invalid_params"
+    )
+    assert refused["errors"] == {"title": ['"' + "a" * 60 + '!" does not match "^(a|a)+$"']}
+    assert not Action.objects.filter(run=run).exists()
