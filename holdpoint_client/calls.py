@@ -585,14 +585,24 @@ class RetryPolicy:
         ) from exc
 
     def after_refusal(self, call: Call[Any], response: httpx.Response, attempt: int) -> float:
-        """The pause before repeating a call the server refused, or raise its exception."""
+        """The pause before repeating a call the server refused, or raise its exception.
+
+        A 5xx that is not Holdpoint's own answer (a gateway's 502/503/504, a crash page)
+        does not say whether the request reached Holdpoint and was applied: for a call that
+        is not safe to repeat it is the ambiguity of a lost connection, and raised as one
+        (TransportError, may_have_applied) so the caller re-reads instead of guessing."""
         error = error_from_response(response)
-        if attempt >= self.retries or not retryable(error, call.replay_safe):
-            raise error
-        wait = retry_after(response)
-        if wait is not None and wait > self.max_retry_after:
-            raise error
-        return self._delay(attempt, wait)
+        if attempt < self.retries and retryable(error, call.replay_safe):
+            wait = retry_after(response)
+            if wait is None or wait <= self.max_retry_after:
+                return self._delay(attempt, wait)
+        if not call.replay_safe and unanswered(error):
+            raise TransportError(
+                f"{call.method} {call.path}: HTTP {error.status} from in front of Holdpoint "
+                "(not its API's answer): whether the call was applied cannot be told",
+                may_have_applied=True,
+            ) from error
+        raise error
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
@@ -602,8 +612,16 @@ class RetryPolicy:
 
 
 def retryable(error: HoldpointAPIError, replay_safe: bool) -> bool:
-    """429 and a key still in flight always; 503 always (refused before any work); other
-    5xx only when repeating the call cannot apply it twice."""
-    if isinstance(error, Throttled | IdempotencyKeyInFlight | ServiceUnavailable):
+    """429 and a key still in flight always; Holdpoint's own 503 always (it refused before
+    any work); other 5xx — a gateway's 503 too — only when repeating the call cannot apply
+    it twice."""
+    if isinstance(error, Throttled | IdempotencyKeyInFlight):
+        return True
+    if isinstance(error, ServiceUnavailable) and error.said_by_holdpoint:
         return True
     return isinstance(error, ServerError) and replay_safe
+
+
+def unanswered(error: HoldpointAPIError) -> bool:
+    """A 5xx Holdpoint did not write: the request may or may not have reached it."""
+    return isinstance(error, ServerError) and not error.said_by_holdpoint

@@ -9,7 +9,8 @@ What it adds over raw HTTP, and why:
   connection failures and 409 `idempotency_key_in_flight`. Every other 409 is an answer
   about the server's state (a stale fence, a lost compare-and-swap) and is raised at once.
 - A call that is not idempotent (taking a lease, dispatching, recording an outcome) is not
-  repeated after an ambiguous failure — the request may have been applied — and raises
+  repeated after an ambiguous failure — a lost connection, a gateway's 502/503/504: the
+  request may have been applied — and raises
   `TransportError(may_have_applied=True)` so the caller re-reads before acting again.
 - List calls return iterators that follow the cursors to the end.
 """

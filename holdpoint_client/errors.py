@@ -64,6 +64,12 @@ class HoldpointAPIError(HoldpointError):
         self.response = response
 
     @property
+    def said_by_holdpoint(self) -> bool:
+        """Whether Holdpoint's API gave this answer (its problem+json names a `code`), not
+        a gateway or server in front of it (a proxy's HTML 502, a load balancer's 504)."""
+        return bool(self.body.get("code"))
+
+    @property
     def request_id(self) -> str | None:
         """The id the server logged a 500 under: quote it when reporting the failure."""
         value = self.body.get("request_id")

@@ -173,8 +173,11 @@ class ExecutorCore(Generic[C]):
             try:
                 grant = yield from ask(calls.lease(self.run_id, self.owner, self.ttl))
                 break
-            except LeaseHeld:
-                if time.monotonic() >= deadline:
+            except (LeaseHeld, TransportError) as exc:
+                # A lease whose answer was lost may be ours, unknown fence and all: asked
+                # again, it is held (by us) until it expires, then ours with a new fence.
+                ambiguous = isinstance(exc, TransportError) and exc.may_have_applied
+                if time.monotonic() >= deadline or not (ambiguous or isinstance(exc, LeaseHeld)):
                     raise
                 yield from pause(max(0.2, min(2.0, self.ttl / 6)))
         self.fence = grant.fence
@@ -426,8 +429,24 @@ class ExecutorCore(Generic[C]):
             yield from pause(self.retry_pause)
 
     def _dispatch(self, action: Action) -> Flow[Action]:
-        """Mark `sent`. A refusal or an ambiguous failure is settled by re-reading the
-        action: its status, not our guess, decides what happens next."""
+        """Mark `sent`. A refusal or an ambiguous failure (a lost connection, a gateway's
+        502/504) is settled by re-reading the action: its status, not our guess, decides
+        what happens next. Found still unsent, it is dispatched again after a pause,
+        `replay_attempts` times in all; then the failure is raised."""
+        for attempt in range(self.replay_attempts):
+            if attempt:
+                yield from pause(self._backoff(attempt))
+            try:
+                return (yield from self._dispatch_once(action))
+            except TransportError as exc:
+                if not exc.may_have_applied or attempt + 1 == self.replay_attempts:
+                    raise
+            reread = yield from ask(calls.get_action(action.action_id))
+            if reread.status not in ("prepared", "approved"):
+                return reread  # it was applied (or settled otherwise): the loop decides
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _dispatch_once(self, action: Action) -> Flow[Action]:
         try:
             return (yield from ask(calls.dispatch(action.action_id, self.fence)))
         except StaleFence as exc:
@@ -442,10 +461,10 @@ class ExecutorCore(Generic[C]):
             return reread
         except (ActionCancelled, InvalidTransition):
             return (yield from ask(calls.get_action(action.action_id)))
-        except TransportError as exc:
-            if not exc.may_have_applied:
-                raise
-            return (yield from ask(calls.get_action(action.action_id)))
+
+    def _backoff(self, attempt: int) -> float:
+        """The pause before attempt `attempt` (from 1) of something that failed before."""
+        return float(self.retry_pause * 2.0 ** min(attempt - 1, 5))
 
     def _perform(self, action: Action, perform: Perform, *, replay: bool) -> Flow[Action]:
         """Call the tool once and report what came of it; the server applies the tool's
@@ -472,7 +491,7 @@ class ExecutorCore(Generic[C]):
         if not how:
             how = (yield from ask(calls.get_action(action.action_id))).reconcile
         if attempt:
-            yield from pause(self.retry_pause * (2 ** min(attempt - 1, 5)))
+            yield from pause(self._backoff(attempt))
         if how == "replay_same_key":
             # Dispatched again first: the server re-marks it `sent` only for the lease's
             # holder, on a run still going, under the goal revision it was prepared for
@@ -550,8 +569,11 @@ class ExecutorCore(Generic[C]):
     def _record(
         self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
     ) -> Flow[Action]:
-        """Record the outcome; after an ambiguous failure, the ledger tells if it landed."""
-        for _ in range(3):
+        """Record the outcome; after an ambiguous failure, the ledger tells if it landed
+        (if not, it is sent again after a pause, `replay_attempts` times in all)."""
+        for attempt in range(self.replay_attempts):
+            if attempt:
+                yield from pause(self._backoff(attempt))
             try:
                 return (
                     yield from ask(
@@ -577,7 +599,11 @@ class ExecutorCore(Generic[C]):
                 reread = yield from ask(calls.get_action(action.action_id))
                 if _moved(action, reread, outcome):
                     return reread
-        raise ExecutorError(f"could not record {outcome} for {action.action_id}", action=action)
+        raise ExecutorError(
+            f"could not record {outcome} for {action.action_id} in {self.replay_attempts} "
+            "attempts: it stays as it was, for the ledger to settle on the next try",
+            action=action,
+        )
 
 
 class Executor(ExecutorCore[Client]):

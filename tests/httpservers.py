@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 
@@ -158,3 +160,76 @@ def dns(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return answers
+
+
+# Hop-by-hop headers, and those httpx rewrites: a proxy does not pass them on as they came.
+_HOP = {"host", "connection", "keep-alive", "content-length", "transfer-encoding"}
+_HOP_BACK = _HOP | {"content-encoding", "date", "server"}
+
+
+class Gateway:
+    """A reverse proxy's behaviour for `serve`: each request is forwarded to `upstream` and
+    its answer relayed, except the ones planned with `fail`, which the gateway answers
+    itself with an HTML error page (`status`) — before forwarding (the request never
+    reached the upstream) or after it (applied there, the answer lost, as nginx answers 502
+    on an upstream reset and 504 on its timeout) — or, with `status` 0, by hanging up."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.http = httpx.Client(timeout=60)
+        self.plan: list[tuple[str, str, int, bool]] = []
+        self.answered: list[tuple[str, str, int]] = []  # (method, path, status sent back)
+        self._lock = threading.Lock()
+
+    def fail(
+        self, method: str, path_end: str, status: int, *, forwarded: bool, times: int = 1
+    ) -> None:
+        with self._lock:
+            self.plan.extend([(method, path_end, status, forwarded)] * times)
+
+    def count(self, method: str, path_end: str) -> int:
+        """Requests of `method` whose path ends with `path_end` that reached the gateway."""
+        return sum(1 for m, p, _ in self.answered if m == method and p.endswith(path_end))
+
+    def _planned(self, method: str, path: str) -> tuple[int, bool] | None:
+        with self._lock:
+            for index, (m, end, status, forwarded) in enumerate(self.plan):
+                if m == method and path.endswith(end):
+                    del self.plan[index]
+                    return status, forwarded
+        return None
+
+    def __call__(self, handler: BaseHTTPRequestHandler, server: Server) -> None:
+        request = server.requests[-1]
+        path = urlsplit(handler.path).path
+        fault = self._planned(handler.command, path)
+        if fault is None or fault[1]:
+            headers = {k: v for k, v in request["headers"].items() if k not in _HOP}
+            upstream = self.http.request(
+                handler.command, self.upstream + handler.path, headers=headers,
+                content=request["body"],
+            )  # fmt: skip
+        if fault is not None:
+            status = fault[0]
+            self.answered.append((handler.command, path, status))
+            if not status:
+                handler.close_connection = True  # no answer at all: the socket closes
+                return
+            page = f"<html><body><h1>{status} Gateway error</h1></body></html>".encode()
+            handler.send_response(status)
+            handler.send_header("Content-Type", "text/html")
+            handler.send_header("Content-Length", str(len(page)))
+            handler.end_headers()
+            handler.wfile.write(page)
+            return
+        self.answered.append((handler.command, path, upstream.status_code))
+        handler.send_response(upstream.status_code)
+        for name, value in upstream.headers.multi_items():
+            if name.lower() not in _HOP_BACK:
+                handler.send_header(name, value)
+        handler.send_header("Content-Length", str(len(upstream.content)))
+        handler.end_headers()
+        handler.wfile.write(upstream.content)
+
+    def close(self) -> None:
+        self.http.close()

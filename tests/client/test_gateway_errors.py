@@ -1,0 +1,179 @@
+"""A gateway in front of Holdpoint answers 502/503/504 for a request that may have applied.
+
+A real reverse proxy (tests.httpservers.Gateway: a socket server forwarding to the API on
+`live_server`) answers a planned request itself — before forwarding it, or after Holdpoint
+applied it and the answer was lost, as nginx does on an upstream reset or timeout. Such an
+answer is the ambiguity of a lost connection: the executor re-reads the ledger and goes on,
+dispatching again (after a pause, a bounded number of times) only what is still unsent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.cache import caches
+
+import holdpoint_client.errors as errors
+from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, ToolCall
+from runtime.models import Action as ActionRow
+from runtime.models import Run as RunRow
+from tests.conftest import Persona
+from tests.httpservers import Gateway
+
+pytestmark = pytest.mark.django_db(transaction=True)
+TOOL = "agent.tasks.create"
+TASK = {"title": "Review the API change", "body": "GET /orders: removed"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_throttle() -> None:
+    """Request rates are counted in the process cache, which outlives each test's database."""
+    caches["default"].clear()
+
+
+@pytest.fixture
+def gateway(live_server: Any, serve: Any) -> Iterator[tuple[Gateway, str]]:
+    proxy = Gateway(live_server.url)
+    yield proxy, serve(proxy).url
+    proxy.close()
+
+
+@pytest.fixture
+def api(gateway: tuple[Gateway, str], agent_a: Persona) -> Iterator[Client]:
+    assert agent_a.token is not None
+    client = Client(gateway[1], agent_a.token, backoff=0.01)
+    yield client
+    client.close()
+
+
+class Service:
+    """A `perform` that counts its calls: the effects the service saw."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+
+    def __call__(self, call: ToolCall) -> tuple[str, Any]:
+        self.calls.append(call)
+        return f"T-{len(self.calls)}", {"id": f"T-{len(self.calls)}"}
+
+
+@pytest.mark.parametrize(("status", "mode"), [(502, "none"), (504, "key"), (0, "none")])
+def test_a_dispatch_applied_behind_a_gateway_error_is_performed_once(
+    api: Client, gateway: tuple[Gateway, str], settings: Any, status: int, mode: str
+) -> None:
+    """The dispatch reached Holdpoint (the action is `sent`) and the gateway answered 502
+    (504; or hung up). A hang-up was re-read and performed; a 502 raised ServerError out of
+    `act` with the action `sent` and nothing performed — the next try finds a sent action
+    nobody sent, and a tool without dedup (mode none) then needs a person. Now the 502 is
+    read as the lost answer it is: the action is re-read, found sent, performed once."""
+    settings.HOLDPOINT_TASKS_DEDUP = mode
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = Service()
+    proxy.fail("POST", "/dispatch/", status, forwarded=True)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1")
+    assert len(service.calls) == 1 and not service.calls[0].replay
+    assert proxy.count("POST", "/dispatch/") == 1  # re-read, not dispatched again
+    assert ActionRow.objects.get(pk=done.action_id).status == "confirmed"
+
+
+def test_a_dispatch_a_gateway_refused_is_dispatched_again_after_a_pause(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """The gateway answered 502 without forwarding: re-read, the action is still
+    `prepared` — certainly not sent — so it is dispatched again, once, after a pause."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = Service()
+    proxy.fail("POST", "/dispatch/", 502, forwarded=False, times=2)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert done.status == "confirmed" and len(service.calls) == 1
+    assert proxy.count("POST", "/dispatch/") == 3
+
+
+def test_a_gateway_that_always_fails_the_dispatch_is_given_up_on_not_looped(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """A lost answer re-read as `prepared` went back to the act loop, which dispatched at
+    once, again and again, for as long as the gateway failed. Now `replay_attempts`
+    dispatches, with pauses between, then the TransportError is raised; nothing sent."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = Service()
+    proxy.fail("POST", "/dispatch/", 0, forwarded=False, times=50)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, replay_attempts=3, retry_pause=0.01) as ex:
+        with pytest.raises(errors.TransportError) as lost:
+            ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert lost.value.may_have_applied
+    assert proxy.count("POST", "/dispatch/") == 3 and service.calls == []
+    assert ActionRow.objects.get(run_id=run.run_id).status == "prepared"
+
+
+def test_an_outcome_recorded_behind_a_gateway_error_is_read_back_async(
+    gateway: tuple[Gateway, str], agent_a: Persona
+) -> None:
+    """The outcome reached Holdpoint (the action is `confirmed`) and the gateway answered
+    504: `act` raised ServerError after the effect, as if nothing were recorded. Now the
+    action is re-read and found confirmed (AsyncExecutor: the same flows, the same policy)."""
+    proxy, url = gateway
+    assert agent_a.token is not None
+    service = Service()
+    proxy.fail("POST", "/outcome/", 504, forwarded=True)
+
+    async def story() -> Any:
+        async with AsyncClient(url, agent_a.token or "", backoff=0.01) as client:
+            run = await client.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(client, run.run_id, "agent-1", ttl=10) as ex:
+                return await ex.act(TOOL, TASK, call="propose", perform=service)
+
+    done = asyncio.run(story())
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1") and len(service.calls) == 1
+    assert proxy.count("POST", "/outcome/") == 1
+
+
+def test_a_gateway_503_on_a_call_not_safe_to_repeat_is_not_repeated(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """A 503 was repeated for every call, as if nobody had done any work — but a gateway
+    also answers 503 for a request its upstream dropped after taking it. The revision had
+    applied; repeated, it answered version_conflict, telling the caller it had lost. Now a
+    gateway's 503 on such a call is a TransportError that says it may have applied."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {"v": 1}, external=True)
+    proxy.fail("POST", "/revisions/", 503, forwarded=True)
+
+    with pytest.raises(errors.TransportError) as lost:
+        api.revise(run.run_id, {"v": 2}, expected_goal_rev=1)
+
+    assert lost.value.may_have_applied and isinstance(lost.value.__cause__, errors.ServerError)
+    assert proxy.count("POST", "/revisions/") == 1
+    assert RunRow.objects.get(pk=run.run_id).goal_rev == 2
+
+
+def test_a_lease_taken_behind_a_gateway_error_is_waited_out_and_taken_again(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """The lease applied and the gateway answered 502: its fence is unknown, so the lease
+    it took is waited out (it expires after ttl) and taken again, with the next fence."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    proxy.fail("POST", "/lease/", 502, forwarded=True)
+
+    with Executor(api, run.run_id, "agent-1", ttl=2, lease_timeout=30) as ex:
+        assert ex.fence == 2
+        ex.checkpoint({"n": 1}, "next")
+
+    assert RunRow.objects.get(pk=run.run_id).checkpoint_rev == 1
