@@ -201,7 +201,9 @@ class ExecutorCore(Generic[C]):
                 log.warning("could not release run %s: %s", self.run_id, exc)
 
     def _beat_flow(self) -> Flow[bool]:
-        """One heartbeat; False once the lease is lost (only a stale fence ends it)."""
+        """One heartbeat; False once the lease is lost (only a stale fence ends it). Every
+        other failure is logged and the next beat tries again — one that ended the
+        heartbeat would let the lease lapse with nobody told."""
         try:
             yield from ask(calls.heartbeat(self.run_id, self.fence, self.ttl))
         except StaleFence:
@@ -210,6 +212,8 @@ class ExecutorCore(Generic[C]):
             return False
         except HoldpointError as exc:
             log.warning("run %s: heartbeat failed: %s", self.run_id, exc)
+        except Exception:  # not the API's (a transport's own OSError, a malformed answer)
+            log.exception("run %s: heartbeat failed; the next one tries again", self.run_id)
         return True
 
     @property

@@ -1,0 +1,110 @@
+"""The executor's heartbeat, blocking (a thread) and asyncio (a task), against `live_server`.
+
+The client's own transport forwards every request to a real one and records it; on cue it
+fails a heartbeat with an error of its own (an OSError httpx does not wrap, as a custom
+transport or a socket library may raise) — a network fault made in the transport, as in
+test_client.py, never in the database or the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+from django.core.cache import caches
+
+from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor
+from runtime.models import Run as RunRow
+from tests.conftest import Persona
+
+pytestmark = pytest.mark.django_db(transaction=True)
+BEAT = "/lease/heartbeat/"
+
+
+@pytest.fixture(autouse=True)
+def fresh_throttle() -> None:
+    caches["default"].clear()
+
+
+class Beats:
+    """What both transports share: the heartbeats seen (fence, time) and how many to fail."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.fail = fail
+        self.seen: list[tuple[int, float]] = []
+
+    def note(self, request: httpx.Request) -> None:
+        if request.method == "POST" and request.url.path.endswith(BEAT):
+            fence = int(request.content.split(b'"fence":')[1].split(b",")[0].strip(b"}"))
+            self.seen.append((fence, time.monotonic()))
+            if self.fail:
+                self.fail -= 1
+                raise ConnectionResetError("the transport's own error, not httpx's")
+
+
+class Transport(httpx.HTTPTransport):
+    def __init__(self, beats: Beats) -> None:
+        super().__init__()
+        self.beats = beats
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.beats.note(request)
+        return super().handle_request(request)
+
+
+class AsyncTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, beats: Beats) -> None:
+        super().__init__()
+        self.beats = beats
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.beats.note(request)
+        return await super().handle_async_request(request)
+
+
+def renewed(run_id: str) -> Any:
+    return RunRow.objects.get(pk=run_id).lease_expires_at
+
+
+def test_a_heartbeat_that_meets_an_unexpected_error_goes_on(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """The heartbeat thread died on an exception that is not Holdpoint's (here an OSError
+    the transport raised itself), with a traceback and nobody told: the lease lapsed under
+    a working executor. Now the failure is logged and the next beat renews the lease."""
+    beats = Beats(fail=2)
+    with Client(live_server.url, agent_a.token or "", transport=Transport(beats)) as api:
+        run = api.create_run("api-review", {}, external=True)
+        with Executor(api, run.run_id, "agent-1", ttl=3) as ex:
+            first = renewed(run.run_id)
+            deadline = time.monotonic() + 10
+            while len(beats.seen) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(beats.seen) >= 3  # the two failures, then a beat that went through
+            deadline = time.monotonic() + 5
+            while renewed(run.run_id) == first and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert renewed(run.run_id) > first and not ex.lost
+            ex.checkpoint({"n": 1}, "next")
+
+
+def test_an_async_heartbeat_that_meets_an_unexpected_error_goes_on(
+    live_server: Any, agent_a: Persona
+) -> None:
+    beats = Beats(fail=2)
+
+    async def story() -> None:
+        transport = AsyncTransport(beats)
+        async with AsyncClient(live_server.url, agent_a.token or "", transport=transport) as api:
+            run = await api.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(api, run.run_id, "agent-1", ttl=3) as ex:
+                deadline = time.monotonic() + 10
+                while len(beats.seen) < 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert len(beats.seen) >= 3 and not ex.lost
+                await ex.checkpoint({"n": 1}, "next")
+
+    asyncio.run(story())
