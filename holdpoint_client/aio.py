@@ -18,7 +18,7 @@ from httpx_sse import EventSource
 
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, ClientSettings, Configured
-from holdpoint_client.errors import ExecutorError
+from holdpoint_client.errors import ExecutorError, LeaseLost, StaleFence
 from holdpoint_client.executor import ActOptions, ExecutorCore, Perform
 from holdpoint_client.flow import adrive
 from holdpoint_client.models import (
@@ -330,6 +330,11 @@ class AsyncExecutor(ExecutorCore[AsyncClient]):
 
     def _start_beats(self) -> None:
         self._beats = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    def _lose(self, exc: StaleFence) -> LeaseLost:
+        if self._beats is not None and self._beats is not asyncio.current_task():
+            self._beats.cancel()  # as the blocking executor's thread stops: at once
+        return super()._lose(exc)
 
     async def _stop_beats(self) -> None:
         beats, self._beats = self._beats, None

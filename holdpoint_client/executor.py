@@ -201,9 +201,12 @@ class ExecutorCore(Generic[C]):
                 log.warning("could not release run %s: %s", self.run_id, exc)
 
     def _beat_flow(self) -> Flow[bool]:
-        """One heartbeat; False once the lease is lost (only a stale fence ends it). Every
+        """One heartbeat; False once the lease is lost (a stale fence, met by this beat or
+        by any other call): nothing is renewed for a lease another executor holds. Every
         other failure is logged and the next beat tries again — one that ended the
         heartbeat would let the lease lapse with nobody told."""
+        if self._lost.is_set():
+            return False
         try:
             yield from ask(calls.heartbeat(self.run_id, self.fence, self.ttl))
         except StaleFence:

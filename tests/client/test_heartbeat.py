@@ -16,9 +16,10 @@ import httpx
 import pytest
 from django.core.cache import caches
 
-from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor
+from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, LeaseLost
 from runtime.models import Run as RunRow
 from tests.conftest import Persona
+from tests.runtime.helpers import expire_lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
 BEAT = "/lease/heartbeat/"
@@ -108,3 +109,30 @@ def test_an_async_heartbeat_that_meets_an_unexpected_error_goes_on(
                 await ex.checkpoint({"n": 1}, "next")
 
     asyncio.run(story())
+
+
+def test_an_async_executor_stops_heartbeating_once_a_write_finds_its_fence_stale(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """A checkpoint refused stale_fence makes the executor lost (LeaseLost), yet its
+    heartbeat task went on beating with the stale fence until a beat of its own was
+    refused. Now it stops at once, as the blocking executor's thread does."""
+    beats = Beats()
+
+    async def story() -> float:
+        transport = AsyncTransport(beats)
+        async with AsyncClient(live_server.url, agent_a.token or "", transport=transport) as api:
+            run = await api.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(api, run.run_id, "agent-1", ttl=3) as ex:
+                await asyncio.to_thread(expire_lease, run.run_id)
+                await api.lease(run.run_id, "agent-2", 30)  # the successor
+                with pytest.raises(LeaseLost):
+                    await ex.checkpoint({"n": 1}, "next")
+                lost_at = time.monotonic()
+                await asyncio.sleep(2.5)  # more than two beat intervals (ttl / 3)
+            return lost_at
+
+    lost_at = asyncio.run(story())
+
+    assert [fence for fence, at in beats.seen if at > lost_at] == []
+    assert RunRow.objects.get().lease_owner == "agent-2"
