@@ -40,6 +40,7 @@ import functools
 import inspect
 import json
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,6 +70,8 @@ __all__ = ["STATE_KEY", "holdpoint_tool", "label_of", "run_agent", "wait_for_dec
 STATE_KEY = "openai_agents"
 FINAL = "openai-agents:final"
 Reason = str | Callable[..., str]
+# The `on_invoke_tool` of every tool holdpoint_tool made: how a paused call is known as ours.
+_LEDGERED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 def label_of(call_id: str) -> str:
@@ -179,7 +182,7 @@ def holdpoint_tool(
         async def invoke(ctx: ToolContext[Any], arguments: str) -> Any:
             run = _run()
             try:
-                params = json.loads(arguments or "{}")
+                params = json.loads(arguments or "{}", parse_constant=_not_json)
             except ValueError as exc:
                 return _retry_with(f"Invalid JSON input for tool {schema.name}: {exc}")
             wrong = misfit(params)
@@ -202,6 +205,7 @@ def holdpoint_tool(
                 return _retry_with(f"{schema.name}: {refused.detail} {refused.errors or ''}")
             return json.dumps(result)
 
+        _LEDGERED.add(invoke)
         return FunctionTool(
             name=schema.name,
             description=schema.description or "",
@@ -212,6 +216,30 @@ def holdpoint_tool(
         )
 
     return wrap
+
+
+def _not_json(constant: str) -> Any:
+    """NaN and Infinity, which Python's json takes and JSON (and the API) does not."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _unreadable(item: ToolApprovalItem) -> bool:
+    """Whether the paused call's arguments are not a JSON object (as the SDK reads them)."""
+    raw = item.raw_item
+    arguments = raw.get("arguments") if isinstance(raw, Mapping) else getattr(raw, "arguments", "")
+    try:
+        return not isinstance(json.loads(str(arguments or ""), parse_constant=_not_json), dict)
+    except ValueError:
+        return True
+
+
+def _ledgered(item: ToolApprovalItem) -> bool:
+    """Whether a paused call is one of a holdpoint_tool: a FunctionTool of the pausing
+    agent, by the call's tool name, whose invoker is one holdpoint_tool made."""
+    for found in getattr(item.agent, "tools", ()):
+        if isinstance(found, FunctionTool) and found.name == item.tool_name:
+            return found.on_invoke_tool in _LEDGERED
+    return False
 
 
 def _retry_with(problem: str) -> str:
@@ -238,6 +266,12 @@ async def _decide(run: AsyncRunHandle, state: RunState[Any, Any], timeout: float
     for item in state.get_interruptions():
         key = run.ex.key_for(label_of(_call_id(item)))
         page = await run.client.send(calls.actions_page(idempotency_key=key))
+        if not page.results and _ledgered(item) and _unreadable(item):
+            # The SDK holds a call whose arguments are not a JSON object without asking
+            # needs_approval, so nothing was prepared: let it through to invoke, which
+            # prepares nothing for them either and tells the model what is wrong.
+            state.approve(item)
+            continue
         if not page.results:
             raise ExecutorError(
                 f"the SDK paused for {item.name}, which is not a Holdpoint tool: approve it "

@@ -76,16 +76,9 @@ class Scripted(Model):
         raise NotImplementedError
 
 
-def test_arguments_that_do_not_fit_the_tool_are_refused_to_the_model_not_prepared(
-    live_server: Any, agent_a: Persona
-) -> None:
-    """A model called create_task with a title that is not a string and no body. The
-    adapter prepared that as an action — held for a reviewer as a write no policy names, the
-    run paused on it — and would have called the function with arguments it cannot take.
-    The server's schema refused it (422), which the SDK turned into an error ending the
-    whole agent run. Now the model is told what is wrong (as `@function_tool` tells it),
-    and nothing is prepared. (Arguments that are not JSON at all the SDK itself holds for
-    approval before asking the tool; not covered here.)"""
+def run_scripted(url: str, persona: Persona, thread: str, attempts: list[str]) -> list[str]:
+    """Run an agent whose model calls create_task with each of `attempts`, to its end;
+    what the tool told the model. The tool's function is never called, nothing is kept."""
     set_tracing_disabled(True)
     performed: list[dict[str, Any]] = []
 
@@ -95,21 +88,48 @@ def test_arguments_that_do_not_fit_the_tool_are_refused_to_the_model_not_prepare
         performed.append({"title": title, "body": body})
         return {"id": "T-1"}
 
-    model = Scripted([json.dumps({"title": 5})])
+    model = Scripted(attempts)
     agent = Agent(name="reviewer", instructions="-", tools=[create_task], model=model)
-    assert agent_a.token is not None
-    hp = AsyncHoldpoint(live_server.url, agent_a.token, ttl=5)
+    assert persona.token is not None
+    hp = AsyncHoldpoint(url, persona.token, ttl=5)
 
     async def go() -> Any:
         try:
-            return await run_agent(hp, "args-1", agent, "go", graph="api-review")
+            return await run_agent(hp, thread, agent, "go", graph="api-review")
         finally:
             await hp.aclose()
 
     assert asyncio.run(go()) == "finished"
     assert performed == []
-    run = Run.objects.get(thread_id="args-1")
+    run = Run.objects.get(thread_id=thread)
     assert not Action.objects.filter(run=run).exists()  # nothing prepared, nothing held
-    (told,) = model.outputs
-    assert told.startswith("An error occurred while running the tool. Please try again.")
+    assert len(model.outputs) == len(attempts)
+    for told in model.outputs:
+        assert told.startswith("An error occurred while running the tool. Please try again.")
+    return model.outputs
+
+
+def test_arguments_that_do_not_fit_the_tool_are_refused_to_the_model_not_prepared(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """A model called create_task with a title that is not a string and no body. The
+    adapter prepared that as an action — held for a reviewer as a write no policy names, the
+    run paused on it — and would have called the function with arguments it cannot take.
+    The server's schema refused it (422), which the SDK turned into an error ending the
+    whole agent run. Now the model is told what is wrong (as `@function_tool` tells it),
+    and nothing is prepared. (Arguments that are not JSON at all: the next test.)"""
+    (told,) = run_scripted(live_server.url, agent_a, "args-1", [json.dumps({"title": 5})])
     assert "create_task" in told and "title" in told and "body" in told
+
+
+def test_arguments_that_are_not_a_json_object_are_told_to_the_model(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """Arguments that are not JSON at all (or JSON but not an object, or with NaN): the SDK
+    holds such a call for approval without asking the tool's needs_approval, so nothing was
+    prepared — and run_agent stopped with "not a Holdpoint tool". Now the call is let
+    through to the tool, which tells the model its arguments were not valid JSON (as the
+    SDK's own function tools do); nothing is prepared, held or performed."""
+    attempts = ['{"title": "Review", "body": ', "[1, 2]", '{"title": NaN, "body": "b"}']
+    for told in run_scripted(live_server.url, agent_a, "args-2", attempts):
+        assert "Invalid JSON input for tool create_task" in told
