@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.messages import ToolCall as LangChainToolCall
@@ -68,6 +68,7 @@ from holdpoint_client.faults import fault
 from holdpoint_client.models import Approval
 
 KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
+TURN = "holdpoint_turn"  # the checkpoint metadata key naming the turn of `invoke(turn=...)`
 T = TypeVar("T", bound=BaseTool)
 Execute = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
 _call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
@@ -259,27 +260,32 @@ class HoldpointGraph:
         *,
         timeout: float | None = None,
         complete: bool = True,
+        turn: str | None = None,
         **options: Any,
     ) -> Any:
         """Start the thread with `input`, or continue it where it stopped (a crash, a hold
         point), waiting for reviewers (long-poll) and resuming with their decisions until
         the graph ends; then the Holdpoint run is completed (`complete=False`: left open,
-        for a conversation's next turn). A thread that already ended is not run again.
-        Returns the graph's last values; an interrupt that is not Holdpoint's is returned
-        to the caller, with the graph paused on it. `durability` defaults to "sync": the
-        model's tool call is stored before the tool runs."""
+        for a conversation's next turn). A thread that already ended is not run again —
+        unless `turn` names a turn it has not taken: see `_fresh`. Returns the graph's last
+        values; an interrupt that is not Holdpoint's is returned to the caller, with the
+        graph paused on it. `durability` defaults to "sync": the model's tool call is stored
+        before the tool runs (and a turn's input before its first step)."""
         options.setdefault("durability", "sync")
+        if turn is not None:  # every checkpoint of the turn carries its key
+            metadata = {**(config.get("metadata") or {}), TURN: turn}
+            config = cast(RunnableConfig, {**config, "metadata": metadata})
         snapshot = graph.get_state(config)
-        if snapshot.interrupts:
+        if self._fresh(graph, config, snapshot, turn):
+            values = graph.invoke(input, config, **options)
+        elif snapshot.interrupts:
             values = graph.invoke(
                 self.wait_for_decision(snapshot, timeout=timeout), config, **options
             )
         elif snapshot.next:
             values = graph.invoke(None, config, **options)  # a predecessor died mid-step
-        elif snapshot.created_at is not None:
-            values = snapshot.values
         else:
-            values = graph.invoke(input, config, **options)
+            values = snapshot.values  # ended: the model is not asked again
         while True:
             snapshot = graph.get_state(config)
             if not snapshot.interrupts:
@@ -292,6 +298,29 @@ class HoldpointGraph:
         if complete and not snapshot.next:
             self.complete(thread_of(config))
         return values
+
+    @staticmethod
+    def _fresh(
+        graph: Any, config: RunnableConfig, snapshot: StateSnapshot, turn: str | None
+    ) -> bool:
+        """Whether `input` starts something: a thread never run, or a `turn` (a key the
+        caller gives each input of a conversation — the same when a crashed process runs it
+        again) whose input the thread has not taken. A turn it has taken is continued where
+        it stopped, or, ended, not run again: its model calls are not paid twice. A new
+        turn while the one before has not ended would bury that one: refused."""
+        if snapshot.created_at is None:
+            return True
+        if turn is None:
+            return False
+        thread = {"configurable": config.get("configurable") or {}}
+        if next(iter(graph.get_state_history(thread, filter={TURN: turn}, limit=1)), None):
+            return False
+        if snapshot.next or snapshot.interrupts:
+            raise ExecutorError(
+                f"thread {thread_of(config)!r}: the turn before {turn!r} has not ended; "
+                "invoke it again (with its own turn) to finish it first"
+            )
+        return True
 
     def wait_for_decision(self, pending: Any, *, timeout: float | None = None) -> Command[Any]:
         """See the module-level `wait_for_decision`."""
