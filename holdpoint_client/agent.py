@@ -36,7 +36,6 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypedDict, TypeVar, Unpack, cast
-from urllib.parse import quote
 
 from holdpoint_client import calls
 from holdpoint_client.aio import AsyncClient, AsyncExecutor
@@ -281,7 +280,7 @@ class RunCore(Generic[C]):
         dispatched, it would be `sent` with nobody to send it. The tool's definition says
         (`GET tools/{name}/`, API.md "Tools as data"); a server without it decides itself."""
         try:
-            definition = yield from ask(calls.get(f"tools/{quote(tool, safe='')}/", dict))
+            definition = yield from ask(calls.get(calls.at("tools", tool), dict))
         except HoldpointAPIError:
             return
         if definition.get("executor") == "client":

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
+from urllib.parse import quote
 
 import httpx
 
@@ -99,6 +100,20 @@ def dumps(body: Any) -> bytes:
 
 def _identity(data: Any) -> Any:
     return data
+
+
+def at(collection: str, object_id: Any, *rest: str | int) -> str:
+    """The path `collection/<id>/<rest>/…/`, each part one quoted segment: an id holding
+    "/", "?", "#" or ".." names nothing but itself (the API answers 404) — never another
+    endpoint, as `actions/../runs/<id>/cancel/#/dispatch/` would be."""
+    return "".join(f"{_segment(part)}/" for part in (collection, object_id, *rest))
+
+
+def _segment(value: Any) -> str:
+    text = str(value)
+    if text in ("", ".", ".."):
+        raise ValueError(f"not an id: {text!r}")
+    return quote(text, safe="")
 
 
 @dataclass(frozen=True)
@@ -205,7 +220,7 @@ def create_run(
 
 def get_run(run_id: str, wait: float | None = None) -> Call[Run]:
     params, extra = wait_params(wait)
-    return get(f"runs/{run_id}/", Run.from_json, params, extra)
+    return get(at("runs", run_id), Run.from_json, params, extra)
 
 
 def runs_page(**query: str | None) -> Call[Page[Run]]:
@@ -214,30 +229,30 @@ def runs_page(**query: str | None) -> Call[Page[Run]]:
 
 def revise(run_id: str, goal: Any, *, expected_goal_rev: int) -> Call[Run]:
     body = {"goal": goal, "expected_goal_rev": expected_goal_rev}
-    return post(f"runs/{run_id}/revisions/", body, Run.from_json)
+    return post(at("runs", run_id, "revisions"), body, Run.from_json)
 
 
 def provide_input(run_id: str, data: Any, *, expected_rev: int) -> Call[Run]:
     body = {"data": data, "expected_rev": expected_rev}
-    return post(f"runs/{run_id}/input/", body, Run.from_json)
+    return post(at("runs", run_id, "input"), body, Run.from_json)
 
 
 def cancel(run_id: str, reason: str = "") -> Call[Run]:
-    return post(f"runs/{run_id}/cancel/", {"reason": reason}, Run.from_json)
+    return post(at("runs", run_id, "cancel"), {"reason": reason}, Run.from_json)
 
 
 def resume(run_id: str, *, expected_rev: int | None = None) -> Call[Run]:
     body = {} if expected_rev is None else {"expected_rev": expected_rev}
-    return post(f"runs/{run_id}/resume/", body, Run.from_json)
+    return post(at("runs", run_id, "resume"), body, Run.from_json)
 
 
 def checkpoints_page(run_id: str, **query: str | None) -> Call[Page[Checkpoint]]:
-    return get(f"runs/{run_id}/checkpoints/", page_of(Checkpoint.from_json), filters(**query))
+    return get(at("runs", run_id, "checkpoints"), page_of(Checkpoint.from_json), filters(**query))
 
 
 def events_after(run_id: str, after: int) -> Call[list[JournalEntry]]:
     return get(
-        f"runs/{run_id}/events/",
+        at("runs", run_id, "events"),
         lambda data: [JournalEntry.from_json(item) for item in data.get("results") or []],
         {"after": str(after)},
     )
@@ -268,7 +283,7 @@ class EventFeed:
         headers = {"Accept": "text/event-stream", "Last-Event-ID": str(self.last)}
         return Call(
             "GET",
-            f"runs/{self.run_id}/events/",
+            at("runs", self.run_id, "events"),
             lambda _: None,
             {"stream": "1", "after": str(self.last)},
             headers=headers,
@@ -327,7 +342,7 @@ class EventFeed:
 
 
 def run_actions_page(run_id: str, **query: str | None) -> Call[Page[Action]]:
-    return get(f"runs/{run_id}/actions/", page_of(Action.from_json), filters(**query))
+    return get(at("runs", run_id, "actions"), page_of(Action.from_json), filters(**query))
 
 
 def approvals_page(**query: str | None) -> Call[Page[Approval]]:
@@ -336,12 +351,12 @@ def approvals_page(**query: str | None) -> Call[Page[Approval]]:
 
 def get_checkpoint(run_id: str, rev: int, *, inline: bool = False) -> Call[Checkpoint]:
     params = {"inline": "1"} if inline else {}
-    return get(f"runs/{run_id}/checkpoints/{rev}/", Checkpoint.from_json, params)
+    return get(at("runs", run_id, "checkpoints", rev), Checkpoint.from_json, params)
 
 
 def lease(run_id: str, owner: str, ttl_seconds: int) -> Call[LeaseGrant]:
     body = {"owner": owner, "ttl_seconds": ttl_seconds}
-    return post(f"runs/{run_id}/lease/", body, LeaseGrant.from_json)
+    return post(at("runs", run_id, "lease"), body, LeaseGrant.from_json)
 
 
 def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call[datetime | None]:
@@ -349,7 +364,7 @@ def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call
     if ttl_seconds is not None:
         body["ttl_seconds"] = ttl_seconds
     return post(
-        f"runs/{run_id}/lease/heartbeat/",
+        at("runs", run_id, "lease", "heartbeat"),
         body,
         lambda data: parse_time(data.get("expires_at")),
         replay_safe=True,
@@ -357,7 +372,9 @@ def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call
 
 
 def release(run_id: str, fence: int) -> Call[Any]:
-    return post(f"runs/{run_id}/lease/release/", {"fence": fence}, _identity, replay_safe=True)
+    return post(
+        at("runs", run_id, "lease", "release"), {"fence": fence}, _identity, replay_safe=True
+    )
 
 
 def write_checkpoint(
@@ -378,7 +395,7 @@ def write_checkpoint(
         "status": status,
     }
     return post(
-        f"runs/{run_id}/checkpoints/",
+        at("runs", run_id, "checkpoints"),
         body,
         Checkpoint.from_json,
         create=True,
@@ -405,15 +422,15 @@ def prepare_action(
     }
     if idempotency_key is not None:
         body["idempotency_key"] = idempotency_key
-    return post(f"runs/{run_id}/actions/", body, Action.from_json, create=True)
+    return post(at("runs", run_id, "actions"), body, Action.from_json, create=True)
 
 
 def get_action(action_id: str) -> Call[Action]:
-    return get(f"actions/{action_id}/", Action.from_json)
+    return get(at("actions", action_id), Action.from_json)
 
 
 def dispatch(action_id: str, fence: int) -> Call[Action]:
-    return post(f"actions/{action_id}/dispatch/", {"fence": fence}, Action.from_json)
+    return post(at("actions", action_id, "dispatch"), {"fence": fence}, Action.from_json)
 
 
 def record_outcome(
@@ -425,7 +442,7 @@ def record_outcome(
         "external_id": external_id,
         "result": as_api_json(result),
     }
-    return post(f"actions/{action_id}/outcome/", body, Action.from_json)
+    return post(at("actions", action_id, "outcome"), body, Action.from_json)
 
 
 # Integers (and whole floats) beyond this lose digits in JavaScript and in the journal's
@@ -462,7 +479,7 @@ def actions_page(**query: str | None) -> Call[Page[Action]]:
 
 def get_approval(approval_id: str, wait: float | None = None) -> Call[Approval]:
     params, extra = wait_params(wait)
-    return get(f"approvals/{approval_id}/", Approval.from_json, params, extra)
+    return get(at("approvals", approval_id), Approval.from_json, params, extra)
 
 
 def decide(
@@ -476,12 +493,14 @@ def decide(
     body: dict[str, Any] = {"decision": decision, "action_hash": action_hash, "reason": reason}
     if edits is not None:
         body["edits"] = dict(edits)
-    return post(f"approvals/{approval_id}/decision/", body, Approval.from_json, replay_safe=True)
+    return post(
+        at("approvals", approval_id, "decision"), body, Approval.from_json, replay_safe=True
+    )
 
 
 def resolve(action_id: str, outcome: str, *, external_id: str = "", note: str = "") -> Call[Action]:
     body = {"outcome": outcome, "external_id": external_id, "note": note}
-    return post(f"actions/{action_id}/resolve/", body, Action.from_json)
+    return post(at("actions", action_id, "resolve"), body, Action.from_json)
 
 
 # --- what both clients are configured with ------------------------------------------------
