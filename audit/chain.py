@@ -26,7 +26,7 @@ import re
 from datetime import datetime
 from typing import Any, Protocol
 
-from audit.canonical import canonical, sha256_hex
+from audit.canonical import CanonicalError, canonical, sha256_hex
 
 # The previous hash of a stream's first entry, and the hash of a stream with none.
 GENESIS = "0" * 64
@@ -45,7 +45,7 @@ class Linked(Protocol):
     actor: str
     object_ref: str
     payload: Any
-    created_at: datetime
+    created_at: datetime | None  # None: stored, but no datetime holds it (audit.models)
     redacted: bool
 
 
@@ -72,7 +72,9 @@ def entry_hash_from_digest(
     prev_hash: str, entry: Linked, payload_sha256: str, *, rule: int = RULE
 ) -> str:
     """The hash of a stored entry under `rule`, given its payload's digest (it may be
-    redacted)."""
+    redacted). An entry whose time cannot be read has no hash to compute: CanonicalError."""
+    if entry.created_at is None:
+        raise CanonicalError("created_at: time cannot be read")
     fields = _fields(
         entry.stream, entry.seq, entry.type, entry.actor, entry.object_ref, entry.created_at
     )

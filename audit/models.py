@@ -13,10 +13,13 @@ to by id only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import date, datetime
 from itertools import groupby
 from operator import attrgetter
+from typing import Any
 
 from django.db import models
+from django.db.models.expressions import Combinable
 
 from audit.canonical import CanonicalError
 from audit.chain import GENESIS, payload_digest, redacted_payload
@@ -90,6 +93,41 @@ def _redact(digests: list[tuple[int, str]]) -> int:
     return done
 
 
+class JournalTime(models.DateTimeField[datetime | str | date | Combinable, datetime | None]):
+    """An entry's time, read as None when no datetime can hold what is stored.
+
+    No writer stores such a value; someone with database access can: PostgreSQL keeps
+    'infinity' and '-infinity' (psycopg refuses to read them: DataError), SQLite any text
+    (Django's converter fails on it). Either made every read of the row fail — the audit
+    log, its exports, a run's trail and page answered 500. Only *selecting* the column is
+    guarded, in SQL, wherever the ORM selects it (values() and subqueries too): filters and
+    ordering still compare what is stored, so such an entry sorts and pages where the
+    database puts it ('infinity' after every time, '-infinity' before). Readers show it as
+    unreadable and verification names it (audit.verification). `stored_time()` is the
+    unguarded column, for a subquery compared in the database.
+
+    Deconstructs as a plain DateTimeField: the column is the same, no migration.
+    """
+
+    def select_format(self, compiler: Any, sql: str, params: Any) -> tuple[str, Any]:
+        vendor = compiler.connection.vendor
+        if vendor == "postgresql":
+            return f"CASE WHEN isfinite({sql}) THEN {sql} END", (*params, *params)
+        if vendor == "sqlite":  # what datetime() reads back as itself, to the second
+            guard = f"datetime({sql}) = substr({sql}, 1, 19)"
+            return f"CASE WHEN {guard} THEN {sql} END", (*params, *params, *params)
+        return sql, params
+
+    def deconstruct(self) -> Any:
+        name, _path, args, kwargs = super().deconstruct()
+        return name, "django.db.models.DateTimeField", args, kwargs
+
+
+def stored_time() -> models.ExpressionWrapper[models.F]:
+    """An entry's created_at as stored (unguarded), to compare in the database."""
+    return models.ExpressionWrapper(models.F("created_at"), output_field=models.DateTimeField())
+
+
 class JournalEntry(models.Model):
     stream = models.CharField(max_length=80)
     seq = models.BigIntegerField()
@@ -98,7 +136,7 @@ class JournalEntry(models.Model):
     actor = models.CharField(max_length=200)
     object_ref = models.CharField(max_length=120, blank=True, default="")
     payload = models.JSONField(default=dict)
-    created_at = models.DateTimeField()
+    created_at = JournalTime()  # None: stored, but no datetime (edited; see JournalTime)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
     # Set by the retention purge: the payload was replaced by {"redacted": sha256}, and the

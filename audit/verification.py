@@ -64,6 +64,8 @@ def verify_entries(
         owner = entry.tenant_id if owner is None else owner
         if entry.tenant_id != owner:
             return Break(stream, entry.seq, "tenant_id is not its stream's tenant")
+        if entry.created_at is None:  # 'infinity' and the like: no writer stores one
+            return Break(stream, entry.seq, "time cannot be read: no datetime holds it")
         try:
             digest = stored_payload_digest(entry)
             rule = None if digest is None else _rule_of(prev, entry, digest)
@@ -170,7 +172,7 @@ def verify_all(
         checked += 1
         try:
             found = verify_stream(name)
-        except DataError as exc:  # a value no writer stores (created_at 'infinity'): edited
+        except DataError as exc:  # a value no writer stores and no guard foresaw: edited
             found = Break(name, 0, f"an entry cannot be read ({exc})")
         if found is not None:
             breaks.append(found)

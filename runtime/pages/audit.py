@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 from uuid import UUID
 
 from django.db import transaction
-from django.db.models import F, Field, Q, QuerySet
+from django.db.models import F, Field, Q, QuerySet, Subquery
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -41,7 +41,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.journal import run_stream
-from audit.models import JournalEntry
+from audit.models import JournalEntry, stored_time
 from audit.verification import Break, head_break, verify_entries
 from runtime.events import RunEvent
 from runtime.pages.access import reviewer_page
@@ -77,6 +77,9 @@ EXPORT_FIELDS = (
 # tab and carriage return too, which some spreadsheets strip before looking.
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 MAX_BIGINT = 2**63 - 1
+# The last time a datetime holds: "to" the calendar's last day still ends there, so a period
+# never takes in an entry edited to 'infinity' (audit.models.JournalTime) — see `merged`.
+LAST_TIME = datetime.max.replace(tzinfo=UTC)
 # A worker's bookkeeping: leases taken and given back, wake-ups, recorded calls, step and
 # action checkpoints — most of a busy tenant's log, and not what a reader of the log is
 # after (who asked, who decided, what was sent and how it ended). Consecutive ones on a page
@@ -258,6 +261,8 @@ def filtered(
         entries = entries.filter(created_at__gte=lower)
     if upper is not None:
         entries = entries.filter(created_at__lt=upper)
+    elif filters.until is not None:
+        entries = entries.filter(created_at__lte=LAST_TIME)
     order = ordering(filters, newest_first=newest_first)
     target = filters.object_ref
     if not target:
@@ -275,10 +280,18 @@ def merged(
     """The parts' rows (entries or export dicts) as one sequence in the page's order."""
     if len(parts) == 1:
         return iter(parts[0])
+    # A time no datetime holds reads as None (audit.models.JournalTime); the database sorted
+    # it at the period's open end. A period has a bound, and `filtered` bounds "to" even on
+    # the calendar's last day, so only one infinity can be in it: 'infinity' after every
+    # time when the period has no end, '-infinity' before every time when it has one.
+    unreadable = (1 if filters.until is None else -1, LAST_TIME)
 
     def key(row: Any) -> tuple[Any, ...]:
         get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
-        return (get("created_at"), get("id")) if filters.has_period else (get("id"),)
+        if not filters.has_period:
+            return (get("id"),)
+        at = get("created_at")
+        return ((0, at) if at is not None else unreadable, get("id"))
 
     return heapq.merge(*parts, key=key, reverse=newest_first)
 
@@ -356,10 +369,12 @@ def _older_than(principal: Principal, filters: AuditFilters, before: int) -> Q:
     """Entries after the cursor entry in the page's order (strictly: no overlap, no gap)."""
     if not filters.has_period:
         return Q(id__lt=before)
-    cursor_time = journal_for(principal).filter(pk=before).values_list("created_at", flat=True)
-    at = cursor_time.first()
-    if at is None:
+    cursor = journal_for(principal).filter(pk=before)
+    if not cursor.exists():
         raise BadFilter("That page position is not an entry of this tenant.")
+    # The cursor's time as stored, compared in the database: one that no datetime holds
+    # ('infinity', edited in) orders the next page there as it ordered this one.
+    at = Subquery(cursor.values(at=stored_time())[:1])
     # created_at <= at bounds the index range; among equal times, id breaks the tie.
     return Q(created_at__lte=at) & (Q(created_at__lt=at) | Q(id__lt=before))
 
@@ -478,6 +493,8 @@ def _cell(name: str, value: Any) -> Any:
         return value
     elif isinstance(value, datetime):
         return value.isoformat()
+    elif value is None:  # a time that cannot be read (audit.models.JournalTime)
+        return ""
     text = str(value)
     return "'" + text if text.startswith(FORMULA_STARTS) else text
 
@@ -500,7 +517,8 @@ def csv_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
 def jsonl_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
     buffer = io.StringIO()
     for row in rows:
-        row["created_at"] = row["created_at"].isoformat()
+        at = row["created_at"]  # None: a time that cannot be read (audit.models.JournalTime)
+        row["created_at"] = at.isoformat() if at is not None else None
         buffer.write(_json(row) + "\n")
         if buffer.tell() >= EXPORT_CHUNK_BYTES:
             yield _drain(buffer)

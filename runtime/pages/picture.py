@@ -99,8 +99,9 @@ def step_names(run: Run) -> tuple[list[str], str]:
     return list(graph.steps), graph.start
 
 
-def _commits(journal: QuerySet[JournalEntry]) -> list[tuple[str, datetime]]:
-    """(step, committed at) of the run's step commits, oldest first (bounded)."""
+def _commits(journal: QuerySet[JournalEntry]) -> list[tuple[str, datetime | None]]:
+    """(step, committed at) of the run's step commits, oldest first (bounded); None: a time
+    that cannot be read (audit.models.JournalTime)."""
     rows = (
         journal.filter(type=RunEvent.STEP_COMMITTED)
         .order_by("-seq")
@@ -121,7 +122,8 @@ def steps_panel(
     visits: dict[str, int] = {}
     spent: dict[str, timedelta] = {}
     begun = run.created_at
-    for step, at in commits:
+    for step, committed in commits:
+        at = committed or begun  # unreadable (edited; the trail names it): no time spent
         name = EXTERNAL_STEP if run.external else step
         visits[name] = visits.get(name, 0) + 1
         spent[name] = spent.get(name, timedelta()) + (at - begun)
@@ -208,31 +210,32 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
     actions: dict[str, FlowItem] = {}
     approvals: dict[str, FlowItem] = {}
     last_call: FlowItem | None = None
+    at = run.created_at
     for entry in _entries(journal):
         payload: dict[str, Any] = entry.payload if isinstance(entry.payload, dict) else {}
         kind = entry.type
+        # A time that cannot be read (edited; the trail names it) counts as the one before.
+        at = entry.created_at or at
         if last_call is not None and last_call.ended is None:
-            last_call.ended = entry.created_at
+            last_call.ended = at
         last_call = None
         if kind == RunEvent.CREATED:
-            visit.started = entry.created_at
+            visit.started = at
         elif kind == RunEvent.STEP_COMMITTED:
             visit.step = EXTERNAL_STEP if run.external else str(payload.get("step", ""))
-            visit.ended = entry.created_at
+            visit.ended = at
             visit.outcome = _commit_words(payload)
             visits.append(visit)
-            visit = Visit(step="", started=entry.created_at)
+            visit = Visit(step="", started=at)
         elif kind == RunEvent.CALL_RECORDED:
-            last_call = FlowItem(
-                "call", "recorded call", str(payload.get("key", "")), entry.created_at
-            )
+            last_call = FlowItem("call", "recorded call", str(payload.get("key", "")), at)
             visit.items.append(last_call)
         elif kind == RunEvent.ACTION_PREPARED:
             item = FlowItem(
                 "action",
                 f"action {payload.get('tool', '')}",
                 str(payload.get("action_status", "prepared")),
-                entry.created_at,
+                at,
                 open=True,
             )
             actions[str(payload.get("action_id", ""))] = item
@@ -242,14 +245,14 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
             status = str(payload.get("action_status", "cancelled"))
             if found is not None:
                 found.detail += f" → {status}"
-                found.ended = entry.created_at
+                found.ended = at
                 found.open = status not in SETTLED
         elif kind == RunEvent.APPROVAL_REQUESTED:
             item = FlowItem(
                 "decision",
                 "approval requested",
                 f"policy {payload.get('policy', '')}",
-                entry.created_at,
+                at,
                 open=True,
             )
             approvals[str(payload.get("approval_id", ""))] = item
@@ -264,11 +267,11 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
                 )
                 found.detail += f" · {decision} by {entry.actor}"
                 if final:
-                    found.ended, found.open = entry.created_at, False
+                    found.ended, found.open = at, False
         elif kind in (RunEvent.PARKED, RunEvent.STEP_FAILED):
             words = "parked" if kind == RunEvent.PARKED else "step failed"
             reason = str(payload.get("reason", "") or payload.get("error", ""))
-            visit.items.append(FlowItem("event", words, reason[:200], entry.created_at))
+            visit.items.append(FlowItem("event", words, reason[:200], at))
     if not run.is_terminal:
         visit.step = EXTERNAL_STEP if run.external else run.next_step
         visits.append(visit)
