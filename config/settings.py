@@ -394,6 +394,9 @@ HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.
 # How long an Idempotency-Key's stored response is replayed (hours).
 HOLDPOINT_IDEMPOTENCY_HOURS = env_int("HOLDPOINT_IDEMPOTENCY_HOURS", 24, minimum=1)
+# Runs per transaction of the retention purge: the artifact table is locked against step
+# commits that store artifacts while one batch's orphans go, never for the whole purge.
+HOLDPOINT_PURGE_BATCH = env_int("HOLDPOINT_PURGE_BATCH", 500, minimum=1)
 HOLDPOINT_SWEEP_INTERVAL = env_int("HOLDPOINT_SWEEP_INTERVAL", 2, minimum=1)
 # While the queue is backed up, a run the sweeper rang and nobody has taken since is not rung
 # again for this long (a storm would otherwise fill the queue with doorbells for the same

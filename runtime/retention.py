@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -65,66 +66,101 @@ def purge_tenant(
     dry_run: bool = False,
     thread_id: str | None = None,
     actor: str = "system:retention",
+    batch_size: int | None = None,
 ) -> PurgeReport:
-    """Purge a tenant's expired runs (or, with `thread_id`, that thread's finished runs)."""
+    """Purge a tenant's expired runs (or, with `thread_id`, that thread's finished runs), in
+    batches of `batch_size` runs (HOLDPOINT_PURGE_BATCH), each its own transaction: one
+    batch's locks — its runs, and the artifact table while its orphans go (see
+    `_hold_artifact_writes`) — are let go before the next, so step commits go on between
+    batches however much is due. Each batch is journalled as one `retention_purged`."""
     now = now or timezone.now()
     runs = (
         purgeable(Run.objects.filter(tenant=tenant, thread_id=thread_id))
         if thread_id
         else due_runs(tenant, now)
     )
-    report = PurgeReport(tenant.slug, [str(r) for r in runs.values_list("run_id", flat=True)])
-    if dry_run and report.runs:
-        _preview(tenant, report)
-    if dry_run or not report.runs:
+    if dry_run:
+        report = PurgeReport(tenant.slug, [str(r) for r in runs.values_list("run_id", flat=True)])
+        if report.runs:
+            _preview(tenant, report)
         return report
+    report = PurgeReport(tenant.slug)
+    size = batch_size or settings.HOLDPOINT_PURGE_BATCH
+    while True:
+        # Each batch purges or holds every run it lists, or finds it gone (taken by a purge
+        # beside this one): the next listing has none of them, and the loop ends.
+        waiting = runs.exclude(run_id__in=list(report.held))
+        batch = [str(r) for r in waiting.values_list("run_id", flat=True)[:size]]
+        if not batch:
+            return report
+        _purge_batch(tenant, runs, batch, report, thread_id=thread_id, actor=actor)
+
+
+def _purge_batch(
+    tenant: Tenant,
+    runs: QuerySet[Run],
+    batch: list[str],
+    report: PurgeReport,
+    *,
+    thread_id: str | None,
+    actor: str,
+) -> None:
+    """One batch's purge, in its own transaction; adds what it did to `report`."""
     with transaction.atomic(durable=True):
         # Read again under the rows' locks: a purge beside this one (two operators, a
         # scheduled one and a deletion request) may have taken some of them meanwhile; it
         # is waited for and what it took is not reported, nor journalled, a second time.
-        locked = runs.filter(run_id__in=report.runs).select_for_update()
-        report.runs = [str(r) for r in locked.values_list("run_id", flat=True)]
-        if not report.runs:
-            return report
+        locked = runs.filter(run_id__in=batch).select_for_update()
+        purged = [str(r) for r in locked.values_list("run_id", flat=True)]
+        if not purged:
+            return
         gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
-        streams = {journal.run_stream(run_id): run_id for run_id in report.runs}
+        streams = {journal.run_stream(run_id): run_id for run_id in purged}
         redaction = JournalEntry.objects.filter(stream__in=streams).redact()
-        report.entries_redacted = redaction.done
-        report.held = {streams[name]: why for name, why in redaction.refused.items()}
-        report.runs = [run_id for run_id in report.runs if run_id not in report.held]
-        if report.held:
-            log.error(
-                "retention purge of %s kept runs it cannot redact: %s", tenant.slug, report.held
+        held = {streams[name]: why for name, why in redaction.refused.items()}
+        purged = [run_id for run_id in purged if run_id not in held]
+        if held:
+            log.error("retention purge of %s kept runs it cannot redact: %s", tenant.slug, held)
+        checkpoints = artifacts = 0
+        if purged:
+            doomed_checkpoints = Checkpoint.objects.filter(run_id__in=purged)
+            doomed_refs = _refs(tenant.pk, doomed_checkpoints)
+            checkpoints = doomed_checkpoints.count()
+            Run.objects.filter(run_id__in=purged).delete()  # cascades to the run's rows
+            artifacts = _delete_orphans(tenant, doomed_refs)
+            journal.append(
+                journal.tenant_stream(tenant.pk),
+                "retention_purged",
+                tenant_id=tenant.pk,
+                actor=actor,
+                payload={
+                    "runs": purged,
+                    "thread_id": thread_id,
+                    "checkpoints": checkpoints,
+                    "artifacts": artifacts,
+                    "entries_redacted": redaction.done,
+                    "held": held,
+                    "retention_days": tenant.retention_days,
+                },
             )
-        if not report.runs:
-            gate.delete()
-            return report
-        doomed_checkpoints = Checkpoint.objects.filter(run_id__in=report.runs)
-        doomed_refs = _refs(tenant.pk, doomed_checkpoints)
-        report.checkpoints = doomed_checkpoints.count()
-        Run.objects.filter(run_id__in=report.runs).delete()  # cascades to the run's rows
-        _hold_artifact_writes()
-        kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
-        orphans = Artifact.objects.filter(tenant=tenant, digest__in=doomed_refs - kept_refs)
-        report.artifacts = orphans.count()
-        orphans.delete()
-        journal.append(
-            journal.tenant_stream(tenant.pk),
-            "retention_purged",
-            tenant_id=tenant.pk,
-            actor=actor,
-            payload={
-                "runs": report.runs,
-                "thread_id": thread_id,
-                "checkpoints": report.checkpoints,
-                "artifacts": report.artifacts,
-                "entries_redacted": report.entries_redacted,
-                "held": report.held,
-                "retention_days": tenant.retention_days,
-            },
-        )
         gate.delete()
-    return report
+    report.runs += purged
+    report.checkpoints += checkpoints
+    report.artifacts += artifacts
+    report.entries_redacted += redaction.done
+    report.held.update(held)
+
+
+def _delete_orphans(tenant: Tenant, doomed_refs: set[str]) -> int:
+    """Delete the artifacts among `doomed_refs` that no kept checkpoint reaches."""
+    if not doomed_refs:
+        return 0  # nothing can be orphaned: no lock, no reading of the kept references
+    _hold_artifact_writes()
+    kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
+    orphans = Artifact.objects.filter(tenant=tenant, digest__in=doomed_refs - kept_refs)
+    count = orphans.count()
+    orphans.delete()
+    return count
 
 
 def _preview(tenant: Tenant, report: PurgeReport) -> None:
@@ -142,7 +178,7 @@ def _preview(tenant: Tenant, report: PurgeReport) -> None:
 
 
 def _hold_artifact_writes() -> None:
-    """Until the purge commits, no step commit may store an artifact (PostgreSQL).
+    """Until the purge's batch commits, no step commit may store an artifact (PostgreSQL).
 
     A step commit refers to an artifact that is already stored without writing it again
     (`ON CONFLICT DO NOTHING` takes no lock on the row it finds). Had it done so between
@@ -154,8 +190,9 @@ def _hold_artifact_writes() -> None:
     for (the kept references, read after, see its checkpoint), a later one waits for the
     purge (its insert then finds the row deleted and stores it again). Reads go on; so does
     every commit that stores nothing, and the step commit gains no statement. The lock is
-    also self-exclusive, so two purges take their turns here. SQLite needs nothing: the
-    purge's transaction (IMMEDIATE) holds the one write lock from its start.
+    also self-exclusive, so two purges take their turns here. Only a batch with artifacts to
+    delete takes it, and lets it go when it commits. SQLite needs nothing: the batch's
+    transaction (IMMEDIATE) holds the one write lock from its start.
     """
     if connection.vendor != "postgresql":
         return
@@ -189,6 +226,7 @@ def purge(
     tenant_slug: str | None = None,
     thread_id: str | None = None,
     now: datetime | None = None,
+    batch_size: int | None = None,
 ) -> list[PurgeReport]:
     """Every tenant's purge (or one tenant's); raises Tenant.DoesNotExist for a slug that
     names none, so a mistyped one is not taken for a tenant with nothing to purge."""
@@ -197,4 +235,7 @@ def purge(
         tenants = tenants.filter(slug=tenant_slug)
         if not tenants.exists():
             raise Tenant.DoesNotExist(f"no tenant {tenant_slug!r}")
-    return [purge_tenant(t, now=now, dry_run=dry_run, thread_id=thread_id) for t in tenants]
+    return [
+        purge_tenant(t, now=now, dry_run=dry_run, thread_id=thread_id, batch_size=batch_size)
+        for t in tenants
+    ]

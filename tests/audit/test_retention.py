@@ -248,3 +248,45 @@ def test_a_dry_run_counts_what_the_purge_then_removes(tenant_a: Tenant) -> None:
     line = next(x for x in done.splitlines() if x.startswith("acme:"))
     assert "40 checkpoint(s)" in line and " 0 artifact(s)" not in line, line
     assert line.replace("purged", "would purge") in planned, (planned, done)
+
+
+def test_a_purge_of_several_batches_removes_everything_due_and_keeps_everything_live(
+    tenant_a: Tenant,
+) -> None:
+    """Five expired runs sharing artifacts with each other and with a live one, purged two
+    runs per transaction: every expired run and every artifact only they used is gone,
+    everything the live run refers to is kept, each batch journalled once, and the counts
+    add up."""
+    from runtime import retention
+    from runtime.artifacts import resolve
+
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    expired = [create_run(tenant_a, "grower", {"steps": n}, actor="t") for n in (6, 9, 3, 12, 8)]
+    live = create_run(tenant_a, "grower", {"steps": 5}, actor="t")
+    for run in (*expired, live):
+        advance_run(run.run_id, "w1")
+    for run in expired:
+        _aged(run, 31)
+    doomed = Checkpoint.objects.filter(run__in=expired).count()
+    out = _purge("--tenant", tenant_a.slug, "--batch-size", "2")
+
+    assert f"purged 5 run(s), {doomed} checkpoint(s)" in out, out
+    assert not Run.objects.filter(pk__in=[r.pk for r in expired]).exists()
+    kept = retention._refs(tenant_a.pk, Checkpoint.objects.filter(tenant=tenant_a))
+    assert kept and set(Artifact.objects.values_list("digest", flat=True)) == kept
+    last = Checkpoint.objects.get(run=live, rev=5)
+    assert len(resolve(tenant_a.pk, last.state)["notes"]) == 5
+    batches = JournalEntry.objects.filter(
+        stream=journal.tenant_stream(tenant_a.pk), type="retention_purged"
+    )
+    assert [len(e.payload["runs"]) for e in batches.order_by("seq")] == [2, 2, 1]
+    assert sum(e.payload["checkpoints"] for e in batches) == doomed
+    assert {r for e in batches for r in e.payload["runs"]} == {str(r.run_id) for r in expired}
+    for run in expired:
+        assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+@pytest.mark.parametrize("size", ["0", "-3"])
+def test_a_batch_size_below_one_is_refused(tenant_a: Tenant, size: str) -> None:
+    with pytest.raises(CommandError, match="--batch-size must be at least 1"):
+        _purge("--batch-size", size)

@@ -219,3 +219,59 @@ def test_two_purges_at_once_purge_and_journal_a_run_once(
     assert sorted(len(r.runs) for r in reports) == [0, 1], [r.runs for r in reports]
     purged = JournalEntry.objects.filter(type="retention_purged", tenant_id=tenant_a.pk)
     assert [e.payload["runs"] for e in purged] == [[str(old.run_id)]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_step_commits_that_store_artifacts_go_on_between_the_purges_batches(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The purge held the artifact table (SHARE ROW EXCLUSIVE, PostgreSQL) from the reading
+    of the kept references to its commit, for every due run of the tenant at once: a large
+    purge stopped every step commit that stores an artifact until it ended. Batches each
+    commit on their own: between two, a live run's step commits (which store artifacts) go
+    through, and the purge still keeps what they refer to."""
+    old, live = _expired_and_live(tenant_a)
+    older = create_run(tenant_a, "grower", {"steps": 30}, actor="t")
+    assert advance_run(older.run_id, "w1").outcome == "completed"
+    Run.objects.filter(pk=older.pk).update(updated_at=timezone.now() - timedelta(days=40))
+    paused, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    real_batch = retention._purge_batch
+
+    def batch_then_pause(*args: Any, **kwargs: Any) -> None:
+        real_batch(*args, **kwargs)
+        if not paused.is_set():  # the first batch has committed: hold the purge here
+            paused.set()
+            go.wait(timeout=60)
+
+    monkeypatch.setattr(retention, "_purge_batch", batch_then_pause)
+
+    def purge() -> None:
+        try:
+            tenant = Tenant.objects.get(pk=tenant_a.pk)
+            outcome["purge"] = retention.purge_tenant(tenant, batch_size=1)
+        except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+            outcome["purge"] = exc
+        finally:
+            connections.close_all()
+
+    purger = threading.Thread(target=purge)
+    purger.start()
+    stepper = threading.Thread(target=_step_into, args=(outcome, live))
+    try:
+        assert paused.wait(timeout=30), "the purge never finished its first batch"
+        stepper.start()
+        stepper.join(timeout=30)
+        assert not stepper.is_alive(), "the step commit waited for the rest of the purge"
+    finally:
+        go.set()
+        purger.join(timeout=60)
+        if stepper.ident is not None:
+            stepper.join(timeout=60)
+    assert outcome["step"] == "waiting", outcome
+    report = outcome["purge"]
+    assert isinstance(report, retention.PurgeReport), report
+    assert sorted(report.runs) == sorted([str(old.run_id), str(older.run_id)])
+    live.refresh_from_db()
+    last = Checkpoint.objects.get(run=live, rev=live.checkpoint_rev)
+    assert len(resolve(live.tenant_id, last.state)["notes"]) == 40

@@ -21,6 +21,11 @@ class Command(BaseCommand):
             "--thread",
             help="delete this thread's finished runs now (a deletion request); needs --tenant",
         )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            help="runs per transaction (default HOLDPOINT_PURGE_BATCH)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["thread"] is not None and not options["thread"].strip():
@@ -28,11 +33,14 @@ class Command(BaseCommand):
             raise CommandError("--thread needs a thread id")
         if options["thread"] and not options["tenant"]:
             raise CommandError("--thread needs --tenant")
+        if options["batch_size"] is not None and options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
         try:
             reports = purge(
                 dry_run=options["dry_run"],
                 tenant_slug=options["tenant"],
                 thread_id=options["thread"],
+                batch_size=options["batch_size"],
             )
         except Tenant.DoesNotExist as exc:
             raise CommandError(str(exc)) from None
