@@ -3,8 +3,9 @@
 Two sources, chosen per metric for exactness:
 
 - Counts of current rows (runs and actions by status, the reconcile backlog, pending
-  approvals and the oldest one's age) and the lease takeovers the journal records are read
-  from the database at scrape time. They are exact whichever process, host or restart did
+  approvals and the oldest one's age) and the lease takeovers the journal records (with
+  those the retention purge redacted, kept in a Tally) are read from the database at
+  scrape time. They are exact whichever process, host or restart did
   the work, and cost a fixed number of statements (four, whatever the data size).
 - The two duration histograms are observed where the work happens (worker and web
   processes) in prometheus-client's multiprocess mode: each process writes its own small
@@ -24,13 +25,14 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Count
+from django.db.models import BooleanField, Count
+from django.db.models.expressions import RawSQL
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -40,7 +42,7 @@ from prometheus_client.registry import Collector
 from audit.models import JournalEntry
 from runtime.events import RunEvent
 from runtime.metricfiles import HostMetrics
-from runtime.models import Action, ActionStatus, Run, RunStatus
+from runtime.models import Action, ActionStatus, Run, RunStatus, Tally
 
 log = logging.getLogger("holdpoint.metrics")
 
@@ -68,6 +70,9 @@ _TAKEOVER = {
     "postgresql": "payload @> '{\"takeover\": true}'",
     "sqlite": "json_extract(payload, '$.takeover') = 1",
 }
+# The takeovers whose entries the retention purge redacted (their payload is a digest now):
+# a counter never goes down, so they stay counted here (runtime.models.Tally).
+REDACTED_TAKEOVERS = "lease_takeovers_redacted"
 
 
 def clock() -> float:
@@ -83,8 +88,28 @@ def observe_action(tool: str, began: float) -> None:
 
 
 def takeovers_sql(vendor: str) -> str:
-    table = JournalEntry._meta.db_table
-    return f"SELECT COUNT(*) FROM {table} WHERE type = %s AND {_TAKEOVER[vendor]}"
+    """The takeovers journalled and those redacted since, in one statement: one snapshot, so
+    a purge committing between two reads cannot count its takeovers twice, or not at all."""
+    table, tally = JournalEntry._meta.db_table, Tally._meta.db_table
+    journalled = f"SELECT COUNT(*) FROM {table} WHERE type = %s AND {_TAKEOVER[vendor]}"
+    redacted = f"SELECT value FROM {tally} WHERE name = '{REDACTED_TAKEOVERS}'"
+    return f"SELECT ({journalled}) + COALESCE(({redacted}), 0)"
+
+
+def takeovers_in(streams: Collection[str]) -> dict[str, int]:
+    """The takeovers journalled in these streams and not redacted yet, by stream."""
+    takeover = RawSQL(_TAKEOVER[connection.vendor], (), output_field=BooleanField())
+    entries = JournalEntry.objects.filter(
+        stream__in=streams, type=RunEvent.LEASE_TAKEN, redacted=False
+    ).filter(takeover)
+    return dict(entries.order_by().values_list("stream").annotate(n=Count("pk")))
+
+
+def keep_redacted_takeovers(takeovers: Mapping[str, int], refused: Collection[str]) -> None:
+    """The retention purge, in its transaction, has redacted the streams `takeovers` counted
+    (`takeovers_in`) except those it `refused`: the counter keeps their takeovers."""
+    gone = sum(n for stream, n in takeovers.items() if stream not in refused)
+    Tally.add(REDACTED_TAKEOVERS, gone)
 
 
 def _by_status(name: str, doc: str, counts: dict[str, int], statuses: Iterable[str]) -> Metric:

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.models import JournalEntry, PurgeGate
-from runtime import gates
+from runtime import gates, metrics
 from runtime.artifacts import collect_refs
 from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
 
@@ -116,7 +116,9 @@ def _purge_batch(
             return
         gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
         streams = {journal.run_stream(run_id): run_id for run_id in purged}
+        takeovers = metrics.takeovers_in(streams)
         redaction = JournalEntry.objects.filter(stream__in=streams).redact()
+        metrics.keep_redacted_takeovers(takeovers, redaction.refused)
         held = {streams[name]: why for name, why in redaction.refused.items()}
         purged = [run_id for run_id in purged if run_id not in held]
         if held:

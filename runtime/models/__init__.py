@@ -17,6 +17,7 @@ from runtime.models.runs import (
 from runtime.models.secrets import ToolCredential
 from runtime.models.shapers import RunShaper, ShaperKind
 from runtime.models.sweeps import SweeperTurn
+from runtime.models.tallies import Tally
 from runtime.models.tenancy import AgentAccount, Membership, Role, Tenant
 from runtime.models.tokens import AgentToken, TokenStatus
 from runtime.models.tooldefs import ToolDefinition
@@ -44,6 +45,7 @@ __all__ = [
     "RunStatus",
     "ShaperKind",
     "SweeperTurn",
+    "Tally",
     "Tenant",
     "TokenStatus",
     "ToolCredential",

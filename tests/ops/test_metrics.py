@@ -6,20 +6,26 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
+import pytest
 import time_machine
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from approvals.models import ApprovalRequest, ApprovalStatus
+from audit.journal import run_stream
+from audit.models import JournalEntry
 from runtime.executor import advance_run
 from runtime.leases import take_lease
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.tools import tool_of  # noqa: F401  (registers the test tools through tests.graphs)
+from tests.audit.tamper import tampering
 from tests.ops.metrics import scrape, value
 from tests.runtime.helpers import expire_lease
 
@@ -146,3 +152,38 @@ def test_the_takeover_count_reads_its_partial_index(db: None) -> None:
             cursor.execute("EXPLAIN QUERY PLAN " + takeovers_sql("sqlite"), ["lease_taken"])
         plan = " ".join(str(row) for row in cursor.fetchall())
     assert "runtime_journal_takeovers" in plan
+
+
+@pytest.mark.tampers_journal
+def test_the_takeover_counter_never_goes_down_across_a_purge(tenant_a: Tenant) -> None:
+    """The count was read from the journal's takeover entries, whose payloads the retention
+    purge replaces by digests: after a purge the counter went down (Prometheus reads that as
+    a reset, and `increase()` over it is wrong). The purge now keeps what it redacts
+    counted — and not a second time what it could not redact (a run it kept)."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    taken = [_taken_over(tenant_a) for _ in range(4)]
+    before = value(scrape(), "holdpoint_lease_takeovers_total")
+    assert before == 4
+    Run.objects.filter(pk__in=[r.pk for r in taken]).update(
+        updated_at=datetime.now(UTC) - timedelta(days=31)
+    )
+    kept = JournalEntry.objects.get(stream=run_stream(taken[0].run_id), seq=1)
+    with tampering() as cursor:  # a payload no writer stores: the purge keeps this run
+        cursor.execute(
+            "UPDATE audit_journalentry SET payload = %s WHERE id = %s",
+            ['{"n": 1152921504606846976}', kept.pk],
+        )
+    with pytest.raises(CommandError, match="1 due run"):
+        call_command("purge", "--batch-size", "2", stdout=StringIO())
+    assert Run.objects.filter(pk__in=[r.pk for r in taken]).count() == 1
+    assert value(scrape(), "holdpoint_lease_takeovers_total") == before
+    _taken_over(tenant_a)
+    assert value(scrape(), "holdpoint_lease_takeovers_total") == before + 1
+
+
+def _taken_over(tenant: Tenant) -> Run:
+    run = create_run(tenant, "chain", {"steps": 2}, actor="t")
+    take_lease(run.run_id, "w1", 5)
+    expire_lease(run)
+    advance_run(run.run_id, "w2")
+    return run
