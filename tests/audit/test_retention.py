@@ -290,3 +290,21 @@ def test_a_purge_of_several_batches_removes_everything_due_and_keeps_everything_
 def test_a_batch_size_below_one_is_refused(tenant_a: Tenant, size: str) -> None:
     with pytest.raises(CommandError, match="--batch-size must be at least 1"):
         _purge("--batch-size", size)
+
+
+def test_an_empty_tenant_slug_is_refused_not_taken_for_every_tenant(
+    tenant_a: Tenant, tenant_b: Tenant
+) -> None:
+    """`purge --tenant ""` (a script whose slug variable came out empty) was taken for no
+    --tenant at all: it purged every tenant's due runs, not one tenant's."""
+    for tenant in (tenant_a, tenant_b):
+        Tenant.objects.filter(pk=tenant.pk).update(retention_days=1)
+    runs = [create_run(t, "chain", {"steps": 1}, actor="t") for t in (tenant_a, tenant_b)]
+    for run in runs:
+        advance_run(run.run_id, "w1")
+        _aged(run, 10)
+    for empty in ("", "  "):
+        for extra in ([], ["--dry-run"]):
+            with pytest.raises(CommandError, match="--tenant needs a tenant slug"):
+                _purge("--tenant", empty, *extra)
+    assert Run.objects.filter(pk__in=[r.pk for r in runs]).count() == 2

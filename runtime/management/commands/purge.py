@@ -28,6 +28,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["tenant"] is not None and not options["tenant"].strip():
+            # An empty slug is no tenant: taken as "no --tenant", it purged every tenant.
+            raise CommandError("--tenant needs a tenant slug")
         if options["thread"] is not None and not options["thread"].strip():
             # An empty id is no thread: taken as "no --thread", it purged every tenant.
             raise CommandError("--thread needs a thread id")
