@@ -321,3 +321,16 @@ def test_periodic_verification_catches_a_stream_whose_recent_entries_were_delete
         stream=journal.tenant_stream(tenant_a.pk), type="chain_break_detected"
     )
     assert alert.payload["stream"] == stream and alert.payload["seq"] == 2
+
+
+def test_an_empty_tenant_or_stream_is_refused_not_taken_for_the_whole_journal(
+    tenant_a: Tenant,
+) -> None:
+    """`audit_verify --tenant ""` (or `--stream ""`) verified every stream of every tenant
+    and exited 0: a script that meant one tenant's proof got a different one, and said so
+    for a tenant it never named."""
+    _run(tenant_a)
+    for option in ("--tenant", "--stream"):
+        for empty in ("", "  "):
+            with pytest.raises(CommandError, match=f"{option} needs a"):
+                call_command("audit_verify", option, empty, stdout=StringIO())

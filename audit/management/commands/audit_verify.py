@@ -20,6 +20,11 @@ class Command(BaseCommand):
         parser.add_argument("--anchor", help="a file written by audit_anchor to check against")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # An empty value names nothing: taken as the option left out, it verified the whole
+        # journal and answered for a tenant or stream nobody named.
+        for option, what in (("tenant", "tenant slug"), ("stream", "stream name")):
+            if options[option] is not None and not options[option].strip():
+                raise CommandError(f"--{option} needs a {what}")
         tenant_id = None
         if options["tenant"]:
             tenant = (
