@@ -206,7 +206,9 @@ def alert(found: Break) -> None:
 
 
 def verify_recent(hours: int = 2) -> int:
-    """The periodic check: streams written to lately; alerts on every break."""
+    """The periodic check: streams written to lately (and heads whose last entry is gone or
+    changed); alerts on every break. By design it does not re-walk quiet streams: an edit
+    in the middle of one is the full audit_verify's to find (README, "Audit trail")."""
     checked, breaks = verify_all(since=timezone.now() - timedelta(hours=hours))
     for found in breaks:
         alert(found)
