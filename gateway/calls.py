@@ -292,6 +292,12 @@ def drive(caller: Caller, call: Call) -> Action:
         # poll of a waiting call: HOLDPOINT_RECONCILE_ATTEMPTS polls would hand a finder that
         # failed for a few seconds to a person.
         return action
+    if action is not None and action.status == S.SENT and ledger.may_be_in_flight(action):
+        # Its request may still land (its sender is at it — here, in another process, or
+        # paused past its lease): a lookup can only say "not yet", and taking the lease
+        # would refuse the sender's own answer as stale. The worker's rule: reconciled once
+        # the request can no longer be in flight (dispatch.reconcile_action).
+        return action
     tool = get_tool(call.tool, call.tenant_id)
     with _lease(caller, call.run_id, tool.timeout + LEASE_MARGIN) as (run, fence):
         if action is None:

@@ -28,6 +28,12 @@ class Upstream:
         found = [json.loads(line) for line in lines]
         return [c for c in found if tool is None or c["tool"] == tool]
 
+    def finds(self) -> list[dict[str, Any]]:
+        """Every call of a finder (tickets_find, tickets_find_text), in order."""
+        path = self.data / "finds.jsonl"
+        lines = path.read_text("utf-8").splitlines() if path.exists() else []
+        return [json.loads(line) for line in lines]
+
     def faults(self, **faults: Any) -> None:
         (self.data / "faults.json").write_text(json.dumps(faults), "utf-8")
 

@@ -7,12 +7,16 @@ lost answer. DIR/faults.json, read on each call, makes the next answers misbehav
 `{"hang": SECONDS}` applies the call (it is recorded) and then waits before answering — a
 client with a shorter timeout never learns the outcome; `{"huge": BYTES}` applies it and
 answers with that much padding; `{"id": VALUE}` applies it and answers with VALUE (any JSON:
-true, "", an object) where the ticket's id belongs.
+true, "", an object) where the ticket's id belongs; `{"delay": SECONDS}` waits *before* it
+applies the call — a request still in flight, whose effect a lookup cannot find yet;
+`{"raw": TEXT}` answers with the JSON text TEXT, byte for byte, as the ticket's `note` (and
+in its text block): what the SDK's own encoder never writes — NaN, Infinity, a lone
+surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
 text): what an MCP definition with dedup `lookup` needs. `{"find_fails": 1}` makes the finder
-answer with an error.
+answer with an error. Each call of a finder is appended to DIR/finds.jsonl.
 """
 
 from __future__ import annotations
@@ -39,11 +43,31 @@ def _record(tool: str, arguments: dict[str, Any]) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-async def _misbehave() -> None:
+def _faults() -> dict[str, Any]:
     path = DATA / "faults.json"
-    faults = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    faults: dict[str, Any] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return faults
+
+
+async def _misbehave() -> None:
+    faults = _faults()
     if faults.get("hang"):
         await asyncio.sleep(float(faults["hang"]))
+
+
+async def _delay() -> None:
+    """`{"delay": SECONDS}`: the request is in flight, not applied yet."""
+    if _faults().get("delay"):
+        await asyncio.sleep(float(_faults()["delay"]))
+
+
+def _found_by(tool: str, request_id: str) -> None:
+    with (DATA / "finds.jsonl").open("a", encoding="utf-8") as out:
+        out.write(json.dumps({"tool": tool, "request_id": request_id}) + "\n")
+
+
+# Stands for the `raw` fault's text in an answer; the Raw middleware puts the text there.
+RAW = "@@raw@@"
 
 
 def _ticket(number: int, title: str) -> dict[str, Any]:
@@ -54,10 +78,38 @@ def _ticket(number: int, title: str) -> dict[str, Any]:
 
 
 def _padding() -> dict[str, str]:
-    """`{"huge": BYTES}`: an answer that carries that much besides the ticket."""
-    path = DATA / "faults.json"
-    faults = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    return {"padding": "x" * int(faults["huge"])} if faults.get("huge") else {}
+    """`{"huge": BYTES}`: an answer that carries that much besides the ticket; `{"raw": …}`:
+    a note the Raw middleware replaces."""
+    faults = _faults()
+    extra = {"note": RAW} if "raw" in faults else {}
+    return {**extra, "padding": "x" * int(faults["huge"])} if faults.get("huge") else extra
+
+
+class Raw:
+    """ASGI middleware: with the `raw` fault, the JSON string RAW in an answer becomes the
+    fault's text — in the structured result (`"@@raw@@"`) and in its JSON text block
+    (`\"@@raw@@\"`) — byte for byte, on its way out."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raw = _faults().get("raw") if scope["type"] == "http" else None
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        value = str(raw).encode()
+        escaped = json.dumps(str(raw))[1:-1].encode()
+
+        async def rewriting(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                body = body.replace(b'\\"' + RAW.encode() + b'\\"', escaped)
+                body = body.replace(b'"' + RAW.encode() + b'"', value)
+                message = {**message, "body": body}
+            await send(message)
+
+        await self.app(scope, receive, rewriting)
 
 
 @server.tool(
@@ -89,6 +141,7 @@ async def tickets_purge(older_than_days: int) -> str:
 
 async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
     """Open a ticket, remembering the client's request id (`--keyed`)."""
+    await _delay()
     number = _record("tickets_open", {"title": title, "request_id": request_id})
     await _misbehave()
     return _ticket(number, title)
@@ -96,8 +149,8 @@ async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
 
 async def tickets_find(request_id: str) -> dict[str, Any]:
     """The ticket opened with this request id, or `{"found": false}` (a read)."""
-    path = DATA / "faults.json"
-    if path.exists() and json.loads(path.read_text(encoding="utf-8")).get("find_fails"):
+    _found_by("tickets_find", request_id)
+    if _faults().get("find_fails"):
         raise ToolError("the finder is down")
     calls = DATA / "calls.jsonl"
     lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
@@ -110,6 +163,7 @@ async def tickets_find(request_id: str) -> dict[str, Any]:
 async def tickets_find_text(request_id: str) -> str:
     """The finder of a server written for people: plain text, no structured result
     (`--keyed`)."""
+    _found_by("tickets_find_text", request_id)
     calls = DATA / "calls.jsonl"
     lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
     for number, line in enumerate(lines, 1):
@@ -139,7 +193,9 @@ def main() -> None:
     if args.transport == "stdio":
         server.run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=args.port)
+        import uvicorn
+
+        uvicorn.run(Raw(server.streamable_http_app()), host="127.0.0.1", port=args.port)
 
 
 if __name__ == "__main__":

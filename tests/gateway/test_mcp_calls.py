@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import mcp_types as types
 import pytest
 import time_machine
 from django.conf import settings
+from django.db import connections
 from django.db.models import F
 from django.db.models.functions import Now
 from django.test import override_settings
@@ -25,6 +27,7 @@ from runtime import mcp, protocol, tooldefs
 from runtime.agents import mcp_session
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from runtime.sweeper import flag_lost_executors
+from tests import procs
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
 from tests.tooldefs import define_tickets
@@ -140,13 +143,13 @@ def test_an_http_tools_answer_with_a_content_field_is_handed_over_not_a_crash(
     assert [r["method"] for r in service.requests] == ["POST"]
 
 
-def _keyed(tenant: Tenant, upstream: Upstream) -> str:
+def _keyed(tenant: Tenant, upstream: Upstream, timeout: float = 1.5) -> str:
     """The README's tool with a lookup (tickets_open, found by tickets_find), a short timeout
     so its answer is lost quickly, let go by a policy. Its name."""
     from tests.core.readme import blocks
 
     (block,) = [b for b in blocks() if b.lang == "json" and '"executor": "mcp"' in b.text]
-    declared = {**json.loads(block.text), "timeout_seconds": 1.5}
+    declared = {**json.loads(block.text), "timeout_seconds": timeout}
     McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, timeout_seconds=2)
     tooldefs.define(tenant, declared, "user:admin")
     ApprovalPolicy.objects.create(tenant=tenant, name="go", tool=declared["name"], required=False)
@@ -182,6 +185,58 @@ def test_a_waiting_call_asks_a_failing_lookup_again_on_the_back_off_not_on_every
     settled = calls.drive(caller, call)
     assert settled.status == S.CONFIRMED and settled.external_id == "T-1", settled.last_error
     assert len(upstream.calls("tickets_open")) == 1  # found, never sent again
+
+
+def test_a_call_whose_sender_may_still_be_in_flight_is_not_looked_up_on_every_poll(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """A call is `sent` and its request still on its way (the upstream takes 3 s before it
+    applies it), its sender paused past its lease. The same call polled meanwhile — the wait
+    loop drives it every POLL_SECONDS — took the lease and asked the lookup tool on every
+    poll: "absent" can prove nothing while the request may still land, each lookup was a
+    request to the upstream for nothing, and the lease it took refused the sender's own
+    answer as stale. No lookup now until the request can no longer be in flight; the
+    sender records its answer."""
+    upstream = mcp_upstream(keyed=True)
+    name = _keyed(tenant_a, upstream, timeout=10)
+    upstream.faults(delay=3)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    call = calls.parse(caller, session, name, {"title": "Printer on fire"})
+    sender = _Sender(caller, call)
+    procs.wait_for(
+        lambda: Action.objects.filter(idempotency_key=call.key, status=S.SENT).exists(), 10
+    )
+    Run.objects.filter(pk=session).update(lease_expires_at=Now() - timedelta(seconds=1))
+    said = [calls.answer(calls.drive(caller, call)).text for _ in range(8)]  # the polls
+    assert upstream.finds() == [], upstream.finds()
+    assert all(text.startswith("PENDING:") for text in said), said
+    action = sender.result()
+    assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
+    assert len(upstream.calls("tickets_open")) == 1 and upstream.finds() == []
+
+
+class _Sender:
+    """calls.drive on a thread of its own: the call whose request is in flight."""
+
+    def __init__(self, caller: calls.Caller, call: calls.Call) -> None:
+        self.box: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(caller, call), daemon=True)
+        self.thread.start()
+
+    def _run(self, caller: calls.Caller, call: calls.Call) -> None:
+        try:
+            self.box["action"] = calls.drive(caller, call)
+        except Exception as exc:  # noqa: BLE001 (re-raised in the test's thread)
+            self.box["error"] = exc
+        finally:
+            connections.close_all()
+
+    def result(self) -> Action:
+        self.thread.join(30)
+        if "error" in self.box:
+            raise self.box["error"]
+        return Action.objects.get(pk=self.box["action"].pk)
 
 
 def test_an_idle_session_whose_gateway_was_lost_is_closed_unless_a_call_may_have_gone(
