@@ -1,8 +1,8 @@
 """Expiry, reminders and escalation of pending hold points (run by the sweeper).
 
 What expiry means is the policy's choice, never an accident: re-request once and then ask a
-human to look at the run (the default), reject, or — only when the policy says so
-explicitly — approve.
+human to look at the run (the default; an MCP session's host is answered REJECTED instead),
+reject, or — only when the policy says so explicitly — approve.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
 from approvals.requests import close_request, request_approval, wake_run
 from runtime import ledger
 from runtime.events import RunEvent, record
+from runtime.graphs import registry
 from runtime.models import Action, ActionStatus, Run, RunStatus
 
 A = ApprovalStatus
@@ -67,8 +68,15 @@ def expire(request_id: UUID) -> int:
             reason = (
                 f"approval of {action.tool} expired twice without a decision (policy {policy.name})"
             )
-            _reject_at_expiry(action, run, reason, attention=True)
+            _reject_at_expiry(action, run, reason, attention=_needs_attention(run))
     return 1
+
+
+def _needs_attention(run: Run) -> bool:
+    """Whether the run needs a person once its action was rejected at the last expiry: its
+    graph says (an MCP session's host gets REJECTED as its answer; nobody need look)."""
+    graph = registry.get(run.graph, run.graph_version)
+    return graph is None or graph.final_expiry_needs_attention
 
 
 def _reject_at_expiry(action: Action, run: Run, reason: str, *, attention: bool = False) -> None:
@@ -76,8 +84,8 @@ def _reject_at_expiry(action: Action, run: Run, reason: str, *, attention: bool 
     "rejected at expiry: …"), so every way of waiting for it gets its final answer — an
     external executor's dispatch 409 `action_cancelled`, the MCP gateway's REJECTED, a
     hosted step's ActionRejected — instead of a hold no open request can ever lift.
-    `attention`: the run then needs a person (the re-request policy's last step); otherwise
-    it is woken to go on without the action."""
+    `attention`: the run then needs a person (the re-request policy's last step, unless its
+    graph hands the rejection to a client); otherwise it is woken to go on without it."""
     if action.status == ActionStatus.AWAITING_APPROVAL:
         ledger.transition(
             action, ActionStatus.CANCELLED, SYSTEM, last_error=f"rejected at expiry: {reason}"

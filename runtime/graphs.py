@@ -94,6 +94,11 @@ class Graph:
     steps: dict[str, Step] = field(default_factory=dict)
     start: str = ""
     revision_hook: RevisionHook | None = None
+    # Whether a hold point that expires for the last time (the re-request policy's second
+    # expiry, approvals.expiry) makes the run need a person. False for a graph whose client
+    # is handed that rejection as its answer (an MCP session: REJECTED): it goes on, as after
+    # a reviewer's rejection.
+    final_expiry_needs_attention: bool = True
 
     @overload
     def step(self, fn: Step, *, start: bool = False, name: str = "") -> Step: ...

@@ -35,6 +35,8 @@ graph = Graph(
         "A session of an MCP client with Holdpoint's gateway (/mcp/<tenant>/): each "
         "tools/call is one action of this run."
     ),
+    # A call rejected at expiry is answered REJECTED to its host like any rejection.
+    final_expiry_needs_attention=False,
 )
 
 

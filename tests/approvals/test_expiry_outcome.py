@@ -127,6 +127,11 @@ def test_an_mcp_call_whose_approval_expired_twice_gets_a_final_answer_not_pendin
     assert said.final and said.is_error and not said.waiting, said.text
     assert said.text.startswith("REJECTED:") and "expired twice" in said.text
     assert service.requests == []  # nothing was sent
+    # The rejection is the host's answer, as a reviewer's would be: the session's run goes
+    # on between calls; nobody is asked to look at it (it needed no person before either).
+    run = Run.objects.get(pk=session_id)
+    assert run.status == RunStatus.QUEUED and run.attention_reason == "", run.attention_reason
+    assert run.waiting_for is None
     # The client has its answer; the same call again is a new action, asked for afresh.
     calls.settle_delivery(caller, call, Action.objects.get(pk=action.pk))
     retry = calls.parse(caller, session_id, "tickets.create", {"title": "Printer on fire"})
