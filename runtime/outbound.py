@@ -40,6 +40,7 @@ from django.conf import settings
 
 from audit.canonical import MAX_DEPTH, TOO_DEEP, deeper_than
 from runtime import tracing
+from runtime.storable import storable_escapes
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -323,13 +324,12 @@ class OutboundResponse:
             # NaN and ±Infinity (JSON has none; Python's parser takes them) as their text:
             # no database column nor the journal takes them, and the answer is the proof of
             # an effect that happened — refusing it would leave that effect unrecorded.
-            value = json.loads(self.body, parse_constant=str)
+            # A NUL or a lone surrogate escape as U+FFFD (runtime.storable).
+            value = json.loads(storable_escapes(self.body), parse_constant=str)
         except RecursionError:
             raise ValueError(TOO_DEEP) from None
         if deeper_than(value, MAX_DEPTH):
             raise ValueError(TOO_DEEP)
-        if b"\\u0000" in self.body or _SURROGATE.search(self.body):
-            value = _without_unstorable_characters(value)
         return value
 
     @property
@@ -339,27 +339,6 @@ class OutboundResponse:
             return self.body.decode(match.group(1) if match else "utf-8", errors="replace")
         except LookupError:  # a charset Python does not know
             return self.body.decode("utf-8", errors="replace")
-
-
-# A \uD800-\uDFFF escape: one half of a pair (valid, joined by the parser) or a lone one.
-_SURROGATE = re.compile(rb"\\u[dD][89abAB]")
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def _without_unstorable_characters(value: Any) -> Any:
-    """`value` with each NUL and each lone surrogate (in strings and keys) as U+FFFD, the
-    replacement character: PostgreSQL's JSON refuses the first, UTF-8 cannot hold the
-    second, and JSON escapes (\\u0000, \\ud800) bring both into a well-formed answer."""
-    if isinstance(value, str):
-        return _UNSTORABLE.sub("\ufffd", value)
-    if isinstance(value, dict):
-        return {
-            _without_unstorable_characters(k): _without_unstorable_characters(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [_without_unstorable_characters(item) for item in value]
-    return value
 
 
 # Unless a definition names its own: what a service's logs show for Holdpoint's requests.

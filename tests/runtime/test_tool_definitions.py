@@ -489,6 +489,10 @@ def test_only_a_number_or_a_non_empty_string_is_an_id(
             b'{"id": "t-1", "note": "a\\u0000b", "k\\ud800": "\\udc00", "ok": "\\ud83d\\ude00"}',
             {"note": "a\ufffdb", "k\ufffd": "\ufffd", "ok": "\U0001f600"},
         ),
+        # A lone low half, with no high half anywhere in the answer.
+        (b'{"id": "t-1", "note": "\\udc00 alone"}', {"note": "\ufffd alone"}),
+        # An escaped backslash before a "u" starts no escape: kept as it came.
+        (b'{"id": "t-1", "path": "C:\\\\u0000\\\\ud800"}', {"path": "C:\\u0000\\ud800"}),
     ],
 )
 def test_an_answer_holding_what_canonical_json_refuses_is_confirmed_and_kept_storable(

@@ -1,0 +1,39 @@
+"""A service's JSON answer made storable (http tools: runtime.outbound).
+
+An answer is the proof of an effect that happened: refusing to store it would leave that
+effect unrecorded (a step failure, an action left `sent`, a person asked). Yet JSON brings
+in what no column takes: a `\\u0000` escape (PostgreSQL's text and JSON refuse NUL), a lone
+surrogate escape such as `\\ud800` (UTF-8 cannot hold it). The escapes are rewritten in the
+answer's bytes, before any parser sees them.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Any escape that may need rewriting: \u0000, or one half of a surrogate pair.
+_SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+# One escape of a JSON string, scanned from the left so that `\\` (an escaped backslash)
+# is consumed whole and never read as the start of another escape: a surrogate pair, a
+# lone half, \u0000, or any other (kept as it is).
+_ESCAPE = re.compile(
+    rb"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    rb"|u[dD][89a-fA-F][0-9a-fA-F]{2}|u0000|.)",
+    re.DOTALL,
+)
+REPLACEMENT = rb"\ufffd"  # the escape of U+FFFD: as long as what it replaces
+
+
+def storable_escapes(body: bytes) -> bytes:
+    """JSON text with each `\\u0000` and each lone surrogate escape as `\\ufffd` (U+FFFD, the
+    replacement character), everything else byte for byte — the same length, so a
+    Content-Length still holds. A pair that makes one character is kept. Costs one search
+    for an answer that has no such escape."""
+    if not _SUSPECT.search(body):
+        return body
+    return _ESCAPE.sub(_rewritten, body)
+
+
+def _rewritten(match: re.Match[bytes]) -> bytes:
+    token = match.group()
+    return REPLACEMENT if len(token) == 6 and _SUSPECT.match(token) else token
