@@ -51,6 +51,7 @@ from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, ToolCredential
+from runtime.storable import finite, storable_escapes
 from runtime.tools import (
     CallResult,
     Dedup,
@@ -138,32 +139,39 @@ class _Pinned(httpx2.AsyncBaseTransport):
         if self.vetted.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": self.vetted.host}
         response = await self.inner.handle_async_request(request)
-        if self.max_bytes:
-            response.stream = _Capped(response.stream, self.max_bytes)
+        response.stream = _Read(response.stream, self.max_bytes)
         return response
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-class _Capped(httpx2.AsyncByteStream):
-    """An answer read up to `limit` bytes, as http tools' are (runtime.outbound): past it the
-    connection is dropped, so an upstream's megabytes never fill a worker's or the gateway's
-    memory, nor an action's result."""
+class _Read(httpx2.AsyncByteStream):
+    """An answer as the SDK may read it. Up to `limit` bytes (0: no cap), as http tools' are
+    (runtime.outbound): past it the connection is dropped, so an upstream's megabytes never
+    fill a worker's or the gateway's memory, nor an action's result. And storable: each
+    line (an event-stream line, or a JSON body, where no escape spans a line) with its NUL
+    and lone surrogate escapes rewritten (runtime.storable) — the SDK's parser refuses a
+    message holding a lone surrogate, which would lose the proof of an applied effect."""
 
     def __init__(self, inner: Any, limit: int) -> None:
         self.inner, self.limit = inner, limit
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         seen = 0
+        held = b""  # the last line's start, until its end comes
         async for chunk in self.inner:
             seen += len(chunk)
-            if seen > self.limit:
+            if self.limit and seen > self.limit:
                 raise httpx2.ReadError(
                     f"the answer is larger than {self.limit} bytes "
                     "(HOLDPOINT_TOOL_MAX_RESPONSE_BYTES)"
                 )
-            yield chunk
+            lines, newline, held = (held + chunk).rpartition(b"\n")
+            if newline:
+                yield storable_escapes(lines + newline)
+        if held:
+            yield storable_escapes(held)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -421,7 +429,12 @@ def import_tools(server: McpServer, actor: str) -> list[Any]:
 
 
 def _dump(result: CallToolResult) -> dict[str, Any]:
+    """What an action stores of a result: its content, structured content (NaN and ±Infinity
+    as their text, as an http tool's answer keeps them: the JSON dump would make them null)
+    and error flag."""
     data = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+    if result.structured_content is not None:
+        data["structuredContent"] = finite(result.structured_content)
     return {key: data[key] for key in ("content", "structuredContent", "isError") if key in data}
 
 

@@ -1,15 +1,20 @@
-"""A service's JSON answer made storable (http tools: runtime.outbound).
+"""A service's JSON answer made storable, for every sender: http tools (runtime.outbound) and
+MCP upstreams (runtime.mcp).
 
 An answer is the proof of an effect that happened: refusing to store it would leave that
 effect unrecorded (a step failure, an action left `sent`, a person asked). Yet JSON brings
 in what no column takes: a `\\u0000` escape (PostgreSQL's text and JSON refuse NUL), a lone
-surrogate escape such as `\\ud800` (UTF-8 cannot hold it). The escapes are rewritten in the
-answer's bytes, before any parser sees them.
+surrogate escape such as `\\ud800` (UTF-8 cannot hold it; the MCP SDK's parser refuses the
+whole message for it), and, outside JSON proper, NaN and ±Infinity (which Python's parser
+and pydantic's read). The escapes are rewritten in the answer's bytes, before any parser
+sees them; the numbers are kept as their text.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
 
 # Any escape that may need rewriting: \u0000, or one half of a surrogate pair.
 _SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
@@ -37,3 +42,16 @@ def storable_escapes(body: bytes) -> bytes:
 def _rewritten(match: re.Match[bytes]) -> bytes:
     token = match.group()
     return REPLACEMENT if len(token) == 6 and _SUSPECT.match(token) else token
+
+
+def finite(value: Any) -> Any:
+    """`value` with each NaN and ±Infinity as its text ("NaN", "Infinity", "-Infinity"), as
+    an http tool's answer keeps them (runtime.outbound): no column nor the journal takes
+    them, and JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite(item) for item in value]
+    return value

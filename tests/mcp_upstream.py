@@ -102,6 +102,9 @@ class Raw:
         escaped = json.dumps(str(raw))[1:-1].encode()
 
         async def rewriting(message: Any) -> None:
+            if message["type"] == "http.response.start":  # its length changes: chunked
+                headers = [(k, v) for k, v in message["headers"] if k.lower() != b"content-length"]
+                message = {**message, "headers": headers}
             if message["type"] == "http.response.body":
                 body = message.get("body", b"")
                 body = body.replace(b'\\"' + RAW.encode() + b'\\"', escaped)

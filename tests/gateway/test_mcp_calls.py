@@ -280,3 +280,38 @@ def test_an_idle_session_whose_gateway_was_lost_is_closed_unless_a_call_may_have
     withdrawn = Action.objects.get(run=runs["unsent"])
     assert withdrawn.status == S.CANCELLED and withdrawn.last_error == "session closed: idle"
     assert Action.objects.get(run=runs["sent"]).status == S.SENT
+
+
+@pytest.mark.parametrize(
+    ("raw", "kept"),
+    [
+        ("NaN", "NaN"),
+        ("-Infinity", "-Infinity"),
+        ('"a\\u0000b"', "a\ufffdb"),
+        ('"\\ud800 alone"', "\ufffd alone"),
+        ('"\\ud83d\\ude00"', "\U0001f600"),  # a pair is a character: kept
+    ],
+)
+def test_an_upstream_answer_holding_what_no_column_takes_is_confirmed_and_stored(
+    tenant_a: Tenant,
+    agent_a: Persona,
+    mcp_upstream: Callable[..., Upstream],
+    raw: str,
+    kept: str,
+) -> None:
+    """The upstream applied the call and answered with its proof, plus a value no column
+    takes — NaN or Infinity (JSON has none, the SDK's parser reads them), a \\u0000 escape
+    (PostgreSQL's JSON refuses it), a lone surrogate (UTF-8 cannot hold it). The effect must
+    be confirmed and its answer stored (as an http tool's is: the text, U+FFFD), never a
+    failed write after the effect; the client gets its answer."""
+    upstream = mcp_upstream()
+    _plain(tenant_a, upstream)
+    upstream.faults(raw=raw)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    result = _call_now(caller, session, CREATE, {"title": "Printer on fire"})
+    action = Action.objects.get(tenant=tenant_a, tool=CREATE)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
+    assert action.result["structuredContent"]["note"] == kept
+    assert not result.is_error and result.structured_content["note"] == kept
+    assert len(upstream.calls()) == 1
