@@ -16,7 +16,8 @@ What a call's answer means for the effect (runtime.tools.CallResult):
   idempotency key, and the result is recorded; something there that is no id (true, "",
   null, an object) proves nothing → unknown;
 - `isError` true, or a protocol error saying the request was not acceptable (unknown
-  method, invalid params) → refused for good;
+  method, invalid params) → refused for good — one the SDK's client made up because it
+  could not read the answer is no such word: unknown;
 - no session could be opened (refused connection, failed handshake) → refused, transient:
   `tools/call` was never sent;
 - a timeout or a lost connection after `tools/call` was sent → unknown. MCP has no
@@ -67,6 +68,14 @@ from runtime.tools import (
 T = TypeVar("T")
 # JSON-RPC errors that say the server did not take the request: nothing was done.
 NOT_TAKEN = {-32700, -32600, -32601, -32602}
+# How the SDK's client begins the errors it makes up itself, with some of those codes, when
+# the upstream did answer the request but not readably (a body it cannot parse, a content
+# type it does not serve, 202 without an answer): the upstream may have acted on it.
+UNREADABLE_ANSWER = (
+    "Failed to parse",
+    "Unexpected content type",
+    "server answered a request with 202",
+)
 MAX_TOOLS = 500  # one import; an upstream listing more is refused, not truncated
 
 
@@ -235,6 +244,12 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe(inner) for inner in exc.exceptions)
     return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _not_taken(error: MCPError) -> bool:
+    """Whether the upstream said it did not take the request — not the SDK's client, which
+    could not read what the upstream answered."""
+    return error.code in NOT_TAKEN and not error.message.startswith(UNREADABLE_ANSWER)
 
 
 def _protocol_error(exc: BaseException) -> MCPError | None:
@@ -504,7 +519,7 @@ class McpTool(Tool):
         if not sent:  # no session was opened: tools/call never left
             return CallResult("refused", transient=True, detail=f"not sent: {detail}")
         error = _protocol_error(exc)
-        if error is not None and error.code in NOT_TAKEN:
+        if error is not None and _not_taken(error):
             return CallResult("refused", detail=f"{self.upstream_tool}: {detail}")
         return CallResult("unknown", detail=f"after tools/call was sent: {detail}")
 

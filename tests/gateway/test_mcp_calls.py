@@ -315,3 +315,25 @@ def test_an_upstream_answer_holding_what_no_column_takes_is_confirmed_and_stored
     assert action.result["structuredContent"]["note"] == kept
     assert not result.is_error and result.structured_content["note"] == kept
     assert len(upstream.calls()) == 1
+
+
+def test_an_upstream_answer_the_sdk_cannot_parse_is_an_unknown_outcome_not_a_refusal(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """The upstream applied the call and answered with a message that is not JSON. The SDK's
+    client then answers the call itself with JSON-RPC's parse error (-32700) — the code an
+    upstream gives a request it could not read, which was taken as "not taken": the action
+    was FAILED and the client told so, though the ticket had been opened, and its next
+    identical call would open a second one. Nobody can tell from such an answer: it is
+    unknown (this tool has no lookup: a person settles it)."""
+    upstream = mcp_upstream()
+    _plain(tenant_a, upstream)
+    upstream.faults(raw="{")  # the answer's JSON is cut off inside
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    call = calls.parse(caller, session, CREATE, {"title": "Printer on fire"})
+    said = calls.answer(calls.drive(caller, call))
+    action = Action.objects.get(idempotency_key=call.key)
+    assert action.status == S.MANUAL_REVIEW, (action.status, action.last_error)
+    assert said.text.startswith("NEEDS A PERSON") and not said.final, said.text
+    assert len(upstream.calls()) == 1
