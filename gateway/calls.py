@@ -127,13 +127,20 @@ def authenticate(header: str, slug: str) -> Caller:
 
 def open_session(caller: Caller, client: dict[str, Any]) -> str:
     """A new session: a new external run of `mcp-session`, executed by the caller's agent
-    account. Its id is the session id."""
+    account. Its id is the session id; its goal keeps the client's name and version — as
+    text a goal can hold (a NUL, which JSON lets a client send, as U+FFFD: the session is
+    not refused after the SDK said yes)."""
     tenant = Tenant.objects.get(pk=caller.tenant_id)
     user = User.objects.get(pk=caller.user_id)
+    about = {
+        k: str(v)[:200].replace("\x00", "\ufffd")
+        for k, v in client.items()
+        if k in ("name", "version")
+    }
     run = create_run(
         tenant,
         GRAPH,
-        {"client": {k: str(v)[:200] for k, v in client.items() if k in ("name", "version")}},
+        {"client": about},
         actor=caller.who,
         thread_id=f"mcp-{uuid.uuid4()}",
         external=True,

@@ -625,3 +625,23 @@ def _initialize() -> dict[str, Any]:
     client = {"name": "t", "version": "1"}
     params = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": client}
     return {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+
+
+def test_an_initialize_whose_client_name_holds_a_nul_opens_its_session(
+    web: str, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """The client's name and version are kept on the session's run (its goal). A NUL in
+    them — valid JSON (`\\u0000`), which the SDK answers like any initialize — could not be
+    stored: the open failed after the SDK's answer, and the client got a 500, no session."""
+    url = _endpoint(web, tenant_a)
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    body = _initialize()
+    body["params"]["clientInfo"] = {"name": "host\u0000name", "version": "1"}
+    opened = httpx.post(url, content=json.dumps(body), headers=headers, timeout=30)
+    assert opened.status_code == 200 and '"result"' in opened.text, opened.text
+    run = Run.objects.get(pk=opened.headers["mcp-session-id"], graph="mcp-session")
+    assert run.goal == {"client": {"name": "host\ufffdname", "version": "1"}}
