@@ -396,6 +396,11 @@ def reimported(fresh: dict[str, Any], current: Mapping[str, Any] | None) -> dict
     return {"name": fresh["name"], "executor": "mcp", **merged}
 
 
+def _imported_from(spec: Mapping[str, Any], server: McpServer) -> bool:
+    """Whether a definition is a tool of `server` (imported, or corrected since)."""
+    return spec.get("executor") == "mcp" and (spec.get("mcp") or {}).get("server") == server.name
+
+
 def _without(schema: Any, argument: str) -> Any:
     """`schema` without the property `argument` (Holdpoint fills it: no param may name it)."""
     if not argument or not isinstance(schema, Mapping):
@@ -422,9 +427,12 @@ def import_tools(server: McpServer, actor: str) -> list[Any]:
         )
     listed = fetch_tools(server)
     items = []
+    taken: dict[str, list[str]] = {}
     for tool in listed:
         fresh = definition_of(server, tool)
         current = tooldefs.current(server.tenant_id, fresh["name"])
+        if current is not None and not _imported_from(current.spec, server):
+            taken[fresh["name"]] = [f"already a tool of the tenant's, not from {server.name}"]
         items.append(reimported(fresh, current.spec if current is not None else None))
     if not items:
         raise tooldefs.InvalidTool(
@@ -437,6 +445,8 @@ def import_tools(server: McpServer, actor: str) -> list[Any]:
             "upstream tools whose names normalise to the same definition name",
             errors={name: ["two upstream tools have this name"] for name in clashes},
         )
+    if taken:  # a person's own tool of that name is not this import's to replace
+        raise tooldefs.InvalidTool("upstream tools named like other tools", errors=taken)
     return toolcatalog.import_definitions(server.tenant, items, actor)
 
 

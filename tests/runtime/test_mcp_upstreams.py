@@ -415,3 +415,24 @@ def test_an_id_that_is_not_an_id_is_no_proof_and_goes_to_a_person(
     assert (action.status, action.external_id) == (S.MANUAL_REVIEW, ""), action.last_error
     assert Run.objects.get(pk=run.pk).status == RunStatus.NEEDS_RECONCILIATION
     assert len(upstream.calls()) == 1  # applied once, never sent again
+
+
+def test_an_import_does_not_take_over_a_tool_it_did_not_import(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """A tenant's own tool that happens to have an imported tool's name — an http tool an
+    admin named helpdesk.tickets_create, or an mcp one sent to another server — was replaced
+    by the import, silently: its calls went to this upstream from then on. The import is
+    refused instead, naming the tool, and nothing is imported."""
+    from runtime import toolcatalog
+    from tests.tooldefs import define_tickets
+
+    upstream = mcp_upstream()
+    define_tickets(tenant_a, "http://127.0.0.1:9", name=CREATE)
+    server = _server(tenant_a, upstream.url)
+    with pytest.raises(tooldefs.InvalidTool) as refused:
+        mcp.import_tools(server, "user:admin")
+    assert CREATE in refused.value.extra["errors"], refused.value.extra
+    kept = toolcatalog.entry(tenant_a.pk, CREATE)
+    assert kept is not None and kept.spec["executor"] == "http"
+    assert not ToolDefinition.objects.filter(tenant=tenant_a, name="helpdesk.tickets_list")
