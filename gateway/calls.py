@@ -299,11 +299,7 @@ def drive(caller: Caller, call: Call) -> Action:
         # poll of a waiting call: HOLDPOINT_RECONCILE_ATTEMPTS polls would hand a finder that
         # failed for a few seconds to a person.
         return action
-    if action is not None and action.status == S.SENT and ledger.may_be_in_flight(action):
-        # Its request may still land (its sender is at it — here, in another process, or
-        # paused past its lease): a lookup can only say "not yet", and taking the lease
-        # would refuse the sender's own answer as stale. The worker's rule: reconciled once
-        # the request can no longer be in flight (dispatch.reconcile_action).
+    if action is not None and _not_yet(action):
         return action
     tool = get_tool(call.tool, call.tenant_id)
     with _lease(caller, call.run_id, tool.timeout + LEASE_MARGIN) as (run, fence):
@@ -320,11 +316,46 @@ def drive(caller: Caller, call: Call) -> Action:
         else:
             action = ledger.reload(action)  # the takeover may have settled it
         if action.status in (S.PREPARED, S.APPROVED, *ledger.UNSETTLED):
+            unsettled = _unsettled(action)
             try:
                 action = protocol.dispatch(action, fence, caller.who)
             except (ApprovalRequired, ToolUnavailable):
                 action = ledger.reload(action)
+            if unsettled is not None and _unsettled(action) == unsettled:
+                _absent_for_now(action)  # reconciled, and nothing written: see below
     return action
+
+
+def _unsettled(action: Action) -> tuple[str, int] | None:
+    if action.status not in ledger.UNSETTLED:
+        return None
+    return action.status, action.reconcile_attempts
+
+
+# Unsettled actions whose lookup said "absent" while their request could still land (the
+# reconciliation then writes nothing; a worker parks its run until the window closes). Not
+# asked again by this process until it has: a hint, bounded; the row decides the rest.
+_ABSENT_IN_FLIGHT: set[Any] = set()
+
+
+def _not_yet(action: Action) -> bool:
+    """Whether an unsettled action is left alone now, though its back-off is over: its
+    request may still land — from its sender (here, in another process, or one paused past
+    its lease; taking the lease would refuse the sender's own answer as stale) or after a
+    lookup here found it absent — and a lookup can only say "not yet" (the worker's rule,
+    dispatch.reconcile_action). Asked again once the request can no longer be in flight."""
+    if action.status != S.SENT and action.pk not in _ABSENT_IN_FLIGHT:
+        return False
+    if ledger.may_be_in_flight(action):
+        return True
+    _ABSENT_IN_FLIGHT.discard(action.pk)
+    return False
+
+
+def _absent_for_now(action: Action) -> None:
+    if len(_ABSENT_IN_FLIGHT) >= 10_000:
+        _ABSENT_IN_FLIGHT.clear()
+    _ABSENT_IN_FLIGHT.add(action.pk)
 
 
 @contextmanager

@@ -55,10 +55,25 @@ async def _misbehave() -> None:
         await asyncio.sleep(float(faults["hang"]))
 
 
-async def _delay() -> None:
-    """`{"delay": SECONDS}`: the request is in flight, not applied yet."""
-    if _faults().get("delay"):
-        await asyncio.sleep(float(_faults()["delay"]))
+# The calls being applied later (`delay`): kept, so a client that gave up does not stop them.
+_LATER: set[asyncio.Task[int]] = set()
+
+
+async def _applied(tool: str, arguments: dict[str, Any]) -> int:
+    """Record the call — with `{"delay": SECONDS}` only that much later, and then even if
+    the client has given up meanwhile (as a service that has the request applies it)."""
+    seconds = float(_faults().get("delay") or 0)
+    if not seconds:
+        return _record(tool, arguments)
+
+    async def later() -> int:
+        await asyncio.sleep(seconds)
+        return _record(tool, arguments)
+
+    task = asyncio.ensure_future(later())
+    _LATER.add(task)
+    task.add_done_callback(_LATER.discard)
+    return await asyncio.shield(task)
 
 
 def _found_by(tool: str, request_id: str) -> None:
@@ -144,8 +159,7 @@ async def tickets_purge(older_than_days: int) -> str:
 
 async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
     """Open a ticket, remembering the client's request id (`--keyed`)."""
-    await _delay()
-    number = _record("tickets_open", {"title": title, "request_id": request_id})
+    number = await _applied("tickets_open", {"title": title, "request_id": request_id})
     await _misbehave()
     return _ticket(number, title)
 

@@ -187,6 +187,18 @@ def test_a_waiting_call_asks_a_failing_lookup_again_on_the_back_off_not_on_every
     assert len(upstream.calls("tickets_open")) == 1  # found, never sent again
 
 
+def _slow_call(
+    tenant: Tenant, agent: Persona, upstream: Upstream, *, timeout: float, delay: float
+) -> tuple[calls.Caller, str, calls.Call]:
+    """A call of the keyed tool (`timeout`) in a new session, that its upstream applies only
+    `delay` seconds after it came: (caller, session, call), not sent yet."""
+    name = _keyed(tenant, upstream, timeout=timeout)
+    upstream.faults(delay=delay)
+    caller = _caller(agent)
+    session = calls.open_session(caller, {})
+    return caller, session, calls.parse(caller, session, name, {"title": "Printer on fire"})
+
+
 def test_a_call_whose_sender_may_still_be_in_flight_is_not_looked_up_on_every_poll(
     tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
 ) -> None:
@@ -198,11 +210,7 @@ def test_a_call_whose_sender_may_still_be_in_flight_is_not_looked_up_on_every_po
     answer as stale. No lookup now until the request can no longer be in flight; the
     sender records its answer."""
     upstream = mcp_upstream(keyed=True)
-    name = _keyed(tenant_a, upstream, timeout=10)
-    upstream.faults(delay=3)
-    caller = _caller(agent_a)
-    session = calls.open_session(caller, {})
-    call = calls.parse(caller, session, name, {"title": "Printer on fire"})
+    caller, session, call = _slow_call(tenant_a, agent_a, upstream, timeout=10, delay=3)
     sender = _Sender(caller, call)
     procs.wait_for(
         lambda: Action.objects.filter(idempotency_key=call.key, status=S.SENT).exists(), 10
@@ -214,6 +222,30 @@ def test_a_call_whose_sender_may_still_be_in_flight_is_not_looked_up_on_every_po
     action = sender.result()
     assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
     assert len(upstream.calls("tickets_open")) == 1 and upstream.finds() == []
+
+
+def test_a_lost_answer_not_applied_yet_is_looked_up_once_while_it_may_still_land(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """The upstream is slow: the call's answer is lost (its 1.5 s timeout) before the
+    upstream applies it (at 4 s). The wait loop drives the unknown call every POLL_SECONDS:
+    its lookup said "absent", which proves nothing while the request may still land, and
+    wrote nothing — so every poll asked again until the window closed. As a worker parks its
+    run until then, the gateway asks once; after the window it asks again and finds it."""
+    upstream = mcp_upstream(keyed=True)
+    caller, _, call = _slow_call(tenant_a, agent_a, upstream, timeout=1.5, delay=4)
+    assert calls.drive(caller, call).status == S.UNKNOWN  # the answer was lost
+    said = [calls.answer(calls.drive(caller, call)).text for _ in range(8)]  # the polls
+    assert len(upstream.finds()) == 1, upstream.finds()
+    assert all(text.startswith("PENDING:") for text in said), said
+
+    procs.wait_for(lambda: upstream.calls("tickets_open"), 10)  # applied now
+    Action.objects.filter(idempotency_key=call.key).update(
+        in_flight_until=Now() - timedelta(seconds=1)
+    )
+    settled = calls.drive(caller, call)
+    assert settled.status == S.CONFIRMED and settled.external_id == "T-1", settled.last_error
+    assert len(upstream.finds()) == 2 and len(upstream.calls("tickets_open")) == 1
 
 
 class _Sender:
