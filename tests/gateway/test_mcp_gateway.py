@@ -645,3 +645,29 @@ def test_an_initialize_whose_client_name_holds_a_nul_opens_its_session(
     assert opened.status_code == 200 and '"result"' in opened.text, opened.text
     run = Run.objects.get(pk=opened.headers["mcp-session-id"], graph="mcp-session")
     assert run.goal == {"client": {"name": "host\ufffdname", "version": "1"}}
+
+
+def test_mcp_tasks_are_not_offered_and_their_methods_are_method_not_found(
+    web: str, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """README: MCP tasks are not in this version. The initialize result offers no `tasks`
+    capability, and a host that calls a tasks/* method anyway gets JSON-RPC's standard
+    method-not-found (-32601) naming it — not an unclear error, nor a session lost."""
+    url = _endpoint(web, tenant_a)
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    opened = httpx.post(url, json=_initialize(), headers=headers, timeout=30)
+    assert '"tasks"' not in opened.text and '"result"' in opened.text, opened.text
+    headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+    for number, method in enumerate(("tasks/get", "tasks/list", "tasks/result", "tasks/cancel")):
+        params = {} if method == "tasks/list" else {"taskId": "t-1"}
+        request = {"jsonrpc": "2.0", "id": 10 + number, "method": method, "params": params}
+        answer = httpx.post(url, json=request, headers=headers, timeout=30)
+        (data,) = [line[5:] for line in answer.text.splitlines() if line.startswith("data:")]
+        error = json.loads(data)["error"]
+        assert (error["code"], error.get("data")) == (-32601, method), answer.text
+    listing = {"jsonrpc": "2.0", "id": 20, "method": "tools/list"}
+    assert '"result"' in httpx.post(url, json=listing, headers=headers, timeout=30).text
