@@ -55,6 +55,7 @@ from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, Leas
 from runtime.events import RunEvent, record
 from runtime.lifecycle import create_run
 from runtime.models import TERMINAL, Action, ActionStatus, AgentToken, Run, Tenant
+from runtime.storable import storable_text
 from runtime.tools import Effect, Sender, Tool, get_tool, tool_of
 
 S = ActionStatus
@@ -132,11 +133,7 @@ def open_session(caller: Caller, client: dict[str, Any]) -> str:
     not refused after the SDK said yes)."""
     tenant = Tenant.objects.get(pk=caller.tenant_id)
     user = User.objects.get(pk=caller.user_id)
-    about = {
-        k: str(v)[:200].replace("\x00", "\ufffd")
-        for k, v in client.items()
-        if k in ("name", "version")
-    }
+    about = {k: storable_text(str(v)[:200]) for k, v in client.items() if k in ("name", "version")}
     run = create_run(
         tenant,
         GRAPH,

@@ -40,7 +40,7 @@ from django.conf import settings
 
 from audit.canonical import MAX_DEPTH, TOO_DEEP, deeper_than
 from runtime import tracing
-from runtime.storable import storable_escapes
+from runtime.storable import storable_escapes, storable_text
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -334,11 +334,13 @@ class OutboundResponse:
 
     @property
     def text(self) -> str:
+        """The body as text a column takes (a NUL as U+FFFD: runtime.storable)."""
         match = re.search(r"charset=\"?([\w.:-]+)", self.headers.get("content-type", ""), re.I)
         try:
-            return self.body.decode(match.group(1) if match else "utf-8", errors="replace")
+            text = self.body.decode(match.group(1) if match else "utf-8", errors="replace")
         except LookupError:  # a charset Python does not know
-            return self.body.decode("utf-8", errors="replace")
+            text = self.body.decode("utf-8", errors="replace")
+        return storable_text(text)
 
 
 # Unless a definition names its own: what a service's logs show for Holdpoint's requests.

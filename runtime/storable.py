@@ -44,6 +44,15 @@ def _rewritten(match: re.Match[bytes]) -> bytes:
     return REPLACEMENT if len(token) == 6 and _SUSPECT.match(token) else token
 
 
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable_text(text: str) -> str:
+    """`text` with each NUL and each lone surrogate as U+FFFD: what a service said outside
+    JSON (an answer kept in a last error, a client's name), as a text column takes it."""
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
 def finite(value: Any) -> Any:
     """`value` with each NaN and ±Infinity as its text ("NaN", "Infinity", "-Infinity"), as
     an http tool's answer keeps them (runtime.outbound): no column nor the journal takes

@@ -565,3 +565,29 @@ def test_a_pattern_that_backtracks_refuses_the_agents_params_at_once(
     )
     assert refused["errors"] == {"title": ['"' + "a" * 60 + '!" does not match "^(a|a)+$"']}
     assert not Action.objects.filter(run=run).exists()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "outcome"),
+    [
+        (200, b"applied\x00, no JSON", S.MANUAL_REVIEW),  # unknown, and none can tell
+        (422, b"refused\x00", S.FAILED),  # refused
+    ],
+)
+def test_an_answer_holding_a_nul_byte_outside_json_is_recorded(
+    serve: Any, tenant_a: Tenant, status: int, body: bytes, outcome: str
+) -> None:
+    """An answer that is not JSON is kept as text in the action's last error (what the
+    service said). A NUL byte in it — PostgreSQL's text refuses it — failed the write of
+    the outcome after the request: a step failure, the action left `sent`, the same again
+    on every retry. The text keeps it as U+FFFD."""
+    from tests.httpservers import answer_with
+
+    _exempt(tenant_a)
+    server = serve(answer_with(status, body))
+    define_tickets(tenant_a, server.url, mode="none")
+    run = _ticket_run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == outcome, (action.status, action.last_error)
+    assert "\ufffd" in action.last_error
