@@ -57,7 +57,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
         created = Action.objects.create(
             tenant_id=run.tenant_id,
             run=run,
-            idempotency_key=f"{original.idempotency_key}:undo",
+            idempotency_key=f"{original.idempotency_key}{ledger.UNDO}",
             tool=undo.name,
             tool_version=undo.version,
             params=text,

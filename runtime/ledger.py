@@ -10,6 +10,7 @@ Network calls live in `runtime.dispatch`; this module only writes.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,6 +69,26 @@ def idempotency_key(run: Run, step: str, call_index: int) -> str:
 def visit_prefix(run: Run, step: str) -> str:
     """What every key of one visit of `step` begins with (the call index follows)."""
     return f"{run.run_id}:{run.goal_rev}:{step}@{run.step_rev}:"
+
+
+# The keys Holdpoint derives begin with their run's id: a step's (`visit_prefix`), an MCP
+# call's (`mcp:<run id>:…`, gateway.calls); a compensation's is its action's key and UNDO.
+UNDO = ":undo"
+_DERIVED = re.compile(r"^(?:mcp:)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):")
+
+
+def reserved_key(key: str, run_id: Any) -> str:
+    """Why an executor may not give `key` to an action of run `run_id`; "" when it may.
+
+    Keys are unique per tenant, and every part of a derived key is on the API (run id, goal
+    revision, step, visit): a client's key spelled as another run's next one took it first,
+    and that run's own prepare failed on it, step after step, until the run failed."""
+    if key.endswith(UNDO):
+        return f"keys ending in {UNDO} are Holdpoint's, for compensations"
+    derived = _DERIVED.match(key)
+    if derived is not None and derived.group(1) != str(run_id):
+        return "the key is one Holdpoint derives for another run"
+    return ""
 
 
 def canonical_params(params: Any) -> tuple[str, str]:

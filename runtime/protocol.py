@@ -311,6 +311,8 @@ def prepare(
         raise InvalidParams("params must be a JSON object", errors={"params": ["not an object"]})
     tool.validate(params)
     canonical = ledger.canonical_params(params)
+    if idempotency_key and (reserved := ledger.reserved_key(idempotency_key, run.run_id)):
+        raise IdempotencyKeyReused(f"key {idempotency_key!r}: {reserved}")
     actor = _actor(who, fence)
     with transaction.atomic(durable=True):
         # The fence check workers make (and the run row lock that holds the ledger still).

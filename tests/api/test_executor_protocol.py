@@ -391,17 +391,20 @@ def test_an_idempotency_key_of_another_run_is_422(agent_a: Persona) -> None:
     assert not Action.objects.filter(run_id=other_run).exists()
 
 
-def test_a_step_key_already_taken_is_a_clean_409_version_conflict(agent_a: Persona) -> None:
-    """The unique key is the last word: if the visit's next key is taken all the same (here
-    by a client key of another run spelled like it), the prepare is refused cleanly."""
+def test_a_client_key_spelled_as_another_runs_step_key_is_refused(agent_a: Persona) -> None:
+    """Keys are unique per tenant: a client key of another run spelled like this run's next
+    call's key took it first, and this run's prepare was refused (409) for as long as the
+    other action lived. Such a key is refused (ledger.reserved_key); the run keeps its own."""
     client = agent_a.api()
     run_id, fence = leased(client)
     other_run, other_fence = leased(client)
     spelled = f"{run_id}:1:api@0:1"  # what run_id's first call would be keyed
-    ok(prepare(client, other_run, other_fence, idempotency_key=spelled), 201)
     before = row_counts()
-    problem(prepare(client, run_id, fence, params={"title": "mine"}), 409, "version_conflict")
+    refused = prepare(client, other_run, other_fence, idempotency_key=spelled)
+    assert "another run" in problem(refused, 422, "idempotency_key_reused")["detail"]
     assert row_counts() == before
+    mine = ok(prepare(client, run_id, fence, params={"title": "mine"}), 201)
+    assert mine["idempotency_key"] == spelled
 
 
 # --- POST actions/{id}/dispatch/ --------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
-from runtime import protocol, tooldefs
+from runtime import ledger, protocol, tooldefs
 from runtime.compensation import compensate, dispatch_standalone
 from runtime.errors import (
     ApprovalRequired,
@@ -591,3 +591,46 @@ def test_an_answer_holding_a_nul_byte_outside_json_is_recorded(
     action = Action.objects.get(run=run)
     assert action.status == outcome, (action.status, action.last_error)
     assert "\ufffd" in action.last_error
+
+
+@pytest.mark.parametrize("spelled", ["hosted", "mcp", "undo"])
+def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox], spelled: str
+) -> None:
+    """Keys are unique per tenant. An agent's `idempotency_key` spelled as another run's
+    derived key (run id, goal rev, step and visit are all on the API) took it first: the
+    other run's own prepare then failed on the unique key, step after step, until the run
+    failed. Another run's keys — its steps', its MCP calls', a compensation's — are refused
+    (422 `idempotency_key_reused`); nothing is stored."""
+    from tests.api import post, problem
+
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    _exempt(tenant_a)
+    victim = _ticket_run(tenant_a)
+    derived = ledger.idempotency_key(victim, "file_ticket", 1)
+    key = {
+        "hosted": derived,
+        "mcp": f"mcp:{victim.run_id}:{'0' * 64}:1",
+        "undo": "ticket-7:undo",  # a compensation's: the action keyed ticket-7's undo
+    }[spelled]
+    run = create_run(
+        tenant_a, "ticketing", {}, actor="agent:a", external=True, executor_account=agent_a.user
+    )
+    fence = protocol.take(run, "agent-1", 30, who="agent:a").fence
+    body = {"fence": fence, "tool": "tickets.create", "params": {"title": "x"}}
+    refused = post(agent_a.api(), f"runs/{run.run_id}/actions/", {**body, "idempotency_key": key})
+    why = "compensations" if spelled == "undo" else "another run"
+    assert why in problem(refused, 422, "idempotency_key_reused")["detail"]
+    assert not Action.objects.filter(run=run).exists()
+    # Its own run's spelling is the agent's to use; the victim files its ticket.
+    own = ledger.idempotency_key(run, "api", 9)
+    assert (
+        post(
+            agent_a.api(), f"runs/{run.run_id}/actions/", {**body, "idempotency_key": own}
+        ).status_code
+        == 201
+    )
+    advance_run(victim.run_id, "w1")
+    [ticket] = Action.objects.filter(run=victim)
+    assert (ticket.idempotency_key, ticket.status) == (derived, S.CONFIRMED)
