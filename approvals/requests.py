@@ -9,7 +9,6 @@ caller's transaction and writes its journal entry there.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -19,6 +18,7 @@ from approvals.hashing import action_hash
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, ApprovalVote
 from approvals.policies import policy_for
 from audit import journal
+from fastsql import statements
 from fastsql.statements import tenant_check
 from runtime.errors import AlreadyDecided, NotPermitted
 from runtime.events import RunEvent, record
@@ -27,6 +27,8 @@ from runtime.models import Action, Run
 from runtime.tools import tool_of
 
 A = ApprovalStatus
+# A new request's times, written by the database clock and read back by its insert.
+STAMPED = ("created_at", "updated_at", "expires_at")
 
 
 def _shown(
@@ -71,33 +73,38 @@ def request_approval(
     policy = policy_for(run.tenant_id, action.tool, params, action.target)
     if policy is None:
         policy = _fallback_policy(run.tenant_id, action.tool, tool_of(action).default_hold)
+    values = {
+        "tenant_id": run.tenant_id,
+        "run_id": run.pk,
+        "action_id": action.pk,
+        "policy_id": policy.pk,
+        "action_hash": action_hash(action),
+        "title": tool_of(action).title_for(params, action.target),
+        "shown": _shown(action, params, run, policy),
+        "params": action.params,
+        "quorum": policy.quorum,
+        "checkpoint_rev": run.checkpoint_rev,
+        "previous_id": previous.pk if previous else None,
+        "rerequest_count": (previous.rerequest_count + expired) if previous else 0,
+        # The database's clock, which judges them: expiry (decide, the expirer, dispatch)
+        # and escalation (created_at + escalate_after_seconds). A host whose clock runs
+        # behind must not shorten the window nor escalate early, nor one ahead lengthen it.
+        "created_at": statements.NOW,
+        "updated_at": statements.NOW,
+        "expires_at": statements.DbNow(policy.expiry_seconds),
+    }
+    request = statements.built(ApprovalRequest, values)
     try:
         with transaction.atomic():
-            request = ApprovalRequest.objects.create(
-                tenant_id=run.tenant_id,
-                run=run,
-                action=action,
-                policy=policy,
-                action_hash=action_hash(action),
-                title=tool_of(action).title_for(params, action.target),
-                shown=_shown(action, params, run, policy),
-                params=action.params,
-                quorum=policy.quorum,
-                # The database's clock, which judges it (decide, the expirer, dispatch): a
-                # host whose clock runs behind must not shorten the window, nor one ahead
-                # lengthen it.
-                expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
-                checkpoint_rev=run.checkpoint_rev,
-                previous=previous,
-                rerequest_count=(previous.rerequest_count + expired) if previous else 0,
-            )
+            stored = statements.insert(ApprovalRequest, [request.__dict__], returning=STAMPED)
     except IntegrityError:  # a concurrent holder opened it: the database refused a second
         return ApprovalRequest.objects.get(
             tenant_check(action.tenant_id), action=action, status=A.PENDING
         )
-    # The time the database wrote (read by tenant too, as every worker statement is).
-    written = ApprovalRequest.objects.filter(tenant_check(action.tenant_id), pk=request.pk)
-    request.expires_at = written.values_list("expires_at", flat=True).get()
+    # The times the database wrote, as the instance's own.
+    request.__dict__.update(zip(STAMPED, stored[0], strict=True))
+    request._state.adding = False
+    request._state.db = transaction.get_connection().alias
     record(
         run,
         RunEvent.APPROVAL_REQUESTED,

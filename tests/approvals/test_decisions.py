@@ -520,6 +520,19 @@ def test_a_request_raised_by_a_worker_whose_clock_runs_behind_gets_the_policys_w
     assert advance_run(run.run_id, "w1").outcome == "completed" and len(box.tasks()) == 1
 
 
+def _on_call(tenant: Tenant, policy: ApprovalPolicy) -> Persona:
+    """A reviewer in the policy's escalation group only (not in acme-reviewers): she may
+    decide once a request escalates, an hour after it was raised."""
+    oncall = Group.objects.create(name="acme-oncall")
+    erin = make_persona(tenant, "erin", Role.VIEWER)
+    Membership.objects.filter(user=erin.user).update(role=Role.REVIEWER)
+    erin.user.groups.add(oncall)
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(
+        escalation_group=oncall, escalate_after_seconds=3600
+    )
+    return erin
+
+
 def test_escalation_waits_for_the_database_clock_not_a_sweepers_clock_running_ahead(
     held: Any, tenant_a: Tenant, policy: ApprovalPolicy
 ) -> None:
@@ -529,13 +542,7 @@ def test_escalation_waits_for_the_database_clock_not_a_sweepers_clock_running_ah
     import time_machine
 
     run, request, box = held
-    oncall = Group.objects.create(name="acme-oncall")
-    erin = make_persona(tenant_a, "erin", Role.VIEWER)
-    Membership.objects.filter(user=erin.user).update(role=Role.REVIEWER)
-    erin.user.groups.add(oncall)  # on call only: not in acme-reviewers
-    ApprovalPolicy.objects.filter(pk=policy.pk).update(
-        escalation_group=oncall, escalate_after_seconds=3600
-    )
+    erin = _on_call(tenant_a, policy)
     with time_machine.travel(timezone.now() + timedelta(hours=2), tick=False):
         sweep_approvals()
     assert not ApprovalRequest.objects.get(pk=request.pk).escalated
@@ -547,3 +554,34 @@ def test_escalation_waits_for_the_database_clock_not_a_sweepers_clock_running_ah
     sweep_approvals()
     assert ApprovalRequest.objects.get(pk=request.pk).escalated
     assert decide(request.id, erin.user, "approve", request.action_hash).status == A.APPROVED
+
+
+@pytest.mark.parametrize("skew", [timedelta(hours=-2), timedelta(hours=2)])
+def test_escalation_is_due_by_the_database_clock_whatever_the_raising_workers_clock(
+    tenant_a: Tenant, policy: ApprovalPolicy, sandbox_factory: Any, skew: timedelta
+) -> None:
+    """Escalation is due `escalate_after_seconds` after the request was raised, judged by the
+    database clock (3809768) — so the time it was raised must be the database's too. A worker
+    whose clock ran two hours behind stamped created_at two hours early: the sweep escalated
+    an hour's escalation at once and the on-call group could decide; one ahead put it off by
+    two hours."""
+    import time_machine
+
+    erin = _on_call(tenant_a, policy)
+    sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="agent:agent-a")
+    with time_machine.travel(timezone.now() + skew, tick=False):
+        assert advance_run(run.run_id, "w-skewed").outcome == "waiting"
+    request = ApprovalRequest.objects.get(run=run)
+    assert abs(request.created_at - timezone.now()) < timedelta(minutes=5)
+    assert abs(request.updated_at - timezone.now()) < timedelta(minutes=5)
+    sweep_approvals()
+    assert not ApprovalRequest.objects.get(pk=request.pk).escalated
+    with pytest.raises(NotPermitted):
+        decide(request.id, erin.user, "approve", request.action_hash)
+    # An hour later by the database (the row moved back: time-machine moves only Python's).
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        created_at=request.created_at - timedelta(hours=1, seconds=1)
+    )
+    sweep_approvals()
+    assert ApprovalRequest.objects.get(pk=request.pk).escalated
