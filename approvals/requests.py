@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import Case, When
 from django.db.models.functions import Now
 
 from approvals.hashing import action_hash
@@ -62,13 +63,22 @@ def request_approval(
 ) -> ApprovalRequest | None:
     """Open a request for a held action (inside its transaction); idempotent per action.
 
-    `previous`: the request this one follows. Only one that `expired` counts against the
-    policy's single re-request; one closed because its action changed passes its count on."""
-    open_ = ApprovalRequest.objects.filter(
-        tenant_check(action.tenant_id), action=action, status=A.PENDING
-    ).first()
-    if open_ is not None:
-        return open_
+    `previous`: the request this one follows — by default the action's last one (an action
+    held again at dispatch: its approval lapsed or stopped binding). Only one that `expired`
+    counts against the policy's single re-request; any other passes its count on, so no way
+    of asking again starts the count afresh."""
+    last = (
+        ApprovalRequest.objects.filter(tenant_check(action.tenant_id), action=action)
+        # The open one if there is one (at most one: approvals_request_one_pending), else
+        # the one furthest along the chain (counts only grow along it), the latest of those.
+        .order_by(
+            Case(When(status=A.PENDING, then=0), default=1), "-rerequest_count", "-created_at"
+        )
+        .first()
+    )
+    if last is not None and last.status == A.PENDING:
+        return last
+    previous = previous or last
     params = json.loads(action.params)
     policy = policy_for(run.tenant_id, action.tool, params, action.target)
     if policy is None:

@@ -585,3 +585,36 @@ def test_escalation_is_due_by_the_database_clock_whatever_the_raising_workers_cl
     )
     sweep_approvals()
     assert ApprovalRequest.objects.get(pk=request.pk).escalated
+
+
+def test_an_approval_that_expired_before_sending_keeps_the_re_request_spent(
+    held: Any, reviewer_a: Persona
+) -> None:
+    """The re-request policy asks once more, then rejects at the next expiry. An approved
+    request that expired before its action was sent was replaced by one with a fresh count,
+    so the limit could be dodged for ever: expired, asked again, approved too late, asked
+    with a fresh count, expired and asked again … The replacement follows the approval it
+    replaces and carries its count (an approval that lapsed is no unanswered expiry)."""
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    sweep_approvals()
+    second = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert second.rerequest_count == 1
+    decide(second.id, reviewer_a.user, "approve", second.action_hash, reason="ok")
+    ApprovalRequest.objects.filter(pk=second.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert advance_run(run.run_id, "w1").outcome == "waiting"  # re-checked before sending
+    third = ApprovalRequest.objects.get(run=run, status=A.PENDING)
+    assert (third.previous_id, third.rerequest_count) == (second.pk, 1)
+    ApprovalRequest.objects.filter(pk=third.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    sweep_approvals()
+    assert not ApprovalRequest.objects.filter(run=run, status=A.PENDING).exists()
+    run.refresh_from_db()
+    assert run.status == RunStatus.NEEDS_ATTENTION and "expired twice" in run.attention_reason
+    assert Action.objects.get(run=run).status == ActionStatus.CANCELLED
+    assert box.tasks() == []
