@@ -92,8 +92,7 @@ def unstorable(outcome: Outcome, exc: Exception) -> Exception:
 
 @dataclass(frozen=True)
 class AdvanceResult:
-    # completed | waiting | failed | retrying | needs_attention | yielded | skipped | stale
-    # | stopped
+    # completed|waiting|failed|retrying|needs_attention|yielded|skipped|stale|stopped
     outcome: str
     steps: int = 0
     detail: str = ""
@@ -291,6 +290,7 @@ class Executor:
             refuse_stale(self.lease, "step result")
 
     def stopped(self) -> AdvanceResult:
+        release(self.lease, requeue=True, if_held=True)  # at once, not when it expires
         return AdvanceResult("stopped", self.steps, f"run is {self.run.status}")
 
     def context(self, step: str) -> StepContext:

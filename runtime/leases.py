@@ -250,13 +250,15 @@ def heartbeat(lease: Lease) -> datetime:
     return expires_at
 
 
-def release(lease: Lease, *, requeue: bool = False) -> None:
+def release(lease: Lease, *, requeue: bool = False, if_held: bool = False) -> None:
     """Give the lease up (graceful stop), journalled. A running run goes back to queued for
     the next one (`requeue`: and its doorbell rings); a waiting one keeps waiting.
 
     The fence moves on with it: every executor write is conditional on the fence alone, so
     a holder that gave its lease up — an external agent's stray checkpoint, prepare or
-    dispatch after its release — is refused as stale, not written on a run nobody holds."""
+    dispatch after its release — is refused as stale, not written on a run nobody holds.
+    `if_held`: a lease already gone (the run cancelled, or taken over) is no refusal — a
+    worker that stops because its run moved gives up the lease it may still hold."""
     with transaction.atomic(durable=True):
         mine = _held(lease)
         changes: dict[str, Any] = {
@@ -277,7 +279,7 @@ def release(lease: Lease, *, requeue: bool = False) -> None:
                 from runtime.queue import ring
 
                 ring(lease.run_id)
-    if not released:
+    if not released and not if_held:
         refuse_stale(lease, "release")
 
 
