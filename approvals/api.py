@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
-from datetime import datetime
 from functools import partial
 from typing import Any
 
 import django_filters
 from django.db import DatabaseError
-from django.db.models import Q
 from django.http import StreamingHttpResponse
-from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.renderers import JSONRenderer
@@ -23,6 +21,8 @@ from rest_framework.response import Response
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
+from audit import journal
+from audit.models import StreamHead
 from runtime import live
 from runtime.api import filters, sse, streams
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
@@ -30,7 +30,9 @@ from runtime.api.examples import DECIDE
 from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
 from runtime.auth import Standing
-from runtime.tenancy import Principal
+from runtime.tenancy import Principal, journal_for
+
+log = logging.getLogger(__name__)
 
 
 class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
@@ -96,28 +98,30 @@ class Approvals(streams.StreamingList):
             (200, "application/json"): page_of(ApprovalSerializer, "ApprovalPage"),
             (200, "text/event-stream"): streams.EVENT_STREAM,
         },
-        parameters=[*filters.parameters(ApprovalFilter), streams.PARAMETERS[0]],
+        parameters=[*filters.parameters(ApprovalFilter), *streams.PARAMETERS, streams.AFTER],
         description=(
-            "With `stream=1`: server-sent events (`event: approval`, `data:` the approval as "
-            "JSON), one each time an approval of the caller's tenant is created or changes "
-            "status after the stream opened (with `status`: only when it becomes that "
-            "status); a comment line at least every 15 s."
+            "With `stream=1`: server-sent events (`event: approval`, `id:` a position in the "
+            "tenant's approval changes, `data:` the approval as JSON), one each time an "
+            "approval of the caller's tenant is created or changes status — after "
+            "`Last-Event-ID` (or `after`), else after the stream opened (its first line "
+            "`id:` says where that is); with `status`: only when it becomes that status; a "
+            "comment line at least every 15 s."
         ),
     )
     def get(self, request: Request) -> Response | StreamingHttpResponse:
         principal = self.principal(request)
         mine = approvals_for(principal)
+        # Where a stream resumes: refused when malformed, on the list too (it documents them).
+        after = streams.resume_after(request, streams.after(request, None))
         if streams.requested(request):
             # The list's filters hold for the stream too, refused alike when invalid: an
             # event is an approval now in the status asked for.
             filters.apply(ApprovalFilter, request, mine)
-            follow = sse.follows(request._request)
-            standing = Standing.of(request, principal)
             events = approval_events(
                 principal,
-                timezone.now(),
-                follow=follow,
-                standing=standing,
+                changes_head(principal) if after is None else after,
+                follow=sse.follows(request._request),
+                standing=Standing.of(request, principal),
                 status=request.query_params.get("status"),
             )
             return live.response(events)
@@ -127,66 +131,93 @@ class Approvals(streams.StreamingList):
         return paginator.get_paginated_response(ApprovalSerializer(page, many=True).data)
 
 
+# The approvals stream's events are the tenant stream's entries of this type
+# (approvals.requests.announce_status): their seq is the event id.
+CHANGED = "approval_status"
+
+
+def changes_head(principal: Principal) -> int:
+    """Where the principal's tenant's approval changes are now: the seq of its stream's head
+    (a stream opened without a position starts there)."""
+    stream = journal.tenant_stream(principal.tenant.pk)
+    head = StreamHead.objects.filter(stream=stream, tenant_id=principal.tenant.pk)
+    return head.values_list("seq", flat=True).first() or 0
+
+
 def _changed(
-    principal: Principal, since: datetime, was_pending: list[Any]
-) -> list[tuple[Any, str, bool, bytes]]:
-    """On a reader thread: the approvals that may have changed since the stream opened —
-    those created since (flagged), those pending, and those this stream last saw pending."""
-    rows = approvals_for(principal).filter(
-        Q(created_at__gte=since) | Q(status=ApprovalStatus.PENDING) | Q(pk__in=was_pending)
+    principal: Principal, last: int, status: str | None
+) -> tuple[list[tuple[int, bytes | None]], bool]:
+    """On a reader thread: the tenant's approval changes after `last`, in order — each with
+    its event, or None for one not to send: not the status asked for, or no longer the
+    approval's status (it moved on since: its later change is sent instead, with the
+    approval as it is now, so a change is never sent twice nor an approval shown twice in
+    one state) — and whether there may be more."""
+    entries = journal_for(principal).filter(
+        stream=journal.tenant_stream(principal.tenant.pk), seq__gt=last, type=CHANGED
     )
+    changes = list(entries.order_by("seq").values_list("seq", "payload")[: streams.BATCH])
+    ids = {payload.get("approval_id") for _, payload in changes}
+    rows = approvals_for(principal).filter(pk__in=ids).select_related("run", "decided_by")
+    now = {str(a.pk): a for a in rows}
     render = JSONRenderer().render
-    return [
-        (
-            a.pk,
-            a.status,
-            a.created_at >= since,
-            live.event(render(ApprovalSerializer(a).data), type="approval"),
-        )
-        for a in rows.select_related("run", "decided_by")
-    ]
+    events: list[tuple[int, bytes | None]] = []
+    for seq, payload in changes:
+        approval = now.get(payload.get("approval_id"))
+        said = payload.get("status")
+        if approval is None or approval.status != said or status not in (None, said):
+            events.append((seq, None))
+            continue
+        data = render(ApprovalSerializer(approval).data)
+        events.append((seq, live.event(data, type="approval", id=seq)))
+    return events, len(changes) == streams.BATCH
 
 
 async def approval_events(
     principal: Principal,
-    since: datetime,
+    after: int,
     *,
     follow: bool = True,
     standing: Standing | None = None,
     status: str | None = None,
 ) -> AsyncIterator[bytes]:
     """Each approval of the tenant as it is created and as its status changes (only those
-    it changes to `status`, if given). Every read compares the statuses with the last ones
-    seen, so a merged wake-up loses no change.
-    Without `follow` (not served on the event loop: runtime.api.sse.follows) it ends at once:
-    it shows changes after it opened, and there are none yet. It also ends once what opened
-    it (`standing`) no longer stands (runtime.api.streams.Recheck)."""
-    if not follow:
-        return
+    it changes to `status`, if given), after the change `after` — from a position in the
+    tenant's stream (`changes_head`, Last-Event-ID), so a client that resumes with the last
+    id it saw loses and repeats nothing, however the wake-ups were missed or merged. Where
+    to resume is always said: by each event's id, else by an `id:` line alone (no event;
+    EventSource and live.js take it as the last id) — at the start, and after changes read
+    and not sent.
+    Without `follow` (not served on the event loop: runtime.api.sse.follows) it sends the
+    changes there are and ends. It also ends once what opened it (`standing`) no longer
+    stands (runtime.api.streams.Recheck)."""
+    last, told = after, None
     recheck = streams.Recheck(standing)
-    known: dict[Any, str] | None = None
-    me = object()  # reads are this stream's own (`known` differs per stream)
-    async with live.doorbell.subscription(live.tenant_key(principal.tenant.pk)) as wake:
+    stream = journal.tenant_stream(principal.tenant.pk)
+    watch = live.doorbell.subscription(stream) if follow else live.unwatched()
+    async with watch as wake:
         while True:
             wake.clear()
-            was_pending = [pk for pk, s in (known or {}).items() if s == ApprovalStatus.PENDING]
             try:
-                rows = await live.doorbell.read(
-                    me, partial(_changed, principal, since, was_pending)
+                events, more = await live.doorbell.read(
+                    ("approvals", principal.tenant.pk, last, status),
+                    partial(_changed, principal, last, status),
                 )
             except DatabaseError:
+                log.exception("live events: reading approval changes failed; retrying")
                 await asyncio.sleep(live.RETRY_SECONDS)
                 continue
-            if known is None:  # what there was when the stream opened is not news
-                known = {pk: now for pk, now, new, _ in rows if not new}
-            for pk, now, _, chunk in rows:
-                if known.get(pk) != now and status in (None, now):
+            for seq, chunk in events:
+                last = seq
+                if chunk is not None:
+                    told = seq
                     yield chunk
-            # What is read again at the next wake-up: the pending ones, and those created
-            # since the stream opened, decided ones too — those are read at every wake-up,
-            # and must not be sent again as if they had changed. (Only the pending ones are
-            # asked for by id: the list stays as short as the pending approvals.)
-            known = {pk: now for pk, now, new, _ in rows if new or now == ApprovalStatus.PENDING}
+            if told != last:  # where the next resume starts, though nothing was sent
+                told = last
+                yield live.position(last)
+            if more:
+                continue
+            if not follow:
+                return
             first = await recheck.wait(wake)
             if first is None:
                 return

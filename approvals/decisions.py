@@ -20,6 +20,7 @@ from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
 from approvals.policies import may_decide, policy_for, shaped_by
 from approvals.requests import (
+    announce_status,
     close_request,
     reassign_request,
     record_edits,
@@ -316,6 +317,7 @@ def _finalise(
         decision_reason=reason[:2000],
         updated_at=Now(),
     )
+    announce_status(request.pk, run.pk, run.tenant_id, status, actor)
     if status == A.APPROVED:
         ledger.transition(action, ActionStatus.APPROVED, actor)
     else:

@@ -15,7 +15,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
-from approvals.requests import close_request, request_approval, wake_run
+from approvals.requests import announce_status, close_request, request_approval, wake_run
 from runtime import ledger
 from runtime.events import RunEvent, record
 from runtime.graphs import registry
@@ -56,6 +56,7 @@ def expire(request_id: UUID) -> int:
                 decision_reason="approved at expiry: the policy says so explicitly",
                 expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
             )
+            announce_status(request.pk, run.pk, run.tenant_id, A.APPROVED, SYSTEM)
             ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
             wake_run(run, SYSTEM)
             return 1

@@ -125,6 +125,7 @@ def request_approval(
         policy=policy.name,
         expires_at=request.expires_at.isoformat(),
     )
+    announce_status(request.pk, run.pk, run.tenant_id, A.PENDING, actor)
     from approvals.notify import notify_requested
 
     notify_requested(request)
@@ -221,6 +222,24 @@ def _record_closed(
         approval_id=str(approval_id),
         approval_status=status,
         reason=reason,
+    )
+    announce_status(approval_id, run_id, tenant_id, status, actor)
+
+
+def announce_status(approval_id: Any, run_id: Any, tenant_id: int, status: str, actor: str) -> None:
+    """A request was raised (`pending`) or moved to `status`: an entry in the tenant's stream,
+    in the transaction that moved it — every writer of a request's status calls this.
+
+    Its seq is the approvals stream's event id (`approvals.api`, `Last-Event-ID`): ordered
+    per tenant and in commit order (an append holds the stream's head until it commits), so
+    a client that resumes after the last id it saw misses nothing and gets nothing twice."""
+    journal.append(
+        journal.tenant_stream(tenant_id),
+        "approval_status",
+        tenant_id=tenant_id,
+        actor=actor,
+        object_ref=f"approvalrequest:{approval_id}",
+        payload={"approval_id": str(approval_id), "run_id": str(run_id), "status": status},
     )
 
 

@@ -36,6 +36,7 @@ TENANT_EVENTS = (
     "approval_decided",
     "approval_reassigned",
     "approval_renotified",
+    "approval_status",
     "audit_exported",
     "chain_break_detected",
     "credentials_reencrypted",

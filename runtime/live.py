@@ -75,7 +75,7 @@ def _read_in_thread(fn: Callable[[], T]) -> T:
 
 
 class Doorbell:
-    """The process's wake-ups, keyed by stream ("run:<id>") or tenant ("tenant-any:<id>")."""
+    """The process's wake-ups, keyed by stream ("run:<id>", "tenant:<id>")."""
 
     def __init__(self) -> None:
         self.waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
@@ -166,8 +166,8 @@ class Doorbell:
                     await listener.execute(f"LISTEN {CHANNEL}")
                     self.ring_all()  # anything appended while nobody listened
                     async for note in listener.notifies():
-                        tenant, _, stream = note.payload.partition(" ")
-                        self.ring(stream, tenant_key(int(tenant)))
+                        _, _, stream = note.payload.partition(" ")  # "<tenant_id> <stream>"
+                        self.ring(stream)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a lost connection: listen again, after a pause
@@ -228,30 +228,11 @@ def _conninfo(db: Mapping[str, Any] | None = None) -> str:
     return make_conninfo(**{k: str(v) for k, v in options.items() if v is not None})
 
 
-def tenant_key(tenant_id: int) -> str:
-    """The doorbell key rung by an append to any stream of the tenant."""
-    return f"tenant-any:{tenant_id}"
-
-
 def _heads(keys: list[str]) -> dict[str, Any]:
-    """SQLite: where each watched stream's head is, and for each watched tenant the sum of
-    its heads' seqs (it grows with every append to any of its streams)."""
-    from django.db.models import Sum
-
+    """SQLite: where each watched stream's head is."""
     from audit.models import StreamHead
 
-    streams = [key for key in keys if not key.startswith("tenant-any:")]
-    tenants = [int(key.split(":", 1)[1]) for key in keys if key.startswith("tenant-any:")]
-    found: dict[str, Any] = dict(
-        StreamHead.objects.filter(stream__in=streams).values_list("stream", "seq")
-    )
-    for row in (
-        StreamHead.objects.filter(tenant_id__in=tenants)
-        .values("tenant_id")
-        .annotate(total=Sum("seq"))
-    ):
-        found[tenant_key(row["tenant_id"])] = row["total"]
-    return found
+    return dict(StreamHead.objects.filter(stream__in=keys).values_list("stream", "seq"))
 
 
 doorbell = Doorbell()
@@ -261,6 +242,12 @@ def event(data: bytes, *, type: str, id: int | None = None) -> bytes:
     """One server-sent event; `data` is compact JSON, so it is one line."""
     head = f"id: {id}\n" if id is not None else ""
     return f"{head}event: {type}\n".encode() + b"data: " + data + b"\n\n"
+
+
+def position(id: int) -> bytes:
+    """An `id:` with no data: no event (EventSource dispatches none), but where a client
+    resumes from — EventSource's lastEventId is set from it, as live.js's is."""
+    return f"id: {id}\n\n".encode()
 
 
 async def _framed(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -34,6 +34,7 @@ from runtime.models import TERMINAL, Run
 from runtime.tenancy import Principal, journal_for
 
 log = logging.getLogger(__name__)
+T = TypeVar("T", bound=int | None)
 BATCH = 200  # entries per read; a long journal streams in batches
 
 
@@ -52,6 +53,9 @@ PARAMETERS = [
         description="with stream=1: resume after this seq (what EventSource sends back)",
     ),
 ]
+AFTER = OpenApiParameter(
+    "after", int, description="with stream=1: only what comes after this id (Last-Event-ID wins)"
+)
 DESCRIPTION = (
     "With `stream=1`: server-sent events, one per entry (`id:` seq, `event:` type, `data:` "
     "the entry as JSON), from `Last-Event-ID` (or `after`) on, a comment line at least every "
@@ -81,17 +85,26 @@ class StreamingList(ApiView):
         return super().perform_content_negotiation(request, force or requested(request))
 
 
-def resume_after(request: Request, after: int) -> int:
+def after(request: Request, default: T) -> int | T:
+    """The `after` query parameter (a seq, or an approvals stream's event id), else `default`."""
+    raw = request.query_params.get("after")
+    return default if raw is None else _position(raw, "after")
+
+
+def resume_after(request: Request, after: T) -> int | T:
     """Where a stream starts: after the `Last-Event-ID` a reconnecting client sends (it
-    wins: a browser reconnects to the URL it first opened), else after `after`."""
+    wins: a browser reconnects to the URL it first opened), else after `after`. An empty
+    one is no id either (EventSource sends none rather than an empty one)."""
     raw = request.headers.get("Last-Event-ID")
-    if raw is None or raw == "":
-        return after
+    return after if raw is None else _position(raw, "Last-Event-ID")
+
+
+def _position(raw: str, name: str) -> int:
     try:
         return int(raw)
     except ValueError:
         raise InvalidParams(
-            "Last-Event-ID must be a sequence number", errors={"Last-Event-ID": ["an integer"]}
+            f"{name} must be a sequence number", errors={name: ["an integer"]}
         ) from None
 
 

@@ -22,7 +22,7 @@ from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
 from runtime.api.idempotency import idempotent
 from runtime.auth import Standing
-from runtime.errors import InvalidParams, NotPermitted
+from runtime.errors import NotPermitted
 from runtime.models import Action, Checkpoint, Role, Run
 from runtime.tenancy import actions_for, checkpoints_for, journal_for, runs_for
 
@@ -220,12 +220,7 @@ class Events(streams.StreamingList):
     def get(self, request: Request, run_id: str) -> Response | StreamingHttpResponse:
         principal = self.principal(request)
         run = self.scoped(request, runs_for(principal), run_id=run_id)
-        try:
-            after = int(request.query_params.get("after", 0))
-        except ValueError:
-            raise InvalidParams(
-                "after must be a sequence number", errors={"after": ["an integer"]}
-            ) from None
+        after = streams.after(request, 0)
         if streams.requested(request):
             after = streams.resume_after(request, after)
             follow = sse.follows(request._request)

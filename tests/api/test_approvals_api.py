@@ -8,6 +8,7 @@ agents use their token. Every refusal is asserted on status, `code` and problem+
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote
+from audit.models import JournalEntry
 from runtime.models import Action, ActionStatus, Run, RunStatus
 from tests.api import (
     CLIENT_TOOL,
@@ -452,3 +454,54 @@ def test_a_viewer_or_an_agent_token_may_not_resolve(
     assert row_counts() == before
     assert Action.objects.get(pk=parked["action_id"]).status == ActionStatus.MANUAL_REVIEW
     assert Run.objects.get(pk=parked["run_id"]).status != RunStatus.COMPLETED
+
+
+@pytest.mark.parametrize(
+    ("query", "header", "field"),
+    [
+        ({"after": "x"}, None, "after"),
+        ({"after": ""}, None, "after"),
+        ({}, "1.5", "Last-Event-ID"),
+        ({}, "", "Last-Event-ID"),
+        ({"after": "3"}, "x", "Last-Event-ID"),
+    ],
+)
+def test_the_approvals_stream_refuses_a_position_that_is_no_id(
+    agent_a: Persona, query: dict[str, str], header: str | None, field: str
+) -> None:
+    """Where a stream resumes is an id it gave (a seq), as for a run's stream: anything else
+    is refused in the one error format, not a stream opened at a guess."""
+    extra = {} if header is None else {"HTTP_LAST_EVENT_ID": header}
+    answer = get(agent_a.api(), "approvals/", data={"stream": "1", **query}, **extra)
+    assert problem(answer, 422, "invalid_params")["errors"] == {field: ["an integer"]}
+
+
+@pytest.mark.django_db(transaction=True)  # read by the stream's reader threads
+@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
+def test_the_approvals_stream_sends_the_changes_after_the_position_it_is_given(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """Through Django alone (no event loop: it does not follow) the stream sends the changes
+    there are after `after` and ends; each event's id is its change's seq, and a change an
+    approval has moved on from is left out (its later one shows it)."""
+    grant_policy(agent_a.tenant)
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    first = ok(prepare(agent_a.api(), run_id, fence, params={"title": "one"}), 201)["approval"]
+    second = ok(prepare(agent_a.api(), run_id, fence, params={"title": "two"}), 201)["approval"]
+    approval = ApprovalRequest.objects.get(pk=first)
+    decision = {"decision": "approve", "action_hash": approval.action_hash}
+    ok(post(session(reviewer_a.user), f"approvals/{first}/decision/", decision))
+    answer = get(agent_a.api(), "approvals/", data={"stream": "1", "after": "0"})
+    assert answer.status_code == 200 and answer["Content-Type"] == "text/event-stream"
+    body = b"".join(answer).decode()
+    events = [block.splitlines() for block in body.split("\n\n") if "event: " in block]
+    sent = [(lines[0], json.loads(lines[2][6:])["id"]) for lines in events]
+    seq = dict(
+        ((e.payload["approval_id"], e.payload["status"]), e.seq)
+        for e in JournalEntry.objects.filter(type="approval_status")
+    )
+    assert sent == [
+        (f"id: {seq[(second, 'pending')]}", second),
+        (f"id: {seq[(first, 'approved')]}", first),
+    ]

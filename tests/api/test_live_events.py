@@ -328,7 +328,8 @@ def test_a_quiet_stream_sends_a_comment_line_within_the_keepalive(
     comments = [at for at, text in lines if text.startswith(":")]
     gaps = [later - earlier for earlier, later in zip(comments, comments[1:], strict=False)]
     assert comments[0] < 5 and max(gaps) < KEEPALIVE + 3, lines
-    assert not [text for _, text in lines if text and not text.startswith(":")]  # no event
+    # No event: comment lines, and the position (`id:` alone) where the stream opened.
+    assert not [text for _, text in lines if text and not text.startswith((":", "id: "))]
 
 
 def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
@@ -487,14 +488,111 @@ def test_the_approvals_stream_sees_a_created_and_a_decided_approval(
     assert seen[-1]["decided_by"] == reviewer_a.user.username
 
 
+def sse_lines(
+    http: httpx.Client, url: str, *, last: int | None = None, after: int | None = None
+) -> Iterator[tuple[str, str, str]]:
+    """(id, event, data) of each block the stream sends — an `id:` alone and a comment line
+    too (data empty), each with the last id seen (as EventSource keeps it) — until the caller
+    closes it. Read line by line, so a caller's deadline is checked at every keep-alive."""
+    extra = {} if last is None else {"Last-Event-ID": str(last)}
+    params = STREAM if after is None else {**STREAM, "after": str(after)}
+    with http.stream("GET", url, params=params, headers=extra) as response:
+        assert response.status_code == 200, response.read()
+        id, fields = "", {"event": "", "data": ""}
+        for line in response.iter_lines():
+            if not line:
+                yield id, fields["event"], fields["data"]
+                fields = {"event": "", "data": ""}
+                continue
+            name, _, value = line.partition(":")
+            if name == "id":
+                id = value.strip()
+            elif name in fields:
+                fields[name] = value.strip()
+
+
+def until_seen(
+    lines: Iterator[tuple[str, str, str]], seen: list[tuple[int, str, str]], wanted: set[Any]
+) -> int:
+    """Read `lines` into `seen` (id, approval id, status) until every (approval id, status)
+    of `wanted` came; the last id the stream gave (what a client resumes from)."""
+    deadline, got, last = time.monotonic() + 20, set(), ""
+    for id, event, data in lines:
+        last = id
+        if data:
+            assert event == "approval"
+            approval = json.loads(data)
+            seen.append((int(id), approval["id"], approval["status"]))
+            got.add((approval["id"], approval["status"]))
+        if wanted <= got:
+            return int(last)
+        assert time.monotonic() < deadline, f"waited for {wanted - got}; seen {seen}"
+    raise AssertionError(f"the stream ended; waited for {wanted - got}")
+
+
+def test_the_approvals_stream_resumes_after_the_last_id_missing_and_repeating_nothing(
+    web: str, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """A client that reconnects with the last id it saw (Last-Event-ID, as EventSource and
+    live.js do, or `after`) gets every approval created or decided while it was away, once,
+    in order. The stream had no ids: a reconnect started afresh, and what happened while
+    the client was away was never sent."""
+    grant_policy(agent_a.tenant)
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    url = f"{web}/api/v1/approvals/"
+
+    def create(title: str) -> str:
+        action = ok(prepare(agent_a.api(), run_id, fence, params={"title": title}), 201)
+        return str(action["approval"])
+
+    def decide(approval_id: str, decision: str) -> None:
+        approval = ApprovalRequest.objects.get(pk=approval_id)
+        body = {"decision": decision, "action_hash": approval.action_hash, "reason": "r"}
+        ok(post(reviewer_a.api(), f"approvals/{approval_id}/decision/", body))
+
+    seen: list[tuple[int, str, str]] = []
+    with httpx.Client(headers=headers(agent_a), timeout=30) as http:
+        with contextlib.closing(sse_lines(http, url)) as lines:
+            assert next(lines) == ("", "", "")  # ": stream open"
+            opened_at, _, data = next(lines)  # then where it opened: an id, no event
+            assert opened_at and not data
+            first = create("one")
+            last = until_seen(lines, seen, {(first, "pending")})
+        # Away: decided, created, created and decided at once.
+        decide(first, "approve")
+        second = create("two")
+        third = create("three")
+        decide(third, "reject")
+        with contextlib.closing(sse_lines(http, url, last=last)) as lines:
+            wanted = {(first, "approved"), (second, "pending"), (third, "rejected")}
+            last = until_seen(lines, seen, wanted)
+        fourth = create("four")
+        with contextlib.closing(sse_lines(http, url, after=last)) as lines:
+            until_seen(lines, seen, {(fourth, "pending")})
+    assert [(a, s) for _, a, s in seen] == [
+        (first, "pending"),
+        (first, "approved"),
+        (second, "pending"),
+        (third, "rejected"),  # its pending moved on before it was read: shown decided
+        (fourth, "pending"),
+    ]
+    # The ids: the changes' seqs in the tenant's stream — after where it opened, in order.
+    changes = JournalEntry.objects.filter(
+        stream=f"tenant:{agent_a.tenant.pk}", type="approval_status"
+    )
+    seqs = {(e.payload["approval_id"], e.payload["status"]): e.seq for e in changes}
+    ids = [id for id, _, _ in seen]
+    assert ids == [seqs[(a, s)] for _, a, s in seen]
+    assert int(opened_at) < ids[0] and ids == sorted(set(ids))  # each once, in order
+
+
 def test_the_approvals_stream_sends_each_change_once(agent_a: Persona, reviewer_a: Persona) -> None:
     """An approval created after the stream opened and then decided is sent once per change:
     the next wake-up (here the next approval's creation; in a quiet tenant each keep-alive)
     sent it again, decided, because the stream forgot what it had last seen of it. Driven in
     this process (approvals.api.approval_events on the process's doorbell)."""
-    from django.utils import timezone
-
-    from approvals.api import approval_events
+    from approvals.api import approval_events, changes_head
     from runtime.models import Role
     from runtime.tenancy import Principal
 
@@ -517,9 +615,11 @@ def test_the_approvals_stream_sends_each_change_once(agent_a: Persona, reviewer_
         while wanted not in seen:
             await asyncio.sleep(0.05)
 
+    start = changes_head(principal)
+
     async def watch() -> None:
-        async for chunk in approval_events(principal, timezone.now()):
-            if chunk.startswith(b"event: approval"):
+        async for chunk in approval_events(principal, start):
+            if b"event: approval" in chunk:
                 data = json.loads(chunk.split(b"data: ", 1)[1])
                 seen.append((data["id"], data["status"]))
 
@@ -547,11 +647,9 @@ def test_the_approvals_stream_sends_each_change_once(agent_a: Persona, reviewer_
 def test_the_approvals_stream_sends_one_created_before_its_first_read(
     agent_a: Persona,
 ) -> None:
-    """The stream opens (its `since`) before its first read: an approval created in between
+    """The stream opens (its position) before its first read: an approval created in between
     was taken for what there was at the opening, and never sent."""
-    from django.utils import timezone
-
-    from approvals.api import approval_events
+    from approvals.api import approval_events, changes_head
     from runtime.models import Role
     from runtime.tenancy import Principal
 
@@ -559,7 +657,7 @@ def test_the_approvals_stream_sends_one_created_before_its_first_read(
     run = new_run(agent_a.api())
     fence = take_lease(agent_a.api(), run["run_id"])
     principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
-    since = timezone.now()
+    since = changes_head(principal)
     action = ok(prepare(agent_a.api(), run["run_id"], fence), 201)
 
     async def first() -> bytes:
@@ -580,23 +678,23 @@ def test_a_stream_cancelled_just_after_a_wake_up_ends(agent_a: Persona) -> None:
     waits for was set and before it resumed: a stream woken in the same turn as its client
     left went on for ever (uvicorn drops what is sent to a closed connection), reading at
     every wake-up, and the handler waited on it."""
-    from django.utils import timezone
-
-    from approvals.api import approval_events
+    from approvals.api import approval_events, changes_head
+    from audit import journal
     from runtime.models import Role
     from runtime.tenancy import Principal
 
     principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    start = changes_head(principal)
 
     async def leave_on_a_ring() -> bool:
         async def watch() -> None:
-            async for _ in approval_events(principal, timezone.now()):
+            async for _ in approval_events(principal, start):
                 pass
 
         watcher = asyncio.create_task(watch())
         try:
             await asyncio.sleep(1)  # the first read is done: it waits for a wake-up
-            live.doorbell.ring(live.tenant_key(agent_a.tenant.pk))
+            live.doorbell.ring(journal.tenant_stream(agent_a.tenant.pk))
             watcher.cancel()  # the client left, in the same turn
             done, _ = await asyncio.wait([watcher], timeout=5)
             return watcher in done and watcher.cancelled()
@@ -612,31 +710,32 @@ def test_a_stream_cancelled_just_after_a_wake_up_ends(agent_a: Persona) -> None:
 def test_a_stream_woken_often_with_nothing_to_send_still_sends_a_comment_line(
     agent_a: Persona, settings: Any
 ) -> None:
-    """The approvals stream is woken by every append in its tenant (each step of each run),
-    most of which change no approval: the comment line went out only after a keep-alive
-    interval with no wake-up at all, so while the tenant was busy the stream sent nothing
-    (API.md: a comment line at least every 15 s) and a proxy closed it as idle."""
-    from django.utils import timezone
-
-    from approvals.api import approval_events
+    """The approvals stream is woken by every append to its tenant's stream (logins, token
+    and policy changes, decisions), most of which change no approval: the comment line went
+    out only after a keep-alive interval with no wake-up at all, so while the tenant was busy
+    the stream sent nothing (API.md: a comment line at least every 15 s) and a proxy closed
+    it as idle."""
+    from approvals.api import approval_events, changes_head
+    from audit import journal
     from runtime.api.streams import KEEP_ALIVE
     from runtime.models import Role
     from runtime.tenancy import Principal
 
     settings.HOLDPOINT_SSE_KEEPALIVE = 1
     principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    start = changes_head(principal)
     got: list[bytes] = []
 
     async def busy() -> None:
         async def watch() -> None:
-            async for chunk in approval_events(principal, timezone.now()):
+            async for chunk in approval_events(principal, start):
                 got.append(chunk)
 
         watcher = asyncio.create_task(watch())
         try:
             for _ in range(14):  # 3.5 s of wake-ups, 4 a second
                 await asyncio.sleep(0.25)
-                live.doorbell.ring(live.tenant_key(agent_a.tenant.pk))
+                live.doorbell.ring(journal.tenant_stream(agent_a.tenant.pk))
         finally:
             watcher.cancel()
             await asyncio.wait([watcher], timeout=5)
@@ -944,6 +1043,47 @@ def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
     _finish(agent_a, run_id, fence, 0)
     # Well before the next poll would be let through (live.js: one per 30 s while open).
     expect(page.locator("#run-header-title .badge")).to_have_text("completed", timeout=5000)
+
+
+def test_the_inbox_refreshes_on_the_approvals_stream_and_resumes_where_it_was(
+    web: str, agent_a: Persona, reviewer_a: Persona, new_page: Callable[[], Page]
+) -> None:
+    """In Chromium, on the real server: the inbox's stream is cut after it said where it
+    opened (`id:` alone); an approval is raised meanwhile; live.js reconnects with that id as
+    Last-Event-ID and the approval raised while it was away shows."""
+    from playwright.sync_api import Request, Route, expect
+
+    from approvals.api import changes_head
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    grant_policy(agent_a.tenant)
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    opened_at = changes_head(Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT))
+    page = new_page()
+    streams: list[Request] = []
+    page.on("request", lambda r: streams.append(r) if "stream=1" in r.url else None)
+    cut: list[Route] = []
+
+    def cut_the_first(route: Route) -> None:  # the stream's opening, then a lost connection
+        if cut:
+            route.continue_()
+            return
+        cut.append(route)
+        body = f": stream open\n\nid: {opened_at}\n\n"
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page.route("**/api/v1/approvals/?stream=1*", cut_the_first)
+    log_in(page, web, reviewer_a.user.get_username(), f"pw-{reviewer_a.user.get_username()}")
+    title = "Raised while the inbox was away"
+    ok(prepare(agent_a.api(), run_id, fence, params={"title": title}), 201)
+    deadline = time.monotonic() + 15
+    while len(streams) < 2 and time.monotonic() < deadline:  # live.js: again after 3 s
+        page.wait_for_timeout(200)  # (Playwright's events arrive while it is called)
+    assert "last-event-id" not in streams[0].all_headers()
+    assert streams[1].all_headers()["last-event-id"] == str(opened_at)
+    expect(page.locator("#inbox-live")).to_contain_text(title, timeout=5000)
 
 
 def test_the_listen_connection_connects_as_the_process_does() -> None:

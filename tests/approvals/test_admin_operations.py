@@ -121,11 +121,12 @@ def test_cancel_a_run(ada: Client, held: Any, foreign: dict[str, Any]) -> None:
     request.refresh_from_db()
     assert run.status == RunStatus.CANCELLED
     assert request.status == ApprovalStatus.CANCELLED  # its open request was withdrawn
-    # cancel_run's own entries: the action it withdrew, the request it closed, the
-    # cancellation (once).
+    # cancel_run's own entries: the action it withdrew, the request it closed (and its
+    # change in the tenant's approvals), the cancellation (once).
     assert new_entries(since) == [
         (f"run:{run.pk}", "action_cancelled", "user:ada"),
         (f"run:{run.pk}", "approval_closed", "user:ada"),
+        (f"tenant:{run.tenant_id}", "approval_status", "user:ada"),
         (f"run:{run.pk}", "cancelled", "user:ada"),
     ]
     foreign_run.refresh_from_db()
