@@ -292,14 +292,21 @@ class ExecutorCore(Generic[C]):
 
     # --- actions ---------------------------------------------------------------------------
 
-    def key_for(self, call: str) -> str:
-        """The ledger key of one call: the same after any number of restarts of the agent,
-        new when the goal is revised (an old revision's work is never reused blindly)."""
-        if not call or not call.isprintable():
-            raise ValueError("call must be a non-empty printable label")
+    @property
+    def goal_rev(self) -> int:
+        """The goal revision the run was last read at: the one `key_for` keys calls under."""
         if self._run is None:
             raise ExecutorError("no lease: use the executor as a context manager")
-        key = f"{self.run_id}:{self._run.goal_rev}:ext:{call}"
+        return self._run.goal_rev
+
+    def key_for(self, call: str, goal_rev: int | None = None) -> str:
+        """The ledger key of one call: the same after any number of restarts of the agent,
+        new when the goal is revised (an old revision's work is never reused blindly).
+        `goal_rev`: the key a call had under that revision (default: the current one)."""
+        if not call or not call.isprintable():
+            raise ValueError("call must be a non-empty printable label")
+        rev = self.goal_rev if goal_rev is None else goal_rev
+        key = f"{self.run_id}:{rev}:ext:{call}"
         if len(key) > MAX_KEY:
             raise ValueError(f"call label too long: the key would exceed {MAX_KEY} characters")
         return key

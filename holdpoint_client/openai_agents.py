@@ -68,6 +68,9 @@ __all__ = ["STATE_KEY", "holdpoint_tool", "label_of", "run_agent", "wait_for_dec
 
 # Where the paused RunState lives in the run's checkpoint state, and the final output's record.
 STATE_KEY = "openai_agents"
+# Beside it: the goal revision its paused calls were keyed under. A revision since then
+# withdrew them, and only this key finds them again to say so.
+PAUSED_UNDER = "openai_agents_goal_rev"
 FINAL = "openai-agents:final"
 Reason = str | Callable[..., str]
 # The `on_invoke_tool` of every tool holdpoint_tool made: how a paused call is known as ours.
@@ -259,12 +262,15 @@ def _call_id(item: ToolApprovalItem) -> str:
     return str(found)
 
 
-async def _decide(run: AsyncRunHandle, state: RunState[Any, Any], timeout: float | None) -> None:
+async def _decide(
+    run: AsyncRunHandle, state: RunState[Any, Any], goal_rev: int, timeout: float | None
+) -> None:
     """Apply the inbox's decisions to the paused state, waiting for them (up to `timeout`
-    s; ApprovalTimeout leaves everything as it is for the next try)."""
+    s; ApprovalTimeout leaves everything as it is for the next try). `goal_rev`: the
+    revision the pause was taken under, whose keys its calls have."""
     deadline = None if timeout is None else time.monotonic() + timeout
     for item in state.get_interruptions():
-        key = run.ex.key_for(label_of(_call_id(item)))
+        key = run.ex.key_for(label_of(_call_id(item)), goal_rev)
         page = await run.client.send(calls.actions_page(idempotency_key=key))
         if not page.results and _ledgered(item) and _unreadable(item):
             # The SDK holds a call whose arguments are not a JSON object without asking
@@ -291,10 +297,11 @@ async def _decide(run: AsyncRunHandle, state: RunState[Any, Any], timeout: float
             state.approve(item)
 
 
-async def _keep(run: AsyncRunHandle, paused: dict[str, Any]) -> None:
-    """Write the paused RunState into the run's checkpoint, before anyone waits on it."""
+async def _keep(run: AsyncRunHandle, paused: dict[str, Any], goal_rev: int) -> None:
+    """Write the paused RunState (taken under `goal_rev`) into the run's checkpoint, before
+    anyone waits on it."""
     for _ in range(3):
-        state = {**run.state, STATE_KEY: paused}
+        state = {**run.state, STATE_KEY: paused, PAUSED_UNDER: goal_rev}
         try:
             await adrive(run.ex._checkpoint_flow(state, STEP), run.client)
         except VersionConflict:  # someone wrote meanwhile (the server, a reviewer)
@@ -303,6 +310,13 @@ async def _keep(run: AsyncRunHandle, paused: dict[str, Any]) -> None:
         run.state = state
         return
     raise ExecutorError("could not store the paused run state: the checkpoint kept moving")
+
+
+def _paused_under(run: AsyncRunHandle) -> int:
+    """The goal revision the stored pause was taken under (the current one for a pause
+    stored by a client that did not note it)."""
+    under = run.state.get(PAUSED_UNDER)
+    return under if isinstance(under, int) else run.ex.goal_rev
 
 
 async def _never() -> Any:
@@ -337,19 +351,20 @@ async def run_agent(
         start: Any
         if isinstance(saved, Mapping):
             paused: RunState[Any, Any] = await RunState.from_json(agent, dict(saved))
-            await _decide(run, paused, approval_timeout)
+            await _decide(run, paused, _paused_under(run), approval_timeout)
             start = paused
         elif input is None:
             raise ExecutorError(f"thread {thread_id!r} has no paused agent: pass the input")
         else:
             start = input
         while True:
+            under = run.ex.goal_rev  # what the calls Runner.run prepares are keyed under
             result = await Runner.run(agent, start, **runner)
             if not result.interruptions:
                 break
             paused = result.to_state()
-            await _keep(run, paused.to_json())
-            await _decide(run, paused, approval_timeout)
+            await _keep(run, paused.to_json(), under)
+            await _decide(run, paused, under, approval_timeout)
             start = paused
         final = result.final_output
 
