@@ -49,6 +49,9 @@ T = TypeVar("T")
 API_PREFIX = "/api/v1/"
 MAX_WAIT = 30.0  # the server's ceiling for ?wait=
 USER_AGENT = "holdpoint-client/0.2"
+# What the models' `from_json` raise on JSON of another shape (a missing field, a list for
+# an object, a number that is not one): an answer that does not fit, not a bug to crash on.
+UNFIT = (KeyError, TypeError, ValueError, AttributeError)
 # Failures where the request certainly never reached the server: always safe to repeat.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -145,19 +148,30 @@ class Call(Generic[T]):
         }
 
     def answer(self, response: httpx.Response) -> T:
+        kind = response.headers.get("content-type", "no content type")
         try:
             data = response.json() if response.content else {}
         except ValueError:
-            # Not Holdpoint's answer: a login portal, a proxy's page, a base URL that is not
-            # the API's. Whether the request reached Holdpoint cannot be told from it.
-            kind = response.headers.get("content-type", "no content type")
-            raise TransportError(
-                f"{self.method} {self.path}: HTTP {response.status_code} answered with {kind}, "
-                "not JSON — is the base URL Holdpoint's API (…/api/v1/), with no proxy or "
-                "login page in the way?",
-                may_have_applied=self.method != "GET",
+            raise self.unreadable(
+                f"HTTP {response.status_code} answered with {kind}, not JSON"
             ) from None
-        return self.parse(data)
+        try:
+            return self.parse(data)
+        except UNFIT as exc:
+            raise self.unreadable(
+                f"HTTP {response.status_code} answered {kind} that is not the API's "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def unreadable(self, answered: str) -> TransportError:
+        """A success this client cannot read: not Holdpoint's answer (a login portal, a
+        proxy's page, a base URL that is not the API's) or not one of this API version.
+        Whether the request reached Holdpoint cannot be told from it."""
+        return TransportError(
+            f"{self.method} {self.path}: {answered} — is the base URL Holdpoint's API "
+            "(…/api/v1/), with no proxy or login page in the way?",
+            may_have_applied=self.method != "GET",
+        )
 
 
 def get(
@@ -302,7 +316,13 @@ class EventFeed:
         a comment line (the server's keep-alive)."""
         if not data:
             return None
-        entry = JournalEntry.from_json(json.loads(data))
+        try:
+            entry = JournalEntry.from_json(json.loads(data))
+        except UNFIT as exc:
+            raise self.call().unreadable(
+                f"the event stream sent a line that is not a journal entry "
+                f"({type(exc).__name__}: {exc}): {data[:200]!r}"
+            ) from exc
         if entry.seq <= self.last:
             return None
         self.last, self.received = entry.seq, self.received + 1

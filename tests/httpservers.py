@@ -85,15 +85,17 @@ def answer_json(handler: BaseHTTPRequestHandler, server: Server) -> None:
     handler.wfile.write(body)
 
 
-def answer_with(status: int, body: bytes, *headers: tuple[str, str]) -> Behaviour:
+def answer_with(
+    status: int, body: bytes, *headers: tuple[str, str], content_type: str = "application/json"
+) -> Behaviour:
     """Answer every request with `status`, `body` (its Content-Length said) and `headers`
-    (a name may come twice), Content-Type JSON."""
+    (a name may come twice), Content-Type JSON unless told otherwise."""
 
     def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
         handler.send_response(status)
         for name, value in headers:
             handler.send_header(name, value)
-        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Type", content_type)
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.write(body)

@@ -46,6 +46,7 @@ from runtime.models import Run as RunRow
 from runtime.models import Tenant
 from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona, issue_token_for
+from tests.httpservers import answer_with
 from tests.runtime.helpers import expire_lease
 
 GOAL = {
@@ -809,15 +810,7 @@ def test_a_success_that_is_not_json_is_a_clear_error_not_a_decode_traceback(serv
     async alike, naming nothing a user could act on. It is a TransportError that says what
     answered and what to check; a write says it may have reached the server."""
     page = b"<!doctype html><title>Sign in to the guest network</title>"
-
-    def portal(handler: Any, server: Any) -> None:
-        handler.send_response(200)
-        handler.send_header("Content-Type", "text/html")
-        handler.send_header("Content-Length", str(len(page)))
-        handler.end_headers()
-        handler.wfile.write(page)
-
-    site = serve(portal)
+    site = serve(answer_with(200, page, content_type="text/html"))
     with pytest.raises(errors.TransportError, match="text/html, not JSON") as read:
         Client(site.url, "token", backoff=0.01).get_run("00000000-0000-0000-0000-000000000000")
     assert read.value.may_have_applied is False
