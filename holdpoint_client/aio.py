@@ -64,7 +64,7 @@ class AsyncClient(Configured):
         while True:
             try:
                 response = await self._http.request(**call.request(self.timeout))
-            except httpx.TransportError as exc:
+            except calls.NO_ANSWER as exc:
                 delay = self.policy.pause(call, attempt, error=exc)
             else:
                 if response.is_success:
@@ -105,7 +105,7 @@ class AsyncClient(Configured):
                 if feed.ended((await self.get_run(run_id)).status):
                     return
                 await asyncio.sleep(feed.pause(self.policy))
-            except httpx.TransportError as exc:
+            except calls.NO_ANSWER as exc:
                 await asyncio.sleep(self.policy.pause(feed.call(), attempt, error=exc))
                 attempt += 1
 

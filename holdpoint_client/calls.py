@@ -54,6 +54,10 @@ USER_AGENT = "holdpoint-client/0.2"
 UNFIT = (KeyError, TypeError, ValueError, AttributeError)
 # Failures where the request certainly never reached the server: always safe to repeat.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# What httpx raises when no usable answer arrived: the transport failed, or an answer came
+# whose body its Content-Encoding does not decode (a DecodingError is not a TransportError).
+NO_ANSWER = (httpx.TransportError, httpx.DecodingError)
+Failure = httpx.TransportError | httpx.DecodingError
 
 
 def api_root(base_url: str) -> str:
@@ -599,7 +603,7 @@ class RetryPolicy:
         attempt: int,
         *,
         response: httpx.Response | None = None,
-        error: httpx.TransportError | None = None,
+        error: Failure | None = None,
     ) -> float:
         """How long to wait before attempt `attempt + 1` of a call that got `response` (not
         a success) or `error`; raises what the caller gets when it is not repeated."""
@@ -611,15 +615,19 @@ class RetryPolicy:
         log.info("retrying %s %s in %.2fs (attempt %d)", call.method, call.path, delay, attempt + 1)
         return delay
 
-    def after_transport_error(
-        self, call: Call[Any], exc: httpx.TransportError, attempt: int
-    ) -> float:
-        """The pause before repeating a call whose request failed, or raise TransportError."""
+    def after_transport_error(self, call: Call[Any], exc: Failure, attempt: int) -> float:
+        """The pause before repeating a call whose request failed, or raise TransportError.
+
+        An answer that cannot be decoded is one more failure after sending: the server may
+        have applied the call, and what it said about that is unreadable."""
         sent = not isinstance(exc, NOT_SENT)
         if attempt < self.retries and (call.replay_safe or not sent):
             return self._delay(attempt, None)
+        what = type(exc).__name__
+        if isinstance(exc, httpx.DecodingError):
+            what += " (an answer whose body cannot be decoded)"
         raise TransportError(
-            f"{call.method} {call.path}: {type(exc).__name__}: {exc}",
+            f"{call.method} {call.path}: {what}: {exc}",
             may_have_applied=sent and call.method != "GET",
         ) from exc
 

@@ -322,7 +322,7 @@ class Client(Configured):
         while True:
             try:
                 response = self._http.request(**call.request(self.timeout))
-            except httpx.TransportError as exc:
+            except calls.NO_ANSWER as exc:
                 delay = self.policy.pause(call, attempt, error=exc)
             else:
                 if response.is_success:
@@ -349,7 +349,7 @@ class Client(Configured):
                 if feed.ended(self.get_run(feed.run_id).status):
                     return
                 self._sleep(feed.pause(self.policy))
-            except httpx.TransportError as exc:
+            except calls.NO_ANSWER as exc:
                 self._sleep(self.policy.pause(feed.call(), attempt, error=exc))
                 attempt += 1
 

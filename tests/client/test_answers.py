@@ -84,3 +84,59 @@ def test_a_malformed_event_stream_line_is_a_transport_error(
 
     with pytest.raises(TransportError, match="not a journal entry"):
         asyncio.run(follow())
+
+
+def garbled(content_type: str = "application/json") -> Any:
+    """Answers whose Content-Encoding says gzip, and whose body is not."""
+    return answer_with(200, b"not gzip", ("Content-Encoding", "gzip"), content_type=content_type)
+
+
+def test_a_body_its_content_encoding_does_not_decode_is_a_transport_error(
+    serve: Callable[..., Server],
+) -> None:
+    """An answer whose body its Content-Encoding does not decode (a gzip header on plain
+    bytes: a broken proxy or server) raised httpx.DecodingError — not an httpx
+    TransportError, so neither retried nor wrapped: a caller catching HoldpointError was not
+    told, and a write did not say it may have been applied. The server answered but what it
+    said cannot be read: a read or a call safe to repeat is asked again, then raised as a
+    TransportError; a call that is not safe to repeat (taking a lease, dispatching) is not
+    repeated and may have been applied."""
+    server = serve(garbled())
+    retries = 2
+    with pytest.raises(TransportError, match="DecodingError") as read:
+        Client(server.url, "token", retries=retries, backoff=0.01).get_run(RUN)
+    assert read.value.may_have_applied is False
+    assert len(server.requests) == retries + 1
+
+    with pytest.raises(TransportError, match=r"POST runs/.*/lease/") as leased:
+        Client(server.url, "token", retries=retries, backoff=0.01).lease(RUN, "me", 30)
+    assert leased.value.may_have_applied is True
+    assert len(server.requests) == retries + 2  # not repeated
+
+    async def dispatch() -> Any:
+        async with AsyncClient(server.url, "token", retries=retries, backoff=0.01) as api:
+            return await api.dispatch(RUN, 1)
+
+    with pytest.raises(TransportError, match=r"POST actions/.*/dispatch/") as sent:
+        asyncio.run(dispatch())
+    assert sent.value.may_have_applied is True
+    assert len(server.requests) == retries + 3
+
+
+def test_a_garbled_event_stream_body_is_a_transport_error(
+    serve: Callable[..., Server],
+) -> None:
+    """The same for a run's event stream: events(follow=True) raised httpx.DecodingError
+    out of the feed, sync and async. It is reopened like a lost connection, then raised as
+    a TransportError."""
+    server = serve(garbled("text/event-stream"))
+    with pytest.raises(TransportError, match="events/"):
+        list(Client(server.url, "token", retries=1, backoff=0.01).events(RUN, follow=True))
+
+    async def follow() -> list[Any]:
+        async with AsyncClient(server.url, "token", retries=1, backoff=0.01) as api:
+            return [entry async for entry in api.events(RUN, follow=True)]
+
+    with pytest.raises(TransportError, match="events/"):
+        asyncio.run(follow())
+    assert len(server.requests) == 4  # each feed: the stream, opened again once
