@@ -52,7 +52,7 @@ from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, ToolCredential
-from runtime.storable import finite, storable_escapes
+from runtime.storable import finite, storable_encoding, storable_escapes
 from runtime.tools import (
     CallResult,
     Dedup,
@@ -196,9 +196,13 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
-    """Open a session, do `work` in it, close it."""
+    """Open a session, do `work` in it, close it. Either transport's answers are made
+    storable before the SDK parses them: a stdio server's by the encoding its output is
+    decoded with, a streamable HTTP server's by `_Read`."""
     if target.transport == McpTransport.STDIO:
-        params = StdioServerParameters(command=target.command, args=list(target.args))
+        params = StdioServerParameters(
+            command=target.command, args=list(target.args), encoding=storable_encoding()
+        )
         async with Client(params, read_timeout_seconds=target.timeout, cache=None) as client:
             return await work(client)
     assert target.vetted is not None

@@ -1,5 +1,5 @@
 """A service's JSON answer made storable, for every sender: http tools (runtime.outbound) and
-MCP upstreams (runtime.mcp).
+MCP upstreams (runtime.mcp), over streamable HTTP or stdio.
 
 An answer is the proof of an effect that happened: refusing to store it would leave that
 effect unrecorded (a step failure, an action left `sent`, a person asked). Yet JSON brings
@@ -7,11 +7,14 @@ in what no column takes: a `\\u0000` escape (PostgreSQL's text and JSON refuse N
 surrogate escape such as `\\ud800` (UTF-8 cannot hold it; the MCP SDK's parser refuses the
 whole message for it), and, outside JSON proper, NaN and ±Infinity (which Python's parser
 and pydantic's read). The escapes are rewritten in the answer's bytes, before any parser
-sees them; the numbers are kept as their text.
+sees them (for a stdio upstream, whose answers the SDK decodes itself, by the encoding
+`storable_encoding` names); the numbers are kept as their text.
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
 import math
 import re
 from typing import Any
@@ -42,6 +45,40 @@ def storable_escapes(body: bytes) -> bytes:
 def _rewritten(match: re.Match[bytes]) -> bytes:
     token = match.group()
     return REPLACEMENT if len(token) == 6 and _SUSPECT.match(token) else token
+
+
+class _StorableLines(codecs.BufferedIncrementalDecoder):
+    """UTF-8 read a whole line at a time (no escape spans a line of JSON text), each line
+    `storable_escapes` first; a line's start is held until its end comes."""
+
+    def _buffer_decode(self, data: Any, errors: str, final: bool) -> tuple[str, int]:
+        end = len(data) if final else bytes(data).rfind(b"\n") + 1
+        text, _ = codecs.utf_8_decode(storable_escapes(bytes(data[:end])), errors, True)
+        return text, end
+
+
+STORABLE_UTF8 = "holdpoint_storable_utf8"
+
+
+@functools.cache
+def storable_encoding() -> str:
+    """The name of a text encoding — UTF-8 whose decoding is `storable_escapes` line by line —
+    for a reader that takes an encoding rather than bytes (the MCP SDK's stdio client). It
+    is registered with `codecs` on the first call."""
+    utf8 = codecs.lookup("utf-8")
+
+    def decode(data: Any, errors: str = "strict") -> tuple[str, int]:
+        return _StorableLines(errors).decode(bytes(data), True), len(data)
+
+    info = codecs.CodecInfo(
+        name=STORABLE_UTF8,
+        encode=utf8.encode,
+        decode=decode,
+        incrementalencoder=utf8.incrementalencoder,
+        incrementaldecoder=_StorableLines,
+    )
+    codecs.register(lambda name: info if name == STORABLE_UTF8 else None)
+    return STORABLE_UTF8
 
 
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")

@@ -10,8 +10,8 @@ answers with that much padding; `{"id": VALUE}` applies it and answers with VALU
 true, "", an object) where the ticket's id belongs; `{"delay": SECONDS}` waits *before* it
 applies the call — a request still in flight, whose effect a lookup cannot find yet;
 `{"raw": TEXT}` answers with the JSON text TEXT, byte for byte, as the ticket's `note` (and
-in its text block): what the SDK's own encoder never writes — NaN, Infinity, a lone
-surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
+in its text block), over either transport: what the SDK's own encoder never writes — NaN,
+Infinity, a lone surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -100,10 +102,17 @@ def _padding() -> dict[str, str]:
     return {**extra, "padding": "x" * int(faults["huge"])} if faults.get("huge") else extra
 
 
+def _raw_written(body: bytes, raw: Any) -> bytes:
+    """`body` with the JSON string RAW as the `raw` fault's text — in the structured result
+    (`"@@raw@@"`) and in its JSON text block (`\"@@raw@@\"`) — byte for byte."""
+    value = str(raw).encode()
+    escaped = json.dumps(str(raw))[1:-1].encode()
+    body = body.replace(b'\\"' + RAW.encode() + b'\\"', escaped)
+    return body.replace(b'"' + RAW.encode() + b'"', value)
+
+
 class Raw:
-    """ASGI middleware: with the `raw` fault, the JSON string RAW in an answer becomes the
-    fault's text — in the structured result (`"@@raw@@"`) and in its JSON text block
-    (`\"@@raw@@\"`) — byte for byte, on its way out."""
+    """ASGI middleware: with the `raw` fault, an answer is `_raw_written` on its way out."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -113,21 +122,34 @@ class Raw:
         if raw is None:
             await self.app(scope, receive, send)
             return
-        value = str(raw).encode()
-        escaped = json.dumps(str(raw))[1:-1].encode()
 
         async def rewriting(message: Any) -> None:
             if message["type"] == "http.response.start":  # its length changes: chunked
                 headers = [(k, v) for k, v in message["headers"] if k.lower() != b"content-length"]
                 message = {**message, "headers": headers}
             if message["type"] == "http.response.body":
-                body = message.get("body", b"")
-                body = body.replace(b'\\"' + RAW.encode() + b'\\"', escaped)
-                body = body.replace(b'"' + RAW.encode() + b'"', value)
-                message = {**message, "body": body}
+                message = {**message, "body": _raw_written(message.get("body", b""), raw)}
             await send(message)
 
         await self.app(scope, receive, rewriting)
+
+
+class RawStdout(io.RawIOBase):
+    """stdout for the stdio transport: each message `_raw_written` with the `raw` fault, as
+    the Raw middleware does over HTTP (the SDK writes one whole line per flush). It has no
+    file descriptor of its own, so the SDK writes through it rather than to fd 1."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raw = _faults().get("raw")
+        self.out.write(bytes(data) if raw is None else _raw_written(bytes(data), raw))
+        self.out.flush()
+        return len(data)
 
 
 @server.tool(
@@ -208,6 +230,7 @@ def main() -> None:
     DATA = Path(args.data)
     DATA.mkdir(parents=True, exist_ok=True)
     if args.transport == "stdio":
+        sys.stdout = io.TextIOWrapper(RawStdout(sys.stdout.buffer), encoding="utf-8")
         server.run("stdio")
     else:
         import uvicorn

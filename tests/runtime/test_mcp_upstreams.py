@@ -6,8 +6,10 @@ process (tests/mcp_upstream.py); the oracle is its own record of the calls that 
 from __future__ import annotations
 
 import io
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -332,10 +334,15 @@ def test_a_private_address_is_not_connected_to(
     assert upstream.calls() == []
 
 
+def _stdio_args(data: Path) -> list[str]:
+    """The test upstream as a stdio server's command line (after sys.executable)."""
+    return ["-m", "tests.mcp_upstream", "--transport", "stdio", "--data", str(data)]
+
+
 def test_stdio_servers_are_refused_unless_the_operator_turns_them_on(
-    tenant_a: Tenant, settings: Any, tmp_path: Any
+    tenant_a: Tenant, settings: Any, tmp_path: Path
 ) -> None:
-    args = ["-m", "tests.mcp_upstream", "--transport", "stdio", "--data", str(tmp_path)]
+    args = _stdio_args(tmp_path)
     with pytest.raises(ValidationError) as refused:
         McpServer.objects.create(
             tenant=tenant_a, name="local", transport="stdio", command=sys.executable, args=args
@@ -347,6 +354,37 @@ def test_stdio_servers_are_refused_unless_the_operator_turns_them_on(
     )
     names = sorted(item.definition.name for item in mcp.import_tools(server, "user:admin"))
     assert names == ["local.tickets_create", "local.tickets_list", "local.tickets_purge"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "kept"),
+    [('"a\\u0000b"', "a\ufffdb"), ('"\\ud800 alone"', "\ufffd alone")],
+    ids=["nul", "lone-surrogate"],
+)
+def test_a_stdio_upstreams_answer_holding_what_no_column_takes_is_confirmed_and_stored(
+    tenant_a: Tenant, settings: Any, tmp_path: Path, raw: str, kept: str
+) -> None:
+    """As a streamable HTTP upstream's (tests/gateway/test_mcp_calls.py): the stdio upstream
+    applied the call and answered its proof with a \\u0000 escape (PostgreSQL's JSON refuses
+    it) or a lone surrogate (the SDK's parser refuses the message). The effect is confirmed
+    and its answer stored with U+FFFD, never a failed write or a false failure after it."""
+    settings.HOLDPOINT_MCP_STDIO = True
+    server = McpServer.objects.create(
+        tenant=tenant_a,
+        name="helpdesk",
+        transport="stdio",
+        command=sys.executable,
+        args=_stdio_args(tmp_path),
+    )
+    mcp.import_tools(server, "user:admin")
+    _exempt(tenant_a)
+    (tmp_path / "faults.json").write_text(json.dumps({"raw": raw}), "utf-8")
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
+    assert action.result["structuredContent"]["note"] == kept
+    assert len((tmp_path / "calls.jsonl").read_text("utf-8").splitlines()) == 1
 
 
 def test_names_are_normalised_to_the_definition_rules() -> None:
