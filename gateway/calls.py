@@ -47,7 +47,7 @@ from django.urls import reverse
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit import journal
 from audit.models import JournalEntry
-from runtime import ledger, protocol, toolcatalog
+from runtime import ledger, mcp, protocol, toolcatalog
 from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import ToolUnavailable, reconcile_due
@@ -189,17 +189,21 @@ class Listed:
 
 
 def listing(caller: Caller) -> list[Listed]:
-    """The tenant's tools the gateway performs (http and mcp definitions), each description
-    saying when a call waits for a reviewer."""
+    """The tenant's tools the gateway performs (http definitions, and mcp definitions of an
+    active server: an inactive one's are not sent), each description saying when a call
+    waits for a reviewer."""
     held_by_policy = set(
         ApprovalPolicy.objects.filter(
             tenant_id=caller.tenant_id, active=True, required=True
         ).values_list("tool", flat=True)
     )
+    active = mcp.active_servers(caller.tenant_id)
     found = []
     for entry in toolcatalog.entries(caller.tenant_id):
         spec = entry.spec
         if spec.get("executor", Sender.HTTP) not in SENT_HERE:
+            continue
+        if spec.get("executor") == Sender.MCP and spec["mcp"]["server"] not in active:
             continue
         note = _hold_note(entry, held_by_policy)
         text = " ".join(part for part in (str(spec.get("description", "")), note) if part)
@@ -261,6 +265,16 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
     call_hash = hashlib.sha256(f"{tool.name}\n{fingerprint}".encode()).hexdigest()[:32]
     delivered = _delivered(run_id, caller.tenant_id, call_hash).count()
     key = f"mcp:{run_id}:{call_hash}:{delivered + 1}"
+    if (
+        isinstance(tool, mcp.McpTool)
+        and tool.server not in mcp.active_servers(caller.tenant_id)
+        and ledger.by_key(caller.tenant_id, key) is None  # a call made before: its answer
+    ):
+        raise CallError(
+            INVALID_PARAMS,
+            f"{name} is not available: its MCP server {tool.server!r} is inactive "
+            "(nothing was sent)",
+        )
     return Call(run_id, caller.tenant_id, tool.name, params, call_hash, key)
 
 

@@ -472,6 +472,12 @@ def _error_text(result: CallToolResult) -> str:
     return " ".join(text for text in texts if text)[:1000] or "the tool reported an error"
 
 
+def active_servers(tenant_id: int) -> set[str]:
+    """The names of the tenant's active MCP servers: only their tools are sent."""
+    found = McpServer.objects.filter(tenant_id=tenant_id, active=True)
+    return set(found.values_list("name", flat=True))
+
+
 @dataclass
 class McpTool(Tool):
     """A tool of an upstream MCP server, sent by Holdpoint's workers with `tools/call`."""

@@ -369,3 +369,34 @@ def test_an_upstream_answer_the_sdk_cannot_parse_is_an_unknown_outcome_not_a_ref
     assert action.status == S.MANUAL_REVIEW, (action.status, action.last_error)
     assert said.text.startswith("NEEDS A PERSON") and not said.final, said.text
     assert len(upstream.calls()) == 1
+
+
+def test_an_inactive_servers_tools_are_not_listed_and_a_new_call_of_one_is_an_mcp_error(
+    tenant_a: Tenant, agent_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """An admin turned an MCP server off: its tools are not sent (runtime.mcp). They were
+    still listed, and a call of one was stored, held for a reviewer when the tool is held,
+    and then FAILED with "no active MCP server". They are no longer listed, a new call is
+    an MCP error with nothing stored; a call made before still gets its answer."""
+    upstream = mcp_upstream()
+    _plain(tenant_a, upstream)
+    define_tickets(tenant_a, "http://127.0.0.1:9/tickets", mode="none")  # an http tool
+    purge = "helpdesk.tickets_purge"  # irreversible: every call waits for a reviewer
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    held = calls.parse(caller, session, purge, {"older_than_days": 30})
+    assert calls.drive(caller, held).status == S.AWAITING_APPROVAL
+
+    server = McpServer.objects.get(tenant=tenant_a)
+    server.active = False
+    server.save()
+    listed = {tool.name for tool in calls.listing(caller)}
+    assert "tickets.create" in listed and not {n for n in listed if n.startswith("helpdesk.")}
+    with pytest.raises(calls.CallError) as refused:
+        calls.parse(caller, session, CREATE, {"title": "Printer on fire"})
+    assert refused.value.code == calls.INVALID_PARAMS
+    assert "'helpdesk' is inactive" in refused.value.message
+    assert not Action.objects.filter(tenant=tenant_a, tool=CREATE).exists()
+    again = calls.parse(caller, session, purge, {"older_than_days": 30})
+    assert calls.answer(calls.drive(caller, again)).text.startswith("PENDING:")
+    assert upstream.calls() == []
