@@ -33,7 +33,7 @@ from django.db import connections
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.shared.exceptions import MCPError
-from mcp_types import PARSE_ERROR
+from mcp_types import INVALID_REQUEST, PARSE_ERROR
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway import calls
@@ -191,9 +191,10 @@ class Endpoint:
             limit = settings.HOLDPOINT_MCP_MAX_BODY_BYTES
             await _plain(send, 413, f"request body larger than {limit} bytes")
             return
-        first = _message(body)
-        if first is None:
-            await _parse_error(send, "the body is not JSON (or nested too deep)")
+        try:
+            first = _message(body)
+        except _NotOne as refused:
+            await _rpc_error(send, refused.code, refused.message)
             return
         if not session:
             if first.get("method") != "initialize":
@@ -235,21 +236,42 @@ class Endpoint:
         await held.flush(_with_session(send, session) if session else send)
 
 
-def _message(body: bytes) -> dict[str, Any] | None:
+class _NotOne(Exception):
+    """The body is not one JSON-RPC message: answered with this JSON-RPC error, HTTP 400."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _message(body: bytes) -> dict[str, Any]:
     """The body's JSON-RPC message as the SDK will read it — with its parser, pydantic-core,
     which refuses JSON nested past its limit as it refuses any other bad JSON (json.loads
-    raised RecursionError there: a 500) — or {} if it is not one object; None if the body
-    is not JSON at all."""
+    raised RecursionError there: a 500). _NotOne if the body is not JSON at all (parse
+    error), or is JSON but not one object: a batch (an array), which MCP 2025-06-18 took out
+    of the protocol, or a bare value (invalid request) — the same answer with or without a
+    session (the SDK would answer a session's batch with its own -32602)."""
     try:
         data = pydantic_core.from_json(body)
     except ValueError:
-        return None
-    return data if isinstance(data, dict) else {}
+        raise _NotOne(
+            PARSE_ERROR, "Parse error: the body is not JSON (or nested too deep)"
+        ) from None
+    if isinstance(data, list):
+        raise _NotOne(
+            INVALID_REQUEST,
+            "Invalid Request: JSON-RPC batches (a JSON array) are not served, as MCP has no "
+            "batching since 2025-06-18: send one message per request",
+        )
+    if not isinstance(data, dict):
+        raise _NotOne(INVALID_REQUEST, "Invalid Request: the body is not a JSON-RPC message")
+    return data
 
 
-async def _parse_error(send: Send, reason: str) -> None:
-    """JSON-RPC's parse error, HTTP 400 — what the SDK answers a session's bad JSON with."""
-    error = {"code": PARSE_ERROR, "message": f"Parse error: {reason}"}
+async def _rpc_error(send: Send, code: int, message: str) -> None:
+    """A JSON-RPC error for no request (`id` null), HTTP 400 — as the SDK answers a session's
+    bad JSON."""
+    error = {"code": code, "message": message}
     await _json(send, 400, {"jsonrpc": "2.0", "id": None, "error": error})
 
 

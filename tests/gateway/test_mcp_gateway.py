@@ -580,6 +580,49 @@ def test_the_readme_example_client_waits_for_the_approval_and_prints_the_result(
 
 
 @pytest.mark.parametrize(
+    "body",
+    [
+        [{"jsonrpc": "2.0", "id": 2, "method": "tools/list"}],
+        [
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        ],
+        [],
+        42,
+    ],
+    ids=["batch-of-one", "batch-of-two", "empty-batch", "a-number"],
+)
+@pytest.mark.parametrize("carried", [False, True], ids=["new", "in-a-session"])
+def test_a_batch_is_an_invalid_request_with_or_without_a_session(
+    web: str, tenant_a: Tenant, agent_a: Persona, body: Any, carried: bool
+) -> None:
+    """MCP 2025-06-18 removed JSON-RPC batching. A batch (a JSON array), or any JSON that
+    is not one message, is JSON-RPC's Invalid Request (-32600, id null), HTTP 400, whether
+    or not it names a session: a new session's got a plain 400 without any JSON-RPC error,
+    a session's the SDK's -32602 (invalid params) with pydantic's validation text. Nothing
+    is stored; the session goes on."""
+    url = _endpoint(web, tenant_a)
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    if carried:
+        opened = httpx.post(url, json=_initialize(), headers=headers, timeout=30)
+        headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+    runs = Run.objects.count()
+    answer = httpx.post(url, content=json.dumps(body), headers=headers, timeout=30)
+    assert answer.status_code == 400, answer.text
+    said = answer.json()
+    assert said["id"] is None and said["error"]["code"] == -32600, said
+    assert "batch" in said["error"]["message"] or not isinstance(body, list), said
+    assert Run.objects.count() == runs
+    listing = {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}
+    if carried:
+        assert '"result"' in httpx.post(url, json=listing, headers=headers, timeout=30).text
+
+
+@pytest.mark.parametrize(
     "change",
     [
         {"Accept": "application/json"},  # 406: no event stream accepted
