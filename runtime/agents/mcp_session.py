@@ -10,18 +10,16 @@ the sweeper and the API must know the graph of any run they show.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, QuerySet
-from django.utils import timezone
 
 from runtime.context import StepContext
 from runtime.errors import HoldpointError
 from runtime.graphs import Fail, Graph, Outcome, register
-from runtime.leases import lease_free
+from runtime.leases import db_now_plus, lease_free
 from runtime.models import FINISHED, Action, ActionStatus, Run
 
 NAME = "mcp-session"
@@ -121,7 +119,9 @@ def close_idle(limit: int) -> int:
         Run.objects.filter(
             lease_free(),
             graph=NAME,
-            updated_at__lt=timezone.now() - timedelta(hours=hours),
+            # By the database's clock, as leases and the protocol's writes of updated_at are:
+            # a process whose clock runs ahead must not close sessions still in use.
+            updated_at__lt=db_now_plus(-hours * 3600.0),
             external=True,
         )
         .exclude(status__in=FINISHED)

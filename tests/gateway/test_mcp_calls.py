@@ -300,9 +300,9 @@ def test_an_idle_session_whose_gateway_was_lost_is_closed_unless_a_call_may_have
     assert flag_lost_executors(10) == 3
     assert {Run.objects.get(pk=r.pk).status for r in runs.values()} == {RunStatus.NEEDS_ATTENTION}
 
-    later = timezone.now() + timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS, minutes=1)
-    with time_machine.travel(later, tick=False):
-        assert mcp_session.close_idle(10) == 2
+    idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS, minutes=1)
+    Run.objects.filter(pk__in=[r.pk for r in runs.values()]).update(updated_at=Now() - idle)
+    assert mcp_session.close_idle(10) == 2
     status = {name: Run.objects.get(pk=run.pk).status for name, run in runs.items()}
     assert status == {
         "unsent": RunStatus.COMPLETED,
@@ -400,3 +400,25 @@ def test_an_inactive_servers_tools_are_not_listed_and_a_new_call_of_one_is_an_mc
     again = calls.parse(caller, session, purge, {"older_than_days": 30})
     assert calls.answer(calls.drive(caller, again)).text.startswith("PENDING:")
     assert upstream.calls() == []
+
+
+def test_the_idle_cutoff_is_the_databases_clock_not_the_process_clock(
+    tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """A session is idle when its run was last touched HOLDPOINT_MCP_SESSION_IDLE_HOURS ago
+    by the database's clock, which writes that time (and every lease). The cutoff was the
+    process's clock: a sweeper whose clock ran a day ahead closed every open session, and
+    one behind closed none."""
+    caller = _caller(agent_a)
+    fresh, aged = (calls.open_session(caller, {}) for _ in range(2))
+    idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
+    Run.objects.filter(pk__in=[fresh, aged]).update(updated_at=Now())
+    Run.objects.filter(pk=aged).update(updated_at=Now() - idle - timedelta(minutes=1))
+    with time_machine.travel(timezone.now() - 2 * idle, tick=False):  # the process is behind
+        assert mcp_session.close_idle(10) == 1
+    with time_machine.travel(timezone.now() + 2 * idle, tick=False):  # and now ahead
+        assert mcp_session.close_idle(10) == 0
+    status = {
+        name: Run.objects.get(pk=run).status for name, run in (("fresh", fresh), ("aged", aged))
+    }
+    assert status == {"fresh": RunStatus.QUEUED, "aged": RunStatus.COMPLETED}

@@ -20,10 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-import time_machine
 from django.conf import settings
+from django.db.models.functions import Now
 from django.test import override_settings
-from django.utils import timezone
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
@@ -222,6 +221,12 @@ def _status(run_id: Any) -> str:
     return str(Run.objects.get(pk=run_id).status)
 
 
+def _last_used(runs: list[Any], ago: timedelta) -> None:
+    """The sessions' runs last touched `ago` before now, by the database's clock (the one
+    the idle sweep reads)."""
+    Run.objects.filter(pk__in=runs).update(updated_at=Now() - ago)
+
+
 def test_a_session_its_host_left_open_is_closed_once_idle_unless_a_call_is_still_open(
     web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona
 ) -> None:
@@ -251,13 +256,12 @@ def test_a_session_its_host_left_open_is_closed_once_idle_unless_a_call_is_still
     assert Action.objects.get(run_id=runs["waiting"]).status == S.AWAITING_APPROVAL
 
     idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
-    later = timezone.now() + idle + timedelta(minutes=1)
-    Run.objects.filter(pk=runs["quiet"]).update(updated_at=later - timedelta(hours=1))
-    with time_machine.travel(later, tick=False):
-        with override_settings(HOLDPOINT_MCP_SESSION_IDLE_HOURS=0):  # 0: never
-            sweep_once()
-        assert _status(runs["done"]) == "queued"
+    _last_used(list(runs.values()), idle + timedelta(minutes=1))
+    _last_used([runs["quiet"]], idle - timedelta(minutes=59))
+    with override_settings(HOLDPOINT_MCP_SESSION_IDLE_HOURS=0):  # 0: never
         sweep_once()
+    assert _status(runs["done"]) == "queued"
+    sweep_once()
     assert _status(runs["done"]) == "completed"
     [closing] = Checkpoint.objects.filter(run_id=runs["done"]).order_by("-rev")[:1]
     assert resolve(tenant_a.pk, closing.state) == {"calls": 1, "closed_by": "idle"}
@@ -299,14 +303,12 @@ def test_an_idle_session_whose_client_left_before_the_decision_is_closed_all_the
     }
     assert Action.objects.get(pk=actions["approved"].pk).status == S.APPROVED  # unsent
     # The session whose rejection was never handed over is the oldest.
-    older = Run.objects.get(pk=runs["approved"]).updated_at - timedelta(minutes=5)
-    Run.objects.filter(pk=runs["rejected"]).update(updated_at=older)
-
     idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
-    with time_machine.travel(timezone.now() + idle + timedelta(minutes=1), tick=False):
-        assert mcp_session.close_idle(1) == 1  # a batch of one: the oldest is not stuck
-        assert _status(runs["rejected"]) == "completed"
-        assert mcp_session.close_idle(1) == 1
+    _last_used([runs["approved"]], idle + timedelta(minutes=1))
+    _last_used([runs["rejected"]], idle + timedelta(minutes=6))
+    assert mcp_session.close_idle(1) == 1  # a batch of one: the oldest is not stuck
+    assert _status(runs["rejected"]) == "completed"
+    assert mcp_session.close_idle(1) == 1
     assert _status(runs["approved"]) == "completed"
 
     rejected, approved = (Action.objects.get(pk=actions[n].pk) for n in ("rejected", "approved"))
