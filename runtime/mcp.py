@@ -19,7 +19,9 @@ What a call's answer means for the effect (runtime.tools.CallResult):
   method, invalid params) → refused for good — one the SDK's client made up because it
   could not read the answer is no such word: unknown;
 - no session could be opened (refused connection, failed handshake) → refused, transient:
-  `tools/call` was never sent;
+  `tools/call` was never sent; nor taken when the upstream answers it with 404 for the
+  session it opened (it restarted, or ended the session: MCP has it answer any request of
+  the session so) → refused, transient: the retry opens a new session;
 - a timeout or a lost connection after `tools/call` was sent → unknown. MCP has no
   idempotency contract: the ledger hands the question to a person (`manual_review`) instead
   of sending again — unless the definition declares a lookup (dedup `lookup`): every call
@@ -130,14 +132,22 @@ def target_for(
     )
 
 
+class SessionGone(Exception):
+    """The upstream answered `tools/call` with 404 for the session it had opened: it no
+    longer has that session (it restarted, or ended it), and MCP has it answer so any
+    request of it — the request was not taken."""
+
+
 class _Pinned(httpx2.AsyncBaseTransport):
     """Sends every request of the session to the vetted address, for the vetted host only
-    (the SDK follows same-origin redirects itself: another host is refused here too)."""
+    (the SDK follows same-origin redirects itself: another host is refused here too). Keeps
+    the methods whose request a session's 404 answered (`gone`)."""
 
     def __init__(self, vetted: outbound.Vetted, max_bytes: int = 0) -> None:
         self.vetted = vetted
         self.max_bytes = max_bytes
         self.inner = httpx2.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
+        self.gone: set[str] = set()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if (request.url.host or "").lower() != self.vetted.host or request.url.scheme != (
@@ -148,11 +158,22 @@ class _Pinned(httpx2.AsyncBaseTransport):
         if self.vetted.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": self.vetted.host}
         response = await self.inner.handle_async_request(request)
+        if response.status_code == 404 and request.method == "POST":
+            if request.headers.get("mcp-session-id"):
+                self.gone.add(_method_of(request.content))
         response.stream = _Read(response.stream, self.max_bytes)
         return response
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+def _method_of(body: bytes) -> str:
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return ""
+    return str(message.get("method", "")) if isinstance(message, dict) else ""
 
 
 class _Read(httpx2.AsyncByteStream):
@@ -206,8 +227,9 @@ async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
         async with Client(params, read_timeout_seconds=target.timeout, cache=None) as client:
             return await work(client)
     assert target.vetted is not None
+    pinned = _Pinned(target.vetted, target.max_bytes)
     http = httpx2.AsyncClient(
-        transport=_Pinned(target.vetted, target.max_bytes),
+        transport=pinned,
         headers=target.headers,
         timeout=httpx2.Timeout(target.timeout),
         follow_redirects=False,
@@ -216,7 +238,12 @@ async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
     async with http:
         transport = streamable_http_client(target.url, http_client=http)
         async with Client(transport, read_timeout_seconds=target.timeout, cache=None) as client:
-            return await work(client)
+            try:
+                return await work(client)
+            except MCPError as exc:
+                if "tools/call" in pinned.gone:
+                    raise SessionGone(f"the upstream no longer has the session: {exc}") from exc
+                raise
 
 
 def _run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
@@ -256,12 +283,16 @@ def _not_taken(error: MCPError) -> bool:
     return error.code in NOT_TAKEN and not error.message.startswith(UNREADABLE_ANSWER)
 
 
-def _protocol_error(exc: BaseException) -> MCPError | None:
-    if isinstance(exc, MCPError):
+E = TypeVar("E", bound=BaseException)
+
+
+def _found(exc: BaseException, kind: type[E]) -> E | None:
+    """`exc` if it is a `kind`, else the first `kind` in it (an exception group)."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _protocol_error(inner)
+            found = _found(inner, kind)
             if found is not None:
                 return found
     return None
@@ -538,7 +569,9 @@ class McpTool(Tool):
         detail = _describe(exc)
         if not sent:  # no session was opened: tools/call never left
             return CallResult("refused", transient=True, detail=f"not sent: {detail}")
-        error = _protocol_error(exc)
+        if _found(exc, SessionGone) is not None:  # not taken; a new session may be opened
+            return CallResult("refused", transient=True, detail=f"not taken: {detail}")
+        error = _found(exc, MCPError)
         if error is not None and _not_taken(error):
             return CallResult("refused", detail=f"{self.upstream_tool}: {detail}")
         return CallResult("unknown", detail=f"after tools/call was sent: {detail}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
@@ -20,6 +22,20 @@ class Upstream:
     url: str
     data: Path
     proc: subprocess.Popen[bytes] = field(repr=False)
+    args: list[str] = field(default_factory=list)  # its command line (tests.mcp_upstream)
+    retired: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+
+    def restart(self) -> None:
+        """A new process in this one's place — the same port and record, none of its
+        sessions — as a deploy does: the old one is asked to stop (SIGTERM: uvicorn takes no
+        new connection and finishes the requests it has; it may then linger on an open
+        stream, and is killed with the others afterwards)."""
+        port = int(self.url.split(":")[2].split("/")[0])
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.retired.append(self.proc)
+        procs.wait_for(lambda: not _listening(port), timeout=30)
+        self.proc = _launch(self.args, self.data)
+        procs.wait_for(lambda: _listening(port), timeout=30)
 
     def calls(self, tool: str | None = None) -> list[dict[str, Any]]:
         """What reached the upstream's tools (its own record, written before answering)."""
@@ -55,17 +71,19 @@ def mcp_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
         port = procs.free_port()
         data = tmp_path / f"mcp-upstream-{len(started)}"
         data.mkdir()
-        proc = procs.start(
-            ["--port", str(port), "--data", str(data), *(["--keyed"] if keyed else [])],
-            procs.child_env(),
-            log=data / "upstream.log",
-            program="tests.mcp_upstream",
-        )
-        upstream = Upstream(f"http://127.0.0.1:{port}/mcp", data, proc)
+        args = ["--port", str(port), "--data", str(data), *(["--keyed"] if keyed else [])]
+        upstream = Upstream(f"http://127.0.0.1:{port}/mcp", data, _launch(args, data), args)
         started.append(upstream)
         procs.wait_for(lambda: _listening(port), timeout=30)
         return upstream
 
     yield start
     for upstream in started:
-        procs.kill(upstream.proc)
+        for proc in (*upstream.retired, upstream.proc):
+            procs.kill(proc)
+
+
+def _launch(args: list[str], data: Path) -> subprocess.Popen[bytes]:
+    return procs.start(
+        args, procs.child_env(), log=data / "upstream.log", program="tests.mcp_upstream"
+    )

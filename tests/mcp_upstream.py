@@ -12,6 +12,8 @@ applies the call — a request still in flight, whose effect a lookup cannot fin
 `{"raw": TEXT}` answers with the JSON text TEXT, byte for byte, as the ticket's `note` (and
 in its text block), over either transport: what the SDK's own encoder never writes — NaN,
 Infinity, a lone surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
+`{"legacy": true}` makes it a server of the 2025 protocol (sessions), `{"hold_initialized":
+SECONDS}` then holds a session's `notifications/initialized` that long (Legacy).
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
@@ -134,6 +136,52 @@ class Raw:
         await self.app(scope, receive, rewriting)
 
 
+class Legacy:
+    """ASGI middleware: the upstream as a server of the 2025 protocol, as many still are —
+    with `{"legacy": true}` it answers the 2026 `server/discover` probe as such a server
+    answers any request outside a session (400, JSON-RPC -32600), so the SDK's client falls
+    back to `initialize` and works in the session (`Mcp-Session-Id`) that opens; with
+    `{"hold_initialized": SECONDS}` it also marks that client's `notifications/initialized`
+    (the file DIR/initialized) and holds it that long before serving it. The client sends
+    nothing else meanwhile: a test can restart the upstream between a session's initialize
+    and its first request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        faults = _faults() if scope["type"] == "http" and scope["method"] == "POST" else {}
+        if not faults.get("legacy"):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if b'"server/discover"' in body:
+            error = {"code": -32600, "message": "Bad Request: Missing session ID"}
+            answer = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 400, "headers": headers})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        if b'"notifications/initialized"' in body and faults.get("hold_initialized"):
+            (DATA / "initialized").write_text("", "utf-8")
+            await asyncio.sleep(float(faults["hold_initialized"]))
+        replayed = False
+
+        async def again() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, again, send)
+
+
 class RawStdout(io.RawIOBase):
     """stdout for the stdio transport: each message `_raw_written` with the `raw` fault, as
     the Raw middleware does over HTTP (the SDK writes one whole line per flush). It has no
@@ -235,7 +283,8 @@ def main() -> None:
     else:
         import uvicorn
 
-        uvicorn.run(Raw(server.streamable_http_app()), host="127.0.0.1", port=args.port)
+        app = Legacy(Raw(server.streamable_http_app()))
+        uvicorn.run(app, host="127.0.0.1", port=args.port)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tena
 from tests import procs
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
+from tests.runtime.helpers import make_due
 
 S = ActionStatus
 CREATE = "helpdesk.tickets_create"
@@ -474,3 +476,36 @@ def test_an_import_does_not_take_over_a_tool_it_did_not_import(
     kept = toolcatalog.entry(tenant_a.pk, CREATE)
     assert kept is not None and kept.spec["executor"] == "http"
     assert not ToolDefinition.objects.filter(tenant=tenant_a, name="helpdesk.tickets_list")
+
+
+def test_an_upstream_restarted_between_initialize_and_the_call_leaves_it_unsent(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    """A 2025-protocol upstream (one with sessions) restarts, as in a deploy, after the
+    session's initialize and before its tools/call: the new process does not know the
+    session and answers 404, as MCP has a server answer any request of a session it no
+    longer has — the request was not taken. Nothing was done: the action is left unsent (a
+    transient refusal, retried in a new session), not FAILED, nor handed to a person."""
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream, timeout_seconds=30)
+    _exempt(tenant_a)
+    upstream.faults(legacy=True, hold_initialized=6)
+
+    def deploy() -> None:
+        procs.wait_for(lambda: (upstream.data / "initialized").exists(), timeout=60)
+        upstream.faults(legacy=True)  # the new process holds nothing
+        upstream.restart()
+
+    restarting = threading.Thread(target=deploy, daemon=True)
+    restarting.start()
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    restarting.join(timeout=60)
+    action = Action.objects.get(run=run)
+    assert action.status == S.PREPARED, (action.status, action.last_error)
+    assert "no longer has the session" in action.last_error
+    assert upstream.calls() == []
+    make_due(run)  # the retry, in a new session
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert Action.objects.get(pk=action.pk).status == S.CONFIRMED
+    assert len(upstream.calls()) == 1
