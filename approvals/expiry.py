@@ -26,8 +26,11 @@ SYSTEM = "system:expirer"
 
 
 def sweep_approvals(batch: int = 200) -> int:
+    """Expire, remind and escalate what is due, at most `batch` of each. Due by the database
+    clock, which wrote the times: a sweeper whose clock runs behind would leave expired
+    requests pending (each `expire` re-checks by the database clock, so never early)."""
     now = timezone.now()
-    due = ApprovalRequest.objects.filter(status=A.PENDING, expires_at__lte=now)
+    due = ApprovalRequest.objects.filter(status=A.PENDING, expires_at__lte=Now())
     done = 0
     for request_id in due.values_list("id", flat=True)[:batch]:
         done += expire(request_id)
@@ -114,10 +117,14 @@ def remind(now: object, batch: int) -> int:
         ApprovalRequest.objects.filter(status=A.PENDING, reminded=False)
         .annotate(db_now=Now())
         .select_related("policy")
-        .order_by("expires_at")[:batch]
+        .order_by("expires_at")
     )
     count = 0
-    for request in pending:
+    # Every pending request is looked at, `batch` reminders at most sent: windows differ per
+    # policy, so the first `batch` by expiry may all be not due while a later one is.
+    for request in pending.iterator(chunk_size=500):
+        if count >= batch:
+            break
         window = timedelta(seconds=request.policy.remind_before_seconds)
         if request.expires_at - window > request.db_now:
             continue
@@ -143,9 +150,14 @@ def escalate(now: object, batch: int) -> int:
             policy__escalation_group__isnull=False,
         )
         .annotate(db_now=Now())
-        .select_related("policy")[:batch]
+        .select_related("policy")
+        .order_by("created_at")
     )
-    for request in candidates:
+    # Every candidate is looked at, `batch` escalations at most made: windows differ per
+    # policy, so the first `batch` raised may all be not due while a later one is.
+    for request in candidates.iterator(chunk_size=500):
+        if count >= batch:
+            break
         due = request.created_at + timedelta(seconds=request.policy.escalate_after_seconds or 0)
         if due <= request.db_now and ApprovalRequest.objects.filter(
             pk=request.pk, escalated=False

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, Permission
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from approvals.decisions import decide
@@ -618,3 +619,70 @@ def test_an_approval_that_expired_before_sending_keeps_the_re_request_spent(
     assert run.status == RunStatus.NEEDS_ATTENTION and "expired twice" in run.attention_reason
     assert Action.objects.get(run=run).status == ActionStatus.CANCELLED
     assert box.tasks() == []
+
+
+def _requests(tenant: Tenant, n: int) -> list[ApprovalRequest]:
+    """`n` api-review runs held at their hold point, in the order they were raised."""
+    made = []
+    for _ in range(n):
+        run = create_run(tenant, "api-review", GOAL, actor="agent:agent-a")
+        assert advance_run(run.run_id, "w1").outcome == "waiting"
+        made.append(ApprovalRequest.objects.get(run=run))
+    return made
+
+
+def test_a_due_escalation_is_not_starved_by_requests_not_due_yet(
+    tenant_a: Tenant, policy: ApprovalPolicy, sandbox_factory: Any
+) -> None:
+    """The sweep escalates at most `batch` requests, but looked at only its first `batch`
+    candidates, in no order, and judged each due in Python: `batch` requests raised first and
+    not due yet hid a due one for as long as they waited (here batch 2: the third, an hour
+    old by the database, never escalated)."""
+    _on_call(tenant_a, policy)
+    sandbox_factory("key")
+    *fresh, due = _requests(tenant_a, 3)
+    ApprovalRequest.objects.filter(pk=due.pk).update(
+        created_at=Now() - timedelta(hours=1, seconds=1)
+    )
+    sweep_approvals(batch=2)
+    escalated = set(ApprovalRequest.objects.filter(escalated=True).values_list("pk", flat=True))
+    assert escalated == {due.pk}, [r.pk for r in fresh]
+
+
+def test_a_due_reminder_is_not_starved_by_requests_expiring_sooner(
+    tenant_a: Tenant, policy: ApprovalPolicy, sandbox_factory: Any
+) -> None:
+    """Reminders looked at the first `batch` requests by expiry only: with windows that
+    differ per policy, `batch` requests expiring sooner but not due a reminder hid one that
+    was (here: two expire in 2 h with a 1 h window; the third expires in 3 h with a 4 h
+    window of its own policy's, so its reminder is due, and was never sent)."""
+    sandbox_factory("key")
+    ApprovalPolicy.objects.filter(pk=policy.pk).update(remind_before_seconds=3600)
+    *sooner, later = _requests(tenant_a, 3)
+    wide = ApprovalPolicy.objects.get(pk=policy.pk)
+    wide.pk, wide.name, wide.remind_before_seconds = None, "wide reminders", 4 * 3600
+    wide.save()
+    ApprovalRequest.objects.filter(pk__in=[r.pk for r in sooner]).update(
+        expires_at=Now() + timedelta(hours=2)
+    )
+    ApprovalRequest.objects.filter(pk=later.pk).update(
+        expires_at=Now() + timedelta(hours=3), policy=wide
+    )
+    sweep_approvals(batch=2)
+    reminded = set(ApprovalRequest.objects.filter(reminded=True).values_list("pk", flat=True))
+    assert reminded == {later.pk}
+
+
+def test_expiry_is_found_by_the_database_clock_not_a_sweepers_clock_running_behind(
+    held: Any,
+) -> None:
+    """The sweep picked the requests to expire by its own clock: one running two hours
+    behind left a request the database had expired pending (decisions were refused 409
+    `expired` meanwhile) until its clock caught up."""
+    import time_machine
+
+    run, request, box = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(expires_at=Now() - timedelta(seconds=1))
+    with time_machine.travel(timezone.now() - timedelta(hours=2), tick=False):
+        sweep_approvals()
+    assert ApprovalRequest.objects.get(pk=request.pk).status != A.PENDING
