@@ -613,21 +613,15 @@ def _absent(action: Action, fence: int, actor: str) -> Verdict:
     """A lookup proved the action never applied: back to `prepared` for its step to send
     with the same key — or withdrawn when no step will (its goal was revised since, its run
     finished: `ledger.withdraw_if_moved_on`), not left `prepared` for a send nobody makes."""
-    reason = "provably absent: safe to send again"
-    with transaction.atomic(durable=True):
-        ledger.fenced(action.run_id, fence, action.tenant_id)
-        ledger.transition(
-            action,
-            S.PREPARED,
-            actor,
-            reconcile_attempts=action.reconcile_attempts + 1,
-            last_error=reason,
-        )
+
+    def withdraw_if_moved_on() -> None:
         run = Run.objects.only("status", "goal_rev").get(
             pk=action.run_id, tenant_id=action.tenant_id
         )
         ledger.withdraw_if_moved_on(run, action, actor)
-    return Verdict(action.status, action.last_error)
+
+    reason = "provably absent: safe to send again"
+    return _settle(action, fence, actor, S.PREPARED, reason, then=withdraw_if_moved_on)
 
 
 def _revised_since(action: Action) -> str:
@@ -691,8 +685,17 @@ def reconcile_due(action: Action) -> bool:
 
 
 def _settle(
-    action: Action, fence: int, actor: str, target: str, reason: str, **changes: Any
+    action: Action,
+    fence: int,
+    actor: str,
+    target: str,
+    reason: str,
+    *,
+    then: Callable[[], None] | None = None,
+    **changes: Any,
 ) -> Verdict:
+    """Move a reconciled action to `target`, fenced, in a transaction of its own; `then`
+    runs in it after the move and may move the action on (the verdict says where it is)."""
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
         if target != S.CONFIRMED:
@@ -700,6 +703,10 @@ def _settle(
         ledger.transition(
             action, target, actor, reconcile_attempts=action.reconcile_attempts + 1, **changes
         )
+        if then is not None:
+            then()
+    if action.status != target:
+        return Verdict(action.status, action.last_error)
     return Verdict(target, reason)
 
 
