@@ -5,7 +5,8 @@
         python examples/openai_agents_agent.py --tasks-url http://127.0.0.1:8765 --thread review-42
 
 The model is a small scripted `Model` (no network, no API key): it asks for one
-`create_task` call, then answers with what the tool said. Put `model="gpt-5"` (or any
+`create_task` call (under a new call id each time it is asked, as a real model does), then
+answers with what the tool said. Put `model="gpt-5"` (or any
 model) in its place for a real agent; nothing else changes.
 
 What an existing agent changes (the agent code between the markers; README.md shows the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -72,7 +74,7 @@ class ScriptedModel(Model):
             params = {"title": f"Review the API change of {THREAD}", "body": "GET /orders: gone"}
             call = ResponseFunctionToolCall(
                 type="function_call",
-                call_id="call_review_1",
+                call_id=f"call_{uuid.uuid4().hex[:16]}",  # new in every answer, as a real model's
                 name="create_task",
                 arguments=json.dumps(params),
             )

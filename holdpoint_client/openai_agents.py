@@ -22,6 +22,11 @@ imports the SDK. Why each piece is where it is:
   crash the recorded outcome is returned, an uncertain one is settled as the tool's dedup
   contract says (same Idempotency-Key, lookup, or a person), and the function is not called
   a second time for an effect that happened.
+- The model's answers are recorded in the run (holdpoint_client/openai_answers.py): a
+  restart is given the same answers, so the same call ids and keys — a real model asked
+  again would name new ones, and the ledger would see new actions.
+- A pause taken under an older goal revision is not resumed: ActionWithdrawn, and the
+  pause is dropped, so the thread starts again under the new goal.
 - The final output is recorded in the run, which is completed on return: running the same
   thread again returns it without asking the model or the tools anything.
 
@@ -44,7 +49,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agents import Agent, FunctionTool, RunContextWrapper, Runner, RunState
+from agents import Agent, FunctionTool, RunConfig, RunContextWrapper, Runner, RunState
 from agents.function_schema import function_schema
 from agents.items import ToolApprovalItem
 from agents.tool_context import ToolContext
@@ -53,6 +58,7 @@ from pydantic import ValidationError
 from holdpoint_client import calls
 from holdpoint_client.agent import STEP, AsyncHoldpoint, AsyncRunHandle, Proof, current_run
 from holdpoint_client.errors import (
+    ActionWithdrawn,
     ApprovalTimeout,
     ExecutorError,
     InvalidParams,
@@ -63,6 +69,7 @@ from holdpoint_client.executor import ToolCall
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, adrive, ask
 from holdpoint_client.models import Action, Approval
+from holdpoint_client.openai_answers import Answers, recording
 
 __all__ = ["STATE_KEY", "holdpoint_tool", "label_of", "run_agent", "wait_for_decision"]
 
@@ -71,6 +78,8 @@ STATE_KEY = "openai_agents"
 # Beside it: the goal revision its paused calls were keyed under. A revision since then
 # withdrew them, and only this key finds them again to say so.
 PAUSED_UNDER = "openai_agents_goal_rev"
+# And how many model answers the paused run had used: where its answers' numbering goes on.
+ANSWERED = "openai_agents_answers"
 FINAL = "openai-agents:final"
 Reason = str | Callable[..., str]
 # The `on_invoke_tool` of every tool holdpoint_tool made: how a paused call is known as ours.
@@ -269,6 +278,11 @@ async def _decide(
     s; ApprovalTimeout leaves everything as it is for the next try). `goal_rev`: the
     revision the pause was taken under, whose keys its calls have."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    if goal_rev != run.ex.goal_rev:
+        # Paused under an older goal: its calls were withdrawn (or, sent before the
+        # revision, stay the old goal's). Approving one would prepare it again under the
+        # new revision — a second effect nobody asked for under the new goal.
+        raise await _withdrawn(run, state, goal_rev)
     for item in state.get_interruptions():
         key = run.ex.key_for(label_of(_call_id(item)), goal_rev)
         page = await run.client.send(calls.actions_page(idempotency_key=key))
@@ -288,8 +302,11 @@ async def _decide(
             action = await adrive(run.ex._await_decision(action, deadline), run.client)
         if action.status == "cancelled":
             refusal = await adrive(run.ex._cancelled(action), run.client)
-            if not isinstance(refusal, Rejected):
-                raise refusal  # withdrawn: goal revised, run cancelled, approval expired
+            if not isinstance(refusal, Rejected):  # goal revised, run cancelled, expired
+                run.state = await adrive(run._load(), run.client)  # the goal_rev now
+                if goal_rev != run.ex.goal_rev:
+                    await _store(run, drop=True)
+                raise refusal
             state.reject(item, rejection_message=_rejection(refusal.reason))
         else:  # approved, or already sent/confirmed by a predecessor: the ledger goes on
             if action.status == "approved":  # decided before we looked, too: nothing sent yet
@@ -297,11 +314,31 @@ async def _decide(
             state.approve(item)
 
 
-async def _keep(run: AsyncRunHandle, paused: dict[str, Any], goal_rev: int) -> None:
-    """Write the paused RunState (taken under `goal_rev`) into the run's checkpoint, before
-    anyone waits on it."""
+async def _withdrawn(run: AsyncRunHandle, state: RunState[Any, Any], goal_rev: int) -> Exception:
+    """The refusal of a pause taken under an older goal revision, which is dropped from the
+    run's checkpoint first: the thread starts again under the new goal from a new input."""
+    first: Action | None = None
+    for item in state.get_interruptions():
+        key = run.ex.key_for(label_of(_call_id(item)), goal_rev)
+        page = await run.client.send(calls.actions_page(idempotency_key=key))
+        first = first or (page.results[0] if page.results else None)
+    await _store(run, drop=True)
+    return ActionWithdrawn(
+        f"the goal was revised (revision {goal_rev} to {run.ex.goal_rev}) while the agent was "
+        "paused: its calls are withdrawn; run the thread again with an input for the new goal",
+        action=first,
+    )
+
+
+async def _store(
+    run: AsyncRunHandle, pause: dict[str, Any] | None = None, *, drop: bool = False
+) -> None:
+    """Write a pause (the RunState, the goal revision its calls were keyed under, the model
+    answers it had used) into the run's checkpoint before anyone waits on it — or `drop`
+    the stored one."""
     for _ in range(3):
-        state = {**run.state, STATE_KEY: paused, PAUSED_UNDER: goal_rev}
+        kept = {k: v for k, v in run.state.items() if k not in (STATE_KEY, PAUSED_UNDER, ANSWERED)}
+        state = kept if drop else {**run.state, **(pause or {})}
         try:
             await adrive(run.ex._checkpoint_flow(state, STEP), run.client)
         except VersionConflict:  # someone wrote meanwhile (the server, a reviewer)
@@ -317,6 +354,13 @@ def _paused_under(run: AsyncRunHandle) -> int:
     stored by a client that did not note it)."""
     under = run.state.get(PAUSED_UNDER)
     return under if isinstance(under, int) else run.ex.goal_rev
+
+
+def _answered(run: AsyncRunHandle) -> int:
+    """How many model answers the stored pause had used (0 for a client that did not note
+    it: that client recorded none)."""
+    taken = run.state.get(ANSWERED)
+    return taken if isinstance(taken, int) else 0
 
 
 async def _never() -> Any:
@@ -348,10 +392,14 @@ async def run_agent(
         if run.finished:
             return await run.record(FINAL, _never)
         saved = run.state.get(STATE_KEY)
+        answers = Answers(run, run.ex.goal_rev)
+        config = runner.pop("run_config", None) or RunConfig()
+        recorded, runner["run_config"] = recording(agent, config, answers)
         start: Any
         if isinstance(saved, Mapping):
-            paused: RunState[Any, Any] = await RunState.from_json(agent, dict(saved))
+            paused: RunState[Any, Any] = await RunState.from_json(recorded, dict(saved))
             await _decide(run, paused, _paused_under(run), approval_timeout)
+            answers.taken = _answered(run)
             start = paused
         elif input is None:
             raise ExecutorError(f"thread {thread_id!r} has no paused agent: pass the input")
@@ -359,11 +407,12 @@ async def run_agent(
             start = input
         while True:
             under = run.ex.goal_rev  # what the calls Runner.run prepares are keyed under
-            result = await Runner.run(agent, start, **runner)
+            result = await Runner.run(recorded, start, **runner)
             if not result.interruptions:
                 break
             paused = result.to_state()
-            await _keep(run, paused.to_json(), under)
+            pause = {STATE_KEY: paused.to_json(), PAUSED_UNDER: under, ANSWERED: answers.taken}
+            await _store(run, pause)
             await _decide(run, paused, under, approval_timeout)
             start = paused
         final = result.final_output

@@ -16,9 +16,10 @@ import pytest
 from agents import Agent, set_tracing_disabled
 
 from holdpoint_client import ActionWithdrawn, ApprovalTimeout, AsyncHoldpoint, ToolCall
-from holdpoint_client.openai_agents import STATE_KEY, holdpoint_tool, run_agent
+from holdpoint_client.openai_agents import holdpoint_tool, run_agent
 from runtime.models import Action, Run
 from tests.client import hold_point  # noqa: F401  (a fixture)
+from tests.client.test_openai_agents import paused_state
 from tests.client.test_openai_agents_args import Scripted
 from tests.conftest import Persona
 
@@ -59,6 +60,7 @@ def test_a_pause_withdrawn_by_a_goal_revision_raises_action_withdrawn(
         try:
             with pytest.raises(ApprovalTimeout):
                 await resume("go")
+            assert await asyncio.to_thread(paused_state, "oa-revised")  # taken under revision 1
             (run,) = [r async for r in hp.client.list_runs(thread_id="oa-revised")]
             await hp.client.revise(run.run_id, {"task": "other"}, expected_goal_rev=run.goal_rev)
             with pytest.raises(ActionWithdrawn) as withdrawn:
@@ -74,4 +76,5 @@ def test_a_pause_withdrawn_by_a_goal_revision_raises_action_withdrawn(
     assert action.status == "cancelled" and action.idempotency_key.endswith(":1:ext:oa:call_0")
     run = Run.objects.get(thread_id="oa-revised")
     assert run.goal_rev == 2 and run.lease_owner == ""
-    assert run.checkpoints.get(rev=run.checkpoint_rev).state.get(STATE_KEY)  # kept as it was
+    # The pause was the old goal's: dropped, so the next input starts the new goal's.
+    assert paused_state("oa-revised") is None
