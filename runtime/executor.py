@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,13 +53,10 @@ from runtime.leases import (
     take_lease,
 )
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
+from runtime.stepclock import StepClock
 from runtime.stepcommit import StepCommit
 
 log = logging.getLogger("holdpoint.executor")
-
-
-class StepTimeout(Exception):
-    """A step ran longer than its graph allows."""
 
 
 class NotStorable(ValueError):
@@ -132,44 +127,6 @@ def backoff_seconds(graph: Graph, failures: int) -> float:
     """Exponential backoff with "equal jitter": half fixed, half random."""
     ceiling: float = min(graph.retry_max, graph.retry_base * 2 ** (failures - 1))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
-
-
-class StepClock:
-    """A wall-clock limit on each step (SIGALRM: only possible on the main thread; elsewhere
-    steps run unlimited). The handler is installed once for a loop of steps, not per step:
-    swapping it costs 6.5 µs (the signal module's enum conversions), 2% of a no-op step's
-    client CPU; each step only arms the timer and disarms it. Leaving restores the handler
-    that was there."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.armed = seconds > 0 and threading.current_thread() is threading.main_thread()
-        self.step = ""
-        self.previous: Any = None
-
-    def __enter__(self) -> StepClock:
-        if self.armed:
-            self.previous = signal.signal(signal.SIGALRM, self.on_alarm)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
-
-    def on_alarm(self, signum: int, frame: Any) -> None:
-        raise StepTimeout(f"step {self.step} exceeded {self.seconds:g}s")
-
-    def call(self, fn: Callable[[StepContext], Outcome], ctx: StepContext) -> Outcome:
-        """Run one step within the limit."""
-        if not self.armed:
-            return fn(ctx)
-        self.step = ctx.step
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        try:
-            return fn(ctx)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 class Executor:
