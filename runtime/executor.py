@@ -43,7 +43,7 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.faults import FaultPoint, fault
-from runtime.graphs import Complete, Fail, Graph, Next, Outcome, Wait, registry
+from runtime.graphs import Complete, Fail, Graph, Migration, Next, Outcome, Wait, registry
 from runtime.leases import (
     Heartbeater,
     Lease,
@@ -161,6 +161,8 @@ class Executor:
     def _execute(self, slice_seconds: float) -> AdvanceResult:
         graph = self.ensure_compatible()
         if graph is None:
+            if self.run.status != RunStatus.NEEDS_ATTENTION:
+                return self.stopped()  # cancelled meanwhile: not the version's doing
             return AdvanceResult("needs_attention", detail=self.run.attention_reason)
         self.load()
         self.runner = ActionRunner(self, graph)
@@ -466,11 +468,13 @@ class Executor:
         *,
         within: Callable[[], None] | None = None,
         within_parts: statements.PartsAfter | None = None,
+        state_goal_rev: int | None = None,
         **payload: Any,
     ) -> bool:
         """One step commit (runtime.stepcommit): run CAS, new artifacts, checkpoint, journal.
         False if the run moved (cancelled, or goal revised) — raises StaleFence if another
-        executor holds it."""
+        executor holds it. `state_goal_rev`: the goal revision `state` belongs to, when it is
+        not the run's (a migration's)."""
         encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
         # A step boundary (or a revision's jump) starts a new step visit; checkpoints around a
         # side effect, a parked step and a graph migration do not: the step runs again from
@@ -497,6 +501,7 @@ class Executor:
                     within_parts=within_parts,
                     before=self.write_confirmed if self.confirmed else None,
                     before_parts=self.confirmed_parts if self.confirmed else None,
+                    state_goal_rev=state_goal_rev,
                 )
             )
         except stepcommit.Moved:
@@ -514,7 +519,7 @@ class Executor:
         self.committed(status, next_step, changes, new_visit)
         if state is not self.state:
             self.state, self.stored = state, None
-        self.state_goal_rev = self.run.goal_rev
+        self.state_goal_rev = self.run.goal_rev if state_goal_rev is None else state_goal_rev
         return True
 
     def unchanged(self) -> Any:
@@ -651,6 +656,8 @@ class Executor:
 
     # --- versions and revisions ----------------------------------------------------------
     def ensure_compatible(self) -> Graph | None:
+        """The run's graph: its pinned version, or the registered migration's target once the
+        migration is committed. None if the run cannot go on (escalated, or it stopped)."""
         run = self.run
         graph = registry.get(run.graph, run.graph_version)
         if graph is not None:
@@ -663,6 +670,22 @@ class Executor:
                 RunEvent.INCOMPATIBLE,
             )
             return None
+        # A goal revised between the read and the commit refuses the commit (its CAS names
+        # the goal_rev) but leaves the run running under our fence: an ordinary move, so read
+        # the checkpoint again and migrate it again. Anything else that moved it stopped it.
+        while not self.migrate(path):
+            if self.run.status != RunStatus.RUNNING:
+                return None
+        graph = registry.get(run.graph, self.run.graph_version)
+        assert graph is not None  # the path ends at a registered version
+        return graph
+
+    def migrate(self, path: list[tuple[str, str, Migration]]) -> bool:
+        """Commit the last checkpoint's state migrated along `path`, still stamped with the
+        goal_rev that state belongs to: a migration changes its shape, not its goal, so a
+        revision made before it is still applied after it (by the revision hook of the new
+        version). True if committed; False if the run moved or the migration failed (then
+        the run is escalated)."""
         self.load()
         state, before = self.state, digest(self.encoder.encode(self.state))
         self.encoder.new = {}
@@ -672,30 +695,29 @@ class Executor:
             after = digest(self.encoder.encode(state))  # refuses a state that is not JSON
         except Exception as exc:  # a failing migration must not half-apply
             self.escalate(
-                f"migration from {run.graph_version} failed: {unstorable(Next('', state), exc)}",
+                f"migration from {self.run.graph_version} failed: "
+                f"{unstorable(Next('', state), exc)}",
                 RunEvent.INCOMPATIBLE,
             )
-            return None
-        target = path[-1][1]
-        graph = registry.get(run.graph, target)
-        assert graph is not None
+            return False
+        source, target = self.run.graph_version, path[-1][1]
         self.encoder.new = {}
         ok = self.commit(
             "(migration)",
             state,
             RunStatus.RUNNING,
-            run.next_step,
+            self.run.next_step,
             {"graph_version": target},
             RunEvent.MIGRATED,
-            from_version=run.graph_version,
+            state_goal_rev=self.state_goal_rev,
+            from_version=source,
             to_version=target,
             before_digest=before,
             after_digest=after,
         )
-        if not ok:
-            return None
-        self.run.graph_version = target
-        return graph
+        if ok:
+            self.run.graph_version = target
+        return ok
 
     def apply_revision(self, graph: Graph) -> bool:
         """Let the graph keep the evidence still valid for the new goal; continue from there."""

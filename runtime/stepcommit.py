@@ -77,6 +77,10 @@ class StepCommit:
     # writes only if all of them did), their journal entries recorded — or None when they
     # cannot be written that way this time (the commit then takes its transaction).
     within_parts: statements.PartsAfter | None = None
+    # The goal revision the checkpoint's state belongs to, when it is not `run.goal_rev`: a
+    # migration reshapes an older revision's state without revising it, and its checkpoint
+    # must say so, or the revision hook would never run for that state (None: the run's).
+    state_goal_rev: int | None = None
 
     @property
     def rev(self) -> int:
@@ -88,7 +92,7 @@ def checkpoint_fields(commit: StepCommit) -> dict[str, Any]:
     same fields for every writer: verification recomputes the digest from them."""
     return {
         "rev": commit.rev,
-        "goal_rev": commit.run.goal_rev,
+        "goal_rev": commit.run.goal_rev if commit.state_goal_rev is None else commit.state_goal_rev,
         "step": commit.step,
         "next_step": commit.next_step,
         "status": commit.status,
