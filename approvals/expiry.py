@@ -52,16 +52,7 @@ def expire(request_id: UUID) -> int:
         action = Action.objects.select_for_update().get(pk=request.action_id)
         policy = request.policy
         if policy.on_expiry == OnExpiry.APPROVE:
-            ApprovalRequest.objects.filter(pk=request.pk).update(
-                status=A.APPROVED,
-                decision=Decision.APPROVE,
-                decided_at=Now(),
-                decision_reason="approved at expiry: the policy says so explicitly",
-                expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
-            )
-            announce_status(request.pk, run.pk, run.tenant_id, A.APPROVED, SYSTEM)
-            ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
-            wake_run(run, SYSTEM)
+            _approve_at_expiry(request, action, run)
             return 1
         close_request(request, A.EXPIRED, SYSTEM, "nobody decided before expiry")
         if policy.on_expiry == OnExpiry.REJECT:
@@ -74,6 +65,40 @@ def expire(request_id: UUID) -> int:
             )
             _reject_at_expiry(action, run, reason, attention=_needs_attention(run))
     return 1
+
+
+def _approve_at_expiry(request: ApprovalRequest, action: Action, run: Run) -> None:
+    """The policy approves what nobody decided: a decision like a reviewer's, by the expirer,
+    so the run's stream says it was decided (and by whom, on which hash) in the transaction
+    that decided it, as it does for every other end of a request — the run's history must
+    not show it open for ever, then an approved action nobody named."""
+    policy = request.policy
+    reason = "approved at expiry: the policy says so explicitly"
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        status=A.APPROVED,
+        decision=Decision.APPROVE,
+        decided_at=Now(),
+        decision_reason=reason,
+        expires_at=Now() + timedelta(seconds=policy.expiry_seconds),
+        updated_at=Now(),
+    )
+    record(
+        run,
+        RunEvent.APPROVAL_DECIDED,
+        SYSTEM,
+        approval_id=str(request.pk),
+        action_id=str(action.action_id),
+        decision=Decision.APPROVE.value,
+        hash_seen=request.action_hash,
+        reason=reason,
+        policy=policy.name,
+        votes=0,
+        quorum=request.quorum,
+        final=True,
+    )
+    announce_status(request.pk, run.pk, run.tenant_id, A.APPROVED, SYSTEM)
+    ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
+    wake_run(run, SYSTEM)
 
 
 def _needs_attention(run: Run) -> bool:
