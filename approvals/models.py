@@ -21,7 +21,14 @@ from runtime.models import Action, Run, Tenant
 
 
 class OnExpiry(models.TextChoices):
-    REREQUEST = "rerequest", "Re-request once, then needs attention"
+    # The last expiry of a re-request rejects the action; who learns of it depends on the run
+    # (approvals.expiry._needs_attention): a person, or an MCP session's host, whose run goes
+    # on. The label names both, since it is all a tenant admin reads when choosing.
+    REREQUEST = (
+        "rerequest",
+        "Re-request once, then reject: the run needs attention "
+        "(MCP sessions: the host gets the rejection)",
+    )
     REJECT = "reject", "Reject"
     APPROVE = "approve", "Approve (explicit auto-approval)"
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Group
 from django.test import Client, override_settings
+from django.utils.html import escape
 
 from approvals.models import ApprovalPolicy, ApprovalRequest, TenantWebhook, WebhookDelivery
 from approvals.policies import may_decide
@@ -370,3 +371,24 @@ def test_webhook_bulk_delete_is_journalled(
     assert response.status_code == 302
     assert list(TenantWebhook.objects.all()) == [theirs]  # a foreign id is not in the queryset
     assert JournalEntry.objects.get(type="webhook_deleted").payload == {"url": ours.url}
+
+
+def test_the_expiry_choice_says_what_the_default_does_for_every_run(
+    client: Client, admin_a: Persona
+) -> None:
+    """The default's label said "Re-request once, then needs attention", which is not what
+    happens to an MCP session's run (its host gets the rejection and the run goes on:
+    tests/approvals/test_expiry_outcome.py). The form's choice and the list say both."""
+    label = (
+        "Re-request once, then reject: the run needs attention "
+        "(MCP sessions: the host gets the rejection)"
+    )
+    policy = ApprovalPolicy.objects.create(tenant=admin_a.tenant, name="all", tool="tasks.create")
+    client.force_login(admin_a.user)
+    form = client.get(f"{POLICIES}{policy.pk}/change/").context["adminform"].form
+    choices = dict(form.fields["on_expiry"].choices)
+    assert choices["rerequest"] == label and form["on_expiry"].value() == "rerequest"
+    html = client.get(f"{POLICIES}{policy.pk}/change/").content.decode()
+    assert f'<option value="rerequest" selected>{escape(label)}</option>' in html
+    listed = client.get(POLICIES).content.decode()
+    assert escape(label) in listed and "then needs attention" not in listed
