@@ -41,6 +41,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import anyio
+import anyio.lowlevel
 import httpx
 import httpx2
 from django.conf import settings
@@ -54,7 +56,7 @@ from runtime import jsonpaths, outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, ToolCredential
-from runtime.storable import finite, storable_encoding, storable_escapes
+from runtime.storable import TOO_LARGE, finite, storable_encoding, storable_escapes
 from runtime.tools import (
     CallResult,
     Dedup,
@@ -108,7 +110,8 @@ def target_for(
 ) -> Target:
     """The server as this connection may reach it. OutboundRefused (host or address not
     allowed, stdio off) or httpx.ConnectError (the name does not resolve): nothing sent.
-    `max_bytes`: a streamable HTTP answer longer than that is dropped as it is read."""
+    `max_bytes`: an answer longer than that (a streamable HTTP response, a stdio server's
+    line) is dropped as it is read."""
     headers = {"Authorization": f"Bearer {secret.reveal()}"} if secret is not None else {}
     seconds = float(timeout if timeout is not None else server.timeout_seconds)
     if server.transport == McpTransport.STDIO:
@@ -121,6 +124,7 @@ def target_for(
             command=server.command,
             args=tuple(server.args),
             timeout=seconds,
+            max_bytes=max_bytes,
         )
     return Target(
         McpTransport.STREAMABLE_HTTP,
@@ -136,6 +140,11 @@ class SessionGone(Exception):
     """The upstream answered `tools/call` with 404 for the session it had opened: it no
     longer has that session (it restarted, or ended it), and MCP has it answer so any
     request of it — the request was not taken."""
+
+
+class AnswerTooLarge(Exception):
+    """A stdio server wrote an answer past the cap: the session was ended without reading
+    the rest of it (a streamable HTTP answer past it is an httpx2.ReadError, from `_Read`)."""
 
 
 class _Pinned(httpx2.AsyncBaseTransport):
@@ -221,11 +230,7 @@ async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
     storable before the SDK parses them: a stdio server's by the encoding its output is
     decoded with, a streamable HTTP server's by `_Read`."""
     if target.transport == McpTransport.STDIO:
-        params = StdioServerParameters(
-            command=target.command, args=list(target.args), encoding=storable_encoding()
-        )
-        async with Client(params, read_timeout_seconds=target.timeout, cache=None) as client:
-            return await work(client)
+        return await _stdio_session(target, work)
     assert target.vetted is not None
     pinned = _Pinned(target.vetted, target.max_bytes)
     http = httpx2.AsyncClient(
@@ -244,6 +249,38 @@ async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
                 if "tools/call" in pinned.gone:
                     raise SessionGone(f"the upstream no longer has the session: {exc}") from exc
                 raise
+
+
+async def _stdio_session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
+    """A stdio server's session. Its answers are decoded by `storable_encoding`, which also
+    holds each line to `max_bytes`: the SDK's reader keeps a line until its end comes, so a
+    server writing megabytes on one line would fill the worker's memory. A line past the cap
+    reaches the session as a line it cannot parse, `TOO_LARGE`; the SDK only reports that
+    to the message handler and would wait for an answer until the timeout, so the handler
+    ends the session at once (as a streamable HTTP connection is dropped past the cap) —
+    AnswerTooLarge: the server may have acted on the request whose answer it was."""
+    params = StdioServerParameters(
+        command=target.command,
+        args=list(target.args),
+        encoding=storable_encoding(target.max_bytes),
+    )
+
+    async def watch(message: Any) -> None:
+        if isinstance(message, Exception) and TOO_LARGE in str(message):
+            ended.cancel()
+        await anyio.lowlevel.checkpoint()
+
+    done: list[T] = []  # a line past the cap may come after the answer, while closing
+    with anyio.CancelScope() as ended:
+        async with Client(
+            params, read_timeout_seconds=target.timeout, cache=None, message_handler=watch
+        ) as client:
+            done.append(await work(client))
+    if done:
+        return done[0]
+    raise AnswerTooLarge(
+        f"the answer is larger than {target.max_bytes} bytes (HOLDPOINT_TOOL_MAX_RESPONSE_BYTES)"
+    )
 
 
 def _run(make: Callable[[], Awaitable[T]], timeout: float) -> T:

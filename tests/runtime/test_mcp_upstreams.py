@@ -9,6 +9,7 @@ import io
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,39 @@ def test_a_stdio_upstreams_answer_holding_what_no_column_takes_is_confirmed_and_
     action = Action.objects.get(run=run)
     assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
     assert action.result["structuredContent"]["note"] == kept
+    assert len((tmp_path / "calls.jsonl").read_text("utf-8").splitlines()) == 1
+
+
+def test_a_stdio_upstreams_answer_past_the_response_cap_is_not_read_whole_nor_stored(
+    tenant_a: Tenant, settings: Any, tmp_path: Path
+) -> None:
+    """As a streamable HTTP upstream's (tests/gateway/test_mcp_calls.py): a stdio upstream
+    that applies the call and answers with megabytes on one line is held to
+    HOLDPOINT_TOOL_MAX_RESPONSE_BYTES. Before, the SDK's reader buffered the whole line and
+    the action was confirmed with all of it stored. Now the session ends past the cap
+    (without waiting for the tool's timeout), nothing of the answer is stored, and as the
+    upstream may have acted, a person settles it (this tool has no lookup)."""
+    settings.HOLDPOINT_MCP_STDIO = True
+    settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES = 64 * 1024
+    server = McpServer.objects.create(
+        tenant=tenant_a,
+        name="helpdesk",
+        transport="stdio",
+        command=sys.executable,
+        args=_stdio_args(tmp_path),
+        timeout_seconds=60,
+    )
+    mcp.import_tools(server, "user:admin")
+    _exempt(tenant_a)
+    (tmp_path / "faults.json").write_text(json.dumps({"huge": 4 * 1024 * 1024}), "utf-8")
+    run = _run(tenant_a)
+    began = time.monotonic()
+    advance_run(run.run_id, "w1")
+    assert time.monotonic() - began < 30  # not the tool's 60 s timeout
+    action = Action.objects.get(run=run)
+    assert action.status == S.MANUAL_REVIEW, (action.status, len(json.dumps(action.result)))
+    assert "larger than 65536 bytes" in action.last_error, action.last_error
+    assert len(json.dumps(action.result)) < 64 * 1024
     assert len((tmp_path / "calls.jsonl").read_text("utf-8").splitlines()) == 1
 
 
