@@ -18,10 +18,13 @@ What a call's answer means for the effect (runtime.tools.CallResult):
 - `isError` true, or a protocol error saying the request was not acceptable (unknown
   method, invalid params) → refused for good — one the SDK's client made up because it
   could not read the answer is no such word: unknown;
-- no session could be opened (refused connection, failed handshake) → refused, transient:
-  `tools/call` was never sent; nor taken when the upstream answers it with 404 for the
-  session it opened (it restarted, or ended the session: MCP has it answer any request of
-  the session so) → refused, transient: the retry opens a new session;
+- no session could be opened (refused connection, failed handshake), or its `tools/call`
+  never left (over streamable HTTP: its POST never handed to a connection, as when a
+  2025-protocol server's `notifications/initialized` fails and the SDK's writer stops;
+  `_may_have_left`) → refused, transient: `tools/call` was never sent; nor taken when the
+  upstream answers it with 404 for the session it opened (it restarted, or ended the
+  session: MCP has it answer any request of the session so) → refused, transient: the
+  retry opens a new session;
 - a timeout or a lost connection after `tools/call` was sent → unknown. MCP has no
   idempotency contract: the ledger hands the question to a person (`manual_review`) instead
   of sending again — unless the definition declares a lookup (dedup `lookup`): every call
@@ -142,6 +145,10 @@ class SessionGone(Exception):
     request of it — the request was not taken."""
 
 
+class SessionStuck(TimeoutError):
+    """A session's thread did not end in time, even cancelled: it may still send anything."""
+
+
 class AnswerTooLarge(Exception):
     """A stdio server wrote an answer past the cap: the session was ended without reading
     the rest of it (a streamable HTTP answer past it is an httpx2.ReadError, from `_Read`)."""
@@ -150,13 +157,19 @@ class AnswerTooLarge(Exception):
 class _Pinned(httpx2.AsyncBaseTransport):
     """Sends every request of the session to the vetted address, for the vetted host only
     (the SDK follows same-origin redirects itself: another host is refused here too). Keeps
-    the methods whose request a session's 404 answered (`gone`)."""
+    the methods whose request a session's 404 answered (`gone`), and adds to `left` the
+    method of each POST that may have reached the upstream: every one handed to the
+    connection, unless no connection was made (refused, or not made in time: not a byte of
+    it was written)."""
 
-    def __init__(self, vetted: outbound.Vetted, max_bytes: int = 0) -> None:
+    def __init__(
+        self, vetted: outbound.Vetted, max_bytes: int = 0, left: set[str] | None = None
+    ) -> None:
         self.vetted = vetted
         self.max_bytes = max_bytes
         self.inner = httpx2.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
         self.gone: set[str] = set()
+        self.left = left if left is not None else set()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if (request.url.host or "").lower() != self.vetted.host or request.url.scheme != (
@@ -166,10 +179,18 @@ class _Pinned(httpx2.AsyncBaseTransport):
         request.url = request.url.copy_with(host=self.vetted.addresses[0].split("%", 1)[0])
         if self.vetted.scheme == "https":
             request.extensions = {**request.extensions, "sni_hostname": self.vetted.host}
-        response = await self.inner.handle_async_request(request)
+        method = _method_of(request.content) if request.method == "POST" else ""
+        try:
+            response = await self.inner.handle_async_request(request)
+        except (httpx2.ConnectError, httpx2.ConnectTimeout):
+            raise  # no connection was made: not a byte of the request was written
+        except BaseException:
+            self.left.add(method)  # some of it may have been written before this
+            raise
+        self.left.add(method)
         if response.status_code == 404 and request.method == "POST":
             if request.headers.get("mcp-session-id"):
-                self.gone.add(_method_of(request.content))
+                self.gone.add(method)
         response.stream = _Read(response.stream, self.max_bytes)
         return response
 
@@ -225,14 +246,17 @@ def _ssl_context() -> ssl.SSLContext:
     return _ssl[0]
 
 
-async def _session(target: Target, work: Callable[[Client], Awaitable[T]]) -> T:
+async def _session(
+    target: Target, work: Callable[[Client], Awaitable[T]], left: set[str] | None = None
+) -> T:
     """Open a session, do `work` in it, close it. Either transport's answers are made
     storable before the SDK parses them: a stdio server's by the encoding its output is
-    decoded with, a streamable HTTP server's by `_Read`."""
+    decoded with, a streamable HTTP server's by `_Read`. `left`, for a streamable HTTP
+    server: gets the method of each request that may have reached it (`_Pinned`)."""
     if target.transport == McpTransport.STDIO:
         return await _stdio_session(target, work)
     assert target.vetted is not None
-    pinned = _Pinned(target.vetted, target.max_bytes)
+    pinned = _Pinned(target.vetted, target.max_bytes, left)
     http = httpx2.AsyncClient(
         transport=pinned,
         headers=target.headers,
@@ -301,7 +325,7 @@ def _run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
     thread.start()
     thread.join(timeout + 10)
     if thread.is_alive():
-        raise TimeoutError(f"the MCP session did not end within {timeout:g}s")
+        raise SessionStuck(f"the MCP session did not end within {timeout:g}s")
     if "error" in box:
         raise box["error"]
     value: T = box["value"]
@@ -582,18 +606,19 @@ class McpTool(Tool):
         arguments = json.loads(params_text)
         if self.key_argument:
             arguments[self.key_argument] = key
-        sent = threading.Event()
+        opened = threading.Event()
+        left: set[str] = set()
 
         async def calling(client: Client) -> CallToolResult:
-            sent.set()  # from here on the upstream may have acted
+            opened.set()
             return await client.call_tool(self.upstream_tool, arguments)
 
         try:
-            result = _run(lambda: _session(target, calling), target.timeout)
+            result = _run(lambda: _session(target, calling, left), target.timeout)
         except BaseException as exc:  # noqa: BLE001 (the SDK's errors, grouped or not)
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            return self._failed(exc, sent.is_set())
+            return self._failed(exc, _may_have_left(target, exc, opened.is_set(), left))
         if result.is_error:
             return CallResult("refused", detail=f"{self.upstream_tool}: {_error_text(result)}")
         proof = self._proof(result, key)
@@ -604,7 +629,7 @@ class McpTool(Tool):
 
     def _failed(self, exc: BaseException, sent: bool) -> CallResult:
         detail = _describe(exc)
-        if not sent:  # no session was opened: tools/call never left
+        if not sent:  # tools/call certainly never left (`_may_have_left`)
             return CallResult("refused", transient=True, detail=f"not sent: {detail}")
         if _found(exc, SessionGone) is not None:  # not taken; a new session may be opened
             return CallResult("refused", transient=True, detail=f"not taken: {detail}")
@@ -669,6 +694,21 @@ class McpTool(Tool):
         if not matched:
             return key
         return str(matched[0])[:200] if usable_id(matched[0]) else None
+
+
+def _may_have_left(target: Target, exc: BaseException, opened: bool, left: set[str]) -> bool:
+    """Whether a failed session's `tools/call` may have reached the upstream. Over stdio,
+    once the session was open (`opened`: the handshake done). Over streamable HTTP, only if
+    its POST was handed to a connection (`_Pinned.left`): an open session is not enough —
+    when a 2025-protocol server's `notifications/initialized` fails (it died, or dropped the
+    connection), the SDK's writer stops before it sends the call, which then ends in
+    "Connection closed"; and a POST refused at connect was never written. A session whose
+    thread has not ended (`SessionStuck`) may still send it."""
+    if _found(exc, SessionStuck) is not None:
+        return True
+    if target.transport == McpTransport.STDIO:
+        return opened
+    return "tools/call" in left
 
 
 def _is_placeholder(value: Any) -> bool:

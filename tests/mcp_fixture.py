@@ -29,9 +29,13 @@ class Upstream:
         """A new process in this one's place — the same port and record, none of its
         sessions — as a deploy does: the old one is asked to stop (SIGTERM: uvicorn takes no
         new connection and finishes the requests it has; it may then linger on an open
-        stream, and is killed with the others afterwards)."""
+        stream, and is killed with the others afterwards). One that died already is just
+        started again."""
         port = int(self.url.split(":")[2].split("/")[0])
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         self.retired.append(self.proc)
         procs.wait_for(lambda: not _listening(port), timeout=30)
         self.proc = _launch(self.args, self.data)

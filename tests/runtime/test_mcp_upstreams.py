@@ -543,3 +543,41 @@ def test_an_upstream_restarted_between_initialize_and_the_call_leaves_it_unsent(
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert Action.objects.get(pk=action.pk).status == S.CONFIRMED
     assert len(upstream.calls()) == 1
+
+
+def test_an_upstream_lost_while_the_session_is_being_initialised_leaves_the_call_unsent(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
+) -> None:
+    """A 2025-protocol upstream (one with sessions) dies after answering the session's
+    initialize, while its `notifications/initialized` is on the wire: that POST fails (the
+    server disconnected), the SDK's writer stops, and the call's request never leaves — the
+    SDK ends it with "Connection closed". That was taken for a lost answer (the session was
+    open, so the call counted as sent): `manual_review`, a person asked about a ticket never
+    sent. Only a request handed to a connection may have reached the upstream: the action is
+    left unsent (a transient refusal, as a refused connection is), and the retry, once the
+    upstream is back, sends it once."""
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream, timeout_seconds=30)
+    _exempt(tenant_a)
+    upstream.faults(legacy=True, hold_initialized=60)
+
+    def crash() -> None:
+        procs.wait_for(lambda: (upstream.data / "initialized").exists(), timeout=60)
+        procs.kill(upstream.proc)  # SIGKILL: its connections drop, nothing is answered
+
+    crashing = threading.Thread(target=crash, daemon=True)
+    crashing.start()
+    run = _run(tenant_a)
+    advance_run(run.run_id, "w1")
+    crashing.join(timeout=60)
+    action = Action.objects.get(run=run)
+    assert action.status == S.PREPARED, (action.status, action.last_error)
+    assert action.last_error.startswith("not sent"), action.last_error
+    assert Run.objects.get(pk=run.pk).status == RunStatus.RETRYING
+    assert upstream.calls() == []
+    upstream.faults()
+    upstream.restart()
+    make_due(run)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert Action.objects.get(pk=action.pk).status == S.CONFIRMED
+    assert len(upstream.calls()) == 1
