@@ -353,7 +353,7 @@ class McpServerAdmin(TenantScopedAdmin):
 
         for server in queryset.select_related("tenant"):
             try:
-                defined = mcp.import_tools(server, _actor(request))
+                imported = mcp.import_tools(server, _actor(request))
             except HoldpointError as exc:
                 errors = exc.extra.get("errors") or {}
                 lines = "".join(f"; {k}: {', '.join(v)}" for k, v in errors.items())
@@ -363,11 +363,19 @@ class McpServerAdmin(TenantScopedAdmin):
                     messages.ERROR,
                 )
                 continue
-            created = sum(1 for item in defined if item.created)
+            created = sum(1 for item in imported.tools if item.created)
             self.message_user(
                 request,
-                f"{server.name}: {len(defined)} tool(s), {created} new version(s), "
-                f"{len(defined) - created} unchanged.",
+                f"{server.name}: {len(imported.tools)} tool(s), {created} new version(s), "
+                f"{len(imported.tools) - created} unchanged.",
             )
+            if imported.unlisted:
+                self.message_user(
+                    request,
+                    f"{server.name}: {len(imported.unlisted)} tool(s) no longer listed by "
+                    "the server, kept as defined and still offered to agents (the server "
+                    f"refuses a tool it does not have): {', '.join(imported.unlisted)}.",
+                    messages.WARNING,
+                )
 
     import_tools.allowed_permissions = ("import",)  # type: ignore[attr-defined]

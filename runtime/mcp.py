@@ -42,7 +42,7 @@ import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -71,6 +71,9 @@ from runtime.tools import (
     tenant_of_run,
     usable_id,
 )
+
+if TYPE_CHECKING:
+    from runtime.tooldefs import Defined
 
 T = TypeVar("T")
 # JSON-RPC errors that say the server did not take the request: nothing was done.
@@ -511,7 +514,19 @@ def _without(schema: Any, argument: str) -> Any:
     return trimmed
 
 
-def import_tools(server: McpServer, actor: str) -> list[Any]:
+@dataclass(frozen=True)
+class Imported:
+    """What an import did. `tools`: each listed tool's definition (a new version, or
+    unchanged). `unlisted`: the tenant's tools sent to this server whose upstream tool it no
+    longer lists, by name — kept as they are: versions are never removed (actions and
+    approvals cite them) and no flag retires one tool, so agents are still offered them and
+    the upstream refuses their calls; they are named so that a person sees it and decides."""
+
+    tools: list[Defined]
+    unlisted: list[str]
+
+
+def import_tools(server: McpServer, actor: str) -> Imported:
     """Import every tool the server lists, all or nothing (`toolcatalog.import_definitions`
     validates the whole listing first). An unchanged tool keeps its version; a person's
     corrections of an imported tool survive the next import (`reimported`)."""
@@ -543,7 +558,20 @@ def import_tools(server: McpServer, actor: str) -> list[Any]:
         )
     if taken:  # a person's own tool of that name is not this import's to replace
         raise tooldefs.InvalidTool("upstream tools named like other tools", errors=taken)
-    return toolcatalog.import_definitions(server.tenant, items, actor)
+    defined = toolcatalog.import_definitions(server.tenant, items, actor)
+    return Imported(defined, _unlisted(server, {tool.name for tool in listed}))
+
+
+def _unlisted(server: McpServer, listed: set[str]) -> list[str]:
+    """The tenant's current definitions sent to `server` whose `mcp.tool` is not `listed`
+    (imported ones, and any a person defined for it by hand)."""
+    from runtime import tooldefs
+
+    return [
+        row.name
+        for row in tooldefs.current_definitions(server.tenant_id)
+        if _imported_from(row.spec, server) and row.spec["mcp"].get("tool") not in listed
+    ]
 
 
 # --- sending -----------------------------------------------------------------------------

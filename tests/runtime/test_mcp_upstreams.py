@@ -58,7 +58,7 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
 ) -> None:
     upstream = mcp_upstream()
     server = _server(tenant_a, upstream.url, credential="helpdesk", timeout_seconds=4)
-    first = mcp.import_tools(server, "user:admin")
+    first = mcp.import_tools(server, "user:admin").tools
     specs = {item.definition.name: item.definition.spec for item in first}
     assert sorted(specs) == [
         "helpdesk.tickets_create",
@@ -84,7 +84,7 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
         "helpdesk.tickets_purge": "irreversible",
     }
     again = mcp.import_tools(server, "user:admin")
-    assert not any(item.created for item in again)
+    assert not any(item.created for item in again.tools) and again.unlisted == []
     assert ToolDefinition.objects.filter(tenant=tenant_a).count() == 3
     assert upstream.calls() == []  # listing tools calls none of them
 
@@ -124,14 +124,14 @@ def test_a_reimport_keeps_what_a_person_corrected_and_takes_what_the_upstream_ch
     toolcatalog.revise(tenant_a, name, {**corrected, "expected_version": 1}, "user:admin")
     kept = toolcatalog.entry(tenant_a.pk, name).spec  # type: ignore[union-attr]
 
-    again = {d.definition.name: d for d in mcp.import_tools(server, "user:admin")}
+    again = {d.definition.name: d for d in mcp.import_tools(server, "user:admin").tools}
     assert not again[name].created and again[name].definition.version == 2
     assert toolcatalog.entry(tenant_a.pk, name).spec == kept  # type: ignore[union-attr]
 
     # The server's timeout changes: the next import takes it, and keeps the rest.
     McpServer.objects.filter(pk=server.pk).update(timeout_seconds=7)
     server.refresh_from_db()
-    third = {d.definition.name: d for d in mcp.import_tools(server, "user:admin")}
+    third = {d.definition.name: d for d in mcp.import_tools(server, "user:admin").tools}
     assert third[name].created and third[name].definition.version == 3
     spec = third[name].definition.spec
     assert spec["timeout_seconds"] == 7
@@ -158,6 +158,47 @@ def test_the_management_command_imports_and_says_what_changed(
     assert f"{CREATE}: unchanged v1" in out.getvalue()
     with pytest.raises(CommandError):
         call_command("tools", "import-mcp", "--tenant", tenant_a.slug, "--server", "nope")
+
+
+def test_a_reimport_names_the_tools_the_upstream_no_longer_lists(
+    client: Client, admin_a: Persona, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """The upstream is redeployed without three of its tools. Importing again said only
+    which listed tools changed: the three stayed defined, and offered to agents, with no
+    word of it. The import now names them (its result, the command's output, the admin's
+    message); they are kept as they are — versions are never removed (actions and
+    approvals cite them), and nothing retires one tool."""
+    tenant = admin_a.tenant
+    upstream = mcp_upstream(keyed=True)
+    server = _imported(tenant, upstream)
+    upstream.args.remove("--keyed")
+    upstream.restart()
+
+    again = mcp.import_tools(server, "user:admin")
+    assert sorted(d.definition.name for d in again.tools) == [
+        CREATE,
+        "helpdesk.tickets_list",
+        "helpdesk.tickets_purge",
+    ]
+    gone = ["helpdesk.tickets_find", "helpdesk.tickets_find_text", "helpdesk.tickets_open"]
+    assert again.unlisted == gone
+    out = io.StringIO()
+    call_command("tools", "import-mcp", "--tenant", tenant.slug, "--server", "helpdesk", stdout=out)
+    for name in gone:
+        assert f"{name}: no longer listed by helpdesk" in out.getvalue(), out.getvalue()
+    assert f"{CREATE}: unchanged v1" in out.getvalue()
+    client.force_login(admin_a.user)
+    response = client.post(
+        "/admin/runtime/mcpserver/",
+        {"action": "import_tools", "_selected_action": [server.pk]},
+        follow=True,
+    )
+    assert (
+        "3 tool(s) no longer listed by the server, kept as defined and still offered to "
+        f"agents (the server refuses a tool it does not have): {', '.join(gone)}."
+    ) in response.content.decode()
+    kept = ToolDefinition.objects.filter(tenant=tenant, name__in=gone)
+    assert sorted(kept.values_list("name", "version")) == [(name, 1) for name in gone]
 
 
 def test_the_imported_write_tool_is_held_approved_and_sent_once(
@@ -355,7 +396,7 @@ def test_stdio_servers_are_refused_unless_the_operator_turns_them_on(
     server = McpServer.objects.create(
         tenant=tenant_a, name="local", transport="stdio", command=sys.executable, args=args
     )
-    names = sorted(item.definition.name for item in mcp.import_tools(server, "user:admin"))
+    names = sorted(d.definition.name for d in mcp.import_tools(server, "user:admin").tools)
     assert names == ["local.tickets_create", "local.tickets_list", "local.tickets_purge"]
 
 

@@ -8,7 +8,9 @@ export  the current definitions as a JSON list (stdout, or --output FILE): impor
         again changes nothing.
 import-mcp --server NAME: the tools the tenant's upstream MCP server lists, each stored as
         an `executor: mcp` definition (`unchanged vN` when it did not change); a person's
-        corrections of an imported tool are kept (runtime.mcp.reimported).
+        corrections of an imported tool are kept (runtime.mcp.reimported). A tool of the
+        tenant's sent to that server whose upstream tool it no longer lists is named too
+        (`no longer listed by NAME`): it stays defined (nothing retires one tool).
 list    name, version, effect, executor, dedup and approval note of every tool the tenant
         may use, built-ins included.
 
@@ -89,16 +91,21 @@ class Command(BaseCommand):
         if server is None:
             raise CommandError(f"no MCP server {options['server']!r} for tenant {tenant.slug}")
         try:
-            defined = mcp.import_tools(server, f"system:tools import-mcp ({_os_user()})")
+            imported = mcp.import_tools(server, f"system:tools import-mcp ({_os_user()})")
         except HoldpointError as exc:
             for where, messages in (exc.extra.get("errors") or {}).items():
                 for message in messages:
                     self.stderr.write(f"{where}: {message}")
             raise CommandError(f"{exc.code}: {exc.detail}; nothing was stored") from None
-        for item in defined:
+        for item in imported.tools:
             row = item.definition
             self.stdout.write(
                 f"{row.name}: {'created' if item.created else 'unchanged'} v{row.version}"
+            )
+        for name in imported.unlisted:
+            self.stdout.write(
+                f"{name}: no longer listed by {server.name}: kept as defined and still "
+                "offered to agents (the server refuses a tool it does not have)"
             )
 
     def do_export(self, tenant: Tenant, options: dict[str, Any]) -> None:
