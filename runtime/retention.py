@@ -110,7 +110,12 @@ def _purge_batch(
         # Read again under the rows' locks: a purge beside this one (two operators, a
         # scheduled one and a deletion request) may have taken some of them meanwhile; it
         # is waited for and what it took is not reported, nor journalled, a second time.
-        locked = runs.filter(run_id__in=batch).select_for_update()
+        # Locked in primary-key order, whatever plan the database picks: two purges of one
+        # tenant (different batch sizes, a thread's deletion request) then take the rows
+        # they share in the same order and one waits for the other, never each for the
+        # other (a deadlock). The model's default ordering (-created_at) is not a total
+        # order — runs created in the same microsecond tie — and is not this code's to rely on.
+        locked = runs.filter(run_id__in=batch).order_by("pk").select_for_update()
         purged = [str(r) for r in locked.values_list("run_id", flat=True)]
         if not purged:
             return

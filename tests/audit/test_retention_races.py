@@ -275,3 +275,89 @@ def test_step_commits_that_store_artifacts_go_on_between_the_purges_batches(
     live.refresh_from_db()
     last = Checkpoint.objects.get(run=live, rev=live.checkpoint_rev)
     assert len(resolve(live.tenant_id, last.state)["notes"]) == 40
+
+
+def _due_runs(tenant: Tenant, thread_id: str, bare: int, grown: int) -> set[str]:
+    """`grown` finished runs with checkpoints and artifacts, and `bare` finished runs
+    without (cheap to make by the hundred), all in one thread and past retention."""
+    made = [
+        create_run(tenant, "grower", {"steps": 4}, actor="t", thread_id=thread_id)
+        for _ in range(grown)
+    ]
+    for run in made:
+        assert advance_run(run.run_id, "w1").outcome == "completed"
+    Run.objects.bulk_create(
+        Run(
+            tenant=tenant,
+            thread_id=thread_id,
+            graph="grower",
+            graph_version="1",
+            goal={},
+            next_step="grow",
+            status=RunStatus.COMPLETED,
+        )
+        for _ in range(bare)
+    )
+    due = Run.objects.filter(tenant=tenant, thread_id=thread_id)
+    due.update(updated_at=timezone.now() - timedelta(days=31))
+    return {str(r) for r in due.values_list("run_id", flat=True)}
+
+
+def _purge_at(
+    outcome: dict[str, Any],
+    start: threading.Barrier,
+    tenant: Tenant,
+    batch_size: int,
+    thread_id: str | None,
+) -> None:
+    """One purge, on its own connection, begun together with the other."""
+    try:
+        fresh = Tenant.objects.get(pk=tenant.pk)
+        start.wait(timeout=30)
+        outcome["purge"] = retention.purge_tenant(fresh, batch_size=batch_size, thread_id=thread_id)
+    except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+        outcome["purge"] = exc
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_two_purges_of_one_tenant_over_many_batches_never_deadlock(tenant_a: Tenant) -> None:
+    """Two purges of one tenant at once — the scheduled one (500 runs a batch) and an
+    operator's deletion request for the same thread (7 a batch) — each lock a batch of run
+    rows and take the artifact lock and the tenant stream's head after. If they took the rows
+    they share in different orders, each would end up waiting for a row the other holds and
+    PostgreSQL would kill one ("deadlock detected"). Every due run is purged by exactly one of
+    them, journalled once, and the run they keep still reads back whole."""
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks taken by two connections at once: PostgreSQL")
+    from audit.models import JournalEntry
+
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    live = create_run(tenant_a, "grower", {"steps": 4}, actor="t", thread_id="other")
+    assert advance_run(live.run_id, "w1").outcome == "completed"
+    for round in range(3):
+        due = _due_runs(tenant_a, f"customer-{round}", bare=300, grown=3)
+        outcomes: list[dict[str, Any]] = [{}, {}]
+        start = threading.Barrier(2)
+        workers = [
+            threading.Thread(target=_purge_at, args=(outcomes[0], start, tenant_a, 500, None)),
+            threading.Thread(
+                target=_purge_at, args=(outcomes[1], start, tenant_a, 7, f"customer-{round}")
+            ),
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=120)
+        reports = [o.get("purge") for o in outcomes]
+        assert all(isinstance(r, retention.PurgeReport) for r in reports), reports
+        taken = [set(r.runs) for r in reports]
+        assert not taken[0] & taken[1] and taken[0] | taken[1] == due, round
+        assert not Run.objects.filter(run_id__in=due).exists()
+    purged = JournalEntry.objects.filter(type="retention_purged", tenant_id=tenant_a.pk)
+    journalled = [run for e in purged for run in e.payload["runs"]]
+    assert len(journalled) == len(set(journalled)) == 3 * 303
+    last = Checkpoint.objects.get(run=live, rev=4)
+    assert len(resolve(tenant_a.pk, last.state)["notes"]) == 4
