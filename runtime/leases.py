@@ -29,6 +29,7 @@ from django.db.models import (
 )
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
+from django.utils.dateparse import parse_datetime
 
 from fastsql import statements
 from runtime.errors import (
@@ -85,6 +86,22 @@ def db_now_plus(seconds: float) -> ExpressionWrapper[CombinedExpression]:
     return ExpressionWrapper(
         Now() + Value(timedelta(seconds=seconds)), output_field=DateTimeField()
     )
+
+
+def db_now() -> datetime:
+    """The database's now as a value (one statement), for a cutoff that must be worked out
+    in Python — a retention of days past what SQL's intervals hold — from the clock that
+    writes the times it is compared with (updated_at=Now()), not this process's."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT now()")  # what Now() writes: the transaction's start
+            value = cursor.fetchone()[0]
+        else:  # Now() on SQLite: the operating system's clock, to the millisecond, UTC
+            cursor.execute("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+            value = parse_datetime(cursor.fetchone()[0] + "+00:00")
+    if not isinstance(value, datetime):
+        raise RuntimeError(f"the database's clock read as {value!r}")
+    return value
 
 
 def lease_free() -> Q:

@@ -20,12 +20,12 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from audit import journal
 from audit.models import JournalEntry, PurgeGate
 from runtime import gates, metrics
 from runtime.artifacts import collect_refs
+from runtime.leases import db_now
 from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
 
 log = logging.getLogger("holdpoint.retention")
@@ -72,8 +72,12 @@ def purge_tenant(
     batches of `batch_size` runs (HOLDPOINT_PURGE_BATCH), each its own transaction: one
     batch's locks — its runs, and the artifact table while its orphans go (see
     `_hold_artifact_writes`) — are let go before the next, so step commits go on between
-    batches however much is due. Each batch is journalled as one `retention_purged`."""
-    now = now or timezone.now()
+    batches however much is due. Each batch is journalled as one `retention_purged`.
+
+    "Expired" is by the database's clock, which stamps a run's updated_at at every change
+    of its status: by this process's, a purger whose clock ran ahead purged runs before
+    their retention was up (and one behind kept them past it)."""
+    now = now or db_now()
     runs = (
         purgeable(Run.objects.filter(tenant=tenant, thread_id=thread_id))
         if thread_id

@@ -7,7 +7,9 @@ from io import StringIO
 from typing import Any
 
 import pytest
+import time_machine
 from django.core.management import CommandError, call_command
+from django.db.models.functions import Now
 from django.test import Client
 from django.utils import timezone
 
@@ -108,6 +110,29 @@ def test_a_retention_longer_than_the_calendar_keeps_everything_and_purges_the_ot
     assert "acme: purged 0 run(s)" in out and "globex: purged 1 run(s)" in out, out
     assert Run.objects.filter(pk=kept.pk).exists()
     assert not Run.objects.filter(pk=expired.pk).exists()
+
+
+def test_the_retention_cutoff_is_the_databases_clock_not_the_purging_process(
+    tenant_a: Tenant,
+) -> None:
+    """A finished run's updated_at is the database's time (every status change writes
+    Now()); the cutoff was `timezone.now()` of the process running the purge. A purger whose
+    clock ran ten minutes behind kept a run five minutes past its retention; one ten minutes
+    ahead purged a run five minutes before its retention was up."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    past, almost = (create_run(tenant_a, "chain", {"steps": 1}, actor="t") for _ in range(2))
+    for run in (past, almost):
+        advance_run(run.run_id, "w1")
+    retention = timedelta(days=30)
+    Run.objects.filter(pk=past.pk).update(updated_at=Now() - retention - timedelta(minutes=5))
+    Run.objects.filter(pk=almost.pk).update(updated_at=Now() - retention + timedelta(minutes=5))
+
+    with time_machine.travel(timezone.now() - timedelta(minutes=10), tick=True):
+        assert "acme: purged 1 run(s)" in _purge("--tenant", tenant_a.slug)
+    assert not Run.objects.filter(pk=past.pk).exists()
+    with time_machine.travel(timezone.now() + timedelta(minutes=10), tick=True):
+        assert "acme: purged 0 run(s)" in _purge("--tenant", tenant_a.slug)
+    assert Run.objects.filter(pk=almost.pk).exists()
 
 
 def test_deleting_one_threads_data_on_request(tenant_a: Tenant) -> None:
