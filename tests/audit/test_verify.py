@@ -189,6 +189,22 @@ def test_periodic_verification_alerts_into_the_tenant_stream(tenant_a: Tenant) -
         )
 
 
+def test_periodic_verification_reads_lately_by_the_databases_clock(tenant_a: Tenant) -> None:
+    """The hourly check verifies the streams written in the last two hours — by the clock
+    of the worker that ran it. A worker whose clock ran three hours ahead found no stream
+    written lately, and passed over an entry edited just after it was written."""
+    run = _run(tenant_a)
+    entry = JournalEntry.objects.filter(stream=journal.run_stream(run.run_id), seq=2).get()
+    with tampering() as cursor:
+        cursor.execute("UPDATE audit_journalentry SET actor = 'mallory' WHERE id = %s", [entry.pk])
+    with time_machine.travel(timezone.now() + timedelta(hours=3), tick=True):
+        assert verify_recent() == 1
+    with tampering() as cursor:  # put it back so the suite's own chain check passes
+        cursor.execute(
+            "UPDATE audit_journalentry SET actor = %s WHERE id = %s", [entry.actor, entry.pk]
+        )
+
+
 def test_stream_heads_match_their_chains(tenant_a: Tenant) -> None:
     _run(tenant_a)
     for head in StreamHead.objects.all():
