@@ -94,7 +94,7 @@ def db_now() -> datetime:
     writes the times it is compared with (updated_at=Now()), not this process's."""
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute("SELECT now()")  # what Now() writes: the transaction's start
+            cursor.execute("SELECT STATEMENT_TIMESTAMP()")  # what Now() is here (Django)
             value = cursor.fetchone()[0]
         else:  # Now() on SQLite: the operating system's clock, to the millisecond, UTC
             cursor.execute("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
