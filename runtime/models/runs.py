@@ -12,6 +12,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 
 from runtime.models.tenancy import Tenant
 
@@ -87,7 +88,12 @@ class Run(models.Model):
     )
     created_by = models.CharField(max_length=200, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    # The database's time, like every later write of it (each change sets it to Now()): what
+    # the retention cutoff and the MCP idle sweep compare with the database's now. auto_now
+    # stamped the inserting process's clock — a session opened by a gateway whose clock ran
+    # behind was idle the moment it opened. The insert returns it (RETURNING): no statement
+    # more. Nothing saves a whole run row, so nothing needed auto_now's stamping on save().
+    updated_at = models.DateTimeField(db_default=Now())
 
     class Meta:
         ordering = ["-created_at"]

@@ -422,3 +422,18 @@ def test_the_idle_cutoff_is_the_databases_clock_not_the_process_clock(
         name: Run.objects.get(pk=run).status for name, run in (("fresh", fresh), ("aged", aged))
     }
     assert status == {"fresh": RunStatus.QUEUED, "aged": RunStatus.COMPLETED}
+
+
+def test_a_session_opened_by_a_gateway_whose_clock_runs_behind_is_not_idle_at_once(
+    tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """The idle sweep compares a session's updated_at with the database's now; the insert
+    stamped updated_at with the opening process's clock (auto_now). A session opened by a
+    gateway whose clock ran behind by more than HOLDPOINT_MCP_SESSION_IDLE_HOURS was closed
+    as idle by the next sweep, before its client's first call."""
+    caller = _caller(agent_a)
+    idle = timedelta(hours=settings.HOLDPOINT_MCP_SESSION_IDLE_HOURS)
+    with time_machine.travel(timezone.now() - 2 * idle, tick=True):
+        session = calls.open_session(caller, {})
+    assert mcp_session.close_idle(10) == 0
+    assert Run.objects.get(pk=session).status == RunStatus.QUEUED
