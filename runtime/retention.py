@@ -13,7 +13,10 @@ need, and their rows cascade from the run's.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -90,6 +93,7 @@ def purge_tenant(
         return report
     report = PurgeReport(tenant.slug)
     size = batch_size or settings.HOLDPOINT_PURGE_BATCH
+    kept = _Kept(tenant.pk)
     while True:
         # Each batch purges or holds every run it lists, or finds it gone (taken by a purge
         # beside this one): the next listing has none of them, and the loop ends.
@@ -97,7 +101,7 @@ def purge_tenant(
         batch = [str(r) for r in waiting.values_list("run_id", flat=True)[:size]]
         if not batch:
             return report
-        _purge_batch(tenant, runs, batch, report, thread_id=thread_id, actor=actor)
+        _purge_batch(tenant, runs, batch, report, kept, thread_id=thread_id, actor=actor)
 
 
 def _purge_batch(
@@ -105,6 +109,7 @@ def _purge_batch(
     runs: QuerySet[Run],
     batch: list[str],
     report: PurgeReport,
+    kept: _Kept,
     *,
     thread_id: str | None,
     actor: str,
@@ -136,9 +141,10 @@ def _purge_batch(
         if purged:
             doomed_checkpoints = Checkpoint.objects.filter(run_id__in=purged)
             doomed_refs = _refs(tenant.pk, doomed_checkpoints)
+            kept.forget(doomed_refs)
             checkpoints = doomed_checkpoints.count()
             Run.objects.filter(run_id__in=purged).delete()  # cascades to the run's rows
-            artifacts = _delete_orphans(tenant, doomed_refs)
+            artifacts = _delete_orphans(tenant, doomed_refs, kept)
             journal.append(
                 journal.tenant_stream(tenant.pk),
                 "retention_purged",
@@ -162,12 +168,12 @@ def _purge_batch(
     report.held.update(held)
 
 
-def _delete_orphans(tenant: Tenant, doomed_refs: set[str]) -> int:
+def _delete_orphans(tenant: Tenant, doomed_refs: set[str], kept: _Kept) -> int:
     """Delete the artifacts among `doomed_refs` that no kept checkpoint reaches."""
     if not doomed_refs:
         return 0  # nothing can be orphaned: no lock, no reading of the kept references
     _hold_artifact_writes()
-    kept_refs = _refs(tenant.pk, Checkpoint.objects.filter(tenant=tenant))
+    kept_refs = kept.reach()  # after the lock: see _hold_artifact_writes
     orphans = Artifact.objects.filter(tenant=tenant, digest__in=doomed_refs - kept_refs)
     count = orphans.count()
     orphans.delete()
@@ -199,7 +205,10 @@ def _hold_artifact_writes() -> None:
     checkpoints (those are kept) inserts it, and an insert takes ROW EXCLUSIVE on the
     table, which this SHARE ROW EXCLUSIVE lock conflicts with: a commit under way is waited
     for (the kept references, read after, see its checkpoint), a later one waits for the
-    purge (its insert then finds the row deleted and stores it again). Reads go on; so does
+    purge (its insert then finds the row deleted and stores it again). `_Kept.reach` keeps
+    that true while reading each checkpoint once a purge: it lists the kept checkpoints
+    after the lock and answers with their references and no others — each counted in an
+    earlier batch (a checkpoint's state never changes) or read now. Reads go on; so does
     every commit that stores nothing, and the step commit gains no statement. The lock is
     also self-exclusive, so two purges take their turns here. Only a batch with artifacts to
     delete takes it, and lets it go when it commits. SQLite needs nothing: the batch's
@@ -212,23 +221,105 @@ def _hold_artifact_writes() -> None:
         cursor.execute(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
 
 
-def _refs(tenant_id: int, checkpoints: QuerySet[Checkpoint]) -> set[str]:
-    """Every artifact digest the checkpoints reach, through nested artifacts too."""
-    import json
+class Reach(set[str]):
+    """Every artifact digest some checkpoints reach (the set itself), and what was read on
+    the way: which checkpoints, how many of them name each digest in their state, and what
+    each artifact read names — so a purge can go on counting them without reading them again
+    (`_Kept`)."""
 
-    refs: set[str] = set()
-    for state in checkpoints.values_list("state", flat=True).iterator():
-        collect_refs(state, refs)
-    frontier = set(refs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoints: set[int] = set()
+        self.named: Counter[str] = Counter()
+        self.children: dict[str, frozenset[str]] = {}
+
+
+def _refs(tenant_id: int, checkpoints: QuerySet[Checkpoint]) -> Reach:
+    """Every artifact digest the checkpoints reach, through nested artifacts too."""
+    found = Reach()
+    for pk, state in checkpoints.values_list("pk", "state").iterator():
+        found.checkpoints.add(pk)
+        found.named.update(collect_refs(state, set()))
+    found |= _reach(tenant_id, set(found.named), found.children)
+    return found
+
+
+def _reach(tenant_id: int, roots: set[str], children: dict[str, frozenset[str]]) -> set[str]:
+    """`roots` and every digest their artifacts name, through nested artifacts too. What an
+    artifact names is read once into `children`: it never changes (the digest is its
+    content's). A digest with no artifact (yet) names nothing."""
+    reached, frontier = set(roots), set(roots)
     while frontier:
+        unread = Artifact.objects.filter(tenant_id=tenant_id, digest__in=frontier - children.keys())
+        for digest, content in unread.values_list("digest", "content"):
+            children[digest] = frozenset(collect_refs(json.loads(content), set()))
         found: set[str] = set()
-        for content in Artifact.objects.filter(
-            tenant_id=tenant_id, digest__in=frontier
-        ).values_list("content", flat=True):
-            collect_refs(json.loads(content), found)
-        frontier = found - refs
-        refs |= found
-    return refs
+        for digest in frontier:
+            found |= children.get(digest, frozenset())
+        frontier = found - reached
+        reached |= found
+    return reached
+
+
+def _chunks(ids: set[int], size: int = 2000) -> Iterator[list[int]]:
+    """`ids` a few thousand at a time: checkpoints written between two batches can be many,
+    and one IN list of them all could overrun a statement's parameters (SQLite's limit is
+    32,766 in its default build)."""
+    ordered = sorted(ids)
+    for start in range(0, len(ordered), size):
+        yield ordered[start : start + size]
+
+
+class _Kept:
+    """What the tenant's kept checkpoints reach, for each batch of one purge.
+
+    A batch must delete only the artifacts no kept checkpoint reaches, so each read every
+    kept checkpoint's state (and the artifacts they name): a purge of many batches read
+    them all once per batch. Here each is read once per purge: checkpoints are append-only
+    (a state never changes) and so is what an artifact names, so a count taken in an earlier
+    batch is still true of every checkpoint still there. Which are still there is listed
+    again at each batch, after the artifact lock (ids only): the counted ones, less the
+    batch's own (`forget`), plus any not counted yet (read now) — the same set, and so the
+    same references, as reading them all again. A counted checkpoint gone otherwise (a
+    purge beside this one) has its references counted nowhere: they are all read again.
+    """
+
+    def __init__(self, tenant_id: int) -> None:
+        self.tenant_id = tenant_id
+        self.stale = True  # nothing counted yet, or the counts are not to be trusted
+        self.counted: set[int] = set()  # the checkpoints whose references are counted
+        self.named: Counter[str] = Counter()  # digest -> counted checkpoints naming it
+        self.children: dict[str, frozenset[str]] = {}
+
+    def forget(self, doomed: Reach) -> None:
+        """The batch's checkpoints go: what they name keeps nothing any more."""
+        self.children.update(doomed.children)
+        if self.stale or not doomed.checkpoints & self.counted:
+            return
+        if doomed.checkpoints <= self.counted:
+            self.counted -= doomed.checkpoints
+            self.named -= doomed.named
+        else:  # some counted, some not (written since): count again rather than guess
+            self.stale = True
+
+    def reach(self) -> set[str]:
+        """Every digest a kept checkpoint reaches (call it after the artifact lock)."""
+        kept = Checkpoint.objects.filter(tenant_id=self.tenant_id)
+        if not self.stale:
+            listed = set(kept.values_list("pk", flat=True))
+            if self.counted <= listed:
+                for chunk in _chunks(listed - self.counted):
+                    self._count(_refs(self.tenant_id, kept.filter(pk__in=chunk)))
+                return _reach(self.tenant_id, set(self.named), self.children)
+        self.counted, self.named, self.stale = set(), Counter(), False
+        found = _refs(self.tenant_id, kept)
+        self._count(found)
+        return found
+
+    def _count(self, found: Reach) -> None:
+        self.counted |= found.checkpoints
+        self.named += found.named
+        self.children.update(found.children)
 
 
 def purge(

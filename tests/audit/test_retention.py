@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -309,6 +310,41 @@ def test_a_purge_of_several_batches_removes_everything_due_and_keeps_everything_
     assert {r for e in batches for r in e.payload["runs"]} == {str(r.run_id) for r in expired}
     for run in expired:
         assert verify_stream(journal.run_stream(run.run_id)) is None
+
+
+def test_a_purge_of_many_batches_reads_each_checkpoint_once_not_once_a_batch(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each batch deletes the artifacts no kept checkpoint reaches, and read the state of
+    every checkpoint the tenant keeps to know which: a purge of N batches read each kept
+    checkpoint N times (and each due one once per batch before its own) — for a tenant with
+    millions of checkpoints and a backlog of due runs, hours spent under the artifact lock.
+    Now a purge reads each checkpoint's state at most twice (kept, then doomed), and deletes
+    and keeps the same artifacts as before."""
+    from runtime import retention
+
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    expired = [create_run(tenant_a, "grower", {"steps": n}, actor="t") for n in (3, 5, 4, 6)]
+    live = create_run(tenant_a, "grower", {"steps": 8}, actor="t")
+    for run in (*expired, live):
+        advance_run(run.run_id, "w1")
+    for run in expired:
+        _aged(run, 31)
+    reads: Counter[int] = Counter()
+    real_refs = retention._refs
+
+    def counting(tenant_id: int, checkpoints: Any) -> Any:
+        reads.update(checkpoints.values_list("pk", flat=True))
+        return real_refs(tenant_id, checkpoints)
+
+    monkeypatch.setattr(retention, "_refs", counting)
+    live_checkpoints = set(Checkpoint.objects.filter(run=live).values_list("pk", flat=True))
+
+    assert "purged 4 run(s)" in _purge("--tenant", tenant_a.slug, "--batch-size", "1")
+    assert {reads[pk] for pk in live_checkpoints} == {1}, reads
+    assert max(reads.values()) == 2, reads
+    kept = real_refs(tenant_a.pk, Checkpoint.objects.filter(tenant=tenant_a))
+    assert kept and set(Artifact.objects.values_list("digest", flat=True)) == kept
 
 
 @pytest.mark.parametrize("size", ["0", "-3"])

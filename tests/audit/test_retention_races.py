@@ -361,3 +361,60 @@ def test_two_purges_of_one_tenant_over_many_batches_never_deadlock(tenant_a: Ten
     assert len(journalled) == len(set(journalled)) == 3 * 303
     last = Checkpoint.objects.get(run=live, rev=4)
     assert len(resolve(tenant_a.pk, last.state)["notes"]) == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_purge_beside_one_between_its_batches_leaves_no_orphaned_artifact(
+    tenant_a: Tenant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A purge counts what the checkpoints it keeps refer to once, and carries the counts
+    from batch to batch. Between two of its batches, a thread's deletion request purged a
+    run whose checkpoints those counts include: had the next batch trusted them, it would
+    have kept the artifacts that run shared with the batch's own — referred to by no
+    checkpoint any more, and by no later purge's doomed runs either: never deleted."""
+    from audit.models import JournalEntry
+    from runtime.models import Artifact
+
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    later, first = (create_run(tenant_a, "grower", {"steps": n}, actor="t") for n in (6, 2))
+    shared = create_run(tenant_a, "grower", {"steps": 6}, actor="t", thread_id="customer-9")
+    for run in (later, first, shared):
+        assert advance_run(run.run_id, "w1").outcome == "completed"
+    for run in (later, first):
+        Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(days=31))
+    paused, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+    real_batch = retention._purge_batch
+
+    def batch_then_pause(*args: Any, **kwargs: Any) -> None:
+        real_batch(*args, **kwargs)
+        if not paused.is_set():  # the first batch has committed: hold the purge here
+            paused.set()
+            go.wait(timeout=60)
+
+    monkeypatch.setattr(retention, "_purge_batch", batch_then_pause)
+
+    def purge() -> None:
+        try:
+            tenant = Tenant.objects.get(pk=tenant_a.pk)
+            outcome["purge"] = retention.purge_tenant(tenant, batch_size=1)
+        except Exception as exc:  # noqa: BLE001  (reported by the assertions)
+            outcome["purge"] = exc
+        finally:
+            connections.close_all()
+
+    purger = threading.Thread(target=purge)
+    purger.start()
+    try:
+        assert paused.wait(timeout=30), "the purge never finished its first batch"
+        request = retention.purge_tenant(tenant_a, thread_id="customer-9")
+    finally:
+        go.set()
+        purger.join(timeout=60)
+    report = outcome["purge"]
+    assert isinstance(report, retention.PurgeReport), report
+    assert report.runs == [str(first.run_id), str(later.run_id)]  # newest first
+    assert request.runs == [str(shared.run_id)]
+    assert not Run.objects.exists() and not Artifact.objects.exists()
+    purged = JournalEntry.objects.filter(type="retention_purged", tenant_id=tenant_a.pk)
+    assert sum(e.payload["artifacts"] for e in purged) == report.artifacts + request.artifacts
