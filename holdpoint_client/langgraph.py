@@ -54,7 +54,8 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
 from pydantic import BaseModel, ValidationError
 
-from holdpoint_client.agent import Holdpoint, Proof
+from holdpoint_client import calls
+from holdpoint_client.agent import Holdpoint, Proof, RunHandle
 from holdpoint_client.calls import API_PREFIX
 from holdpoint_client.errors import (
     ActionFailed,
@@ -196,18 +197,21 @@ class HoldpointGraph:
             finally:
                 _call.reset(token)
 
+        label = f"lc:{tool_call['id']}"
+
         def act(approval_timeout: float | None) -> Any:
             with (
                 self._lock(thread),
                 self.hp.run(thread, graph=self.graph, goal=self.goal, complete=False) as run,
             ):
+                _not_of_an_older_goal(run, label)
                 return run.act(
                     spec.tool,
                     params,
                     reason=_reason(spec, request, params),
                     perform=perform,
                     lookup=spec.lookup,
-                    label=f"lc:{tool_call['id']}",
+                    label=label,
                     external_id=spec.external_id,
                     approval_timeout=approval_timeout,
                 )
@@ -222,6 +226,8 @@ class HoldpointGraph:
                 result = act(self.approval_timeout)
         except Rejected as no:
             return _message(request, f"A reviewer rejected {spec.tool}: {no.reason}", "error")
+        except OlderGoal as older:
+            return _message(request, f"{spec.tool} was not run again: {older}", "error")
         except (ActionWithdrawn, ActionFailed) as gone:
             return _message(request, f"{spec.tool} did not run: {gone}", "error")
         return _message(request, result if isinstance(result, str) else _dumps(result))
@@ -399,6 +405,28 @@ def _interrupts(pending: Any) -> Iterable[Interrupt]:
 
 def _ours(found: Interrupt) -> bool:
     return isinstance(found.value, Mapping) and found.value.get("type") == KIND
+
+
+class OlderGoal(ActionWithdrawn):
+    """The model asked for the call under a goal revision since revised."""
+
+
+def _not_of_an_older_goal(run: RunHandle, label: str) -> None:
+    """Refuse a call the model asked for before the goal was last revised: its action (under
+    the older revision's key) was withdrawn, or sent for the old goal — preparing it again
+    under the new key would be a second effect the new goal never asked for. Runs never
+    revised (goal_rev 1) ask nothing; a revised one asks once per older revision."""
+    for goal_rev in range(run.ex.goal_rev - 1, 0, -1):
+        key = run.ex.key_for(label, goal_rev)
+        page = run.client.send(calls.actions_page(idempotency_key=key))
+        if page.results:
+            action = page.results[0]
+            raise OlderGoal(
+                f"the goal was revised since the model asked for it (under goal revision "
+                f"{goal_rev}, now {run.ex.goal_rev}); its action stays the old goal's "
+                f"({action.status})",
+                action=action,
+            )
 
 
 def _valid(request: ToolCallRequest) -> bool:
