@@ -21,6 +21,7 @@ runs of their own.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -109,7 +110,14 @@ class _Cloner:
         async def invoked(context: RunContextWrapper[Any], arguments: str) -> Agent[Any]:
             return self.agent(await invoke(context, arguments))
 
-        return dataclasses.replace(handoff, on_invoke_handoff=invoked)
+        wrapped = dataclasses.replace(handoff, on_invoke_handoff=invoked)
+        # `replace` leaves out the target's weak reference (not an init field), by which the
+        # SDK finds the agents of a stored RunState: point it at the target's clone (which
+        # `seen` keeps alive as long as this cloner, held by `invoked`).
+        target = handoff._agent_ref() if handoff._agent_ref is not None else None
+        if isinstance(target, Agent):
+            wrapped._agent_ref = weakref.ref(self.agent(target))
+        return wrapped
 
 
 def dump(response: ModelResponse) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from agents import (
     ModelSettings,
     ModelTracing,
     Usage,
+    handoff,
     set_tracing_disabled,
 )
 from openai.types.responses import (
@@ -199,3 +200,69 @@ def revise(url: str, persona: Persona, run_id: Any, goal_rev: int) -> None:
             await hp.aclose()
 
     asyncio.run(go())
+
+
+class Handing(Model):
+    """The triage agent's model: hands the conversation to the reviewer agent."""
+
+    asked = 0
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        Handing.asked += 1
+        call = ResponseFunctionToolCall(
+            type="function_call",
+            call_id=f"call_{uuid.uuid4().hex[:12]}",
+            name="transfer_to_reviewer",
+            arguments="{}",
+        )
+        return ModelResponse(output=[call], usage=Usage(requests=1), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+
+class Reviewing(Fresh):
+    """The reviewer's model: as Fresh, reading only create_task's outputs."""
+
+    async def get_response(self, system_instructions: Any, input: Any, *a: Any, **kw: Any) -> Any:
+        tasks = {i["call_id"] for i in input if i.get("name") == "create_task"}
+        mine = [
+            i for i in input if i.get("type") != "function_call_output" or i["call_id"] in tasks
+        ]
+        return await super().get_response(system_instructions, mine, *a, **kw)
+
+
+@pytest.mark.usefixtures("hold_point")
+def test_a_pause_after_a_handoff_resumes_with_the_target_agents_answers_recorded(
+    live_server: Any, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """The triage agent handed off (`handoff(reviewer)`) and the reviewer's call was held.
+    The stored RunState names the reviewer as its current agent; resuming it must find that
+    agent among the run's (the SDK finds a `handoff()` target by a weak reference, which a
+    copied Handoff loses) and keep recording its model's answers: one task, no model
+    asked twice for the same turn."""
+    set_tracing_disabled(True)
+    tracker = Tracker()
+    reviewer = Agent(name="reviewer", instructions="-", tools=[tracker.tool()], model=Reviewing())
+    triage = Agent(name="triage", instructions="-", model=Handing(), handoffs=[handoff(reviewer)])
+
+    async def go(input: Any) -> Any:
+        hp = AsyncHoldpoint(live_server.url, agent_a.token or "", ttl=5, backoff=0.01)
+        try:
+            return await run_agent(
+                hp, "oa-handoff", triage, input, graph="api-review", approval_timeout=0
+            )
+        finally:
+            await hp.aclose()
+
+    Fresh.asked = Handing.asked = 0
+    with pytest.raises(ApprovalTimeout):
+        asyncio.run(go("go"))
+    decide(reviewer_a, the_action("oa-handoff", "awaiting_approval"))
+
+    output = asyncio.run(go(None))
+
+    (task,) = tracker.tasks.values()
+    assert json.loads(output.removeprefix("Done: "))["id"] == task["id"]
+    assert (Handing.asked, Fresh.asked) == (1, 2)  # triage once; the reviewer: call, answer
+    assert Run.objects.get(thread_id="oa-handoff").status == "completed"
