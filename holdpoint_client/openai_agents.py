@@ -263,6 +263,10 @@ def _rejection(reason: str) -> str:
     return f"A reviewer rejected this call: {reason}" if reason else "A reviewer rejected it."
 
 
+def _withdrawal(refusal: Exception) -> str:
+    return f"This call was not run: {refusal}"
+
+
 def _call_id(item: ToolApprovalItem) -> str:
     raw = item.raw_item
     found = raw.get("call_id") if isinstance(raw, Mapping) else getattr(raw, "call_id", None)
@@ -302,12 +306,20 @@ async def _decide(
             action = await adrive(run.ex._await_decision(action, deadline), run.client)
         if action.status == "cancelled":
             refusal = await adrive(run.ex._cancelled(action), run.client)
-            if not isinstance(refusal, Rejected):  # goal revised, run cancelled, expired
-                run.state = await adrive(run._load(), run.client)  # the goal_rev now
-                if goal_rev != run.ex.goal_rev:
-                    await _store(run, drop=True)
+            if isinstance(refusal, Rejected):
+                state.reject(item, rejection_message=_rejection(refusal.reason))
+                continue
+            run.state = await adrive(run._load(), run.client)  # the run as it is now
+            if goal_rev != run.ex.goal_rev:  # withdrawn by a revision: the old goal's pause
+                await _store(run, drop=True)
                 raise refusal
-            state.reject(item, rejection_message=_rejection(refusal.reason))
+            if run.ex._run is None or run.ex._run.finished:  # cancelled: nothing goes on
+                raise refusal
+            # Withdrawn by its hold point (the approval expired, the policy rejecting at
+            # expiry): the model is told, as of a rejection, and the agent goes on — as a
+            # hosted graph's step reads it. Raised, the stored pause would raise it again
+            # on every later run_agent, and the thread could never go on.
+            state.reject(item, rejection_message=_withdrawal(refusal))
         else:  # approved, or already sent/confirmed by a predecessor: the ledger goes on
             if action.status == "approved":  # decided before we looked, too: nothing sent yet
                 fault("after_decision")
