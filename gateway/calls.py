@@ -47,7 +47,7 @@ from django.urls import reverse
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit import journal
 from audit.models import JournalEntry
-from runtime import ledger, mcp, protocol, toolcatalog
+from runtime import ledger, protocol, toolcatalog
 from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import ToolUnavailable, reconcile_due
@@ -197,13 +197,10 @@ def listing(caller: Caller) -> list[Listed]:
             tenant_id=caller.tenant_id, active=True, required=True
         ).values_list("tool", flat=True)
     )
-    active = mcp.active_servers(caller.tenant_id)
     found = []
-    for entry in toolcatalog.entries(caller.tenant_id):
+    for entry in toolcatalog.offered(caller.tenant_id):
         spec = entry.spec
         if spec.get("executor", Sender.HTTP) not in SENT_HERE:
-            continue
-        if spec.get("executor") == Sender.MCP and spec["mcp"]["server"] not in active:
             continue
         note = _hold_note(entry, held_by_policy)
         text = " ".join(part for part in (str(spec.get("description", "")), note) if part)
@@ -265,15 +262,11 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
     call_hash = hashlib.sha256(f"{tool.name}\n{fingerprint}".encode()).hexdigest()[:32]
     delivered = _delivered(run_id, caller.tenant_id, call_hash).count()
     key = f"mcp:{run_id}:{call_hash}:{delivered + 1}"
-    if (
-        isinstance(tool, mcp.McpTool)
-        and tool.server not in mcp.active_servers(caller.tenant_id)
-        and ledger.by_key(caller.tenant_id, key) is None  # a call made before: its answer
-    ):
+    server = toolcatalog.withheld(tool, caller.tenant_id)
+    if server and ledger.by_key(caller.tenant_id, key) is None:  # a call made before: its answer
         raise CallError(
             INVALID_PARAMS,
-            f"{name} is not available: its MCP server {tool.server!r} is inactive "
-            "(nothing was sent)",
+            f"{name} is not available: its MCP server {server!r} is inactive (nothing was sent)",
         )
     return Call(run_id, caller.tenant_id, tool.name, params, call_hash, key)
 

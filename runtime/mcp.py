@@ -592,12 +592,6 @@ def _error_text(result: CallToolResult) -> str:
     return " ".join(text for text in texts if text)[:1000] or "the tool reported an error"
 
 
-def active_servers(tenant_id: int) -> set[str]:
-    """The names of the tenant's active MCP servers: only their tools are sent."""
-    found = McpServer.objects.filter(tenant_id=tenant_id, active=True)
-    return set(found.values_list("name", flat=True))
-
-
 @dataclass
 class McpTool(Tool):
     """A tool of an upstream MCP server, sent by Holdpoint's workers with `tools/call`."""
@@ -609,6 +603,10 @@ class McpTool(Tool):
     lookup_tool: str = ""
     lookup_arguments: Mapping[str, Any] = field(default_factory=dict)
     found_path: str = "$.id"
+
+    @property
+    def mcp_server(self) -> str:
+        return self.server
 
     def _server(self, run_id: str) -> McpServer | None:
         tenant_id = tenant_of_run(run_id)

@@ -20,7 +20,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import gates, leases, ledger, observe, outcomes, stepcommit
+from runtime import gates, leases, ledger, observe, outcomes, stepcommit, toolcatalog
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -324,6 +324,7 @@ def prepare(
         earlier = _asked_before(current, tool, canonical[1], idempotency_key, calls)
         if earlier is not None:
             return earlier, False
+        toolcatalog.refuse_withheld(tool, current.tenant_id)
         index = max(calls, default=0) + 1
         key = idempotency_key or ledger.idempotency_key(current, API_STEP, index)
         approval = gates.needs_approval(tool, params, current, target)

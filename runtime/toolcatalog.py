@@ -4,7 +4,9 @@ would wait for a reviewer by default, a dry run of one, and the file format of i
 export.
 
 The API (`GET tools/`), Django admin and `manage.py tools` all read through here, so the
-three agree on what "the tenant's tools" are. Nothing here writes a definition:
+three agree on what "the tenant's tools" are; what an agent is offered now (`offered`,
+`withheld`: not an inactive MCP server's tools) is decided here for the API and the MCP
+gateway alike. Nothing here writes a definition:
 `runtime.tooldefs.define` is the one writer, and `import_definitions` only calls it.
 """
 
@@ -19,7 +21,7 @@ from django.db import transaction
 
 from runtime import gates, tooldefs, tools
 from runtime.errors import InvalidParams, NotFound, VersionConflict
-from runtime.models import Tenant, ToolCredential, ToolDefinition
+from runtime.models import McpServer, Tenant, ToolCredential, ToolDefinition
 
 BUILTIN_VERSION = 1
 MAX_VERSION = (
@@ -108,6 +110,64 @@ def entry(tenant_id: int, name: str, version: int | None = None) -> Entry | None
     if spec is None or version not in (None, BUILTIN_VERSION):
         return None
     return _builtin(name, spec)
+
+
+def active_servers(tenant_id: int) -> set[str]:
+    """The names of the tenant's active MCP servers: only their tools are sent."""
+    found = McpServer.objects.filter(tenant_id=tenant_id, active=True)
+    return set(found.values_list("name", flat=True))
+
+
+def _server_of(tool: tools.Tool | Mapping[str, Any]) -> str:
+    if isinstance(tool, tools.Tool):
+        return tool.mcp_server
+    if tool.get("executor") != tools.Sender.MCP:
+        return ""
+    return str((tool.get("mcp") or {}).get("server", ""))
+
+
+def withheld(
+    tool: tools.Tool | Mapping[str, Any], tenant_id: int, active: set[str] | None = None
+) -> str:
+    """The inactive (or removed) MCP server whose tool this is — a tool, or a definition's
+    spec — else "". Such a tool is not sent (runtime.mcp), so nobody is offered it: not
+    listed by the API or the MCP gateway, not found by name, no new action prepared (an
+    approval asked for it would be wasted on a reviewer). The one rule all of them follow;
+    past actions of it stay readable. `active`: `active_servers`, when already read; only
+    an MCP tool reads it (any other tool costs no statement)."""
+    server = _server_of(tool)
+    if not server or server in (active if active is not None else active_servers(tenant_id)):
+        return ""
+    return server
+
+
+def offered(tenant_id: int) -> list[Entry]:
+    """`entries` an agent may use now: without the tools `withheld`."""
+    every = entries(tenant_id)
+    if not any(_server_of(e.spec) for e in every):
+        return every
+    active = active_servers(tenant_id)
+    return [e for e in every if not withheld(e.spec, tenant_id, active)]
+
+
+def offered_entry(tenant_id: int, name: str, version: int | None = None) -> Entry | None:
+    """`entry`, or None for a tool `withheld` now, as for a name nobody defined (judged by
+    its current definition: what a new action would be prepared with)."""
+    found = entry(tenant_id, name, version)
+    current = found if version is None or found is None else entry(tenant_id, name)
+    if current is None or withheld(current.spec, tenant_id):
+        return None
+    return found
+
+
+def refuse_withheld(tool: tools.Tool, tenant_id: int) -> None:
+    """A new action of a tool `withheld`: refused as an unknown tool is (422)."""
+    server = withheld(tool, tenant_id)
+    if server:
+        raise InvalidParams(
+            f"unknown tool {tool.name!r}: its MCP server {server!r} is inactive",
+            errors={"tool": ["unknown tool"]},
+        )
 
 
 def versions(tenant_id: int, name: str) -> list[ToolDefinition]:

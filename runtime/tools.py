@@ -157,6 +157,12 @@ class Tool:
             raise InvalidParams(f"params do not fit the {self.name} schema", errors=errors)
 
     @property
+    def mcp_server(self) -> str:
+        """The upstream MCP server this tool is sent to ("" for none): whether it is offered
+        depends on that server (runtime.toolcatalog.withheld)."""
+        return ""
+
+    @property
     def sent_by_holdpoint(self) -> bool:
         return self.executor != Sender.CLIENT
 

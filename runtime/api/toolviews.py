@@ -202,7 +202,7 @@ class ToolList(ApiView, ToolAdminOnly):
     def get(self, request: Request) -> Response:
         principal = self.principal(request)
         direction, name = _position(request.query_params.get("cursor"))
-        every = toolcatalog.entries(principal.tenant.pk)
+        every = toolcatalog.offered(principal.tenant.pk)
         if direction == "a":
             rest = [e for e in every if e.name > name]
             page, more_after, more_before = rest[:PAGE_SIZE], len(rest) > PAGE_SIZE, bool(name)
@@ -251,7 +251,7 @@ class ToolDetail(ApiView, ToolAdminOnly):
     )
     def get(self, request: Request, name: str) -> Response:
         principal = self.principal(request)
-        entry = toolcatalog.entry(principal.tenant.pk, name, _version(request))
+        entry = toolcatalog.offered_entry(principal.tenant.pk, name, _version(request))
         if entry is None:
             raise NotFound()
         return Response(ToolSerializer(entry).data)
