@@ -35,6 +35,7 @@ FLOW_TYPES = (
     RunEvent.ACTION_CANCELLED,
     RunEvent.APPROVAL_REQUESTED,
     RunEvent.APPROVAL_DECIDED,
+    RunEvent.APPROVAL_CLOSED,
     RunEvent.PARKED,
     RunEvent.STEP_FAILED,
 )
@@ -203,7 +204,7 @@ def _entries(journal: QuerySet[JournalEntry]) -> list[JournalEntry]:
 def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None) -> list[Visit]:
     """The step visits in order, each with its calls, actions and decisions. A call lasts to
     the next entry of the same visit; an action from prepared to its last outcome; a decision
-    from requested to decided (or until now while pending)."""
+    from requested to decided or closed undecided (or until now while pending)."""
     now = now or timezone.now()
     visits: list[Visit] = []
     visit = Visit(step="", started=run.created_at)
@@ -268,6 +269,10 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
                 found.detail += f" · {decision} by {entry.actor}"
                 if final:
                     found.ended, found.open = at, False
+        elif kind == RunEvent.APPROVAL_CLOSED:
+            found = approvals.get(str(payload.get("approval_id", "")))
+            if found is not None:
+                _close(found, payload, entry.actor, at)
         elif kind in (RunEvent.PARKED, RunEvent.STEP_FAILED):
             words = "parked" if kind == RunEvent.PARKED else "step failed"
             reason = str(payload.get("reason", "") or payload.get("error", ""))
@@ -283,6 +288,21 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
             end = item.ended if item.ended is not None else (now if item.open else None)
             item.duration = duration_words(end - item.at) if end is not None else ""
     return visits
+
+
+def _close(item: FlowItem, payload: dict[str, Any], actor: str, at: datetime) -> None:
+    """A request that ended undecided (approvals.requests.close_request: expired, superseded,
+    cancelled) ends its item there, or it would read as still requested for ever. One already
+    decided (an approval superseded at dispatch) keeps its decision's end: the wait it shows
+    was the reviewers', and the title says what became of it."""
+    status = str(payload.get("approval_status", "")) or "closed"
+    reason = str(payload.get("reason", ""))[:200]
+    item.detail += f" · {status} by {actor}" + (f": {reason}" if reason else "")
+    if item.open:
+        item.title = f"approval {status}"
+        item.ended, item.open = at, False
+    else:
+        item.title += f", then {status}"
 
 
 def _commit_words(payload: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from html import unescape
 from typing import Any
 
@@ -14,14 +15,16 @@ import pytest
 from django.contrib.auth.models import Group
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from approvals.decisions import decide
+from approvals.expiry import sweep_approvals
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from approvals.policies import grant
 from runtime import protocol
 from runtime.executor import advance_run
 from runtime.leases import take_lease
-from runtime.lifecycle import create_run
+from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Run, Tenant
 from runtime.pages.picture import duration_words
 from tests.conftest import Persona
@@ -135,8 +138,6 @@ def test_an_external_run_is_one_step_api_counting_its_checkpoints(
 
 
 def test_durations_read_as_words() -> None:
-    from datetime import timedelta
-
     assert duration_words(timedelta(seconds=0.42)) == "0.4 s"
     assert duration_words(timedelta(seconds=75)) == "1 min 15 s"
     assert duration_words(timedelta(hours=2, minutes=10)) == "2 h 10 min"
@@ -152,3 +153,57 @@ def test_a_rejection_reads_as_rejected_in_the_flow(
     flow = text(section(client.get(reverse("run", args=[run.run_id])).content.decode(), "run-flow"))
     assert "approval rejected" in flow and "reject by user:alice" in flow
     assert "→ cancelled" in flow
+
+
+def decisions_of(html: str) -> list[tuple[bool, str]]:
+    """(still open, the item's text) of each decision in the Flow, in order."""
+    items = re.findall(
+        r'<li class="flow-item decision( open)?">(.*?)</li>', section(html, "run-flow"), re.S
+    )
+    return [(bool(is_open), text(body)) for is_open, body in items]
+
+
+def test_an_expired_request_ends_in_the_flow_and_its_re_request_is_the_open_one(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, request = held
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert sweep_approvals() == 1  # the default policy: closed as expired, asked once more
+    client.force_login(reviewer_a.user)
+    expired, again = decisions_of(client.get(reverse("run", args=[run.run_id])).content.decode())
+    assert not expired[0], expired  # no longer counting on as an open request
+    assert expired[1].startswith("approval expired policy tasks need review")
+    assert "expired by system:expirer: nobody decided before expiry" in expired[1]
+    assert "so far" not in expired[1] and re.search(r"\d+(\.\d)? s$", expired[1]), expired
+    assert again[0] and again[1].startswith("approval requested") and "so far" in again[1]
+
+
+def test_a_request_superseded_by_a_goal_revision_ends_in_the_flow(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, _ = held
+    revise_goal(run, {**GOAL, "scope": ["/orders"]}, run.goal_rev, actor="user:bob")
+    client.force_login(reviewer_a.user)
+    (closed,) = decisions_of(client.get(reverse("run", args=[run.run_id])).content.decode())
+    assert not closed[0] and "so far" not in closed[1], closed
+    assert closed[1].startswith("approval superseded")
+    assert "superseded by user:bob: goal revised" in closed[1]
+
+
+def test_an_approval_superseded_at_dispatch_keeps_its_decision_and_says_what_became_of_it(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, request = held
+    decide(request.pk, reviewer_a.user, "approve", request.action_hash)
+    # The approval lapses before the run sends the action: dispatch supersedes it, asks again.
+    ApprovalRequest.objects.filter(pk=request.pk).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    client.force_login(reviewer_a.user)
+    lapsed, again = decisions_of(client.get(reverse("run", args=[run.run_id])).content.decode())
+    assert not lapsed[0] and lapsed[1].startswith("approval approved, then superseded"), lapsed
+    assert "approve by user:alice" in lapsed[1] and "superseded by " in lapsed[1]
+    assert again[0] and again[1].startswith("approval requested")
