@@ -38,6 +38,7 @@ FLOW_TYPES = (
     RunEvent.APPROVAL_CLOSED,
     RunEvent.PARKED,
     RunEvent.STEP_FAILED,
+    RunEvent.CANCELLED,
 )
 
 SETTLED = frozenset({"confirmed", "failed", "cancelled", "compensated", "manual_review"})
@@ -226,6 +227,13 @@ def flow(run: Run, journal: QuerySet[JournalEntry], now: datetime | None = None)
             visit.step = EXTERNAL_STEP if run.external else str(payload.get("step", ""))
             visit.ended = at
             visit.outcome = _commit_words(payload)
+            visits.append(visit)
+            visit = Visit(step="", started=at)
+        elif kind == RunEvent.CANCELLED:
+            # No step commit ends a cancelled run's last visit: its cancellation does, or the
+            # visit (its calls, its withdrawn action and request) would vanish from the Flow.
+            visit.step = EXTERNAL_STEP if run.external else run.next_step
+            visit.ended, visit.outcome = at, "cancelled the run"
             visits.append(visit)
             visit = Visit(step="", started=at)
         elif kind == RunEvent.CALL_RECORDED:

@@ -24,7 +24,7 @@ from approvals.policies import grant
 from runtime import protocol
 from runtime.executor import advance_run
 from runtime.leases import take_lease
-from runtime.lifecycle import create_run, revise_goal
+from runtime.lifecycle import cancel_run, create_run, revise_goal
 from runtime.models import Run, Tenant
 from runtime.pages.picture import duration_words
 from tests.conftest import Persona
@@ -207,3 +207,18 @@ def test_an_approval_superseded_at_dispatch_keeps_its_decision_and_says_what_bec
     assert not lapsed[0] and lapsed[1].startswith("approval approved, then superseded"), lapsed
     assert "approve by user:alice" in lapsed[1] and "superseded by " in lapsed[1]
     assert again[0] and again[1].startswith("approval requested")
+
+
+def test_a_cancelled_run_shows_its_last_visit_ended_with_its_request_cancelled(
+    client: Client, reviewer_a: Persona, held: Any
+) -> None:
+    run, _ = held
+    cancel_run(run, "not needed any more", actor="user:bob")
+    client.force_login(reviewer_a.user)
+    page = client.get(reverse("run", args=[run.run_id])).content.decode()
+    flow = text(section(page, "run-flow"))
+    assert "propose_task cancelled the run" in flow and "in progress" not in flow
+    (closed,) = decisions_of(page)
+    assert not closed[0] and closed[1].startswith("approval cancelled"), closed
+    assert "cancelled by user:bob: run cancelled" in closed[1]
+    assert "action tasks.create awaiting_approval → cancelled" in flow
