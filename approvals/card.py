@@ -25,7 +25,7 @@ from markdown_it import MarkdownIt
 
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
-from approvals.wording import then_phrase
+from approvals.wording import graph_of, then_phrase
 from runtime import urltemplates
 from runtime.errors import InvalidParams
 from runtime.models import Action, ActionStatus, Run, RunStatus
@@ -340,7 +340,7 @@ def card_for(principal: Principal, found: ApprovalRequest) -> Card:
         tool = Tool(name=action.tool, version=action.tool_version, executor="unknown")
     baseline = last_similar_approved(principal, found)
     executor = run.executor_account.get_username() if run.executor_account else ""
-    graph = shown.get("graph") or f"{run.graph}@{run.graph_version}"
+    graph = graph_of(found)
     asked_by = f"the {graph} agent, in its step {action.step!r}" + (
         f", executed by {executor}" if executor else ""
     )
@@ -357,7 +357,7 @@ def card_for(principal: Principal, found: ApprovalRequest) -> Card:
         diff=param_diff(params_of(baseline), params) if baseline else [],
         policy=found.policy.name,
         policy_covers=condition_words(found.policy.condition, found.policy.tool),
-        expiry_then=then_phrase(found.policy.on_expiry, found.rerequest_count).removeprefix(
+        expiry_then=then_phrase(found.policy.on_expiry, found.rerequest_count, graph).removeprefix(
             "then "
         ),
         next=next_words(found, action, run) if found.status != A.PENDING else "",

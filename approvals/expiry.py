@@ -102,9 +102,14 @@ def _approve_at_expiry(request: ApprovalRequest, action: Action, run: Run) -> No
 
 
 def _needs_attention(run: Run) -> bool:
-    """Whether the run needs a person once its action was rejected at the last expiry: its
-    graph says (an MCP session's host gets REJECTED as its answer; nobody need look)."""
-    graph = registry.get(run.graph, run.graph_version)
+    return final_expiry_needs_attention(run.graph, run.graph_version)
+
+
+def final_expiry_needs_attention(name: str, version: str) -> bool:
+    """Whether a run of this graph needs a person once its action was rejected at the last
+    expiry: its graph says (an MCP session's host gets REJECTED as its answer; nobody need
+    look). A graph not registered here: a person looks. `approvals.wording` says the same."""
+    graph = registry.get(name, version)
     return graph is None or graph.final_expiry_needs_attention
 
 

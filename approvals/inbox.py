@@ -237,6 +237,7 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
             impact=KT("shown__impact"),
             target=KT("shown__target"),
             tool=KT("shown__tool"),
+            graph=KT("shown__graph"),  # what its last expiry does is the graph's (wording)
             mine=ExpressionWrapper(mine_q, output_field=BooleanField())
             if deciding.anything
             else Value(False),
@@ -247,7 +248,9 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
     cards = [
         Card(
             r,
-            expiry_of(r.expires_at, r.policy.on_expiry, r.rerequest_count, now),
+            expiry_of(
+                r.expires_at, r.policy.on_expiry, r.rerequest_count, now, graph=r.graph or ""
+            ),
             bool(r.mine),
         )
         for r in cards_qs

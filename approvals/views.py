@@ -50,7 +50,7 @@ from approvals.models import ApprovalRequest, ApprovalStatus, Decision
 from approvals.overview import tenant_overview
 from approvals.policies import may_decide, shaped_by
 from approvals.scoping import approvals_for
-from approvals.wording import done_text, expiry_of, refusal_text
+from approvals.wording import done_text, expiry_of, graph_of, refusal_text
 from runtime.accounts import decision_rate_limited
 from runtime.errors import FieldNotEditable, HoldpointError, InvalidParams, NotPermitted
 from runtime.pages import pretty, reviewer_page, scoped_or_404
@@ -184,7 +184,13 @@ def _request_context(
         )
         if found.edited_params
         else [],
-        "expiry": expiry_of(found.expires_at, found.policy.on_expiry, found.rerequest_count, now)
+        "expiry": expiry_of(
+            found.expires_at,
+            found.policy.on_expiry,
+            found.rerequest_count,
+            now,
+            graph=graph_of(found),
+        )
         if pending
         else None,
         "can_decide": can_decide,
@@ -259,7 +265,13 @@ def request_status(request: HttpRequest, principal: Principal, request_id: UUID)
         "req": found,
         "status_url": _status_url(found),
         "stale": request.GET.get("seen", "") != _seen_token(found),
-        "expiry": expiry_of(found.expires_at, found.policy.on_expiry, found.rerequest_count, now)
+        "expiry": expiry_of(
+            found.expires_at,
+            found.policy.on_expiry,
+            found.rerequest_count,
+            now,
+            graph=graph_of(found),
+        )
         if found.status == A.PENDING
         else None,
     }

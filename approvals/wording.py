@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from approvals.expiry import final_expiry_needs_attention
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
 from runtime.errors import AlreadyDecided, Expired, HashMismatch, HoldpointError, NotPermitted
 
@@ -45,17 +46,33 @@ def duration(seconds: float) -> str:
     return f"{mins} min"
 
 
-def then_phrase(on_expiry: str, rerequest_count: int) -> str:
-    """What the expirer will do (approvals.expiry): the policy's choice, in words."""
+def then_phrase(on_expiry: str, rerequest_count: int, graph: str) -> str:
+    """What the expirer will do (approvals.expiry): the policy's choice, in words. `graph`:
+    the run's graph as the request shows it (`graph_of`), since what the last expiry does to
+    the run is the graph's — an MCP session's host is answered REJECTED and its run goes on;
+    saying "the run needs attention" there would send a reviewer looking for nothing."""
     if on_expiry in THEN:
         return THEN[on_expiry]
+    name, _, version = graph.rpartition("@")
+    attention = final_expiry_needs_attention(name, version)
     if rerequest_count < 1:
-        return "then re-requested once, then the run needs attention"
-    return "then it is rejected and the run needs attention (it was already re-requested once)"
+        last = "the run needs attention" if attention else "rejected: the run goes on without it"
+        return f"then re-requested once, then {last}"
+    last = "the run needs attention" if attention else "the run goes on without it"
+    return f"then it is rejected and {last} (it was already re-requested once)"
 
 
-def expiry_of(expires_at: datetime, on_expiry: str, rerequest_count: int, now: datetime) -> Expiry:
-    then = then_phrase(on_expiry, rerequest_count)
+def graph_of(found: ApprovalRequest) -> str:
+    """The request's graph as "name@version": frozen in `shown` at request time (the inbox
+    reads the same key as a column), else its run's."""
+    shown = found.shown or {}
+    return str(shown.get("graph") or f"{found.run.graph}@{found.run.graph_version}")
+
+
+def expiry_of(
+    expires_at: datetime, on_expiry: str, rerequest_count: int, now: datetime, *, graph: str
+) -> Expiry:
+    then = then_phrase(on_expiry, rerequest_count, graph)
     left = (expires_at - now).total_seconds()
     if left <= 0:
         return Expiry(f"expired {duration(-left)} ago — {then} at the next sweep", True, True)
@@ -72,7 +89,7 @@ def refusal_text(exc: HoldpointError, found: ApprovalRequest) -> str:
     if isinstance(exc, AlreadyDecided):
         return f"Nothing was recorded: {exc.detail}."
     if isinstance(exc, Expired):
-        then = then_phrase(found.policy.on_expiry, found.rerequest_count)
+        then = then_phrase(found.policy.on_expiry, found.rerequest_count, graph_of(found))
         return f"Nothing was recorded: this request {exc.detail} — {then}."
     if isinstance(exc, NotPermitted):
         return f"Not permitted: {exc.detail}. Nothing was recorded."

@@ -119,6 +119,7 @@ def close_policy(tenant_a: Tenant, reviewer_a: Persona) -> ApprovalPolicy:
 # What is left of a request's time when its pages are rendered in the tests that read the
 # expiry text: a fixed clock, so the words are fixed ("23 h 59 min").
 REMAINING = timedelta(hours=23, minutes=59, seconds=30)
+AGENT, MCP = "api-review@1", "mcp-session@1"  # graphs as a request's `shown` names them
 
 
 def test_duration_and_what_happens_at_expiry() -> None:
@@ -129,17 +130,33 @@ def test_duration_and_what_happens_at_expiry() -> None:
     now = timezone.now()
     in_3h = now + timedelta(hours=3, minutes=12, seconds=30)
     assert (
-        expiry_of(in_3h, OnExpiry.REREQUEST, 0, now).text
+        expiry_of(in_3h, OnExpiry.REREQUEST, 0, now, graph=AGENT).text
         == "expires in 3 h 12 min — then re-requested once, then the run needs attention"
     )
     assert "then it is rejected and the run needs attention (it was already re-requested" in (
-        expiry_of(in_3h, OnExpiry.REREQUEST, 1, now).text
+        expiry_of(in_3h, OnExpiry.REREQUEST, 1, now, graph=AGENT).text
     )
-    assert "then it is rejected automatically" in expiry_of(in_3h, OnExpiry.REJECT, 0, now).text
-    assert "approved automatically" in expiry_of(in_3h, OnExpiry.APPROVE, 0, now).text
-    late = expiry_of(now - timedelta(minutes=5), OnExpiry.REJECT, 0, now)
+    assert (
+        "then it is rejected automatically"
+        in expiry_of(in_3h, OnExpiry.REJECT, 0, now, graph=AGENT).text
+    )
+    assert "approved automatically" in expiry_of(in_3h, OnExpiry.APPROVE, 0, now, graph=AGENT).text
+    late = expiry_of(now - timedelta(minutes=5), OnExpiry.REJECT, 0, now, graph=AGENT)
     assert late.overdue and late.text.startswith("expired 5 min ago")
-    assert expiry_of(now + timedelta(minutes=20), OnExpiry.REJECT, 0, now).soon
+    assert expiry_of(now + timedelta(minutes=20), OnExpiry.REJECT, 0, now, graph=AGENT).soon
+    # An MCP session's host is answered REJECTED at the last expiry and its run goes on
+    # (approvals.expiry): nobody is asked to look at it, so its reviewers are not told so.
+    assert (
+        expiry_of(in_3h, OnExpiry.REREQUEST, 0, now, graph=MCP).text
+        == "expires in 3 h 12 min — then re-requested once, then rejected: the run goes on"
+        " without it"
+    )
+    assert expiry_of(in_3h, OnExpiry.REREQUEST, 1, now, graph=MCP).text == (
+        "expires in 3 h 12 min — then it is rejected and the run goes on without it (it was"
+        " already re-requested once)"
+    )
+    # A graph not registered here: the expirer asks a person, and the words say so.
+    assert "the run needs attention" in expiry_of(in_3h, "rerequest", 0, now, graph="").text
 
 
 # --- the inbox --------------------------------------------------------------------------
