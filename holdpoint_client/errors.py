@@ -344,7 +344,17 @@ class ActionFailed(ExecutorError):
 
 
 class OutcomeUnknown(ExecutorError):
-    """Nobody can tell whether the effect happened; a human resolves it (API `resolve`)."""
+    """The ledger does not hold the action's outcome: do not do it again yourself.
+
+    Either nobody can tell whether the effect happened (a person resolves it, API
+    `resolve`), or the client saw what came of it and could not record it (the server
+    unreachable): `unrecorded` names what it saw (`confirmed`: it happened; `failed`,
+    `unknown`, `not_found`). Running the agent again settles it from the ledger — the
+    action is found still `sent` and reconciled as the tool's contract says."""
+
+    def __init__(self, message: str, *, action: Any = None, unrecorded: str | None = None) -> None:
+        super().__init__(message, action=action)
+        self.unrecorded = unrecorded
 
 
 class ToolRefused(HoldpointError):

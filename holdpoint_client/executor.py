@@ -584,7 +584,13 @@ class ExecutorCore(Generic[C]):
         self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
     ) -> Flow[Action]:
         """Record the outcome; after an ambiguous failure, the ledger tells if it landed
-        (if not, it is sent again after a pause, `replay_attempts` times in all)."""
+        (if not, it is sent again after a pause, `replay_attempts` times in all).
+
+        Not recorded in the end, it is OutcomeUnknown, not a bare failure: the effect may
+        well have happened (`unrecorded` says what the tool answered), and only the ledger
+        can settle it — the agent run again meets the action still `sent` and reconciles
+        it — so a caller must not simply do it again."""
+        failure: TransportError | None = None
         for attempt in range(self.replay_attempts):
             if attempt:
                 yield from pause(self._backoff(attempt))
@@ -608,16 +614,23 @@ class ExecutorCore(Generic[C]):
                     return reread
                 raise
             except TransportError as exc:
+                failure = exc
                 if not exc.may_have_applied:
-                    raise
-                reread = yield from ask(calls.get_action(action.action_id))
+                    break
+                try:
+                    reread = yield from ask(calls.get_action(action.action_id))
+                except TransportError as lost:
+                    failure = lost
+                    break
                 if _moved(action, reread, outcome):
                     return reread
-        raise ExecutorError(
-            f"could not record {outcome} for {action.action_id} in {self.replay_attempts} "
-            "attempts: it stays as it was, for the ledger to settle on the next try",
+        raise OutcomeUnknown(
+            f"{action.tool}: could not record {outcome} for {action.action_id} ({failure}): "
+            "the server does not know what came of it — do not do it again yourself; "
+            "running the agent again settles it from the ledger",
             action=action,
-        )
+            unrecorded=outcome,
+        ) from failure
 
 
 class Executor(ExecutorCore[Client]):

@@ -177,3 +177,71 @@ def test_a_lease_taken_behind_a_gateway_error_is_waited_out_and_taken_again(
         ex.checkpoint({"n": 1}, "next")
 
     assert RunRow.objects.get(pk=run.run_id).checkpoint_rev == 1
+
+
+class KeyedService(Service):
+    """A `perform` whose service deduplicates by Idempotency-Key: one task per key."""
+
+    def __call__(self, call: ToolCall) -> tuple[str, Any]:
+        self.calls.append(call)
+        keys = list(dict.fromkeys(c.idempotency_key for c in self.calls))
+        task = f"T-{keys.index(call.idempotency_key) + 1}"
+        return task, {"id": task}
+
+
+def test_an_outcome_the_gateway_never_lets_through_is_outcome_unknown_and_settled_later(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """The task was created, then every POST of its outcome met a gateway's 503 (no `code`:
+    not Holdpoint's answer). `act` raised a bare ExecutorError — the caller could not tell
+    "it happened, the server does not know yet: do not redo it" from any other failure.
+    Now it is OutcomeUnknown naming what was not recorded; running the agent again (the
+    gateway healthy) settles the still-`sent` action from the ledger: one task."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = KeyedService()
+    proxy.fail("POST", "/outcome/", 503, forwarded=False, times=50)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, replay_attempts=3, retry_pause=0.01) as ex:
+        with pytest.raises(errors.OutcomeUnknown) as unknown:
+            ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert unknown.value.unrecorded == "confirmed"
+    assert isinstance(unknown.value.__cause__, errors.TransportError)
+    assert proxy.count("POST", "/outcome/") == 3 and len(service.calls) == 1
+    assert ActionRow.objects.get(run_id=run.run_id).status == "sent"
+
+    proxy.plan.clear()  # the gateway recovers; the agent runs again
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1")
+    assert {c.idempotency_key for c in service.calls} == {done.idempotency_key}
+    assert ActionRow.objects.get(run_id=run.run_id).status == "confirmed"
+
+
+def test_an_outcome_whose_post_never_connects_is_outcome_unknown_async(
+    gateway: tuple[Gateway, str], agent_a: Persona
+) -> None:
+    """The same for a POST that never reached the gateway's upstream (hung up before it was
+    forwarded, every attempt), and with AsyncExecutor: the flows are shared."""
+    proxy, url = gateway
+    assert agent_a.token is not None
+    service = KeyedService()
+    proxy.fail("POST", "/outcome/", 0, forwarded=False, times=50)
+
+    async def story() -> BaseException:
+        async with AsyncClient(url, agent_a.token or "", backoff=0.01) as client:
+            run = await client.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(
+                client, run.run_id, "agent-1", ttl=10, replay_attempts=2, retry_pause=0.01
+            ) as ex:
+                with pytest.raises(errors.OutcomeUnknown) as unknown:
+                    await ex.act(TOOL, TASK, call="propose", perform=service)
+                return unknown.value
+
+    unknown = asyncio.run(story())
+
+    assert isinstance(unknown, errors.OutcomeUnknown) and unknown.unrecorded == "confirmed"
+    assert len(service.calls) == 1
+    assert ActionRow.objects.get().status == "sent"
