@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
@@ -48,6 +48,7 @@ log = logging.getLogger("holdpoint_client")
 T = TypeVar("T")
 API_PREFIX = "/api/v1/"
 MAX_WAIT = 30.0  # the server's ceiling for ?wait=
+SERVER_LEASE_TTL = 30.0  # what a heartbeat without ttl_seconds extends the lease by
 USER_AGENT = "holdpoint-client/0.2"
 # What the models' `from_json` raise on JSON of another shape (a missing field, a list for
 # an object, a number that is not one): an answer that does not fit, not a bug to crash on.
@@ -126,7 +127,11 @@ def _segment(value: Any) -> str:
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One logical API call. `replay_safe`: repeating it after an ambiguous failure cannot
-    apply it twice (reads, creating POSTs under one Idempotency-Key, decisions)."""
+    apply it twice (reads, creating POSTs under one Idempotency-Key, decisions).
+
+    `timeout` and `retries` cap the client's own (never raise them) for a call that is
+    worthless after a while — a heartbeat is, once the lease it renews has run out — and
+    `timeout` also caps each pause between its attempts (a longer Retry-After is raised)."""
 
     method: str
     path: str
@@ -136,9 +141,13 @@ class Call(Generic[T]):
     headers: Mapping[str, str] = field(default_factory=dict)
     replay_safe: bool = False
     extra_timeout: float = 0.0
+    timeout: float | None = None
+    retries: int | None = None
 
     def request(self, timeout: float) -> dict[str, Any]:
         """httpx's `request` arguments; every attempt of the call sends the same bytes."""
+        if self.timeout is not None:
+            timeout = min(timeout, self.timeout)
         headers = {**trace_headers(), **self.headers}
         if self.body is not None:
             headers["Content-Type"] = "application/json"
@@ -384,15 +393,22 @@ def lease(run_id: str, owner: str, ttl_seconds: int) -> Call[LeaseGrant]:
 
 
 def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call[datetime | None]:
+    """Renew the lease. Its attempts are bounded by the lease, not by the client's policy
+    (4 retries of 10 s): a beat still retrying when the lease runs out keeps the executor
+    from beating again — and so from hearing `stale_fence` — long after a successor took
+    the run. Each attempt gets a quarter of the ttl, one retry at most: a beat is over
+    within 3/4 of the ttl, and the next (ttl/3 later) tries again."""
     body: dict[str, Any] = {"fence": fence}
     if ttl_seconds is not None:
         body["ttl_seconds"] = ttl_seconds
-    return post(
+    call = post(
         at("runs", run_id, "lease", "heartbeat"),
         body,
         lambda data: parse_time(data.get("expires_at")),
         replay_safe=True,
     )
+    lease = SERVER_LEASE_TTL if ttl_seconds is None else ttl_seconds
+    return replace(call, timeout=lease / 4, retries=1)
 
 
 def release(run_id: str, fence: int) -> Call[Any]:
@@ -621,8 +637,8 @@ class RetryPolicy:
         An answer that cannot be decoded is one more failure after sending: the server may
         have applied the call, and what it said about that is unreadable."""
         sent = not isinstance(exc, NOT_SENT)
-        if attempt < self.retries and (call.replay_safe or not sent):
-            return self._delay(attempt, None)
+        if attempt < self._retries(call) and (call.replay_safe or not sent):
+            return self._delay(call, attempt, None)
         what = type(exc).__name__
         if isinstance(exc, httpx.DecodingError):
             what += " (an answer whose body cannot be decoded)"
@@ -639,10 +655,10 @@ class RetryPolicy:
         is not safe to repeat it is the ambiguity of a lost connection, and raised as one
         (TransportError, may_have_applied) so the caller re-reads instead of guessing."""
         error = error_from_response(response)
-        if attempt < self.retries and retryable(error, call.replay_safe):
+        if attempt < self._retries(call) and retryable(error, call.replay_safe):
             wait = retry_after(response)
-            if wait is None or wait <= self.max_retry_after:
-                return self._delay(attempt, wait)
+            if wait is None or wait <= self._longest_wait(call):
+                return self._delay(call, attempt, wait)
         if not call.replay_safe and unanswered(error):
             raise TransportError(
                 f"{call.method} {call.path}: HTTP {error.status} from in front of Holdpoint "
@@ -651,10 +667,21 @@ class RetryPolicy:
             ) from error
         raise error
 
-    def _delay(self, attempt: int, retry_after: float | None) -> float:
+    def _retries(self, call: Call[Any]) -> int:
+        return self.retries if call.retries is None else min(self.retries, call.retries)
+
+    def _longest_wait(self, call: Call[Any]) -> float:
+        """The longest Retry-After slept through for this call (a longer one is raised)."""
+        if call.timeout is None:
+            return self.max_retry_after
+        return min(self.max_retry_after, call.timeout)
+
+    def _delay(self, call: Call[Any], attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
             return retry_after
         ceiling = min(self.max_backoff, self.backoff * (2**attempt))
+        if call.timeout is not None:
+            ceiling = min(ceiling, call.timeout)
         return random.uniform(ceiling / 2, ceiling)
 
 

@@ -181,7 +181,17 @@ class Gateway:
         self.http = httpx.Client(timeout=60)
         self.plan: list[tuple[str, str, int, bool]] = []
         self.answered: list[tuple[str, str, int]] = []  # (method, path, status sent back)
+        self.stalling: tuple[str, str] | None = None
+        self.stalled = 0
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def stall(self, method: str, path_end: str | None) -> None:
+        """Hold every request of `method` to a path ending with `path_end` (None: stop
+        holding new ones), forwarding nothing, until the gateway closes — then hang up: an
+        upstream that stopped answering. A held request stays held after the stall ends."""
+        with self._lock:
+            self.stalling = None if path_end is None else (method, path_end)
 
     def fail(
         self, method: str, path_end: str, status: int, *, forwarded: bool, times: int = 1
@@ -204,6 +214,14 @@ class Gateway:
     def __call__(self, handler: BaseHTTPRequestHandler, server: Server) -> None:
         request = server.requests[-1]
         path = urlsplit(handler.path).path
+        with self._lock:
+            stall = self.stalling
+            held = stall is not None and handler.command == stall[0] and path.endswith(stall[1])
+            self.stalled += held
+        if held:
+            self._closed.wait(120)
+            handler.close_connection = True
+            return
         fault = self._planned(handler.command, path)
         if fault is None or fault[1]:
             headers = {k: v for k, v in request["headers"].items() if k not in _HOP}
@@ -234,4 +252,5 @@ class Gateway:
         handler.wfile.write(upstream.content)
 
     def close(self) -> None:
+        self._closed.set()
         self.http.close()

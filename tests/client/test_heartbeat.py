@@ -16,9 +16,10 @@ import httpx
 import pytest
 from django.core.cache import caches
 
-from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, LeaseLost
+from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, LeaseHeld, LeaseLost
 from runtime.models import Run as RunRow
 from tests.conftest import Persona
+from tests.httpservers import Gateway
 from tests.runtime.helpers import expire_lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -135,4 +136,82 @@ def test_an_async_executor_stops_heartbeating_once_a_write_finds_its_fence_stale
     lost_at = asyncio.run(story())
 
     assert [fence for fence, at in beats.seen if at > lost_at] == []
+    assert RunRow.objects.get().lease_owner == "agent-2"
+
+
+def wait_for(condition: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def take_over(api: Client, run_id: str, owner: str, within: float) -> float:
+    """Lease the run as `owner` as soon as the holder's lease lapses; when it was taken."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            api.lease(run_id, owner, 30)
+            return time.monotonic()
+        except LeaseHeld:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("flavour", ["thread", "asyncio"])
+def test_a_stalled_heartbeat_gives_up_in_time_to_hear_of_a_takeover(
+    live_server: Any, serve: Any, agent_a: Persona, flavour: str
+) -> None:
+    """Heartbeats stalled (a proxy that stops answering them) and the ttl=3 lease lapsed
+    to a successor. The beat in flight was a call like any other: 10 s per attempt, four
+    retries — the executor heard of the takeover only when its beat came back (~10 s or
+    more after it), working on meanwhile as if it held the run. Now a heartbeat's attempts
+    are bounded by the lease (ttl/4 each, one retry): once the stall ends the executor
+    hears `stale_fence` and stops within about the ttl."""
+    ttl = 3
+    proxy = Gateway(live_server.url)
+    url = serve(proxy).url
+    token = agent_a.token or ""
+    successor = Client(live_server.url, token)
+
+    def stall_then_take_over(run_id: str) -> float:
+        proxy.stall("POST", BEAT)
+        assert wait_for(lambda: proxy.stalled >= 1, 2 * ttl)
+        taken = take_over(successor, run_id, "agent-2", within=4 * ttl)
+        proxy.stall("POST", None)
+        return taken
+
+    try:
+        if flavour == "thread":
+            with Client(url, token, backoff=0.05) as api:
+                run = api.create_run("api-review", {}, external=True)
+                with Executor(api, run.run_id, "agent-1", ttl=ttl) as ex:
+                    taken = stall_then_take_over(run.run_id)
+                    heard = wait_for(lambda: ex.lost, ttl + 1)
+                    lost_after = time.monotonic() - taken
+                    with pytest.raises(LeaseLost):
+                        ex.checkpoint({"n": 1}, "next")
+        else:
+
+            async def story() -> tuple[bool, float]:
+                async with AsyncClient(url, token, backoff=0.05) as api:
+                    run = await api.create_run("api-review", {}, external=True)
+                    async with AsyncExecutor(api, run.run_id, "agent-1", ttl=ttl) as ex:
+                        taken = await asyncio.to_thread(stall_then_take_over, run.run_id)
+                        deadline = time.monotonic() + ttl + 1
+                        while not ex.lost and time.monotonic() < deadline:
+                            await asyncio.sleep(0.05)
+                        lost_after = time.monotonic() - taken
+                        heard = ex.lost
+                        with pytest.raises(LeaseLost):
+                            await ex.checkpoint({"n": 1}, "next")
+                        return heard, lost_after
+
+            heard, lost_after = asyncio.run(story())
+    finally:
+        proxy.close()
+        successor.close()
+
+    assert heard, f"the executor still thought it held the run {lost_after:.1f}s after it"
     assert RunRow.objects.get().lease_owner == "agent-2"
