@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from agents import Agent, set_tracing_disabled
+from django.db import connections
 
 from holdpoint_client import ActionWithdrawn, ApprovalTimeout, AsyncHoldpoint, ToolCall
 from holdpoint_client.openai_agents import holdpoint_tool, run_agent
@@ -24,6 +25,16 @@ from tests.client.test_openai_agents_args import Scripted
 from tests.conftest import Persona
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("hold_point")]
+
+
+def paused_apart(thread: str) -> Any:
+    """paused_state from a thread of its own (the test's event loop must not block on the
+    database), whose connection is closed after: left open, it holds the SQLite file, and
+    a later test that changes its journal mode finds it locked."""
+    try:
+        return paused_state(thread)
+    finally:
+        connections.close_all()
 
 
 def test_a_pause_withdrawn_by_a_goal_revision_raises_action_withdrawn(
@@ -60,7 +71,7 @@ def test_a_pause_withdrawn_by_a_goal_revision_raises_action_withdrawn(
         try:
             with pytest.raises(ApprovalTimeout):
                 await resume("go")
-            assert await asyncio.to_thread(paused_state, "oa-revised")  # taken under revision 1
+            assert await asyncio.to_thread(paused_apart, "oa-revised")  # under revision 1
             (run,) = [r async for r in hp.client.list_runs(thread_id="oa-revised")]
             await hp.client.revise(run.run_id, {"task": "other"}, expected_goal_rev=run.goal_rev)
             with pytest.raises(ActionWithdrawn) as withdrawn:
