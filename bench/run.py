@@ -47,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.common import (  # noqa: E402
     RESULTS,
     ROOT,
+    CpuMark,
     counters_pg,
     git_state,
     install_cleanup,
     log,
+    peer_threads,
     postgres_admin_url,
     profile_call,
     scratch_postgres,
@@ -165,9 +167,9 @@ class Bench:
 
         run = create_run(self.tenant, "bench-noop", {"steps": self.steps}, actor="bench")
         before = self.counters()
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        cpu, t0 = CpuMark(), time.perf_counter()
         result = advance_run(run.run_id, "bench", slice_seconds=3600)
-        t1, cpu1 = time.perf_counter(), time.process_time()
+        t1, cpu_seconds = time.perf_counter(), cpu.seconds()
         after = self.counters()
         run.refresh_from_db()
         ok = (
@@ -179,7 +181,7 @@ class Bench:
         )
         if not ok:
             raise RuntimeError(f"bench-noop run did not complete as expected: {result}")
-        return {"seconds": t1 - t0, "cpu": cpu1 - cpu0, "delta": self.delta(before, after)}
+        return {"seconds": t1 - t0, "cpu": cpu_seconds, "delta": self.delta(before, after)}
 
     # B: raw INSERT + COMMIT on the same connection, same settings
     def raw_once(self) -> dict[str, Any]:
@@ -191,19 +193,20 @@ class Bench:
         ]
         sql = "INSERT INTO bench_scratch (payload) VALUES (%s)"
         before = self.counters()
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        cpu, t0 = CpuMark(), time.perf_counter()
         for payload in rows:
             # SQLite: BEGIN IMMEDIATE; INSERT; COMMIT.  PostgreSQL: BEGIN; INSERT; COMMIT.
             with transaction.atomic(durable=True), self.connection.cursor() as cur:
                 cur.execute(sql, [payload])
-        t1, cpu1 = time.perf_counter(), time.process_time()
+        t1, cpu_seconds = time.perf_counter(), cpu.seconds()
         after = self.counters()
-        return {"seconds": t1 - t0, "cpu": cpu1 - cpu0, "delta": self.delta(before, after)}
+        return {"seconds": t1 - t0, "cpu": cpu_seconds, "delta": self.delta(before, after)}
 
     # C, D: the peers
     def peer_once(self, peer: Any, dbname: str | None = None) -> dict[str, Any]:
         before = self.counters(dbname)
-        result = peer.once()
+        with peer_threads():  # its pools and pollers: not Holdpoint's CPU (CpuMark)
+            result = peer.once()
         if self.pg and hasattr(peer, "flush_stats"):
             peer.flush_stats()  # its connection's pending statistics, before we read them
         after = self.counters(dbname)
@@ -221,8 +224,9 @@ class Bench:
         a, ta = self.counters(self.dbos_dbname)["xact"], time.monotonic()
         time.sleep(10.2)
         b, tb = self.counters(self.dbos_dbname)["xact"], time.monotonic()
-        for _ in range(runs):
-            self.dbos.once()
+        with peer_threads():
+            for _ in range(runs):
+                self.dbos.once()
         time.sleep(10.2)
         c, tc = self.counters(self.dbos_dbname)["xact"], time.monotonic()
         idle_rate = (b - a) / (tb - ta)
@@ -306,10 +310,11 @@ class Bench:
         n = self.steps
         self.holdpoint_once()  # warm-up: imports, caches, connection, statement plans
         self.raw_once()
-        if self.langgraph:
-            self.langgraph.once()
-        if self.dbos:
-            self.dbos.once()
+        with peer_threads():
+            if self.langgraph:
+                self.langgraph.once()
+            if self.dbos:
+                self.dbos.once()
         if self.ledger:
             self.ledger.warm_up()
         overhead = self.calibrate()
@@ -466,7 +471,8 @@ def peers(bench: Bench, url: str, var_dir: str, wanted: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if "langgraph" in found:
             target = url if bench.pg else str(Path(var_dir) / "langgraph.sqlite3")
-            bench.langgraph = peer_mod.LangGraphBench(bench.backend, target, bench.steps)
+            with peer_threads():
+                bench.langgraph = peer_mod.LangGraphBench(bench.backend, target, bench.steps)
             stack.callback(bench.langgraph.close)
         if "dbos" in found:
             if bench.pg:
@@ -477,7 +483,8 @@ def peers(bench: Bench, url: str, var_dir: str, wanted: bool) -> Iterator[None]:
                 path = Path(var_dir) / "dbos.sqlite3"
                 peer_mod.prepare_sqlite_wal(path)
                 system_url = f"sqlite:///{path}"
-            bench.dbos = peer_mod.DbosBench(system_url, bench.steps)
+            with peer_threads():  # DBOS's pollers run in this process from its launch on
+                bench.dbos = peer_mod.DbosBench(system_url, bench.steps)
             stack.callback(bench.dbos.close)
         if wanted and not found:
             log("langgraph/dbos not installed: peers skipped (make bench installs the extra)")
