@@ -348,7 +348,8 @@ class OutcomeUnknown(ExecutorError):
 
     Either nobody can tell whether the effect happened (a person resolves it, API
     `resolve`), or the client saw what came of it and could not record it (the server
-    unreachable): `unrecorded` names what it saw (`confirmed`: it happened; `failed`,
+    unreachable, or answering 5xx — its own 500/503 too, which do not say whether the
+    outcome landed): `unrecorded` names what it saw (`confirmed`: it happened; `failed`,
     `unknown`, `not_found`). Running the agent again settles it from the ledger — the
     action is found still `sent` and reconciled as the tool's contract says."""
 

@@ -50,6 +50,7 @@ from holdpoint_client.errors import (
     LeaseLost,
     OutcomeUnknown,
     Rejected,
+    ServerError,
     StaleFence,
     StaleGoalRev,
     ToolRefused,
@@ -586,11 +587,15 @@ class ExecutorCore(Generic[C]):
         """Record the outcome; after an ambiguous failure, the ledger tells if it landed
         (if not, it is sent again after a pause, `replay_attempts` times in all).
 
+        A 5xx is such an ambiguous failure even when Holdpoint itself wrote it (its own
+        500 `server_error`, a 503 `service_unavailable` it kept answering): the POST may
+        have been recorded before the fault, or not at all — the ledger says which.
+
         Not recorded in the end, it is OutcomeUnknown, not a bare failure: the effect may
         well have happened (`unrecorded` says what the tool answered), and only the ledger
         can settle it — the agent run again meets the action still `sent` and reconciles
         it — so a caller must not simply do it again."""
-        failure: TransportError | None = None
+        failure: TransportError | ServerError | None = None
         for attempt in range(self.replay_attempts):
             if attempt:
                 yield from pause(self._backoff(attempt))
@@ -613,13 +618,13 @@ class ExecutorCore(Generic[C]):
                 if _moved(action, reread, outcome):  # our own earlier attempt landed
                     return reread
                 raise
-            except TransportError as exc:
+            except (TransportError, ServerError) as exc:
                 failure = exc
-                if not exc.may_have_applied:
+                if isinstance(exc, TransportError) and not exc.may_have_applied:
                     break
                 try:
                     reread = yield from ask(calls.get_action(action.action_id))
-                except TransportError as lost:
+                except (TransportError, ServerError) as lost:
                     failure = lost
                     break
                 if _moved(action, reread, outcome):

@@ -174,12 +174,14 @@ class Gateway:
     its answer relayed, except the ones planned with `fail`, which the gateway answers
     itself with an HTML error page (`status`) — before forwarding (the request never
     reached the upstream) or after it (applied there, the answer lost, as nginx answers 502
-    on an upstream reset and 504 on its timeout) — or, with `status` 0, by hanging up."""
+    on an upstream reset and 504 on its timeout) — or, with `status` 0, by hanging up.
+    Planned with a `code`, the answer is Holdpoint's own problem+json instead (a 500
+    `server_error` after a fault, a 503 `service_unavailable` while it refuses work)."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.http = httpx.Client(timeout=60)
-        self.plan: list[tuple[str, str, int, bool]] = []
+        self.plan: list[tuple[str, str, int, bool, str]] = []
         self.answered: list[tuple[str, str, int]] = []  # (method, path, status sent back)
         self.stalling: tuple[str, str] | None = None
         self.stalled = 0
@@ -194,21 +196,28 @@ class Gateway:
             self.stalling = None if path_end is None else (method, path_end)
 
     def fail(
-        self, method: str, path_end: str, status: int, *, forwarded: bool, times: int = 1
+        self,
+        method: str,
+        path_end: str,
+        status: int,
+        *,
+        forwarded: bool,
+        times: int = 1,
+        code: str = "",
     ) -> None:
         with self._lock:
-            self.plan.extend([(method, path_end, status, forwarded)] * times)
+            self.plan.extend([(method, path_end, status, forwarded, code)] * times)
 
     def count(self, method: str, path_end: str) -> int:
         """Requests of `method` whose path ends with `path_end` that reached the gateway."""
         return sum(1 for m, p, _ in self.answered if m == method and p.endswith(path_end))
 
-    def _planned(self, method: str, path: str) -> tuple[int, bool] | None:
+    def _planned(self, method: str, path: str) -> tuple[int, bool, str] | None:
         with self._lock:
-            for index, (m, end, status, forwarded) in enumerate(self.plan):
+            for index, (m, end, status, forwarded, code) in enumerate(self.plan):
                 if m == method and path.endswith(end):
                     del self.plan[index]
-                    return status, forwarded
+                    return status, forwarded, code
         return None
 
     def __call__(self, handler: BaseHTTPRequestHandler, server: Server) -> None:
@@ -235,9 +244,9 @@ class Gateway:
             if not status:
                 handler.close_connection = True  # no answer at all: the socket closes
                 return
-            page = f"<html><body><h1>{status} Gateway error</h1></body></html>".encode()
+            kind, page = _error_page(status, fault[2])
             handler.send_response(status)
-            handler.send_header("Content-Type", "text/html")
+            handler.send_header("Content-Type", kind)
             handler.send_header("Content-Length", str(len(page)))
             handler.end_headers()
             handler.wfile.write(page)
@@ -254,3 +263,11 @@ class Gateway:
     def close(self) -> None:
         self._closed.set()
         self.http.close()
+
+
+def _error_page(status: int, code: str) -> tuple[str, bytes]:
+    """A gateway's HTML page, or with `code` Holdpoint's problem+json (API.md, "Errors")."""
+    if not code:
+        return "text/html", f"<html><body><h1>{status} Gateway error</h1></body></html>".encode()
+    problem = {"type": "about:blank", "title": "Server error", "status": status, "code": code}
+    return "application/problem+json", json.dumps({**problem, "detail": code}).encode()

@@ -245,3 +245,62 @@ def test_an_outcome_whose_post_never_connects_is_outcome_unknown_async(
     assert isinstance(unknown, errors.OutcomeUnknown) and unknown.unrecorded == "confirmed"
     assert len(service.calls) == 1
     assert ActionRow.objects.get().status == "sent"
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(500, "server_error"), (503, "service_unavailable"), (500, "")],
+)
+def test_holdpoints_own_5xx_to_an_outcome_is_outcome_unknown_and_settled_later(
+    api: Client, gateway: tuple[Gateway, str], status: int, code: str
+) -> None:
+    """The task was created, then every POST of its outcome got a 5xx in Holdpoint's own
+    problem format (a fault on its side: 500 `server_error`; 503 `service_unavailable`,
+    retried as the client does, then given up). Those escaped `act` as ServerError — after
+    the effect, with the outcome unrecorded, so a caller would take the call for failed and
+    may do it again. Now, as for a gateway's 5xx (the last case), it is OutcomeUnknown
+    naming the outcome not recorded, and running the agent again settles it: one task."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = KeyedService()
+    proxy.fail("POST", "/outcome/", status, forwarded=False, times=100, code=code)
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, replay_attempts=2, retry_pause=0.01) as ex:
+        with pytest.raises(errors.OutcomeUnknown) as unknown:
+            ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert unknown.value.unrecorded == "confirmed" and len(service.calls) == 1
+    assert isinstance(unknown.value.__cause__, errors.ServerError | errors.TransportError)
+    assert ActionRow.objects.get(run_id=run.run_id).status == "sent"
+
+    proxy.plan.clear()  # Holdpoint answers again; the agent runs again
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1")
+    assert {c.idempotency_key for c in service.calls} == {done.idempotency_key}
+    assert ActionRow.objects.get(run_id=run.run_id).status == "confirmed"
+
+
+def test_holdpoints_500_after_recording_the_outcome_is_read_back_async(
+    gateway: tuple[Gateway, str], agent_a: Persona
+) -> None:
+    """Holdpoint recorded the outcome, then answered 500 `server_error` (a fault after the
+    commit): `act` raised ServerError although the action was confirmed. Now the ledger is
+    re-read and the confirmed action returned (AsyncExecutor: the same flows)."""
+    proxy, url = gateway
+    assert agent_a.token is not None
+    service = Service()
+    proxy.fail("POST", "/outcome/", 500, forwarded=True, code="server_error")
+
+    async def story() -> Any:
+        async with AsyncClient(url, agent_a.token or "", backoff=0.01) as client:
+            run = await client.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(client, run.run_id, "agent-1", ttl=10) as ex:
+                return await ex.act(TOOL, TASK, call="propose", perform=service)
+
+    done = asyncio.run(story())
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1") and len(service.calls) == 1
+    assert proxy.count("POST", "/outcome/") == 1
+    assert ActionRow.objects.get(pk=done.action_id).status == "confirmed"
