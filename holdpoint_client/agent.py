@@ -71,6 +71,24 @@ class NotRecorded(ExecutorError):
     """The run is finished, and what was asked of it was never recorded in it."""
 
 
+def external_run(thread_id: str) -> Flow[Run | None]:
+    """The thread's newest external run (API.md, "External executors"), or None.
+
+    A thread id may also name hosted runs, which Holdpoint's workers execute: they are never
+    an agent's to lease, resume or wait on, so everything that finds "the agent's run of a
+    thread" (`hp.run`, `wait_for_decision`) finds it here. A run without the `external`
+    field (a server older than it) counts as external."""
+    cursor: str | None = None
+    while True:
+        page = yield from ask(calls.runs_page(thread_id=thread_id, cursor=cursor))
+        for run in page.results:  # newest first
+            if run.raw.get("external", True):
+                return run
+        if not page.next_cursor:
+            return None
+        cursor = page.next_cursor
+
+
 def thread_key(thread_id: str) -> str:
     """The Idempotency-Key of a thread's run creation: the same in every process."""
     return "hp-run-" + hashlib.sha256(thread_id.encode()).hexdigest()[:48]
@@ -176,10 +194,9 @@ class RunCore(Generic[C]):
     # --- flows -----------------------------------------------------------------------------
 
     def _find_or_create(self) -> Flow[Run]:
-        page = yield from ask(calls.runs_page(thread_id=self.thread_id))
-        for run in page.results:  # newest first
-            if run.raw.get("external", True):
-                return run
+        found = yield from external_run(self.thread_id)
+        if found is not None:
+            return found
         call = calls.create_run(
             self.graph,
             self.goal_asked,

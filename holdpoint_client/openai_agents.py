@@ -56,7 +56,14 @@ from agents.tool_context import ToolContext
 from pydantic import ValidationError
 
 from holdpoint_client import calls
-from holdpoint_client.agent import STEP, AsyncHoldpoint, AsyncRunHandle, Proof, current_run
+from holdpoint_client.agent import (
+    STEP,
+    AsyncHoldpoint,
+    AsyncRunHandle,
+    Proof,
+    current_run,
+    external_run,
+)
 from holdpoint_client.errors import (
     ActionWithdrawn,
     ApprovalTimeout,
@@ -442,14 +449,19 @@ async def wait_for_decision(
 
     For a script that resumes a paused agent itself (`run_agent` again) once reviewers
     answered. It takes no lease, so it may run beside the agent or in another process.
-    Raises ApprovalTimeout after `timeout` seconds with a decision still pending.
+    The run is the one `run_agent` resumes — the thread's external run — not a hosted run
+    that shares the thread id (its approvals are not the agent's). Raises ApprovalTimeout
+    after `timeout` seconds with a decision still pending, ExecutorError for a thread with
+    no external run.
     """
     client = hp.client
     deadline = None if timeout is None else time.monotonic() + timeout
-    page = await client.send(calls.runs_page(thread_id=thread_id))
-    if not page.results:
-        raise ExecutorError(f"no run for thread {thread_id!r}")
-    run = page.results[0]
+    run = await adrive(external_run(thread_id), client)
+    if run is None:
+        raise ExecutorError(
+            f"thread {thread_id!r} has no external run (run_agent starts one): nothing of "
+            "the agent's waits for a decision; a hosted run's approvals are not the agent's"
+        )
     decided: list[Approval] = []
     async for action in client.run_actions(run.run_id):
         if action.approval is None:
