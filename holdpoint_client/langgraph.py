@@ -227,7 +227,8 @@ class HoldpointGraph:
         except Rejected as no:
             return _message(request, f"A reviewer rejected {spec.tool}: {no.reason}", "error")
         except OlderGoal as older:
-            return _message(request, f"{spec.tool} was not run again: {older}", "error")
+            again = " again" if older.may_have_run else ""
+            return _message(request, f"{spec.tool} was not run{again}: {older}", "error")
         except (ActionWithdrawn, ActionFailed) as gone:
             return _message(request, f"{spec.tool} did not run: {gone}", "error")
         return _message(request, result if isinstance(result, str) else _dumps(result))
@@ -407,8 +408,20 @@ def _ours(found: Interrupt) -> bool:
     return isinstance(found.value, Mapping) and found.value.get("type") == KIND
 
 
+# Statuses of an action that certainly never reached its service (DESIGN.md: `sent` is
+# written before the request leaves): a held call withdrawn by a goal revision ends here.
+NEVER_SENT = frozenset({"prepared", "awaiting_approval", "approved", "cancelled"})
+
+
 class OlderGoal(ActionWithdrawn):
     """The model asked for the call under a goal revision since revised."""
+
+    @property
+    def may_have_run(self) -> bool:
+        """Whether the old goal's action may have reached the service: the model is told
+        the call was not run *again* — else that it was not run (it never left: a call held
+        at a hold point when the goal was revised), lest it report an effect nobody made."""
+        return self.action is None or self.action.status not in NEVER_SENT
 
 
 def _not_of_an_older_goal(run: RunHandle, label: str) -> None:
@@ -421,10 +434,14 @@ def _not_of_an_older_goal(run: RunHandle, label: str) -> None:
         page = run.client.send(calls.actions_page(idempotency_key=key))
         if page.results:
             action = page.results[0]
+            fate = (
+                f"its action was withdrawn with the old goal ({action.status}): nothing was sent"
+                if action.status in NEVER_SENT
+                else f"its action stays the old goal's ({action.status})"
+            )
             raise OlderGoal(
                 f"the goal was revised since the model asked for it (under goal revision "
-                f"{goal_rev}, now {run.ex.goal_rev}); its action stays the old goal's "
-                f"({action.status})",
+                f"{goal_rev}, now {run.ex.goal_rev}); {fate}",
                 action=action,
             )
 
