@@ -26,7 +26,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fastsql.statements import OneStatement, Part, PartsAfter, Read, tenant_check
-from runtime import gates, ledger, observe, outcomes, tools
+from runtime import gates, ledger, observe, outcomes, toolcatalog, tools
 from runtime.errors import (
     ApprovalExpired,
     ApprovalRequired,
@@ -236,6 +236,10 @@ class ActionRunner:
         if not ctx.fresh:
             action = ledger.find_action(run, ctx.step, call_index, canonical[1])
         if action is None:
+            # A new action of an inactive MCP server's tool: refused as an unknown tool is,
+            # by the rule the API and the gateway follow — prepared, it would ask a reviewer
+            # to approve what is never sent. One prepared before is found above and driven.
+            toolcatalog.refuse_withheld(tool, run.tenant_id)
             fault(FaultPoint.BEFORE_PREPARE)
             prepared = (params, reason, target, call_index, canonical)
             try:

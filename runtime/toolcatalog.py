@@ -5,8 +5,8 @@ export.
 
 The API (`GET tools/`), Django admin and `manage.py tools` all read through here, so the
 three agree on what "the tenant's tools" are; what an agent is offered now (`offered`,
-`withheld`: not an inactive MCP server's tools) is decided here for the API and the MCP
-gateway alike. Nothing here writes a definition:
+`withheld`: not an inactive MCP server's tools) is decided here for the API, the MCP
+gateway and the workers' steps alike. Nothing here writes a definition:
 `runtime.tooldefs.define` is the one writer, and `import_definitions` only calls it.
 """
 
@@ -161,7 +161,8 @@ def offered_entry(tenant_id: int, name: str, version: int | None = None) -> Entr
 
 
 def refuse_withheld(tool: tools.Tool, tenant_id: int) -> None:
-    """A new action of a tool `withheld`: refused as an unknown tool is (422)."""
+    """A new action of a tool `withheld`: refused as an unknown tool is — 422 over the API,
+    the same InvalidParams out of a hosted step's `ctx.act` (the run then needs attention)."""
     server = withheld(tool, tenant_id)
     if server:
         raise InvalidParams(
