@@ -56,6 +56,7 @@ class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
             "decided_at",
             "decision",
             "decision_reason",
+            "closed_reason",
             "edits",
             "created_at",
         ]

@@ -292,6 +292,8 @@ def next_words(found: ApprovalRequest, action: Action, run: Run) -> str:
         )
     elif status == A.EXPIRED:
         head = "the request expired undecided"
+    elif status == A.SUPERSEDED and found.closed_reason and found.decided_at:
+        head = f"the approval no longer counts: it {found.closed_reason}"
     else:
         head = f"the request is {status}"
     return f"{head}. The run is now {_run_words(run)}."

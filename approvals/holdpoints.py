@@ -9,6 +9,7 @@ the action and asks, through the port, for the stale approval to be superseded.
 from __future__ import annotations
 
 import json
+from datetime import UTC
 from typing import Any
 
 from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
@@ -75,8 +76,8 @@ class HoldPoints:
                 or held_by_default(tool, action.tenant_id)
             )
             return Verdict("approval_required") if held else GO
-        refusal = _no_longer_binds(approved, action, expired=approved.expired)
-        return Verdict(refusal, stale=approved.pk) if refusal else GO
+        refusal, reason = _no_longer_binds(approved, action, expired=approved.expired)
+        return Verdict(refusal, stale=approved.pk, reason=reason) if refusal else GO
 
     def supersede(self, approval: Any, action: Action, reason: str, actor: str) -> None:
         supersede_approval(approval, action, actor, reason)
@@ -101,15 +102,26 @@ class HoldPoints:
         return set(policies.values_list("tool", flat=True))
 
 
-def _no_longer_binds(approved: ApprovalRequest, action: Action, *, expired: bool) -> str:
-    """Why an approved request does not let this action go now ("" if it does)."""
+# What follows a refusal at dispatch: the ledger holds the action again and a new request
+# is raised for it (runtime.ledger.hold_again).
+THEN = "re-requested"
+
+
+def _no_longer_binds(
+    approved: ApprovalRequest, action: Action, *, expired: bool
+) -> tuple[str, str]:
+    """Why an approved request does not let this action go now: the sender's error code and
+    the words the journal and reviewers read (("", "") if it does). An expiry says when, not
+    the code word: a reviewer reading "superseded by worker:…: approval_expired" learnt
+    neither what happened nor what comes next."""
     if not same_hash(action_hash(action), approved.action_hash):
-        return "approval_required"
+        return "approval_required", f"the action changed after it was approved; {THEN}"
     if expired:
-        return "approval_expired"
+        at = approved.expires_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        return "approval_expired", f"expired at {at} before it was sent; {THEN}"
     votes = approved.votes.filter(
         decision=Decision.APPROVE, request__tenant_id=action.tenant_id
     ).select_related("user")
     if not all(may_decide(v.user, approved.policy, escalated=approved.escalated) for v in votes):
-        return "approval_required"
-    return ""
+        return "approval_required", f"an approver no longer holds the permission; {THEN}"
+    return "", ""

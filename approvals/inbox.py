@@ -281,6 +281,7 @@ def decided_requests(principal: Principal) -> QuerySet[ApprovalRequest]:
             "run",
             "status",
             "decision_reason",
+            "closed_reason",
             "decided_at",
             "updated_at",
             "edits",

@@ -145,6 +145,11 @@ class ApprovalRequest(models.Model):
     )
     decided_at = models.DateTimeField(null=True, blank=True)
     decision_reason = models.TextField(blank=True, default="")
+    # Why the request ended other than by its decision (expired, superseded, cancelled), in
+    # words a reviewer reads: an approval that lapsed before its action was sent keeps its
+    # reviewer's decision and reason, and says here why it no longer counts. The database
+    # default lets a worker of the release before this column insert requests meanwhile.
+    closed_reason = models.TextField(blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -190,7 +190,12 @@ def close_request(request: ApprovalRequest, status: str, actor: str, reason: str
     pending = ApprovalRequest.objects.filter(
         tenant_check(request.tenant_id), pk=request.pk, status=A.PENDING
     )
-    moved = pending.update(status=status, decision_reason=reason[:2000], updated_at=Now())
+    moved = pending.update(
+        status=status,
+        decision_reason=reason[:2000],  # no decision was made: its reason field says why
+        closed_reason=reason[:2000],
+        updated_at=Now(),
+    )
     if moved:
         _record_closed(request.pk, request.run_id, request.tenant_id, status, actor, reason)
     return moved == 1
@@ -198,7 +203,8 @@ def close_request(request: ApprovalRequest, status: str, actor: str, reason: str
 
 def supersede_approval(approval_id: Any, action: Action, actor: str, reason: str) -> bool:
     """An approval stopped binding its action at dispatch (changed hash, expired, a decider
-    lost the permission): approved → superseded, with its journal entry.
+    lost the permission): approved → superseded, with its journal entry. `reason`: why, in
+    words (the hold point's verdict), kept as the row's `closed_reason`.
 
     A compare-and-swap on `approved`: a request something else already moved (superseded by
     another dispatch, closed) is left as it is, and journaled once, by whoever moved it. The
@@ -206,7 +212,7 @@ def supersede_approval(approval_id: Any, action: Action, actor: str, reason: str
     approved = ApprovalRequest.objects.filter(
         tenant_check(action.tenant_id), pk=approval_id, action=action, status=A.APPROVED
     )
-    moved = approved.update(status=A.SUPERSEDED, updated_at=Now())
+    moved = approved.update(status=A.SUPERSEDED, closed_reason=reason[:2000], updated_at=Now())
     if moved:
         _record_closed(approval_id, action.run_id, action.tenant_id, A.SUPERSEDED, actor, reason)
     return moved == 1

@@ -23,10 +23,13 @@ class Verdict:
     `refusal` empty: the action may be sent. Otherwise it is the error code the sender gets
     (`approval_required`, `approval_expired`), the action goes back to awaiting approval,
     and `stale` names the approval that no longer binds it (to supersede), if there was one.
+    `reason` says in words why that approval stopped counting and what follows — what the
+    journal and reviewers read (the code is for the sender).
     """
 
     refusal: str = ""
     stale: Any = None
+    reason: str = ""
 
     @property
     def go(self) -> bool:

@@ -606,7 +606,7 @@ def hold_again(action: Action, actor: str, verdict: gates.Verdict) -> Action:
     stopped binding (it is superseded, through the port) or there never was one; a new
     request is raised."""
     if verdict.stale is not None:
-        gates.supersede(verdict.stale, action, verdict.refusal, actor)
+        gates.supersede(verdict.stale, action, verdict.reason or verdict.refusal, actor)
     action = transition(action, S.AWAITING_APPROVAL, actor)
     gates.hold(action, Run.objects.get(pk=action.run_id, tenant_id=action.tenant_id), actor)
     return action

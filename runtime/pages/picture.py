@@ -302,14 +302,16 @@ def _close(item: FlowItem, payload: dict[str, Any], actor: str, at: datetime) ->
     """A request that ended undecided (approvals.requests.close_request: expired, superseded,
     cancelled) ends its item there, or it would read as still requested for ever. One already
     decided (an approval superseded at dispatch) keeps its decision's end: the wait it shows
-    was the reviewers', and the title says what became of it."""
+    was the reviewers', and the title says what became of it; the dispatch re-check's words
+    say why (an expiry: when, and that it was asked again), not which worker found it."""
     status = str(payload.get("approval_status", "")) or "closed"
     reason = str(payload.get("reason", ""))[:200]
-    item.detail += f" · {status} by {actor}" + (f": {reason}" if reason else "")
     if item.open:
+        item.detail += f" · {status} by {actor}" + (f": {reason}" if reason else "")
         item.title = f"approval {status}"
         item.ended, item.open = at, False
     else:
+        item.detail += f" · {status}: {reason}" if reason else f" · {status} by {actor}"
         item.title += f", then {status}"
 
 

@@ -44,7 +44,11 @@ def test_the_verdict_names_the_stale_approval_and_writes_nothing(
     with transaction.atomic():
         verdict = gates.dispatch_gate(action)
     assert not verdict.go
-    assert verdict == gates.Verdict("approval_required", stale=request.pk)
+    assert verdict == gates.Verdict(
+        "approval_required",
+        stale=request.pk,
+        reason="an approver no longer holds the permission; re-requested",
+    )
     request.refresh_from_db()
     action.refresh_from_db()
     assert request.status == A.APPROVED and action.status == ActionStatus.APPROVED
@@ -89,7 +93,10 @@ def test_a_stale_approval_is_superseded_by_the_ledger_and_the_action_held_again(
     assert advance_run(run.run_id, "w1").outcome == "waiting"
     request.refresh_from_db()
     assert request.status == A.SUPERSEDED and box.tasks() == []
-    assert [c["reason"] for c in _closes(run, request)] == ["approval_required"]
+    assert [c["reason"] for c in _closes(run, request)] == [
+        "an approver no longer holds the permission; re-requested"
+    ]
+    assert request.closed_reason == "an approver no longer holds the permission; re-requested"
     assert Action.objects.get(run=run).status == ActionStatus.AWAITING_APPROVAL
     fresh = ApprovalRequest.objects.get(run=run, status=A.PENDING)
     assert fresh.pk != request.pk

@@ -205,7 +205,9 @@ def test_an_approval_superseded_at_dispatch_keeps_its_decision_and_says_what_bec
     client.force_login(reviewer_a.user)
     lapsed, again = decisions_of(client.get(reverse("run", args=[run.run_id])).content.decode())
     assert not lapsed[0] and lapsed[1].startswith("approval approved, then superseded"), lapsed
-    assert "approve by user:alice" in lapsed[1] and "superseded by " in lapsed[1]
+    assert "approve by user:alice" in lapsed[1] and "superseded by " not in lapsed[1]
+    assert "superseded: expired at " in lapsed[1]
+    assert "before it was sent; re-requested" in lapsed[1]
     assert again[0] and again[1].startswith("approval requested")
 
 
