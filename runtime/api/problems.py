@@ -149,8 +149,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
             500,
             "server_error",
             "Internal error",
-            "Something went wrong on our side; nothing was applied by this call. "
-            "Quote the request id when reporting it.",
+            SERVER_FAULT + " Quote the request id when reporting it.",
             request_id=request_id,
         )
     request = context.get("request")
@@ -173,9 +172,13 @@ def _title(exc: drf.APIException) -> str:
     }.get(type(exc), exc.default_detail if isinstance(exc.default_detail, str) else "Error")
 
 
-def problem_response(request: HttpRequest, status: int, code: str, title: str) -> JsonResponse:
+def problem_response(
+    request: HttpRequest, status: int, code: str, title: str, detail: str = ""
+) -> JsonResponse:
     """For errors raised outside DRF views (404/500 handlers under /api/)."""
-    return JsonResponse(problem(status, code, title), status=status, content_type=CONTENT_TYPE)
+    return JsonResponse(
+        problem(status, code, title, detail), status=status, content_type=CONTENT_TYPE
+    )
 
 
 def _is_api(request: HttpRequest) -> bool:
@@ -222,11 +225,20 @@ def permission_denied(request: HttpRequest, exception: Exception) -> HttpRespons
     return response
 
 
+# A request is not one transaction (no ATOMIC_REQUESTS: the ledger commits `sent` before a
+# tool call, for one), so a fault can come after part of it was committed: the answer must
+# not promise that nothing was applied. Reading back first is what makes a retry safe.
+SERVER_FAULT = (
+    "Something went wrong on our side. Part of this call may have been applied before the "
+    "fault: read what it changes before you retry."
+)
+
+
 def server_error(request: HttpRequest) -> Any:
     """API paths answer in the problem format; pages get templates/500.html (rendered
     without the request: nothing on it may need the database)."""
     if _is_api(request):
-        return problem_response(request, 500, "server_error", "Internal error")
+        return problem_response(request, 500, "server_error", "Internal error", SERVER_FAULT)
     from django.views.defaults import server_error as page_error
 
     return page_error(request)

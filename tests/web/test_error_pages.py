@@ -20,7 +20,7 @@ import pytest
 from django.core.exceptions import PermissionDenied
 from django.test import Client, RequestFactory
 
-from runtime.api.problems import permission_denied, server_error
+from runtime.api.problems import SERVER_FAULT, permission_denied, server_error
 from runtime.lifecycle import create_run
 from tests.conftest import Persona
 
@@ -138,6 +138,25 @@ def test_500_page_in_the_layout_and_the_fault_logged(
     assert api.status_code == 500
     assert api["Content-Type"] == "application/problem+json"
     assert api.json()["code"] == "server_error"
+
+
+@pytest.mark.urls("tests.web.urls_boom")
+def test_an_api_500_does_not_promise_that_nothing_was_applied(client: Client) -> None:
+    """A request is not one transaction: what it committed before a fault stays. The answer
+    said "nothing was applied by this call", and an agent that believed it would redo it."""
+    from runtime.models import Tenant
+
+    answer = client.post("/api/v1/half-done/", {}, content_type="application/json")
+    assert answer.status_code == 500
+    assert answer["Content-Type"] == "application/problem+json"
+    body = answer.json()
+    assert body["code"] == "server_error" and body["request_id"]
+    assert Tenant.objects.filter(slug="half-done").exists()  # it was applied, in part
+    assert "nothing was applied" not in body["detail"]
+    assert "may have been applied" in body["detail"] and "before you retry" in body["detail"]
+    # The 500 handler's answer (a fault outside DRF) says the same.
+    outside = Client(raise_request_exception=False).get("/api/v1/boom/")
+    assert outside.status_code == 500 and outside.json()["detail"] == SERVER_FAULT
 
 
 def test_500_page_needs_no_database(django_assert_num_queries: object) -> None:
