@@ -50,8 +50,14 @@ from audit.models import JournalEntry
 from runtime import ledger, protocol, toolcatalog
 from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
-from runtime.dispatch import ToolUnavailable, reconcile_due
-from runtime.errors import ApprovalRequired, HoldpointError, InvalidParams, LeaseHeld
+from runtime.dispatch import reconcile_due
+from runtime.errors import (
+    ApprovalRequired,
+    HoldpointError,
+    InvalidParams,
+    LeaseHeld,
+    ToolUnavailable,
+)
 from runtime.events import RunEvent, record
 from runtime.lifecycle import create_run
 from runtime.models import TERMINAL, Action, ActionStatus, AgentToken, Run, Tenant

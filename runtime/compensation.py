@@ -13,8 +13,8 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from runtime import gates, ledger
-from runtime.dispatch import ToolUnavailable, perform
-from runtime.errors import InvalidParams, InvalidTransition
+from runtime.dispatch import perform
+from runtime.errors import InvalidParams, InvalidTransition, ToolUnavailable
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
 from runtime.queue import on_commit_task

@@ -34,6 +34,8 @@ from runtime.errors import (
     InvalidParams,
     Park,
     StaleFence,
+    ToolUnavailable,
+    ToolWithheld,
     Unwritten,
 )
 from runtime.faults import FaultPoint, fault
@@ -64,14 +66,6 @@ class ActionRejected(ActionFailed):
 
     code = "action_rejected"
     title = "The action was rejected by a reviewer"
-
-
-class ToolUnavailable(HoldpointError):
-    """Certainly not applied this time (connection refused, circuit open): retry later."""
-
-    code = "tool_unavailable"
-    status = 503
-    transient = True
 
 
 class ToolNotAllowed(HoldpointError):
@@ -434,6 +428,15 @@ class ActionRunner:
         except (ApprovalRequired, ApprovalExpired) as refused:
             ledger.reload(action)
             raise Park("waiting_approval", refused.detail, action=action) from None
+        except ToolWithheld as withheld:
+            # Nothing was written: the action keeps its approval. Only a person can turn the
+            # server on again, so the run waits for one — not a failure, nothing to retry.
+            ledger.reload(action)
+            reason = (
+                f"{withheld.detail}; kept {action.status}, it is sent once the server is "
+                "active again and the run is resumed"
+            )
+            raise Park("needs_attention", reason, action=action) from None
         fault(FaultPoint.AFTER_SENT_MARK)
         return self.call(tool, action)
 

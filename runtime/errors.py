@@ -138,6 +138,26 @@ class ToolChanged(Conflict):
     title = "The tool changed and refuses the action"
 
 
+class ToolUnavailable(HoldpointError):
+    """Certainly not applied this time (connection refused, circuit open): retry later."""
+
+    code = "tool_unavailable"
+    status = 503
+    transient = True
+
+
+class ToolWithheld(ToolUnavailable):
+    """Not sent, and not marked sent: the tool's MCP server is inactive now
+    (runtime.toolcatalog.withheld). The action keeps its status — an approval given for it
+    still binds — and is sent once the server is active again. The same code and status as
+    any tool that cannot be reached now (API.md has no word for "switched off", and the
+    caller's answer is the same: nothing was applied, try again later)."""
+
+    def __init__(self, detail: str = "", *, server: str = "", **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.server = server
+
+
 class ApprovalRequired(Conflict):
     code = "approval_required"
     title = "A valid approval of this exact action is required"

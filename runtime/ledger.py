@@ -24,7 +24,7 @@ from django.utils import timezone
 from audit import journal
 from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
 from fastsql import statements
-from runtime import gates
+from runtime import gates, toolcatalog
 from runtime.errors import (
     ActionCancelled,
     ApprovalExpired,
@@ -35,6 +35,7 @@ from runtime.errors import (
     StaleFence,
     StaleGoalRev,
     ToolChanged,
+    ToolWithheld,
 )
 from runtime.events import RunEvent, record
 from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
@@ -509,11 +510,26 @@ def mark_sent(
     approval that no longer binds this exact action (hash, expiry, the decider's
     permission) makes the ledger hold the action again (`hold_again`) — committed — and
     refuse the send.
+
+    An MCP tool whose server is inactive now (`toolcatalog.withheld`, the rule that refuses
+    a new action of it) is not marked sent: ToolWithheld, with nothing written, so the
+    action keeps its status — an approval given for it still binds — and is sent once the
+    server is active again. Marked sent, its call would only have failed it locally, and
+    the approved effect would have been lost for good.
     """
     changes = _sent_changes(fence, ttl, tool)
     if action.tool_version != tool.version:
         action = _take_version(action, fence, tool, actor)
     with transaction.atomic(durable=True):
+        server = toolcatalog.withheld(tool, action.tenant_id)  # no statement for a non-MCP tool
+        if server:
+            # What the sender must hear first (a lost lease, a cancelled action, a revised
+            # goal, a finished run) still comes first; nothing is written either way.
+            check_dispatchable(action.action_id, fence, action.tenant_id)
+            raise ToolWithheld(
+                f"{action.tool} was not sent: its MCP server {server!r} is inactive",
+                server=server,
+            )
         goal_rev = _unheld_goal_rev(action, fence, tool)
         if goal_rev is not None and _move(action, S.SENT, changes, goal_rev=goal_rev):
             _record_outcome(action, S.SENT, actor, changes)

@@ -132,7 +132,8 @@ def withheld(
     """The inactive (or removed) MCP server whose tool this is — a tool, or a definition's
     spec — else "". Such a tool is not sent (runtime.mcp), so nobody is offered it: not
     listed by the API or the MCP gateway, not found by name, no new action prepared (an
-    approval asked for it would be wasted on a reviewer). The one rule all of them follow;
+    approval asked for it would be wasted on a reviewer), and an action prepared before not
+    marked sent (runtime.ledger.mark_sent: it waits, approved). The one rule all of them follow;
     past actions of it stay readable. `active`: `active_servers`, when already read; only
     an MCP tool reads it (any other tool costs no statement)."""
     server = _server_of(tool)

@@ -244,6 +244,11 @@ def server_error(request: HttpRequest) -> Any:
     return page_error(request)
 
 
+# Calls that may answer 503 `tool_unavailable`: a dispatch Holdpoint sends itself, refused
+# before anything was applied (a circuit open, an MCP server turned off) — dispatch again later.
+UNAVAILABLE_NOW = {("post", "/api/v1/actions/{action_id}/dispatch/")}
+
+
 def add_problem_responses(
     result: dict[str, Any], generator: Any, request: Any, public: bool
 ) -> dict[str, Any]:
@@ -266,13 +271,15 @@ def add_problem_responses(
         },
     }
     ref = {"content": {CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
-    for path_item in result.get("paths", {}).values():
+    for path, path_item in result.get("paths", {}).items():
         for method, operation in path_item.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             codes = ["400", "401", "404", "405", "422", "429"]
             if method in ("post", "put"):
                 codes += ["403", "409", "413", "415", "422"]
+            if (method, path) in UNAVAILABLE_NOW:
+                codes.append("503")
             for code in codes:
                 operation["responses"].setdefault(code, {"description": "Problem", **ref})
     return result

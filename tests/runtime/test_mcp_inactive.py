@@ -3,7 +3,9 @@ step asks for them through `ctx.act`. The API and the MCP gateway no longer offe
 (runtime.toolcatalog.withheld), but a step still prepared a new action of one, so a
 reviewer was asked to approve what is never sent. Now the step's call is refused as a call
 of an unknown tool is — InvalidParams "unknown tool", the run needs attention, nothing
-stored — and an action prepared before the server was turned off is not sent to it either.
+stored. An action prepared before the server was turned off is not sent while it is off —
+refused right before `sent` (runtime.ledger.mark_sent), kept as it was — and is sent once
+after the server is turned on again, by a resumed run or an external executor's dispatch.
 The upstream is a real process; the oracle is its own record of the calls that reached it."""
 
 from __future__ import annotations
@@ -14,15 +16,29 @@ import pytest
 
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest
+from audit import journal
+from audit.models import JournalEntry
 from runtime import mcp
+from runtime.events import RunEvent
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run, resume_run
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
+from tests.api import (
+    fresh_throttle,  # noqa: F401  (the per-token request rate, fresh for this test)
+    get,
+    new_run,
+    ok,
+    post,
+    prepare,
+    problem,
+    take_lease,
+)
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
 
 S = ActionStatus
 CREATE = "helpdesk.tickets_create"
+ONE_CALL = {"tool": "tickets_create", "arguments": {"title": "Printer on fire"}}
 
 
 def _run(tenant: Tenant, tool: str = CREATE) -> Run:
@@ -69,12 +85,15 @@ def test_a_step_calling_an_inactive_servers_tool_is_refused_as_for_an_unknown_to
     assert upstream.calls() == []
 
 
-def test_an_action_approved_before_its_server_was_turned_off_is_not_sent_to_it(
+def test_an_action_approved_while_its_server_is_off_waits_and_is_sent_once_it_is_on(
     tenant_a: Tenant, reviewer_a: Persona, helpdesk: tuple[McpServer, Upstream]
 ) -> None:
     """Prepared and held while the server was active, approved after it was turned off: the
-    send refuses it (runtime.mcp: no active server) without a request to the upstream, and
-    the step is told the action failed — never that it was done."""
+    re-check right before `sent` refuses to send it (nothing marked, nothing asked of the
+    upstream), the action stays approved and the run needs attention, naming the server.
+    Resumed while the server is still off, it stops there again; turned on and resumed, the
+    approved action is sent once and confirmed. Before: marked sent, failed by its own call
+    ("no active MCP server"), and lost for good — turning the server on could not send it."""
     server, upstream = helpdesk
     run = _run(tenant_a)
     assert advance_run(run.run_id, "w1").outcome == "waiting"
@@ -82,11 +101,63 @@ def test_an_action_approved_before_its_server_was_turned_off_is_not_sent_to_it(
     request = ApprovalRequest.objects.get(run=run)
     decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
 
-    assert advance_run(run.run_id, "w1").outcome == "needs_attention"
+    for _ in range(2):  # and once more after a resume while the server is still off
+        assert advance_run(run.run_id, "w1").outcome == "needs_attention"
+        action = Action.objects.get(run=run)
+        assert (action.status, action.attempts, action.sent_at) == (S.APPROVED, 0, None)
+        stopped = Run.objects.get(pk=run.pk)
+        assert stopped.status == RunStatus.NEEDS_ATTENTION
+        assert f"{CREATE} was not sent: its MCP server 'helpdesk' is inactive" in (
+            stopped.attention_reason
+        )
+        assert stopped.consecutive_failures == 0  # nothing failed: a person must act
+        assert not _sent_marks(run)
+        assert upstream.calls() == []  # the deactivated upstream was never asked
+        resume_run(stopped, actor="user:admin")
+
+    _set_active(server, True)
+    assert advance_run(run.run_id, "w1").outcome == "completed"
     action = Action.objects.get(run=run)
-    assert (action.status, action.external_id) == (S.FAILED, "")
-    assert action.last_error == "no active MCP server 'helpdesk'"
-    stopped = Run.objects.get(pk=run.pk)
-    assert stopped.status == RunStatus.NEEDS_ATTENTION
-    assert "no active MCP server 'helpdesk'" in stopped.attention_reason
-    assert upstream.calls() == []  # the deactivated upstream was never asked
+    assert action.status == S.CONFIRMED and action.external_id
+    assert ApprovalRequest.objects.get(run=run).pk == request.pk  # the approval given counted
+    assert upstream.calls() == [ONE_CALL]
+    assert len(_sent_marks(run)) == 1
+
+
+def _sent_marks(run: Run) -> list[JournalEntry]:
+    """The run's journal entries that marked one of its actions `sent`."""
+    entries = JournalEntry.objects.filter(
+        stream=journal.run_stream(run.run_id), type=RunEvent.ACTION_OUTCOME.value
+    )
+    return [e for e in entries if e.payload.get("action_status") == S.SENT]
+
+
+def test_an_external_executors_dispatch_while_the_server_is_off_is_refused_then_sent_once(
+    tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona, helpdesk: tuple[McpServer, Upstream]
+) -> None:
+    """The executor protocol meets the same re-check: `POST actions/{id}/dispatch/` of an
+    approved action of the inactive server's tool answers 503 `tool_unavailable` (what the
+    endpoint answers for any tool that cannot be reached now: nothing was applied, dispatch
+    again later), with nothing marked; once the server is on, the same dispatch sends it
+    once. Before: 200 with the action `failed` ("no active MCP server"), for good."""
+    server, upstream = helpdesk
+    agent = agent_a.api()
+    run = new_run(agent)
+    fence = take_lease(agent, run["run_id"])
+    held = ok(prepare(agent, run["run_id"], fence, CREATE, {"title": "Printer on fire"}), 201)
+    assert held["status"] == "awaiting_approval"
+    _set_active(server, False)
+    request = ApprovalRequest.objects.get(pk=held["approval"])
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
+
+    dispatch = f"actions/{held['action_id']}/dispatch/"
+    refused = problem(post(agent, dispatch, {"fence": fence}), 503, "tool_unavailable")
+    assert "its MCP server 'helpdesk' is inactive" in refused["detail"]
+    assert ok(get(agent, f"actions/{held['action_id']}/"))["status"] == "approved"
+    assert upstream.calls() == []
+
+    _set_active(server, True)
+    sent = ok(post(agent, dispatch, {"fence": fence}))
+    assert sent["status"] == "confirmed" and sent["external_id"]
+    assert ok(post(agent, dispatch, {"fence": fence}))["status"] == "confirmed"  # a retry
+    assert upstream.calls() == [ONE_CALL]
