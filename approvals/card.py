@@ -26,7 +26,7 @@ from markdown_it import MarkdownIt
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
 from approvals.wording import graph_of, then_phrase
-from runtime import urltemplates
+from runtime import toolcatalog, urltemplates
 from runtime.errors import InvalidParams
 from runtime.models import Action, ActionStatus, Run, RunStatus
 from runtime.tenancy import Principal
@@ -328,6 +328,17 @@ class Card:
     policy_covers: str
     expiry_then: str
     next: str
+    # A pending request's tool is an inactive MCP server's (runtime.toolcatalog.withheld):
+    # approving it sends nothing until the server is active again. Its name, else "".
+    server_off: str = ""
+
+
+def server_off(found: ApprovalRequest, action: Action) -> str:
+    """The inactive MCP server of a pending request's tool ("" otherwise): the reviewer
+    should know that approving will not send it now — it waits, approved, for the server."""
+    if found.status != A.PENDING:
+        return ""
+    return toolcatalog.withheld_by_name(found.tenant_id, [action.tool]).get(action.tool, "")
 
 
 def card_for(principal: Principal, found: ApprovalRequest) -> Card:
@@ -363,4 +374,5 @@ def card_for(principal: Principal, found: ApprovalRequest) -> Card:
             "then "
         ),
         next=next_words(found, action, run) if found.status != A.PENDING else "",
+        server_off=server_off(found, action),
     )

@@ -35,6 +35,7 @@ from approvals.policies import may_decide
 from approvals.scoping import approvals_for
 from approvals.wording import Expiry, expiry_of
 from audit.journal import run_stream
+from runtime import toolcatalog
 from runtime.errors import InvalidParams
 from runtime.models import ActionStatus, Run
 from runtime.pages import TimelineRow, pretty, summarise
@@ -163,6 +164,7 @@ class Card:
     request: ApprovalRequest
     expiry: Expiry
     mine: bool
+    server_off: str = ""  # its tool's MCP server, inactive now: approving sends nothing yet
 
 
 class InboxFilterForm(forms.Form):
@@ -245,6 +247,9 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
         .order_by("expires_at", "pk")[:INBOX_LIMIT]
     )
     now = timezone.now()
+    # Whose tool is an inactive MCP server's, for every pending tool at once (two statements
+    # at most, however many cards): the card says approving will not send it yet.
+    off = toolcatalog.withheld_by_name(principal.tenant.pk, {tool for *_, tool in pairs if tool})
     cards = [
         Card(
             r,
@@ -252,6 +257,7 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
                 r.expires_at, r.policy.on_expiry, r.rerequest_count, now, graph=r.graph or ""
             ),
             bool(r.mine),
+            off.get(r.tool or "", ""),
         )
         for r in cards_qs
     ]

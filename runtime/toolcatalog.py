@@ -12,12 +12,13 @@ gateway and the workers' steps alike. Nothing here writes a definition:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import OuterRef, Subquery
 
 from runtime import gates, tooldefs, tools
 from runtime.errors import InvalidParams, NotFound, VersionConflict
@@ -140,6 +141,28 @@ def withheld(
     if not server or server in (active if active is not None else active_servers(tenant_id)):
         return ""
     return server
+
+
+def withheld_by_name(tenant_id: int, names: Iterable[str]) -> dict[str, str]:
+    """`withheld` for tools named, each judged by its current definition (the version a send
+    uses): {name: its inactive server} for those withheld, nothing for the rest. Two
+    statements at most however many names — the reviewers' inbox asks it for all its cards
+    at once — and only the first when none of them is an MCP tool."""
+    wanted = sorted(set(names))
+    if not wanted:
+        return {}
+    newest = ToolDefinition.objects.filter(tenant_id=tenant_id, name=OuterRef("name"))
+    rows = ToolDefinition.objects.filter(
+        tenant_id=tenant_id,
+        name__in=wanted,
+        version=Subquery(newest.order_by("-version").values("version")[:1]),
+    )
+    specs = {name: spec for name, spec in rows.values_list("name", "spec") if _server_of(spec)}
+    if not specs:
+        return {}
+    active = active_servers(tenant_id)
+    found = {name: withheld(spec, tenant_id, active) for name, spec in specs.items()}
+    return {name: server for name, server in found.items() if server}
 
 
 def offered(tenant_id: int) -> list[Entry]:

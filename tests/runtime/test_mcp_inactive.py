@@ -10,12 +10,19 @@ The upstream is a real process; the oracle is its own record of the calls that r
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Callable
 
 import pytest
+from django.db import connection
+from django.http import HttpResponse
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
 
 from approvals.decisions import decide
-from approvals.models import ApprovalRequest
+from approvals.models import ApprovalRequest, ApprovalStatus
 from audit import journal
 from audit.models import JournalEntry
 from runtime import mcp
@@ -161,3 +168,53 @@ def test_an_external_executors_dispatch_while_the_server_is_off_is_refused_then_
     assert sent["status"] == "confirmed" and sent["external_id"]
     assert ok(post(agent, dispatch, {"fence": fence}))["status"] == "confirmed"  # a retry
     assert upstream.calls() == [ONE_CALL]
+
+
+NOTICE = (
+    "The tool's MCP server 'helpdesk' is inactive; approving will not send it until the "
+    "server is active again."
+)
+
+
+def _text(response: HttpResponse) -> str:
+    """The page as a reader sees it: tags dropped, entities decoded, spaces collapsed."""
+    assert response.status_code == 200
+    words = html.unescape(re.sub(r"<[^>]+>", " ", response.content.decode()))
+    return " ".join(words.split())
+
+
+def test_a_pending_request_for_an_inactive_servers_tool_says_approving_will_not_send_it(
+    tenant_a: Tenant, reviewer_a: Persona, helpdesk: tuple[McpServer, Upstream]
+) -> None:
+    """A request raised while the server was active waits in the inbox after it is turned
+    off: its page and its inbox card tell the reviewer that approving sends nothing until
+    the server is on again — and say nothing of it while the server is on. The inbox finds
+    out for all its cards at once (the same statements for one card as for three)."""
+    server, _ = helpdesk
+    runs = [_run(tenant_a) for _ in range(3)]
+    for run in runs:
+        assert advance_run(run.run_id, "w1").outcome == "waiting"
+    page = reverse("approval-page", args=[ApprovalRequest.objects.get(run=runs[0]).pk])
+    client = Client()
+    client.force_login(reviewer_a.user)
+    assert NOTICE not in _text(client.get(page))
+    assert NOTICE not in _text(client.get(reverse("inbox")))
+
+    _set_active(server, False)
+    assert NOTICE in _text(client.get(page))
+    inbox = _text(client.get(reverse("inbox")))
+    assert inbox.count(NOTICE) == 3  # one per card
+
+    def statements() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(reverse("inbox")).status_code == 200
+        return len(captured)
+
+    three = statements()
+    ApprovalRequest.objects.filter(run__in=runs[1:]).update(status=ApprovalStatus.CANCELLED)
+    assert _text(client.get(reverse("inbox"))).count(NOTICE) == 1
+    assert statements() == three
+
+    _set_active(server, True)
+    assert NOTICE not in _text(client.get(page))
+    assert NOTICE not in _text(client.get(reverse("inbox")))
