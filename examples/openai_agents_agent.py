@@ -1,6 +1,6 @@
 """An OpenAI Agents SDK agent with one approval-gated tool, on Holdpoint.
 
-    pip install "holdpoint[openai-agents]"
+    pip install -e ".[openai-agents]"         # in the checkout
     HOLDPOINT_URL=http://127.0.0.1:8000 HOLDPOINT_TOKEN=<agent token> \\
         python examples/openai_agents_agent.py --tasks-url http://127.0.0.1:8765 --thread review-42
 
