@@ -1,7 +1,7 @@
 """A LangGraph agent with one approval-gated tool, made exactly-once by Holdpoint.
 
     HOLDPOINT_URL=http://127.0.0.1:8000 HOLDPOINT_TOKEN=<agent token> \\
-        python examples/langgraph_agent.py --tasks-url http://127.0.0.1:8765 --thread review-42 \\
+        python examples/langgraph_agent.py --tasks-url http://127.0.0.1:8765 --thread review-43 \\
             --checkpoints var/langgraph.sqlite3      # or postgres://…/db (PostgresSaver)
 
 An ordinary LangGraph agent — a model node, a `ToolNode`, a checkpointer — whose

@@ -2,7 +2,7 @@
 
     pip install -e ".[openai-agents]"         # in the checkout
     HOLDPOINT_URL=http://127.0.0.1:8000 HOLDPOINT_TOKEN=<agent token> \\
-        python examples/openai_agents_agent.py --tasks-url http://127.0.0.1:8765 --thread review-42
+        python examples/openai_agents_agent.py --tasks-url http://127.0.0.1:8765 --thread review-44
 
 The model is a small scripted `Model` (no network, no API key): it asks for one
 `create_task` call (under a new call id each time it is asked, as a real model does), then
