@@ -8,7 +8,7 @@ An ordinary LangGraph agent — a model node, a `ToolNode`, a checkpointer — w
 `create_task` tool POSTs to the sandbox task tracker (`python manage.py sandbox_tasks`).
 The lines marked `# +hp` are all that Holdpoint changes in it — 9: two imports, the
 `HoldpointGraph`, `build` taking it (and its call), the `@hg.action` line, the headers
-of the POST, the tool node and the invoke (an agent without a `build` function changes 8:
+of the POST, the tool node and the invoke (an agent without a `build` function changes 7:
 README.md, "LangGraph"). Nothing else of the agent knows about Holdpoint. The model is a
 fake from `langchain_core` (no network, no API key) that asks for one task and then reports
 the tool's answer; put any chat model in its place.
