@@ -7,8 +7,8 @@
 
     output = await run_agent(hp, "thread-42", agent, "Review the change", graph="api-review")
 
-Install with `pip install "holdpoint[openai-agents]"`; `import holdpoint_client` itself never
-imports the SDK. Why each piece is where it is:
+Install with `pip install -e ".[openai-agents]"` in the checkout; `import holdpoint_client`
+itself never imports the SDK. Why each piece is where it is:
 
 - `needs_approval` is the tenant's policy, not a flag in the agent's code: the wrapper
   prepares the call as a Holdpoint action (key: the run, its goal revision and the SDK's

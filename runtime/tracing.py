@@ -90,7 +90,8 @@ def _exporter(name: str, environ: Mapping[str, str]) -> Any:
     """The exporter an `OTEL_TRACES_EXPORTER` name stands for, as the SDK's own start-up
     resolves it: `otlp` by `OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL` (http/protobuf unless grpc),
     any other name as an installed entry point. A name nothing provides stops the process
-    (`pip install "holdpoint[otlp]"` brings the OTLP exporter)."""
+    (the `otlp` extra, `pip install -e ".[otlp]"` in the checkout, brings the OTLP exporter;
+    `pip install "holdpoint[otlp]"` would fetch an unrelated PyPI project of that name)."""
     if name == "otlp":
         protocol = environ.get(
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
@@ -99,8 +100,8 @@ def _exporter(name: str, environ: Mapping[str, str]) -> Any:
     found = entry_points(group="opentelemetry_traces_exporter", name=name)
     if not found:
         hint = {
-            "otlp_proto_http": ' (pip install "holdpoint[otlp]")',
-            "otlp_proto_grpc": " (holdpoint[otlp] is http/protobuf: pip install "
+            "otlp_proto_http": ' (the otlp extra: pip install -e ".[otlp]" in the checkout)',
+            "otlp_proto_grpc": " (the otlp extra is http/protobuf: pip install "
             "opentelemetry-exporter-otlp-proto-grpc, or unset OTEL_EXPORTER_OTLP_PROTOCOL)",
         }.get(name, "")
         raise RuntimeError(f"OTEL_TRACES_EXPORTER: no exporter {name!r} is installed{hint}")
