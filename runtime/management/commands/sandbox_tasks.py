@@ -25,6 +25,7 @@ reuses one process for many tests instead of starting one per test, each from em
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import socket
@@ -38,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS tasks (
@@ -369,7 +370,15 @@ class Command(BaseCommand):
         store = TaskStore(path, armed)
         tokens = tuple(options["require_token"] or settings.HOLDPOINT_SANDBOX_TOKENS)
         handler = make_handler(store, options["mode"], tokens)
-        server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
+        try:
+            server = ThreadingHTTPServer(("127.0.0.1", options["port"]), handler)
+        except OSError as exc:  # a traceback told a first-hour user nothing
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise CommandError(
+                f"port {options['port']} is already in use on 127.0.0.1 — another sandbox "
+                "(`make run` starts one on 8765) or another service; pick another --port"
+            ) from None
         server.daemon_threads = True
         self.stdout.write(
             f"sandbox task service on http://127.0.0.1:{options['port']} "
