@@ -30,9 +30,25 @@ def test_seed_demo_is_idempotent(settings: object) -> None:
     hash_before = User.objects.get(username="demo-reviewer").password
 
     second = _seed()
-    assert "nothing changed" in second
+    assert "already present; their passwords are unchanged" in second
+    assert "demo-reviewer" not in second and "sandbox token" not in second
     assert (User.objects.count(), Membership.objects.count(), Tenant.objects.count()) == counts
     assert User.objects.get(username="demo-reviewer").password == hash_before
+
+
+@pytest.mark.django_db
+def test_a_second_seed_says_it_stored_the_sandbox_token(settings: Any) -> None:
+    """`make run` again with HOLDPOINT_SANDBOX_TOKENS newly set: the demo tenants' `tasks`
+    credential changes, and the output said "nothing changed"."""
+    from runtime.models import ToolCredential
+
+    _seed()
+    settings.HOLDPOINT_SANDBOX_TOKENS = ["tt-newly-required"]
+    second = _seed()
+    assert "Stored the sandbox token" in second and "demo" in second
+    stored = ToolCredential.objects.get(tenant__slug="demo", service="tasks")
+    assert stored.secret().reveal() == "tt-newly-required"
+    assert "sandbox token" not in _seed()  # stored already: nothing to say
 
 
 @pytest.mark.django_db

@@ -116,7 +116,12 @@ class Command(BaseCommand):
                 path.chmod(0o600)
                 self.stdout.write(f"(also written to {path})")
         else:
-            self.stdout.write("Demo data already present; nothing changed.")
+            self.stdout.write("Demo accounts already present; their passwords are unchanged.")
+        if self.stored_tokens:
+            self.stdout.write(
+                "Stored the sandbox token (HOLDPOINT_SANDBOX_TOKENS) as the `tasks` credential "
+                f"of: {', '.join(self.stored_tokens)}."
+            )
 
     @transaction.atomic
     def seed(self) -> list[tuple[str, str, str]]:
@@ -155,9 +160,11 @@ class Command(BaseCommand):
         for tenant in tenants.values():
             self._tracker_tools(tenant)
         self._demo_policy(tenants["demo"])
+        self.stored_tokens: list[str] = []
         for tenant in tenants.values():
             self._default_policies(tenant)
-            self._sandbox_credential(tenant)
+            if self._sandbox_credential(tenant):
+                self.stored_tokens.append(tenant.slug)
         return created
 
     def _tracker_tools(self, tenant: Tenant) -> None:
@@ -170,22 +177,25 @@ class Command(BaseCommand):
             "system:seed_demo",
         )
 
-    def _sandbox_credential(self, tenant: Tenant) -> None:
+    def _sandbox_credential(self, tenant: Tenant) -> bool:
         """When the sandbox tracker requires a token (HOLDPOINT_SANDBOX_TOKENS, read by
         `sandbox_tasks` too), each demo tenant's `tasks` credential is its first one, so
-        `make run` keeps working with one variable set for both. Stored encrypted."""
+        `make run` keeps working with one variable set for both. Stored encrypted. True if
+        it was stored now (said on the way out: a second `make run` with the variable newly
+        set changes the credential, and must not say "nothing changed")."""
         tokens = settings.HOLDPOINT_SANDBOX_TOKENS
         if not tokens:
-            return
+            return False
         credential = ToolCredential.objects.filter(tenant=tenant, service="tasks").first()
         try:
             if credential is not None and credential.secret().reveal() == tokens[0]:
-                return
+                return False
         except SecretUnreadable:
             pass  # written under keys no longer configured: replace it
         credential = credential or ToolCredential(tenant=tenant, service="tasks")
         credential.set_secret(tokens[0], actor="system:seed_demo")
         credential.save()
+        return True
 
     def _demo_policy(self, tenant: Tenant) -> None:
         """tasks.create in the demo tenant waits for a demo reviewer (a hold point)."""
