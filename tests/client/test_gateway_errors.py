@@ -84,6 +84,28 @@ def test_a_dispatch_applied_behind_a_gateway_error_is_performed_once(
     assert ActionRow.objects.get(pk=done.action_id).status == "confirmed"
 
 
+@pytest.mark.parametrize("forwarded", [True, False], ids=["after-the-commit", "before-it"])
+def test_holdpoints_own_500_to_a_dispatch_is_settled_by_reading_the_action(
+    api: Client, gateway: tuple[Gateway, str], forwarded: bool
+) -> None:
+    """Holdpoint answered its own 500 `server_error` to the dispatch — after committing
+    `sent` (a fault later in the request), or before. `act` raised ServerError either way:
+    after the commit the action was `sent` with nothing performed, and the agent run again
+    had to reconcile a call nobody made. Now, as for a gateway's 502, the action is re-read:
+    found sent it is performed once; found unsent it is dispatched again."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    service = Service()
+    proxy.fail("POST", "/dispatch/", 500, forwarded=forwarded, code="server_error")
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        done = ex.act(TOOL, TASK, call="propose", perform=service)
+
+    assert (done.status, done.external_id) == ("confirmed", "T-1")
+    assert len(service.calls) == 1 and not service.calls[0].replay
+    assert proxy.count("POST", "/dispatch/") == (1 if forwarded else 2)
+
+
 def test_a_dispatch_a_gateway_refused_is_dispatched_again_after_a_pause(
     api: Client, gateway: tuple[Gateway, str]
 ) -> None:
