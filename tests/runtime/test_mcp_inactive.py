@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import re
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 from django.db import connection
@@ -20,6 +21,7 @@ from django.http import HttpResponse
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils import timezone
 
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -129,6 +131,39 @@ def test_an_action_approved_while_its_server_is_off_waits_and_is_sent_once_it_is
     assert ApprovalRequest.objects.get(run=run).pk == request.pk  # the approval given counted
     assert upstream.calls() == [ONE_CALL]
     assert len(_sent_marks(run)) == 1
+
+
+def test_an_approval_that_lapses_while_the_server_is_off_is_asked_again_not_sent(
+    tenant_a: Tenant, reviewer_a: Persona, helpdesk: tuple[McpServer, Upstream]
+) -> None:
+    """The run waits (needs attention) for the server, and meanwhile the approval's window
+    passes. Turned on and resumed, the send's re-check finds the approval lapsed: nothing is
+    sent on it, the request is superseded and a new one asked; approved, the action is sent
+    once. Waiting for a server must not stretch an approval past its expiry."""
+    server, upstream = helpdesk
+    run = _run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    _set_active(server, False)
+    first = ApprovalRequest.objects.get(run=run)
+    decide(first.id, reviewer_a.user, "approve", first.action_hash, reason="fine")
+    assert advance_run(run.run_id, "w1").outcome == "needs_attention"
+
+    lapsed = timezone.now() - timedelta(minutes=3)  # the data moves, not the clock
+    ApprovalRequest.objects.filter(pk=first.pk).update(
+        decided_at=lapsed - timedelta(hours=1), expires_at=lapsed
+    )
+    _set_active(server, True)
+    resume_run(Run.objects.get(pk=run.pk), actor="user:admin")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"  # asked again, not sent
+    assert upstream.calls() == [] and not _sent_marks(run)
+    assert ApprovalRequest.objects.get(pk=first.pk).status == ApprovalStatus.SUPERSEDED
+    again = ApprovalRequest.objects.get(run=run, status=ApprovalStatus.PENDING)
+    assert Action.objects.get(run=run).status == S.AWAITING_APPROVAL
+
+    decide(again.id, reviewer_a.user, "approve", again.action_hash, reason="still fine")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    assert upstream.calls() == [ONE_CALL] and len(_sent_marks(run)) == 1
+    assert Action.objects.get(run=run).status == S.CONFIRMED
 
 
 def _sent_marks(run: Run) -> list[JournalEntry]:
