@@ -235,6 +235,9 @@ class Approval:
     decided_at: datetime | None
     decision: str
     decision_reason: str
+    # Why it ended other than by its decision (expired, superseded at the send's re-check:
+    # "expired at … before it was sent; re-requested"), in the words reviewers read.
+    closed_reason: str
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @property
@@ -255,6 +258,7 @@ class Approval:
             decided_at=parse_time(data.get("decided_at")),
             decision=str(data.get("decision") or ""),
             decision_reason=str(data.get("decision_reason") or ""),
+            closed_reason=str(data.get("closed_reason") or ""),
             raw=dict(data),
         )
 
