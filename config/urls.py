@@ -62,6 +62,11 @@ urlpatterns = [
     path("runs/<uuid:run_id>/input/", pages.run_input, name="run-input"),
     path("runs/<uuid:run_id>/revise/", pages.run_revise, name="run-revise"),
     path("runs/<uuid:run_id>/executor/", pages.run_executor, name="run-executor"),
+    path(
+        "actions/<uuid:action_id>/compensate/",
+        pages.action_compensate,
+        name="action-compensate",
+    ),
     path("runs/<uuid:run_id>/trail/", audit_pages.run_trail, name="run-trail"),
     path("reconcile/", reconcile_pages.reconcile_list, name="reconcile"),
     path(

@@ -22,6 +22,9 @@ from runtime.tools import get_tool, tool_of
 
 S = ActionStatus
 STANDALONE = "standalone"
+# The longest reason a compensation keeps (on the action; the undo tool gets its first 2000
+# characters): the run page's form refuses a longer one rather than cutting it silently.
+REASON_MAX = 5000
 
 
 def compensation_params(action: Action, param: str) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             fence=run.fence,
             step=STANDALONE,
             call_index=0,
-            reason=reason[:5000],
+            reason=reason[:REASON_MAX],
             target=original.external_id,
             compensates=original,
             status=S.AWAITING_APPROVAL

@@ -25,13 +25,15 @@ from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.cache import patch_vary_headers
+from rest_framework import serializers
 
 from audit.canonical import CanonicalError, parse_strict
 from audit.journal import run_stream
 from audit.verification import Break, verify_stream
 from runtime.api.filters import RunFilter, narrowed
-from runtime.api.serializers import CancelIn, RunCreate
+from runtime.api.serializers import CancelIn, RunCreate, StrictChar
 from runtime.artifacts import resolve
+from runtime.compensation import REASON_MAX, compensate
 from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
 from runtime.lifecycle import (
@@ -60,6 +62,7 @@ from runtime.tenancy import (
     journal_for,
     runs_for,
 )
+from runtime.tools import tool_of
 
 PAGE_SIZE = 50
 # A long run's page is re-rendered every 2 s while it is live: bound what one poll renders.
@@ -101,6 +104,15 @@ def _names_executors(principal: Principal, run: Run) -> bool:
     """Only a tenant admin names who executes an external run (issue 16 H1): a reviewer who
     could pick the executor could route a run to an agent of their choosing."""
     return principal.role == Role.ADMIN and run.external
+
+
+def _compensates(principal: Principal) -> bool:
+    """Only a tenant admin undoes a confirmed effect (DESIGN.md: `confirmed → compensated`
+    is explicit and authorised). Like naming an executor, it is a lever over the tenant's
+    own tools rather than a decision on one hold point, so a reviewer's `may_act` is not
+    enough; the compensating action still meets the tenant's policies (held if one holds
+    the undo tool), so an admin cannot slip an unreviewed effect past them."""
+    return principal.role == Role.ADMIN
 
 
 def _tenant_agents(principal: Principal) -> list[Any]:
@@ -337,7 +349,7 @@ def _live_context(
     actions = list(
         actions_for(principal)
         .filter(run=run)
-        .only("tool", "status", "goal_rev", "idempotency_key", "step", "created_at")
+        .only("tool", "status", "goal_rev", "idempotency_key", "step", "compensates", "created_at")
         .order_by("-created_at")[: ACTION_LIMIT + 1]
     )
     chain_break: Break | None = verify_stream(stream)
@@ -382,6 +394,29 @@ def _checkpoint_state(principal: Principal, run: Run) -> tuple[Any, str]:
         return None, f"State unavailable: {exc}"
 
 
+def _compensable(principal: Principal, run: Run) -> list[tuple[Action, str]]:
+    """The run's confirmed actions an admin may undo now, each with its undo tool's name:
+    the tool they were sent with declares a compensation, and none was asked for yet."""
+    if not _compensates(principal):
+        return []
+    confirmed = (
+        actions_for(principal)
+        .filter(run=run, status=ActionStatus.CONFIRMED)
+        .exclude(compensations__isnull=False)
+        .only("tool", "tool_version", "tenant_id", "idempotency_key", "external_id")
+        .order_by("-created_at")[:ACTION_LIMIT]
+    )
+    found = []
+    for action in confirmed:
+        try:
+            undo = tool_of(action).compensation
+        except HoldpointError:  # a definition since removed: nothing to compensate with
+            continue
+        if undo:
+            found.append((action, undo))
+    return found
+
+
 def _render_run(
     request: HttpRequest,
     principal: Principal,
@@ -404,6 +439,8 @@ def _render_run(
             if _names_executors(principal, run)
             else []
         ),
+        "compensable": _compensable(principal, run),
+        "reason_max": REASON_MAX,
         "errors": errors or {},
     }
     response = render(request, "runtime/run.html", context, status=status)
@@ -548,3 +585,34 @@ def run_executor(request: HttpRequest, principal: Principal, run_id: UUID) -> Ht
         return f"{wanted} now executes this run; other agents' leases are refused."
 
     return _pull(request, run, lever)
+
+
+class CompensateIn(serializers.Serializer[Any]):
+    """The compensate form: a reason is required (it is journalled and, where the undo tool
+    takes one, sent), no longer than `compensate` keeps."""
+
+    reason = StrictChar(max_length=REASON_MAX)
+
+
+@reviewer_page(methods=("POST",))
+def action_compensate(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
+    """The tenant admin's door to `runtime.compensation.compensate`, the one writer: it
+    decides whether the action can still be compensated (confirmed, a compensation declared,
+    none asked for yet: asking twice answers the same one); its refusal is a message."""
+    action: Action = scoped_or_404(
+        actions_for(principal).select_related("run"), principal, action_id=action_id
+    )
+    if not _compensates(principal):
+        raise PermissionDenied("Only a tenant admin compensates an action.")
+    reason = page_input(CompensateIn, {"reason": request.POST.get("reason", "")})["reason"]
+
+    def lever() -> str:
+        undo = compensate(action, reason, actor=principal.label)
+        then = (
+            "It waits for a reviewer's approval."
+            if undo.status == ActionStatus.AWAITING_APPROVAL
+            else f"It is {undo.status}."
+        )
+        return f"Compensating {action.tool} {action.idempotency_key} with {undo.tool}. {then}"
+
+    return _pull(request, action.run, lever)
