@@ -56,7 +56,13 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
         run = Run.objects.select_for_update().get(pk=original.run_id)
         existing = Action.objects.filter(compensates=original).first()
         if existing is not None:
-            return existing  # asking twice is the same compensation
+            # Asking twice is the same compensation. One still unsent (its send met a tool
+            # that could not be reached: the circuit open, the server down or switched off)
+            # is rung again: nothing else ever sends it, and asking again is how a person
+            # says "now". The compare-and-swap to `sent` keeps two rings to one send.
+            if existing.status in (S.PREPARED, S.APPROVED):
+                on_commit_task("runtime.tasks.dispatch_standalone", str(existing.action_id))
+            return existing
         created = Action.objects.create(
             tenant_id=run.tenant_id,
             run=run,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,44 @@ def test_only_confirmed_actions_are_compensated(
     assert action.status == ActionStatus.MANUAL_REVIEW
     with pytest.raises(InvalidTransition):
         compensate(action, "not proven yet", actor="user:alice")
+
+
+def test_asking_again_sends_a_compensation_its_first_send_could_not(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """The undo tool's circuit was open when the compensation was first sent: the action
+    stayed `prepared` (certainly not applied), and nothing ever rang it again — asking again
+    answered the same, unsent compensation. Now asking again rings its dispatcher (on
+    django-q2's real ORM broker); the worker's task sends it once."""
+    from django_q.models import OrmQ
+
+    from runtime import tasks
+    from runtime.tools import get_tool
+
+    box = sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    original = Action.objects.get(run=run)
+    breaker = get_tool("tasks.close", tenant_a.pk).breaker
+    try:
+        for _ in range(breaker.threshold):
+            breaker.record(False)  # the circuit opens (this process's breaker)
+        undo = compensate(original, "created by mistake", actor="user:alice")
+        assert dispatch_standalone(undo.action_id).status == ActionStatus.PREPARED  # not sent
+    finally:
+        breaker.record(True)  # closed again, whatever happened: other tests share it
+    assert box.tasks()[0]["status"] != "closed"
+
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert compensate(original, "again", actor="user:alice") == undo
+    rung = [(q.task["func"], tuple(q.task["args"])) for q in OrmQ.objects.all()]
+    assert rung == [("runtime.tasks.dispatch_standalone", (str(undo.action_id),))]
+
+    tasks.dispatch_standalone(str(undo.action_id))  # what the worker runs for that ring
+    original.refresh_from_db()
+    assert Action.objects.get(pk=undo.pk).status == ActionStatus.CONFIRMED
+    assert original.status == ActionStatus.COMPENSATED
+    assert [t["status"] for t in box.tasks()] == ["closed"]
