@@ -381,19 +381,18 @@ class Executor:
 
     def park(self, parked: Park, step: str) -> AdvanceResult:
         """Stop here for an approval, a reconciliation or a human; the step re-runs later."""
-        changes: dict[str, Any]
         if parked.status == RunStatus.NEEDS_ATTENTION:
             # A person must act first (turn an MCP server on again) and then resume the run:
-            # said where every escalation says it; it waits for nothing that comes by itself.
-            reason = parked.reason[:2000]
-            changes = {"waiting_for": None, "wake_at": None, "attention_reason": reason}
-        else:
-            waiting: dict[str, Any] = {"kind": _PARK_KIND[parked.status], "prompt": parked.reason}
-            if parked.action is not None:
-                waiting.update(action_id=str(parked.action.action_id), tool=parked.action.tool)
-            changes = {"waiting_for": waiting, "wake_at": parked.until}
-            if parked.until is not None:
-                waiting["until"] = parked.until.isoformat()
+            # an escalation, written as every escalation is; it waits for nothing that comes
+            # by itself, and the step re-runs from the action's own checkpoint.
+            self.escalate(parked.reason)
+            return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
+        waiting: dict[str, Any] = {"kind": _PARK_KIND[parked.status], "prompt": parked.reason}
+        if parked.action is not None:
+            waiting.update(action_id=str(parked.action.action_id), tool=parked.action.tool)
+        changes: dict[str, Any] = {"waiting_for": waiting, "wake_at": parked.until}
+        if parked.until is not None:
+            waiting["until"] = parked.until.isoformat()
         if not self.commit(
             step, self.state, parked.status, step, changes, RunEvent.PARKED, reason=parked.reason
         ):
@@ -580,7 +579,7 @@ class Executor:
         run.consecutive_failures = 0
         if new_visit:
             run.step_rev = run.checkpoint_rev
-        for name in ("waiting_for", "wake_at", "pending_input", "last_error", "attention_reason"):
+        for name in ("waiting_for", "wake_at", "pending_input", "last_error"):
             if name in changes:
                 setattr(run, name, changes[name])
         self.encoder.committed()
