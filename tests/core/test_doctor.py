@@ -11,6 +11,7 @@ import io
 import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import time_machine
@@ -92,9 +93,31 @@ def test_sqlite_synchronous_normal(sqlite_init: Callable[[str, str], None]) -> N
     assert "SQLite synchronous is 1 (FULL is 2)" in line and "`sent` mark can vanish" in line
 
 
+@pytest.fixture
+def sqlite_scratch(sqlite_only: None, tmp_path: Path) -> Iterator[Callable[[str, str], None]]:
+    """Like sqlite_init, on an empty database file of the test's own. Leaving WAL takes the
+    file's only connection: any other one open on the test database (a thread an earlier
+    test left behind in this xdist worker) made the change fail with "database is locked"."""
+    settings_dict = connection.settings_dict
+    saved = settings_dict["NAME"], settings_dict["OPTIONS"]["init_command"]
+
+    def change(old: str, new: str) -> None:
+        assert old in saved[1]
+        connection.close()
+        settings_dict["NAME"] = str(tmp_path / "scratch.sqlite3")
+        settings_dict["OPTIONS"]["init_command"] = saved[1].replace(old, new)
+
+    try:
+        yield change
+    finally:
+        connection.close()
+        settings_dict["NAME"], settings_dict["OPTIONS"]["init_command"] = saved
+        connection.ensure_connection()
+
+
 @pytest.mark.django_db(transaction=True)
-def test_sqlite_without_wal(sqlite_init: Callable[[str, str], None]) -> None:
-    sqlite_init("journal_mode=WAL", "journal_mode=DELETE")
+def test_sqlite_without_wal(sqlite_scratch: Callable[[str, str], None]) -> None:
+    sqlite_scratch("journal_mode=WAL", "journal_mode=DELETE")
     ok, lines = doctor()
     assert not ok
     assert "SQLite journal_mode is delete, not wal" in line_of("durability", lines)
