@@ -616,8 +616,15 @@ class McpTool(Tool):
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         server = self._server(run_id)
-        if server is None or not server.active:
+        if server is None:
             return CallResult("refused", detail=f"no active MCP server {self.server!r}")
+        if not server.active:
+            # Turned off after the ledger's re-check before `sent` (runtime.ledger.mark_sent):
+            # nothing left, so not a failure — the retry meets that re-check, which keeps the
+            # action unsent until a person turns the server on again.
+            return CallResult(
+                "refused", transient=True, detail=f"no active MCP server {self.server!r}"
+            )
         try:
             target = target_for(
                 server,

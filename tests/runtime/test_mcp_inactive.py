@@ -27,9 +27,10 @@ from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from audit import journal
 from audit.models import JournalEntry
-from runtime import mcp
+from runtime import dispatch, mcp
 from runtime.events import RunEvent
 from runtime.executor import advance_run
+from runtime.faults import FaultPoint
 from runtime.lifecycle import create_run, resume_run
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from tests.api import (
@@ -164,6 +165,52 @@ def test_an_approval_that_lapses_while_the_server_is_off_is_asked_again_not_sent
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert upstream.calls() == [ONE_CALL] and len(_sent_marks(run)) == 1
     assert Action.objects.get(run=run).status == S.CONFIRMED
+
+
+def test_a_server_turned_off_between_the_sent_mark_and_the_call_leaves_the_action_unsent(
+    tenant_a: Tenant,
+    reviewer_a: Persona,
+    helpdesk: tuple[McpServer, Upstream],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The re-check right before `sent` found the server active; an admin turns it off before
+    the call reads it again. The call never leaves, so the action is not failed (before: a
+    permanent refusal, "no active MCP server", and the approved effect lost for good) but
+    left unsent: the run stops for a person, naming the server, and once the server is on
+    again and the run resumed, the approved action is sent once and confirmed."""
+    server, upstream = helpdesk
+    run = _run(tenant_a)
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    request = ApprovalRequest.objects.get(run=run)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
+
+    plain_fault, turned_off = dispatch.fault, []
+
+    def admin_turns_it_off(point: FaultPoint) -> None:
+        if point == FaultPoint.AFTER_SENT_MARK and not turned_off:
+            _set_active(server, False)  # between the sent mark's commit and the call
+            turned_off.append(point)
+        plain_fault(point)
+
+    monkeypatch.setattr(dispatch, "fault", admin_turns_it_off)
+    for _ in range(3):  # the transient refusal's retry meets the re-check before `sent`
+        outcome = advance_run(run.run_id, "w1").outcome
+        Run.objects.filter(pk=run.pk).update(wake_at=None)  # the retry's back-off is over
+        if outcome == "needs_attention":
+            break
+    action = Action.objects.get(run=run)
+    assert outcome == "needs_attention", (outcome, action.status, action.last_error)
+    assert action.status != S.FAILED and "no active MCP server" in action.last_error
+    assert upstream.calls() == []
+    assert "its MCP server 'helpdesk' is inactive" in Run.objects.get(pk=run.pk).attention_reason
+
+    _set_active(server, True)
+    resume_run(Run.objects.get(pk=run.pk), actor="user:admin")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id
+    assert upstream.calls() == [ONE_CALL]
+    assert ApprovalRequest.objects.get(run=run).pk == request.pk  # the approval given counted
 
 
 def _sent_marks(run: Run) -> list[JournalEntry]:
