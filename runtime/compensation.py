@@ -22,8 +22,10 @@ from runtime.tools import get_tool, tool_of
 
 S = ActionStatus
 STANDALONE = "standalone"
-# The longest reason a compensation keeps (on the action; the undo tool gets its first 2000
-# characters): the run page's form refuses a longer one rather than cutting it silently.
+# The longest reason a compensation keeps (on the action, and sent to an undo tool that takes
+# a `reason` as long as that): the run page's form refuses a longer one rather than cutting
+# it silently. An undo tool whose schema bounds its `reason` shorter (tasks.close: 2000) gets
+# the reason's first that many characters, the most it accepts; the action keeps it whole.
 REASON_MAX = 5000
 
 
@@ -31,6 +33,16 @@ def compensation_params(action: Action, param: str) -> dict[str, Any]:
     """What the compensating tool needs: the effect's external id, in the param the
     compensated tool's definition names (`compensation_param`)."""
     return {param: action.external_id}
+
+
+def sent_reason(reason: str, schema: Any) -> str:
+    """The reason as the undo tool gets it: all that the action keeps (REASON_MAX), or its
+    first `maxLength` characters where the tool's schema bounds its `reason` shorter — cut to
+    what the tool accepts, not refused, since the person's reason is kept whole anyway."""
+    bound = schema.get("maxLength") if isinstance(schema, dict) else None
+    if isinstance(bound, int) and not isinstance(bound, bool) and 0 <= bound < REASON_MAX:
+        return reason[:bound]
+    return reason[:REASON_MAX]
 
 
 def compensate(action: Action, reason: str, *, actor: str) -> Action:
@@ -44,7 +56,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     undo = get_tool(tool.compensation, action.tenant_id)
     params = compensation_params(action, tool.compensation_param)
     if "reason" in undo.schema.get("properties", {}):
-        params["reason"] = reason[:2000]
+        params["reason"] = sent_reason(reason, undo.schema["properties"]["reason"])
     undo.validate(params)
     text, fingerprint = ledger.canonical_params(params)
     with transaction.atomic(durable=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -97,3 +98,33 @@ def test_asking_again_sends_a_compensation_its_first_send_could_not(
     assert Action.objects.get(pk=undo.pk).status == ActionStatus.CONFIRMED
     assert original.status == ActionStatus.COMPENSATED
     assert [t["status"] for t in box.tasks()] == ["closed"]
+
+
+def test_the_undo_tool_gets_the_reason_the_compensation_keeps(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The action keeps up to REASON_MAX characters of the reason; the undo tool got only
+    the first 2,000, whatever its schema accepts. Now it gets all of it, or as much as its
+    schema's `maxLength` allows (tasks.close: 2,000)."""
+    from runtime.compensation import REASON_MAX
+    from runtime.tooldefs import define_many
+    from runtime.tools import tracker_definitions
+
+    box = sandbox_factory("key")
+    long = "why " * (REASON_MAX // 4)
+    assert len(long) == REASON_MAX
+
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    undo = compensate(Action.objects.get(run=run), long, actor="user:alice")
+    assert undo.reason == long
+    assert json.loads(undo.params)["reason"] == long[:2000]  # tasks.close's maxLength
+
+    # The tenant's own tasks.close, whose reason is unbounded: it gets the reason whole.
+    close = next(d for d in tracker_definitions(box.url, "key") if d["name"] == "tasks.close")
+    del close["schema"]["properties"]["reason"]["maxLength"]
+    define_many(tenant_a, [close], "user:admin")
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    undo = compensate(Action.objects.get(run=run), long, actor="user:alice")
+    assert undo.reason == long and json.loads(undo.params)["reason"] == long
