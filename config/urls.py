@@ -67,6 +67,11 @@ urlpatterns = [
         pages.action_compensate,
         name="action-compensate",
     ),
+    path(
+        "actions/<uuid:action_id>/send-again/",
+        pages.action_send_again,
+        name="action-send-again",
+    ),
     path("runs/<uuid:run_id>/trail/", audit_pages.run_trail, name="run-trail"),
     path("reconcile/", reconcile_pages.reconcile_list, name="reconcile"),
     path(

@@ -17,7 +17,7 @@ from runtime.dispatch import perform
 from runtime.errors import InvalidParams, InvalidTransition, ToolUnavailable
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
-from runtime.queue import on_commit_task
+from runtime.queue import enqueue_task, on_commit_task
 from runtime.tools import get_tool, tool_of
 
 S = ActionStatus
@@ -27,6 +27,14 @@ STANDALONE = "standalone"
 # it silently. An undo tool whose schema bounds its `reason` shorter (tasks.close: 2000) gets
 # the reason's first that many characters, the most it accepts; the action keeps it whole.
 REASON_MAX = 5000
+# An unsent standalone action whose send met a tool it could not reach is rung again by the
+# sweeper after resend_delay(its failures so far): 30 s, doubling, at most an hour apart.
+RESEND_FIRST = 30.0
+RESEND_CAP = 3600.0
+# How long the sweeper's claim on a due resend lasts: a ring lost on the way is rung again
+# after this; a send that fails again sets its own next time.
+RESEND_HOLD = 120.0
+UNSENT_STANDALONE = (S.PREPARED, S.APPROVED)
 
 
 def compensation_params(action: Action, param: str) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             # that could not be reached: the circuit open, the server down or switched off)
             # is rung again: nothing else ever sends it, and asking again is how a person
             # says "now". The compare-and-swap to `sent` keeps two rings to one send.
-            if existing.status in (S.PREPARED, S.APPROVED):
+            if existing.status in UNSENT_STANDALONE:
                 on_commit_task("runtime.tasks.dispatch_standalone", str(existing.action_id))
             return existing
         created = Action.objects.create(
@@ -117,15 +125,55 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
     the action already sent. An unknown outcome is reconciled by the tool's contract.
     """
     action = Action.objects.get(pk=action_id)
-    if action.status not in (*ledger.UNSETTLED, S.PREPARED, S.APPROVED):
+    if action.status not in (*ledger.UNSETTLED, *UNSENT_STANDALONE):
         return action
     tool = get_tool(action.tool, action.tenant_id)
     fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
     try:
         action = perform(action, fence, tool, actor)
-    except (InvalidTransition, ToolUnavailable):
+    except InvalidTransition:
         return Action.objects.get(pk=action_id)
+    except ToolUnavailable as unreachable:
+        # Nothing applied; a circuit open or an inactive MCP server wrote nothing at all. Kept
+        # on the row (no run parks on a standalone action to say it), so the run page tells it
+        # from one still queued, and the sweeper tries again later.
+        stuck = Action.objects.get(pk=action_id)
+        delay = resend_delay(stuck.send_failures + 1)
+        return ledger.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
     return _finish(action, actor)
+
+
+def resend_delay(failures: int) -> float:
+    """Seconds from a standalone action's `failures`-th failed send to the sweeper's next."""
+    return min(RESEND_CAP, RESEND_FIRST * 2.0 ** min(max(failures - 1, 0), 16))
+
+
+def send_again(action: Action, *, actor: str) -> Action:
+    """A person's "send it now" for a compensation whose send could not reach its tool: ring
+    its dispatcher (after the caller's commit). Nothing is written here — the send is the
+    write, and its compare-and-swap to `sent` keeps this ring and the sweeper's to one send;
+    the compensation was authorised when it was asked for, and its send still meets the
+    tenant's hold points. One no longer unsent, or never failed, is refused: there is
+    nothing to send again (a queued one is on its way)."""
+    current = Action.objects.get(pk=action.pk, tenant_id=action.tenant_id)
+    if current.compensates_id is None or current.step != STANDALONE:
+        raise InvalidTransition("only a compensation is sent again from here")
+    if current.status not in UNSENT_STANDALONE:
+        raise InvalidTransition(f"the compensation is {current.status}: nothing to send again")
+    if current.send_failed_at is None:
+        raise InvalidTransition("the compensation has not failed to send: it is on its way")
+    on_commit_task("runtime.tasks.dispatch_standalone", str(current.action_id))
+    return current
+
+
+def ring_due_resends(limit: int) -> int:
+    """The sweeper's part: ring the dispatcher of each standalone action whose send failed and
+    whose back-off is over (`ledger.claim_resends` claims each first, so a tick does not ring
+    it again while its ring waits). How many were rung."""
+    claimed = ledger.claim_resends(limit, RESEND_HOLD)
+    for action_id, _tenant in claimed:
+        enqueue_task("runtime.tasks.dispatch_standalone", action_id)
+    return len(claimed)
 
 
 def _finish(action: Action, actor: str) -> Action:

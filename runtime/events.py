@@ -41,6 +41,8 @@ class RunEvent(models.TextChoices):
     ACTION_CHECKPOINT = "action_checkpoint"
     ACTION_EDITED = "action_edited"
     ACTION_TOOL_CHANGED = "action_tool_changed"
+    # A standalone action's send met a tool it could not reach: still unsent (note_unsent).
+    ACTION_SEND_FAILED = "action_send_failed"
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_DECIDED = "approval_decided"
     APPROVAL_CLOSED = "approval_closed"

@@ -23,12 +23,13 @@ def _enqueue(run_id: str) -> None:
     async_task("runtime.tasks.advance", run_id)
 
 
+def enqueue_task(func: str, *args: Any) -> None:
+    """Enqueue a django-q2 task now (outside a transaction: its rows are committed)."""
+    from django_q.tasks import async_task
+
+    async_task(func, *args)
+
+
 def on_commit_task(func: str, *args: Any) -> None:
     """Enqueue a django-q2 task after the surrounding transaction commits."""
-
-    def enqueue() -> None:
-        from django_q.tasks import async_task
-
-        async_task(func, *args)
-
-    transaction.on_commit(enqueue, robust=True)
+    transaction.on_commit(lambda: enqueue_task(func, *args), robust=True)

@@ -32,7 +32,7 @@ from django.db import transaction
 from django.db.models import DurationField, ExpressionWrapper, F, Q
 from django.db.models.functions import Now
 
-from runtime import gates
+from runtime import compensation, gates
 from runtime.agents import mcp_session
 from runtime.events import RunEvent, record
 from runtime.leases import EXECUTOR_LOST, db_now_plus, lease_free
@@ -146,9 +146,10 @@ def sweep_once(
     look_ahead: float = 0.0,
 ) -> SweepResult:
     """One tick: ring the due runs (bounded overall and per tenant), run the hold points'
-    timers, flag lost external executors, close idle MCP sessions; with `look_ahead`, also
-    say when the next run becomes due within that many seconds (`next_due_in`), for a loop
-    to wake then."""
+    timers, flag lost external executors, ring the compensations due another send (their
+    last could not reach the tool: `compensation.ring_due_resends`), close idle MCP
+    sessions; with `look_ahead`, also say when the next run becomes due within that many
+    seconds (`next_due_in`), for a loop to wake then."""
     batch = batch or settings.HOLDPOINT_SWEEP_BATCH
     per_tenant = per_tenant or settings.HOLDPOINT_SWEEP_PER_TENANT
     now = clock()
@@ -165,6 +166,7 @@ def sweep_once(
         _rung[str(run_id)] = (now, (fence, rev, status))
     gates.sweep()  # hold points: expiry, reminders, escalation
     flag_lost_executors(batch)
+    compensation.ring_due_resends(batch)  # compensations whose send could not reach its tool
     mcp_session.close_idle(batch)  # MCP sessions their host left without closing
     next_due = next_due_in(look_ahead) if look_ahead > 0 else None
     return SweepResult(rung=len(chosen), due=len(found), next_due=next_due)

@@ -65,6 +65,15 @@ class Action(models.Model):
     sent_fence = models.BigIntegerField(null=True, blank=True)
     sent_at = models.DateTimeField(null=True, blank=True)
     in_flight_until = models.DateTimeField(null=True, blank=True)
+    # A standalone action's (a compensation's: no step drives it) last send that met a tool
+    # it could not reach — the circuit open, the service down, its MCP server inactive — so
+    # nothing applied and, for some of those, nothing else was written: when (database time),
+    # why, how many such attempts in all, and when the sweeper tries again (None: it does
+    # not). Written only by `ledger.note_unsent`; the run page shows them to a tenant admin.
+    send_failed_at = models.DateTimeField(null=True, blank=True)
+    send_failure = models.CharField(max_length=500, blank=True, default="")
+    send_failures = models.PositiveIntegerField(default=0)
+    send_retry_at = models.DateTimeField(null=True, blank=True)
     compensates = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.RESTRICT, related_name="compensations"
     )
@@ -79,6 +88,12 @@ class Action(models.Model):
                 fields=["run"],
                 name="runtime_action_unsettled",
                 condition=Q(status__in=["sent", "unknown", "manual_review"]),
+            ),
+            # The sweeper: unsent standalone actions whose send failed, by when to try again.
+            models.Index(
+                fields=["send_retry_at"],
+                name="runtime_action_send_retry",
+                condition=Q(send_retry_at__isnull=False, status__in=["prepared", "approved"]),
             ),
         ]
         constraints = [

@@ -33,7 +33,7 @@ from audit.verification import Break, verify_stream
 from runtime.api.filters import RunFilter, narrowed
 from runtime.api.serializers import CancelIn, RunCreate, StrictChar
 from runtime.artifacts import resolve
-from runtime.compensation import REASON_MAX, compensate
+from runtime.compensation import REASON_MAX, UNSENT_STANDALONE, compensate, send_again
 from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
 from runtime.lifecycle import (
@@ -417,6 +417,26 @@ def _compensable(principal: Principal, run: Run) -> list[tuple[Action, str]]:
     return found
 
 
+def _unsent_compensations(principal: Principal, run: Run) -> list[Action]:
+    """The run's compensations whose last send could not reach their tool and that are still
+    unsent, for a tenant admin (who asked for them) to see why and send again. One merely
+    queued has no failure on its row and is not listed: its ring is on its way."""
+    if not _compensates(principal):
+        return []
+    unsent = (
+        actions_for(principal)
+        .filter(
+            run=run,
+            compensates__isnull=False,
+            status__in=UNSENT_STANDALONE,
+            send_failed_at__isnull=False,
+        )
+        .select_related("compensates")
+        .order_by("-send_failed_at")
+    )
+    return list(unsent[:ACTION_LIMIT])
+
+
 def _render_run(
     request: HttpRequest,
     principal: Principal,
@@ -440,6 +460,7 @@ def _render_run(
             else []
         ),
         "compensable": _compensable(principal, run),
+        "unsent_compensations": _unsent_compensations(principal, run),
         "reason_max": REASON_MAX,
         "errors": errors or {},
     }
@@ -614,5 +635,27 @@ def action_compensate(request: HttpRequest, principal: Principal, action_id: UUI
             else f"It is {undo.status}."
         )
         return f"Compensating {action.tool} {action.idempotency_key} with {undo.tool}. {then}"
+
+    return _pull(request, action.run, lever)
+
+
+@reviewer_page(methods=("POST",))
+def action_send_again(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
+    """The tenant admin's "send it now" for a compensation whose send could not reach its tool
+    (`runtime.compensation.send_again`, which rings its dispatcher; the send is the write).
+    The same who and order as asking for the compensation: looked up in the tenant first
+    (another tenant's id is a missing id's 404), then a non-admin is refused."""
+    action: Action = scoped_or_404(
+        actions_for(principal).select_related("run"), principal, action_id=action_id
+    )
+    if not _compensates(principal):
+        raise PermissionDenied("Only a tenant admin sends a compensation again.")
+
+    def lever() -> str:
+        send_again(action, actor=principal.label)
+        return (
+            f"Sending {action.tool} {action.idempotency_key} again. Once it is sent its status "
+            "changes here; if the tool still cannot be reached, this page says so again."
+        )
 
     return _pull(request, action.run, lever)

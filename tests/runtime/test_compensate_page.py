@@ -21,6 +21,7 @@ from runtime.compensation import REASON_MAX, dispatch_standalone
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, Tenant
+from runtime.tools import get_tool
 from tests.conftest import Persona, make_persona
 from tests.sandbox import Sandbox
 
@@ -186,3 +187,169 @@ def test_an_action_that_cannot_be_compensated_is_a_message(
     assert answered.status_code == 200
     assert "only a confirmed action can be compensated" in answered.content.decode()
     assert not Action.objects.filter(compensates=parked).exists()
+
+
+# --- a compensation whose send could not reach its tool ---------------------------------------
+
+
+def send_again_form(undo: Action) -> str:
+    return f'action="/actions/{undo.action_id}/send-again/"'
+
+
+def stuck_compensation(admin: Client, original: Action) -> Action:
+    """The admin asks for the compensation while tasks.close's circuit is open: the worker's
+    send (`dispatch_standalone`, what its ring runs) cannot reach the tool, and the
+    compensation stays prepared — nothing sent, the failure kept on its row."""
+    breaker = get_tool("tasks.close", original.tenant_id).breaker
+    try:
+        for _ in range(breaker.threshold):
+            breaker.record(False)  # the circuit opens (this process's breaker)
+        assert ask(admin, original).status_code == 302
+        undo = Action.objects.get(compensates=original)
+        assert dispatch_standalone(undo.action_id).status == ActionStatus.PREPARED
+    finally:
+        breaker.record(True)  # closed again: the tool is reachable from here on
+    undo.refresh_from_db()
+    return undo
+
+
+def rings_of(undo: Action) -> int:
+    from django_q.models import OrmQ
+
+    return sum(
+        1
+        for q in OrmQ.objects.all()
+        if q.task["func"] == "runtime.tasks.dispatch_standalone"
+        and tuple(q.task["args"]) == (str(undo.action_id),)
+    )
+
+
+def nothing_sent(undo: Action, box: Sandbox) -> None:
+    assert rings_of(undo) == 0
+    undo.refresh_from_db()
+    assert undo.status == ActionStatus.PREPARED
+    assert [t["status"] for t in box.tasks()] == ["open"]
+
+
+def send_again(client: Client, undo: Action, **extra: Any) -> Any:
+    return client.post(reverse("action-send-again", args=[undo.action_id]), **extra)
+
+
+def test_a_stuck_compensation_shows_why_and_is_sent_again_once(
+    admin_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """Its send met an open circuit: the run page tells the admin when and why, and offers
+    "Send again"; pressed twice once the tool is back, the task is closed by one request and
+    the compensation confirmed."""
+    from django_q.models import OrmQ
+
+    from runtime import tasks
+
+    box = sandbox_factory("key")
+    run, original = completed_run(admin_a.tenant)
+    admin = page_of(admin_a)
+    undo = stuck_compensation(admin, original)
+    assert undo.send_failed_at is not None and undo.send_failures == 1
+    assert undo.send_failure.startswith("tasks.close: circuit open")
+    assert undo.send_retry_at is not None and undo.send_retry_at > undo.send_failed_at
+    failed = JournalEntry.objects.get(stream=f"run:{run.run_id}", type="action_send_failed")
+    assert failed.payload["action_id"] == str(undo.pk)
+    assert failed.payload["reason"] == undo.send_failure
+
+    page = admin.get(reverse("run", args=[run.run_id])).content.decode()
+    assert "Compensations not sent" in page and send_again_form(undo) in page
+    assert "tasks.close: circuit open" in page
+    assert undo.send_failed_at.strftime("%Y-%m-%d %H:%M:%S") in page
+
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        first = send_again(admin, undo, follow=True)
+        assert send_again(admin, undo).status_code == 302  # a double click
+    assert first.status_code == 200
+    assert f"Sending tasks.close {undo.idempotency_key} again" in first.content.decode()
+    assert rings_of(undo) == 2
+
+    for queued in list(OrmQ.objects.all()):  # what the worker runs for each ring
+        tasks.dispatch_standalone(*queued.task["args"])
+    undo.refresh_from_db()
+    original.refresh_from_db()
+    assert undo.status == ActionStatus.CONFIRMED
+    assert original.status == ActionStatus.COMPENSATED
+    closes = [r for r in box.requests() if r["method"] == "POST" and r["path"].endswith("/close")]
+    assert len(closes) == 1
+    assert [t["status"] for t in box.tasks()] == ["closed"]
+    page = admin.get(reverse("run", args=[run.run_id])).content.decode()
+    assert "Compensations not sent" not in page and send_again_form(undo) not in page
+
+
+@pytest.mark.parametrize("role", ["reviewer", "viewer"])
+def test_only_an_admin_sees_a_stuck_compensation_or_sends_it_again(
+    role: str,
+    admin_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    from django_q.models import OrmQ
+
+    box = sandbox_factory("key")
+    run, original = completed_run(admin_a.tenant)
+    undo = stuck_compensation(page_of(admin_a), original)
+    client = page_of(make_persona(admin_a.tenant, f"{role}-1", role))
+    page = client.get(reverse("run", args=[run.run_id])).content.decode()
+    # (the failure is in the run's timeline, as every member sees the journal; no lever)
+    assert "Compensations not sent" not in page and send_again_form(undo) not in page
+
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        assert send_again(client, undo).status_code == 403
+    nothing_sent(undo, box)
+
+
+def test_a_queued_compensation_has_no_send_again(
+    admin_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """Asked for, its ring not run yet: nothing failed, so nothing is offered, and a forged
+    "send again" is a message that rings nothing (the first ring is on its way)."""
+    from django_q.models import OrmQ
+
+    sandbox_factory("key")
+    run, original = completed_run(admin_a.tenant)
+    admin = page_of(admin_a)
+    assert ask(admin, original).status_code == 302
+    undo = Action.objects.get(compensates=original)
+    assert undo.status == ActionStatus.PREPARED and undo.send_failed_at is None
+    page = admin.get(reverse("run", args=[run.run_id])).content.decode()
+    assert undo.idempotency_key in page  # listed with the run's actions
+    assert "Compensations not sent" not in page and send_again_form(undo) not in page
+
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        answered = send_again(admin, undo, follow=True)
+    assert answered.status_code == 200
+    assert "has not failed to send: it is on its way" in answered.content.decode()
+    assert rings_of(undo) == 0
+
+
+def test_another_tenants_admin_cannot_send_a_compensation_again(
+    admin_a: Persona,
+    tenant_b: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    from django_q.models import OrmQ
+
+    box = sandbox_factory("key")
+    _, original = completed_run(admin_a.tenant)
+    undo = stuck_compensation(page_of(admin_a), original)
+    intruder = page_of(make_persona(tenant_b, "bea", "admin", is_staff=True))
+    OrmQ.objects.all().delete()
+    with django_capture_on_commit_callbacks(execute=True):
+        foreign = send_again(intruder, undo)
+    missing = intruder.post(reverse("action-send-again", args=[Run().run_id]))
+    assert foreign.status_code == missing.status_code == 404
+    assert foreign.content == missing.content
+    nothing_sent(undo, box)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from runtime.compensation import compensate, dispatch_standalone
 from runtime.errors import InvalidTransition
@@ -98,6 +100,81 @@ def test_asking_again_sends_a_compensation_its_first_send_could_not(
     assert Action.objects.get(pk=undo.pk).status == ActionStatus.CONFIRMED
     assert original.status == ActionStatus.COMPENSATED
     assert [t["status"] for t in box.tasks()] == ["closed"]
+
+
+def closed_port() -> int:
+    """A port nothing listens on (taken from the system, then let go)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def test_a_send_the_tracker_refused_is_kept_and_the_sweeper_sends_it_later(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    settings: Any,
+) -> None:
+    """The tracker is down when the compensation is sent: nothing applied, the action stays
+    prepared with the failure on its row (when, why, the sweeper's next try, journalled).
+    Not due yet, the sweeper leaves it; due, it rings it once (a second tick finds it
+    claimed); the worker's send, the tracker back, closes the task once."""
+    from django_q.models import OrmQ
+
+    from runtime import tasks
+    from runtime.compensation import RESEND_FIRST, resend_delay
+    from runtime.sweeper import sweep_once
+
+    box = sandbox_factory("key")
+    run = create_run(tenant_a, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    original = Action.objects.get(run=run)
+    settings.HOLDPOINT_TASKS_URL = f"http://127.0.0.1:{closed_port()}"  # the tracker is down
+    undo = compensate(original, "created by mistake", actor="user:alice")
+    stuck = dispatch_standalone(undo.action_id)
+    assert stuck.status == ActionStatus.PREPARED
+    assert stuck.send_failure.startswith("tasks.close: connect failed")
+    assert stuck.send_failures == 1 and stuck.send_failed_at is not None
+    assert stuck.send_retry_at is not None
+    waited = (stuck.send_retry_at - stuck.send_failed_at).total_seconds()
+    assert abs(waited - RESEND_FIRST) < 1
+    assert "action_send_failed" in events(run)
+
+    # Down again: one more failure, the next try twice as far off.
+    stuck = dispatch_standalone(undo.action_id)
+    assert stuck.send_failures == 2 and stuck.send_retry_at is not None
+    assert stuck.send_failed_at is not None
+    waited = (stuck.send_retry_at - stuck.send_failed_at).total_seconds()
+    assert abs(waited - resend_delay(2)) < 1 and resend_delay(2) == 2 * RESEND_FIRST
+    settings.HOLDPOINT_TASKS_URL = box.url  # the tracker is back
+
+    def rings() -> list[tuple[str, ...]]:
+        return [
+            tuple(q.task["args"])
+            for q in OrmQ.objects.all()
+            if q.task["func"] == "runtime.tasks.dispatch_standalone"
+        ]
+
+    OrmQ.objects.all().delete()
+    sweep_once(ring=lambda run_id: None)
+    assert rings() == []  # its back-off is not over
+    # The back-off passes (database time: the row's next try is moved into the past).
+    Action.objects.filter(pk=undo.pk).update(send_retry_at=timezone.now() - timedelta(seconds=1))
+    sweep_once(ring=lambda run_id: None)
+    sweep_once(ring=lambda run_id: None)
+    assert rings() == [(str(undo.action_id),)]  # rung once: the first tick claimed it
+
+    tasks.dispatch_standalone(str(undo.action_id))  # what the worker runs for that ring
+    original.refresh_from_db()
+    assert Action.objects.get(pk=undo.pk).status == ActionStatus.CONFIRMED
+    assert original.status == ActionStatus.COMPENSATED
+    assert [t["status"] for t in box.tasks()] == ["closed"]
+    Action.objects.filter(pk=undo.pk).update(send_retry_at=timezone.now() - timedelta(seconds=1))
+    OrmQ.objects.all().delete()
+    sweep_once(ring=lambda run_id: None)
+    assert rings() == []  # sent: the sweeper has nothing more to do with it
 
 
 def test_the_undo_tool_gets_the_reason_the_compensation_keeps(

@@ -111,6 +111,7 @@ BODIES: dict[str, Callable[[dict[str, Any], World], dict[str, Any]]] = {
     "run-executor": lambda v, w: {"executor_account": w.agent.user.get_username()},
     "reconcile-resolve": lambda v, w: {"outcome": "applied", "external_id": "X"},
     "action-compensate": lambda v, w: {"reason": "probe"},
+    "action-send-again": lambda v, w: {},
 }
 
 # (route, method) pairs that need no isolation probe, and why.
