@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import QuerySet
+from django.db.models.fields.json import KT
 from django.utils import timezone
 
 from audit.models import JournalEntry
@@ -107,7 +108,9 @@ def _commits(journal: QuerySet[JournalEntry]) -> list[tuple[str, datetime | None
     rows = (
         journal.filter(type=RunEvent.STEP_COMMITTED)
         .order_by("-seq")
-        .values_list("payload__step", "created_at")[:VISIT_LIMIT]
+        # As text: a plain `payload__step` is decoded as JSON on SQLite, so a step named
+        # "true", "null" or "1e2" came back as True, None or 100.0.
+        .values_list(KT("payload__step"), "created_at")[:VISIT_LIMIT]
     )
     return [(str(step or ""), at) for step, at in reversed(list(rows))]
 

@@ -224,3 +224,43 @@ def test_a_cancelled_run_shows_its_last_visit_ended_with_its_request_cancelled(
     assert not closed[0] and closed[1].startswith("approval cancelled"), closed
     assert "cancelled by user:bob: run cancelled" in closed[1]
     assert "action tasks.create awaiting_approval → cancelled" in flow
+
+
+JSON_WORDS = ["true", "null", "1e2"]  # step names that are also JSON texts
+
+
+@pytest.fixture
+def json_named_graph() -> Any:
+    from runtime.graphs import Complete, Graph, Next, registry
+
+    graph = Graph("json_named", version="1")
+    for position, name in enumerate(JSON_WORDS):
+        after = JSON_WORDS[position + 1] if position + 1 < len(JSON_WORDS) else None
+
+        def step(ctx: Any, after: str | None = after) -> Any:
+            return Next(after, update={}) if after else Complete(update={})
+
+        graph.step(step, start=position == 0, name=name)
+    registry.register(graph)
+    yield graph
+    registry.unregister("json_named", "1")
+
+
+def test_step_names_that_are_json_texts_are_counted_under_their_own_names(
+    tenant_a: Tenant, json_named_graph: Any
+) -> None:
+    """The Steps panel reads each step commit's name out of its journal payload. On SQLite
+    Django decoded the extracted text as JSON, so a step named "true" came back as True
+    ("True"), "null" as None ("") and "1e2" as 100.0: their visits went uncounted and the
+    panel said they were never reached."""
+    from audit.journal import run_stream
+    from audit.models import JournalEntry
+    from runtime.pages.picture import steps_panel
+
+    run = create_run(tenant_a, "json_named", {}, actor="agent:agent-a")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    run.refresh_from_db()
+    rows = steps_panel(run, JournalEntry.objects.filter(stream=run_stream(run.run_id)))
+    assert [(row.name, row.mark, row.visits) for row in rows] == [
+        (name, "done", 1) for name in JSON_WORDS
+    ]
