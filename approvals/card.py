@@ -25,7 +25,7 @@ from markdown_it import MarkdownIt
 
 from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.scoping import approvals_for
-from approvals.wording import graph_of, then_phrase
+from approvals.wording import graph_of, then_phrase, undoes
 from runtime import toolcatalog, urltemplates
 from runtime.errors import InvalidParams
 from runtime.models import Action, ActionStatus, Run, RunStatus
@@ -274,6 +274,9 @@ def next_words(found: ApprovalRequest, action: Action, run: Run) -> str:
     """After a decision: what the run does now, from where it actually is."""
     status = found.status
     step = action.step
+    undo = undoes(found)
+    if undo:
+        return f"{_undo_next(found, action, undo)}. The run is now {_run_words(run)}."
     if status == A.REJECTED:
         head = (
             f"the action is cancelled and never sent; the run's step {step!r} is told it was "
@@ -297,6 +300,30 @@ def next_words(found: ApprovalRequest, action: Action, run: Run) -> str:
     else:
         head = f"the request is {status}"
     return f"{head}. The run is now {_run_words(run)}."
+
+
+def _undo_next(found: ApprovalRequest, action: Action, undo: dict[str, str]) -> str:
+    """`next_words` for a compensation: no step waits for it, its own sender sends it once
+    approved, and its original stays confirmed unless it is sent and confirmed."""
+    original = f"{undo.get('tool')} {undo.get('idempotency_key')}"
+    if action.status == ActionStatus.CANCELLED:
+        when = " at expiry" if found.status == A.EXPIRED else ""
+        return (
+            f"the compensation was rejected{when}: it is cancelled and never sent, and "
+            f"{original} stays confirmed"
+        )
+    if action.status == ActionStatus.CONFIRMED:
+        return f"the compensation was sent and confirmed: {original} is compensated"
+    if found.status == A.APPROVED and action.status in (
+        ActionStatus.APPROVED,
+        ActionStatus.PREPARED,
+    ):
+        return f"the compensation is being sent; {original} stays confirmed until it is"
+    if found.status == A.SUPERSEDED and found.closed_reason and found.decided_at:
+        return f"the approval no longer counts: it {found.closed_reason}"
+    if found.status == A.APPROVED:
+        return f"the compensation is {action.status}"
+    return f"the request is {found.status}"
 
 
 def _run_words(run: Run) -> str:
@@ -354,9 +381,15 @@ def card_for(principal: Principal, found: ApprovalRequest) -> Card:
     baseline = last_similar_approved(principal, found)
     executor = run.executor_account.get_username() if run.executor_account else ""
     graph = graph_of(found)
+    undo = undoes(found)
     asked_by = f"the {graph} agent, in its step {action.step!r}" + (
         f", executed by {executor}" if executor else ""
     )
+    if undo:  # no step asked: a tenant admin, on the run page
+        asked_by = (
+            f"{undo.get('asked_by')}, to undo {undo.get('tool')} {undo.get('idempotency_key')} "
+            f"(a compensation: no step of the {graph} run waits for it)"
+        )
     return Card(
         what=found.title,
         description=tool.description,
@@ -370,9 +403,9 @@ def card_for(principal: Principal, found: ApprovalRequest) -> Card:
         diff=param_diff(params_of(baseline), params) if baseline else [],
         policy=found.policy.name,
         policy_covers=condition_words(found.policy.condition, found.policy.tool),
-        expiry_then=then_phrase(found.policy.on_expiry, found.rerequest_count, graph).removeprefix(
-            "then "
-        ),
+        expiry_then=then_phrase(
+            found.policy.on_expiry, found.rerequest_count, graph, undo=bool(undo)
+        ).removeprefix("then "),
         next=next_words(found, action, run) if found.status != A.PENDING else "",
         server_off=server_off(found, action),
     )

@@ -20,12 +20,12 @@ from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
 from approvals.policies import may_decide, policy_for, shaped_by
 from approvals.requests import (
+    after_decision,
     announce_status,
     close_request,
     reassign_request,
     record_edits,
     request_approval,
-    wake_run,
 )
 from audit import journal
 from runtime import ledger, observe
@@ -327,4 +327,4 @@ def _finalise(
             actor,
             last_error=f"rejected by {user.get_username()}: {reason}"[:2000],
         )
-    wake_run(run, actor)
+    after_decision(action, run, actor)

@@ -15,8 +15,14 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus, Decision, OnExpiry
-from approvals.requests import announce_status, close_request, request_approval, wake_run
+from approvals.requests import (
+    after_decision,
+    announce_status,
+    close_request,
+    request_approval,
+)
 from runtime import ledger
+from runtime.compensation import STANDALONE
 from runtime.events import RunEvent, record
 from runtime.graphs import registry
 from runtime.models import Action, ActionStatus, Run, RunStatus
@@ -63,7 +69,7 @@ def expire(request_id: UUID) -> int:
             reason = (
                 f"approval of {action.tool} expired twice without a decision (policy {policy.name})"
             )
-            _reject_at_expiry(action, run, reason, attention=_needs_attention(run))
+            _reject_at_expiry(action, run, reason, attention=_needs_attention(run, action))
     return 1
 
 
@@ -98,10 +104,15 @@ def _approve_at_expiry(request: ApprovalRequest, action: Action, run: Run) -> No
     )
     announce_status(request.pk, run.pk, run.tenant_id, A.APPROVED, SYSTEM)
     ledger.transition(action, ActionStatus.APPROVED, SYSTEM)
-    wake_run(run, SYSTEM)
+    after_decision(action, run, SYSTEM)
 
 
-def _needs_attention(run: Run) -> bool:
+def _needs_attention(run: Run, action: Action) -> bool:
+    """A compensation (a standalone action) rejected at its last expiry needs nobody to look
+    at its run: no step waits for it, and the run may wait for something else or be done.
+    Its original stays confirmed; the run page lists the compensation as cancelled."""
+    if action.step == STANDALONE:
+        return False
     return final_expiry_needs_attention(run.graph, run.graph_version)
 
 
@@ -125,7 +136,7 @@ def _reject_at_expiry(action: Action, run: Run, reason: str, *, attention: bool 
             action, ActionStatus.CANCELLED, SYSTEM, last_error=f"rejected at expiry: {reason}"
         )
     if not attention:
-        wake_run(run, SYSTEM)
+        after_decision(action, run, SYSTEM)
         return
     moved = Run.objects.filter(pk=run.pk, status=RunStatus.WAITING_APPROVAL).update(
         status=RunStatus.NEEDS_ATTENTION,

@@ -240,6 +240,7 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
             target=KT("shown__target"),
             tool=KT("shown__tool"),
             graph=KT("shown__graph"),  # what its last expiry does is the graph's (wording)
+            undoes=KT("shown__compensates__idempotency_key"),  # a compensation's (wording)
             mine=ExpressionWrapper(mine_q, output_field=BooleanField())
             if deciding.anything
             else Value(False),
@@ -254,7 +255,12 @@ def inbox_context(principal: Principal, filters: Filters) -> dict[str, Any]:
         Card(
             r,
             expiry_of(
-                r.expires_at, r.policy.on_expiry, r.rerequest_count, now, graph=r.graph or ""
+                r.expires_at,
+                r.policy.on_expiry,
+                r.rerequest_count,
+                now,
+                graph=r.graph or "",
+                undo=bool(r.undoes),
             ),
             bool(r.mine),
             off.get(r.tool or "", ""),

@@ -247,6 +247,12 @@ def body(kind: str, request: ApprovalRequest) -> str:
         ),
     }[kind]
     expires = request.expires_at.astimezone(UTC)
+    undo = shown.get("compensates") if isinstance(shown.get("compensates"), dict) else None
+    if undo:  # a compensation: asked for by a person, and no run waits for it
+        opening = opening.replace("An agent run is waiting", "A compensation is waiting") + (
+            f" {_defang(str(undo.get('asked_by')))} asked for it, to undo "
+            f"{_defang(str(undo.get('tool')))} {_defang(str(undo.get('idempotency_key')))}."
+        )
     lines = [
         opening,
         "",
@@ -259,14 +265,15 @@ def body(kind: str, request: ApprovalRequest) -> str:
         f"Policy:    {_defang(request.policy.name)}",
         f"Expires:   {expires:%Y-%m-%d %H:%M} UTC (then: {request.policy.get_on_expiry_display()})",
         "",
-        "Reason given by the agent:",
+        "Reason given:" if undo else "Reason given by the agent:",
         _defang(str(shown.get("reason", "") or "-"))[:2000],
         "",
         "Open the request to review it:",
         request_url(request),
         "",
         "Opening this link decides nothing. You approve or reject on that page, after you",
-        "have seen the exact action; until then the run waits.",
+        "have seen the exact action; until then "
+        + ("nothing is sent." if undo else "the run waits."),
         "",
         f"Run history: {run_url(request)}",
     ]

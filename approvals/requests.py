@@ -21,10 +21,12 @@ from approvals.policies import policy_for
 from audit import journal
 from fastsql import statements
 from fastsql.statements import tenant_check
+from runtime import compensation
+from runtime.compensation import STANDALONE
 from runtime.errors import AlreadyDecided, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
-from runtime.models import Action, Run
+from runtime.models import Action, ActionStatus, Run
 from runtime.tools import tool_of
 
 A = ApprovalStatus
@@ -33,11 +35,17 @@ STAMPED = ("created_at", "updated_at", "expires_at")
 
 
 def _shown(
-    action: Action, params: dict[str, Any], run: Run, policy: ApprovalPolicy
+    action: Action,
+    params: dict[str, Any],
+    run: Run,
+    policy: ApprovalPolicy,
+    compensates: dict[str, str] | None,
 ) -> dict[str, Any]:
     """What the reviewer is shown, frozen at request time (a later change supersedes it)."""
     tool = tool_of(action)
+    extra = {"compensates": compensates} if compensates else {}
     return {
+        **extra,
         "tool": action.tool,
         "tool_version": action.tool_version,
         "params": params,
@@ -50,6 +58,26 @@ def _shown(
         "graph": f"{run.graph}@{run.graph_version}",
         "goal_rev": action.goal_rev,
         "policy": policy.name,
+    }
+
+
+def _compensates(
+    action: Action, actor: str, previous: ApprovalRequest | None
+) -> dict[str, str] | None:
+    """For a compensation's request: which action it undoes, and who asked for the undo — the
+    tenant admin `compensate` was called by (the first request's actor), kept from request to
+    request (a re-request's actor is the expirer or a sender). None for a step's action."""
+    if action.compensates_id is None:
+        return None
+    original = Action.objects.only("action_id", "tool", "idempotency_key").get(
+        pk=action.compensates_id, tenant_id=action.tenant_id
+    )
+    before = ((previous.shown or {}).get("compensates") or {}) if previous else {}
+    return {
+        "action_id": str(original.action_id),
+        "tool": original.tool,
+        "idempotency_key": original.idempotency_key,
+        "asked_by": str(before.get("asked_by") or actor),
     }
 
 
@@ -90,7 +118,7 @@ def request_approval(
         "policy_id": policy.pk,
         "action_hash": action_hash(action),
         "title": tool_of(action).title_for(params, action.target),
-        "shown": _shown(action, params, run, policy),
+        "shown": _shown(action, params, run, policy, _compensates(action, actor, previous)),
         "params": action.params,
         "quorum": policy.quorum,
         "checkpoint_rev": run.checkpoint_rev,
@@ -249,9 +277,18 @@ def announce_status(approval_id: Any, run_id: Any, tenant_id: int, status: str, 
     )
 
 
-def wake_run(run: Run, actor: str) -> None:
-    """The decision is made: the waiting run goes on (its step sees approved or rejected)."""
-    wake_from_approval(run, actor)
+def after_decision(action: Action, run: Run, actor: str) -> None:
+    """The request is decided (by reviewers, or by its policy at expiry) and the action moved:
+    whoever waits for it goes on, after this transaction commits. A step's action: its
+    waiting run is woken (the step sees approved or rejected). A standalone action — a
+    compensation — has no step and no run waiting for it: approved, its own sender is rung
+    (nothing else would ever send it; the send re-checks this approval before `sent`, as
+    every send does); rejected, nothing waits for it, and a run that waits for something
+    else is left alone."""
+    if action.step != STANDALONE:
+        wake_from_approval(run, actor)
+    elif action.status == ActionStatus.APPROVED:
+        compensation.ring(action)
 
 
 def reassign_request(

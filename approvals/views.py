@@ -50,7 +50,7 @@ from approvals.models import ApprovalRequest, ApprovalStatus, Decision
 from approvals.overview import tenant_overview
 from approvals.policies import may_decide, shaped_by
 from approvals.scoping import approvals_for
-from approvals.wording import done_text, expiry_of, graph_of, refusal_text
+from approvals.wording import done_text, expiry_of, graph_of, refusal_text, undoes
 from runtime.accounts import decision_rate_limited
 from runtime.errors import FieldNotEditable, HoldpointError, InvalidParams, NotPermitted
 from runtime.pages import pretty, reviewer_page, scoped_or_404
@@ -190,6 +190,7 @@ def _request_context(
             found.rerequest_count,
             now,
             graph=graph_of(found),
+            undo=bool(undoes(found)),
         )
         if pending
         else None,
@@ -271,6 +272,7 @@ def request_status(request: HttpRequest, principal: Principal, request_id: UUID)
             found.rerequest_count,
             now,
             graph=graph_of(found),
+            undo=bool(undoes(found)),
         )
         if found.status == A.PENDING
         else None,

@@ -46,13 +46,20 @@ def duration(seconds: float) -> str:
     return f"{mins} min"
 
 
-def then_phrase(on_expiry: str, rerequest_count: int, graph: str) -> str:
+def then_phrase(on_expiry: str, rerequest_count: int, graph: str, *, undo: bool = False) -> str:
     """What the expirer will do (approvals.expiry): the policy's choice, in words. `graph`:
     the run's graph as the request shows it (`graph_of`), since what the last expiry does to
     the run is the graph's — an MCP session's host is answered REJECTED and its run goes on;
-    saying "the run needs attention" there would send a reviewer looking for nothing."""
+    saying "the run needs attention" there would send a reviewer looking for nothing.
+    `undo`: the request is a compensation's (`undoes`), whose last expiry rejects it and
+    leaves its run alone — no step waits for it."""
     if on_expiry in THEN:
         return THEN[on_expiry]
+    if undo:
+        last = "rejected: the compensation is not sent"
+        if rerequest_count < 1:
+            return f"then re-requested once, then {last}"
+        return f"then it is {last} (it was already re-requested once)"
     name, _, version = graph.rpartition("@")
     attention = final_expiry_needs_attention(name, version)
     if rerequest_count < 1:
@@ -60,6 +67,13 @@ def then_phrase(on_expiry: str, rerequest_count: int, graph: str) -> str:
         return f"then re-requested once, then {last}"
     last = "the run needs attention" if attention else "the run goes on without it"
     return f"then it is rejected and {last} (it was already re-requested once)"
+
+
+def undoes(found: ApprovalRequest) -> dict[str, str]:
+    """A compensation's request: the action it undoes and who asked for the undo, frozen in
+    `shown` at request time (`approvals.requests`); {} for a step's action."""
+    compensates = (found.shown or {}).get("compensates")
+    return compensates if isinstance(compensates, dict) else {}
 
 
 def graph_of(found: ApprovalRequest) -> str:
@@ -70,9 +84,15 @@ def graph_of(found: ApprovalRequest) -> str:
 
 
 def expiry_of(
-    expires_at: datetime, on_expiry: str, rerequest_count: int, now: datetime, *, graph: str
+    expires_at: datetime,
+    on_expiry: str,
+    rerequest_count: int,
+    now: datetime,
+    *,
+    graph: str,
+    undo: bool = False,
 ) -> Expiry:
-    then = then_phrase(on_expiry, rerequest_count, graph)
+    then = then_phrase(on_expiry, rerequest_count, graph, undo=undo)
     left = (expires_at - now).total_seconds()
     if left <= 0:
         return Expiry(f"expired {duration(-left)} ago — {then} at the next sweep", True, True)
@@ -89,7 +109,12 @@ def refusal_text(exc: HoldpointError, found: ApprovalRequest) -> str:
     if isinstance(exc, AlreadyDecided):
         return f"Nothing was recorded: {exc.detail}."
     if isinstance(exc, Expired):
-        then = then_phrase(found.policy.on_expiry, found.rerequest_count, graph_of(found))
+        then = then_phrase(
+            found.policy.on_expiry,
+            found.rerequest_count,
+            graph_of(found),
+            undo=bool(undoes(found)),
+        )
         return f"Nothing was recorded: this request {exc.detail} — {then}."
     if isinstance(exc, NotPermitted):
         return f"Not permitted: {exc.detail}. Nothing was recorded."
@@ -101,8 +126,16 @@ def done_text(found: ApprovalRequest, decision: str, edits: dict[str, Any] | Non
     if found.status == A.PENDING:
         given = found.votes.filter(decision=Decision.APPROVE).count()
         return f"Your approval is recorded ({given} of {found.quorum} needed): {found.title}."
+    undo = undoes(found)
+    if decision == Decision.REJECT and undo:
+        return (
+            f"Rejected: {found.title}. The compensation is not sent; "
+            f"{undo.get('tool')} {undo.get('idempotency_key')} stays confirmed."
+        )
     if decision == Decision.REJECT:
         return f"Rejected: {found.title}. The run goes on without it."
     if edits:
-        return f"Approved with your edits ({', '.join(sorted(edits))}): {found.title}."
-    return f"Approved: {found.title}. The run is queued to send it."
+        edited = f"Approved with your edits ({', '.join(sorted(edits))}): {found.title}."
+        return f"{edited} The compensation is queued to send." if undo else edited
+    then = "The compensation is queued to send." if undo else "The run is queued to send it."
+    return f"Approved: {found.title}. {then}"

@@ -3,6 +3,10 @@
 A compensation is a new ledger action of its own — its own idempotency key, its own hold
 point under the tenant's policy — linked to the original. The original becomes `compensated`
 only once the compensation is confirmed; until then it stays what it was: confirmed.
+
+No step drives a compensation and no run waits for it, so its sender is rung here (when it is
+asked for, sent again, or due again) and by the decision that approves it when a policy held
+it (`approvals.requests.after_decision`, through `ring`): nothing else would ever send it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ from django.db.models.functions import Now
 
 from runtime import gates, ledger
 from runtime.dispatch import perform
-from runtime.errors import InvalidParams, InvalidTransition, ToolUnavailable
+from runtime.errors import (
+    ApprovalExpired,
+    ApprovalRequired,
+    InvalidParams,
+    InvalidTransition,
+    ToolUnavailable,
+)
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
 from runtime.queue import enqueue_task, on_commit_task
@@ -34,7 +44,12 @@ RESEND_CAP = 3600.0
 # How long the sweeper's claim on a due resend lasts: a ring lost on the way is rung again
 # after this; a send that fails again sets its own next time.
 RESEND_HOLD = 120.0
+# What a standalone action's sender may send: `prepared` (not held, or a send that could not
+# reach its tool) and `approved` (a reviewer let it go). One `awaiting_approval` is rung by
+# nobody — not asked again, not sent again, not resent by the sweeper — until its request
+# is decided.
 UNSENT_STANDALONE = (S.PREPARED, S.APPROVED)
+SENDER = "runtime.tasks.dispatch_standalone"
 
 
 def compensation_params(action: Action, param: str) -> dict[str, Any]:
@@ -53,8 +68,19 @@ def sent_reason(reason: str, schema: Any) -> str:
     return reason[:REASON_MAX]
 
 
+def ring(action: Action) -> None:
+    """Ring a standalone action's sender after the surrounding transaction commits (the
+    queue is a doorbell: the send re-reads the row, and its compare-and-swap to `sent`
+    keeps two rings to one send)."""
+    on_commit_task(SENDER, str(action.action_id))
+
+
 def compensate(action: Action, reason: str, *, actor: str) -> Action:
-    """Prepare the compensating action for a confirmed one and ring its dispatcher."""
+    """Prepare the compensating action for a confirmed one and ring its dispatcher; one that
+    a hold point holds waits, with its approval request, for a reviewer instead.
+
+    One compensation per action: asking again answers the one there is, whatever became of
+    it (a rejected one is that decision, and its key, `<original key>:undo`, is spent)."""
     action.refresh_from_db()
     if action.status != S.CONFIRMED:
         raise InvalidTransition(f"only a confirmed action can be compensated ({action.status})")
@@ -81,7 +107,11 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             # is rung again: nothing else ever sends it, and asking again is how a person
             # says "now". The compare-and-swap to `sent` keeps two rings to one send.
             if existing.status in UNSENT_STANDALONE:
-                on_commit_task("runtime.tasks.dispatch_standalone", str(existing.action_id))
+                ring(existing)
+            elif existing.status == S.AWAITING_APPROVAL:
+                # Its open request (raised with it) stays the one; one held before requests
+                # were raised for compensations gets its request now (idempotent per action).
+                gates.hold(existing, run, actor)
             return existing
         created = Action.objects.create(
             tenant_id=run.tenant_id,
@@ -113,8 +143,10 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             compensates=str(original.action_id),
             action_status=created.status,
         )
-        if created.status == S.PREPARED:
-            on_commit_task("runtime.tasks.dispatch_standalone", str(created.action_id))
+        if created.status == S.AWAITING_APPROVAL:
+            gates.hold(created, run, actor)  # its request, bound to its hash, in this commit
+        else:
+            ring(created)
     return created
 
 
@@ -132,6 +164,11 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
     try:
         action = perform(action, fence, tool, actor)
     except InvalidTransition:
+        return Action.objects.get(pk=action_id)
+    except (ApprovalRequired, ApprovalExpired):
+        # Its approval stopped binding before the send (expired, changed, a decider lost the
+        # permission): the ledger held it again, with a new request, and nothing was sent.
+        # The decision on that request rings it again.
         return Action.objects.get(pk=action_id)
     except ToolUnavailable as unreachable:
         # Nothing applied; a circuit open or an inactive MCP server wrote nothing at all. Kept
@@ -162,7 +199,7 @@ def send_again(action: Action, *, actor: str) -> Action:
         raise InvalidTransition(f"the compensation is {current.status}: nothing to send again")
     if current.send_failed_at is None:
         raise InvalidTransition("the compensation has not failed to send: it is on its way")
-    on_commit_task("runtime.tasks.dispatch_standalone", str(current.action_id))
+    ring(current)
     return current
 
 
@@ -172,7 +209,7 @@ def ring_due_resends(limit: int) -> int:
     it again while its ring waits). How many were rung."""
     claimed = ledger.claim_resends(limit, RESEND_HOLD)
     for action_id, _tenant in claimed:
-        enqueue_task("runtime.tasks.dispatch_standalone", action_id)
+        enqueue_task(SENDER, action_id)
     return len(claimed)
 
 

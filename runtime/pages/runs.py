@@ -629,6 +629,11 @@ def action_compensate(request: HttpRequest, principal: Principal, action_id: UUI
 
     def lever() -> str:
         undo = compensate(action, reason, actor=principal.label)
+        if undo.status == ActionStatus.CANCELLED:  # one per action: a rejection is final
+            return (
+                f"{action.tool} {action.idempotency_key} already has a compensation, and it was "
+                f"not sent ({undo.last_error or 'cancelled'}): the action stays confirmed."
+            )
         then = (
             "It waits for a reviewer's approval."
             if undo.status == ActionStatus.AWAITING_APPROVAL

@@ -23,13 +23,16 @@ GOAL = {
 }
 
 
+def reviewed_by_group(tenant: Tenant, name: str, tool: str) -> ApprovalPolicy:
+    """A policy holding every action of `tool`, decided by the tenant's reviewer group."""
+    policy = ApprovalPolicy.objects.create(tenant=tenant, name=name, tool=tool)
+    grant(policy, Group.objects.get(name=f"{tenant.slug}-reviewers"))
+    return policy
+
+
 @pytest.fixture
 def policy(tenant_a: Tenant, reviewer_a: Any) -> ApprovalPolicy:
-    policy = ApprovalPolicy.objects.create(
-        tenant=tenant_a, name="tasks need review", tool="tasks.create"
-    )
-    grant(policy, Group.objects.get(name="acme-reviewers"))
-    return policy
+    return reviewed_by_group(tenant_a, "tasks need review", "tasks.create")
 
 
 @pytest.fixture
