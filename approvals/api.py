@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any
 
@@ -118,12 +118,16 @@ class Approvals(streams.StreamingList):
             # The list's filters hold for the stream too, refused alike when invalid: an
             # event is an approval now in the status asked for.
             filters.apply(ApprovalFilter, request, mine)
+            start = changes_head(principal) if after is None else after
+            status = request.query_params.get("status")
+            if sse.iterates(request._request):
+                return live.response(approval_events_now(principal, start, status))
             events = approval_events(
                 principal,
-                changes_head(principal) if after is None else after,
+                start,
                 follow=sse.follows(request._request),
                 standing=Standing.of(request, principal),
-                status=request.query_params.get("status"),
+                status=status,
             )
             return live.response(events)
         approvals = filters.apply(ApprovalFilter, request, mine).select_related("run", "decided_by")
@@ -173,6 +177,39 @@ def _changed(
     return events, len(changes) == streams.BATCH
 
 
+class _Told:
+    """Where an approvals stream is: the last change read (`last`) and the last id the
+    client was told (`told`), which an `id:` line alone brings up to `last`."""
+
+    def __init__(self, after: int) -> None:
+        self.last = after
+        self.told: int | None = None
+
+    def chunks(self, events: list[tuple[int, bytes | None]]) -> list[bytes]:
+        sent: list[bytes] = []
+        for seq, chunk in events:
+            self.last = seq
+            if chunk is not None:
+                self.told = seq
+                sent.append(chunk)
+        if self.told != self.last:  # where the next resume starts, though nothing was sent
+            self.told = self.last
+            sent.append(live.position(self.last))
+        return sent
+
+
+def approval_events_now(principal: Principal, after: int, status: str | None) -> Iterator[bytes]:
+    """approval_events without `follow`, read batch by batch in the calling thread: a
+    stream whose body is iterated synchronously (runtime.api.sse.iterates). A database
+    error ends the stream; the client resumes from its last id."""
+    told = _Told(after)
+    while True:
+        events, more = _changed(principal, told.last, status)
+        yield from told.chunks(events)
+        if not more:
+            return
+
+
 async def approval_events(
     principal: Principal,
     after: int,
@@ -191,7 +228,7 @@ async def approval_events(
     Without `follow` (not served on the event loop: runtime.api.sse.follows) it sends the
     changes there are and ends. It also ends once what opened it (`standing`) no longer
     stands (runtime.api.streams.Recheck)."""
-    last, told = after, None
+    told = _Told(after)
     recheck = streams.Recheck(standing)
     stream = journal.tenant_stream(principal.tenant.pk)
     watch = live.doorbell.subscription(stream) if follow else live.unwatched()
@@ -200,21 +237,15 @@ async def approval_events(
             wake.clear()
             try:
                 events, more = await live.doorbell.read(
-                    ("approvals", principal.tenant.pk, last, status),
-                    partial(_changed, principal, last, status),
+                    ("approvals", principal.tenant.pk, told.last, status),
+                    partial(_changed, principal, told.last, status),
                 )
             except DatabaseError:
                 log.exception("live events: reading approval changes failed; retrying")
                 await asyncio.sleep(live.RETRY_SECONDS)
                 continue
-            for seq, chunk in events:
-                last = seq
-                if chunk is not None:
-                    told = seq
-                    yield chunk
-            if told != last:  # where the next resume starts, though nothing was sent
-                told = last
-                yield live.position(last)
+            for chunk in told.chunks(events):
+                yield chunk
             if more:
                 continue
             if not follow:

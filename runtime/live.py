@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -250,16 +250,26 @@ def position(id: int) -> bytes:
     return f"id: {id}\n\n".encode()
 
 
+OPEN = b": stream open\n\n"  # headers and a first byte go out at once
+
+
 async def _framed(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield b": stream open\n\n"  # headers and a first byte go out at once
+    yield OPEN
     async for chunk in events:
         yield chunk
 
 
-def response(events: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    """`text/event-stream`, consumed on the event loop by runtime.api.sse (config.asgi
-    routes `?stream=1` there; a WSGI server would buffer it whole)."""
-    answer = StreamingHttpResponse(_framed(events), content_type="text/event-stream")
+def _framed_sync(events: Iterator[bytes]) -> Iterator[bytes]:
+    yield OPEN
+    yield from events
+
+
+def response(events: AsyncIterator[bytes] | Iterator[bytes]) -> StreamingHttpResponse:
+    """`text/event-stream`: an async body is consumed on the event loop by runtime.api.sse
+    (config.asgi routes `?stream=1` there); under WSGI the body is a plain iterator
+    (runtime.api.sse.iterates), which the server sends as it is read."""
+    body = _framed(events) if isinstance(events, AsyncIterator) else _framed_sync(events)
+    answer = StreamingHttpResponse(body, content_type="text/event-stream")
     answer["Cache-Control"] = "no-cache"
     answer["X-Accel-Buffering"] = "no"  # a fronting nginx must not buffer the stream
     return answer

@@ -28,6 +28,7 @@ from urllib.parse import parse_qs
 
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.base import BaseHandler
+from django.core.handlers.wsgi import WSGIRequest
 from django.db import close_old_connections, connections
 from django.http import HttpRequest, HttpResponseBase
 from starlette.routing import BaseRoute, Route
@@ -78,6 +79,15 @@ def follows(request: HttpRequest) -> bool:
     long poll, never a sync worker held for the life of a stream."""
     scope = getattr(request, "scope", None)
     return bool(scope and scope.get(MARK))
+
+
+def iterates(request: HttpRequest) -> bool:
+    """Is this request's body iterated synchronously (a WSGI server, Django's test client)?
+    Its stream is then a plain iterator read in the request's own thread: an async body
+    would be buffered whole by Django on an event loop of the thread's own, and loops of
+    several threads at once shared the doorbell's reads, which belong to one loop
+    ("attached to a different loop")."""
+    return isinstance(request, WSGIRequest)
 
 
 def wants_stream(scope: Scope) -> bool:

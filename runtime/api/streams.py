@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any, TypeVar
 
@@ -167,6 +167,20 @@ def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int
     entries = journal_for(principal).filter(stream=journal.run_stream(run_id), seq__gt=last)
     batch = list(entries.order_by("seq")[:BATCH])
     return _encode(batch), status in TERMINAL and len(batch) < BATCH
+
+
+def run_events_now(principal: Principal, run_id: Any, after: int) -> Iterator[bytes]:
+    """The run's entries after `after` there are now, then the end, read batch by batch in
+    the calling thread: a stream whose body is iterated synchronously (runtime.api.sse
+    .iterates). A database error ends the stream; the client resumes from its last id."""
+    last = after
+    while True:
+        events, _ = _after(principal, run_id, last)
+        for seq, chunk in events:
+            yield chunk
+            last = seq
+        if len(events) < BATCH:
+            return
 
 
 async def run_events(

@@ -223,6 +223,8 @@ class Events(streams.StreamingList):
         after = streams.after(request, 0)
         if streams.requested(request):
             after = streams.resume_after(request, after)
+            if sse.iterates(request._request):
+                return live.response(streams.run_events_now(principal, run.pk, after))
             follow = sse.follows(request._request)
             standing = Standing.of(request, principal)
             events = streams.run_events(principal, run.pk, after, follow=follow, standing=standing)

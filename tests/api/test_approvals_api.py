@@ -476,8 +476,6 @@ def test_the_approvals_stream_refuses_a_position_that_is_no_id(
     assert problem(answer, 422, "invalid_params")["errors"] == {field: ["an integer"]}
 
 
-@pytest.mark.django_db(transaction=True)  # read by the stream's reader threads
-@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
 def test_the_approvals_stream_sends_the_changes_after_the_position_it_is_given(
     agent_a: Persona, reviewer_a: Persona
 ) -> None:

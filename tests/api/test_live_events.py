@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -254,7 +255,6 @@ def test_a_reviewer_page_streams_with_its_session_cookie(
     assert foreign.status_code == 404 and foreign.json()["code"] == "not_found"
 
 
-@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
 def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     agent_a: Persona,
 ) -> None:
@@ -264,12 +264,11 @@ def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     take_lease(agent_a.api(), run_id)
     answer = agent_a.api().get(f"/api/v1/runs/{run_id}/events/", {"stream": "1", "after": "1"})
     assert answer.status_code == 200 and answer["Content-Type"] == "text/event-stream"
-    body = b"".join(answer).decode()  # Django consumes the async body as a WSGI server would
+    body = b"".join(answer).decode()  # iterated as a WSGI server does
     assert [line for line in body.splitlines() if line.startswith("id:")] == ["id: 2"]
     assert "event: lease_taken" in body
 
 
-@pytest.mark.filterwarnings("ignore:StreamingHttpResponse must consume asynchronous")
 def test_a_stream_not_served_on_the_event_loop_opens_no_listen_connection(
     agent_a: Persona,
 ) -> None:
@@ -1177,3 +1176,38 @@ def test_an_open_stream_ends_once_its_credentials_no_longer_stand(
                 if comments == 5:  # KEEPALIVE-second checks, every one passed
                     break
             assert comments == 5
+
+
+@pytest.mark.django_db(transaction=True)  # the threads below read with connections of their own
+def test_streams_served_by_threads_of_a_wsgi_server_at_once_all_answer(agent_a: Persona) -> None:
+    """Under a threaded WSGI server (config.wsgi) several clients' streams are served at once,
+    each by a thread of its own. They all answer: an async body would be driven on an event
+    loop per thread by Django, and two loops sharing the doorbell's reads (same tenant, same
+    position) failed with "attached to a different loop". Nor does Django warn that it must
+    buffer an async body: a WSGI server is handed a body it can iterate."""
+    run_id = new_run(agent_a.api())["run_id"]
+    take_lease(agent_a.api(), run_id)
+    paths = [f"/api/v1/runs/{run_id}/events/", "/api/v1/approvals/"]
+    failures: list[str] = []
+    start = threading.Barrier(4)
+
+    def client(path: str) -> None:
+        start.wait()
+        try:
+            for _ in range(15):
+                answer = agent_a.api().get(path, {**STREAM, "after": "0"})
+                body = b"".join(answer)
+                assert answer.status_code == 200 and body.startswith(b": stream open"), body
+        except BaseException as error:  # noqa: BLE001 (reported below, with the thread's path)
+            failures.append(f"{path}: {error!r}")
+        finally:
+            connection.close()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "StreamingHttpResponse must consume")
+        threads = [threading.Thread(target=client, args=(p,)) for p in paths * 2]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failures == []
