@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
@@ -61,8 +60,18 @@ DESCRIPTION = (
     "the entry as JSON), from `Last-Event-ID` (or `after`) on, a comment line at least every "
     "15 s, closed after the run's final entry."
 )
+# Each server-sent event as a client parses it (`id:`, `event:`, `data:` lines): a string
+# per field; `data` is the JSON the description names.
 EVENT_STREAM = OpenApiResponse(
-    OpenApiTypes.STR, description="text/event-stream (with stream=1), see above"
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "event": {"type": "string"},
+            "data": {"type": "string"},
+        },
+    },
+    description="text/event-stream (with stream=1), one server-sent event each, see above",
 )
 
 
