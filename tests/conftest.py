@@ -17,6 +17,7 @@ from runtime.models import Membership, Role, Tenant
 from tests.ci_pair import pytest_collection_modifyitems  # noqa: F401  (a hook: CI's pair)
 from tests.httpservers import dns, serve  # noqa: F401  (real HTTP servers; a changing DNS)
 from tests.mcp_fixture import mcp_upstream  # noqa: F401  (the test MCP upstream)
+from tests.orphans import no_orphan_connections  # noqa: F401  (threads close their connections)
 from tests.pg_flush import install as install_pg_flush
 from tests.pg_guard import pytest_runtest_makereport  # noqa: F401  (a hook: pg-only skips fail)
 from tests.sandbox import sandbox_factory, sandbox_pool  # noqa: F401  (fixtures for every area)

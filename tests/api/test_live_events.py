@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, transaction
 from httpx_sse import EventSource
 
 from approvals.models import ApprovalRequest, ApprovalStatus
@@ -44,6 +44,7 @@ from tests.api import (
 )
 from tests.browser import log_in
 from tests.conftest import Persona, issue_token_for
+from tests.orphans import off_loop
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -102,19 +103,6 @@ def _web_backends(names: tuple[str, ...]) -> int:
 @pytest.fixture
 def web(server: tuple[subprocess.Popen[bytes], str]) -> str:
     return server[1]
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a thread, its database connection closed after (a thread's connection
-    left open would keep the test database from being dropped)."""
-
-    def call() -> T:
-        try:
-            return fn(*args)
-        finally:
-            connections.close_all()
-
-    return await asyncio.to_thread(call)
 
 
 def headers(persona: Persona) -> dict[str, str]:

@@ -33,6 +33,7 @@ from runtime.models import Run as RunRow
 from tests.api import get, ok, post, session
 from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona
+from tests.orphans import off_loop
 from tests.sandbox import Sandbox
 
 TOOL = "agent.tasks.create"
@@ -87,7 +88,7 @@ def test_an_async_agent_waits_for_the_approval_and_acts_once(
         async with hp:
             with pytest.raises(ApprovalTimeout):
                 await agent()
-            await asyncio.to_thread(approve)
+            await off_loop(approve)
             return await agent(), await agent()  # the second: the completed run's record
 
     task, again = asyncio.run(story())

@@ -20,6 +20,7 @@ from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, Lease
 from runtime.models import Run as RunRow
 from tests.conftest import Persona
 from tests.httpservers import Gateway
+from tests.orphans import off_loop
 from tests.runtime.helpers import expire_lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -125,7 +126,7 @@ def test_an_async_executor_stops_heartbeating_once_a_write_finds_its_fence_stale
         async with AsyncClient(live_server.url, agent_a.token or "", transport=transport) as api:
             run = await api.create_run("api-review", {}, external=True)
             async with AsyncExecutor(api, run.run_id, "agent-1", ttl=3) as ex:
-                await asyncio.to_thread(expire_lease, run.run_id)
+                await off_loop(expire_lease, run.run_id)
                 await api.lease(run.run_id, "agent-2", 30)  # the successor
                 with pytest.raises(LeaseLost):
                     await ex.checkpoint({"n": 1}, "next")
@@ -198,7 +199,7 @@ def test_a_stalled_heartbeat_gives_up_in_time_to_hear_of_a_takeover(
                 async with AsyncClient(url, token, backoff=0.05) as api:
                     run = await api.create_run("api-review", {}, external=True)
                     async with AsyncExecutor(api, run.run_id, "agent-1", ttl=ttl) as ex:
-                        taken = await asyncio.to_thread(stall_then_take_over, run.run_id)
+                        taken = await off_loop(stall_then_take_over, run.run_id)
                         deadline = time.monotonic() + ttl + 1
                         while not ex.lost and time.monotonic() < deadline:
                             await asyncio.sleep(0.05)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,3 +53,33 @@ def test_the_same_skip_on_sqlite_is_a_skip(tmp_path: Path) -> None:
     done = run_alone(tmp_path, "")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 skipped" in done.stdout
+
+
+@pytest.mark.django_db(transaction=True)  # the threads read committed rows
+def test_a_connection_an_ended_thread_left_open_is_named_and_closed() -> None:
+    """tests.orphans: after each test, the connection of a thread that ended without closing
+    it fails that test (on SQLite such a connection kept the test database from leaving WAL:
+    "database is locked" in a later test); one closed in its thread is no orphan."""
+    from django.db import connection
+
+    from runtime.models import Tenant
+    from tests import orphans
+
+    opened: list[Any] = []
+
+    def leaves_it_open() -> None:
+        Tenant.objects.count()
+        opened.append(connection.connection)
+
+    def closes_it() -> None:
+        Tenant.objects.count()
+        connection.close()
+
+    for target, name in ((leaves_it_open, "leaky"), (closes_it, "tidy")):
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        thread.join()
+    assert orphans._orphans() == ["default in thread 'leaky'"]
+    with pytest.raises(Exception, match="closed"):  # closed by the guard
+        opened[0].cursor()
+    assert orphans._orphans() == []

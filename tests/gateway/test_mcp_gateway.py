@@ -41,6 +41,7 @@ from tests.browser import log_in
 from tests.conftest import Persona, issue_token_for, make_persona
 from tests.gateway.helpers import Background, Progress, session, text
 from tests.mcp_fixture import Upstream, _listening
+from tests.orphans import off_loop
 
 pytest_plugins = ("tests.browser",)
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -350,7 +351,7 @@ def test_edited_params_are_what_the_upstream_receives_and_a_retry_acts_once(
         """The first answer is pending; the reviewer edits and approves; the client asks
         again — twice at once, as a client retrying on two connections might."""
         first = await client.call_tool(CREATE, {"title": title})
-        await asyncio.to_thread(_approve_edited, title, reviewer_a, f"{title} (edited)")
+        await off_loop(_approve_edited, title, reviewer_a, f"{title} (edited)")
         return first, await asyncio.gather(
             client.call_tool(CREATE, {"title": title}, progress_callback=Progress()),
             client.call_tool(CREATE, {"title": title}, progress_callback=Progress()),
