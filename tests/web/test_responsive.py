@@ -22,9 +22,11 @@ from django.contrib.auth.models import Group
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from approvals.policies import grant
+from runtime.compensation import compensate, dispatch_standalone
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Membership, Role, Run, RunStatus, Tenant
+from runtime.tools import get_tool
 from tests.approvals.conftest import GOAL
 from tests.approvals.test_pages import raise_request
 from tests.browser import log_in, screenshot
@@ -126,11 +128,25 @@ def world(reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]) -> dic
     parked = Action.objects.get(run=parked_run)
     assert parked.status == ActionStatus.MANUAL_REVIEW
 
+    sandbox_factory("key")
+    held_undo, stuck_undo, undoable = (done_action(tenant) for _ in range(3))
+    breaker = get_tool("tasks.close", tenant.pk).breaker
+    try:  # its send meets an open circuit: "Compensations not sent", for the admin
+        for _ in range(breaker.threshold):
+            breaker.record(False)
+        stuck = compensate(stuck_undo, "Opened twice by a retry", actor="user:ada")
+        assert dispatch_standalone(stuck.action_id).send_failed_at is not None
+    finally:
+        breaker.record(True)
+    closes = ApprovalPolicy.objects.create(tenant=tenant, name="undos", tool="tasks.close")
+    grant(closes, Group.objects.get(name="acme-reviewers"))
+    held = compensate(held_undo, "The reviewer asked for it twice", actor="user:ada")
+    assert held.status == ActionStatus.AWAITING_APPROVAL  # a request in the inbox: "Undoes"
+
     policy = ApprovalPolicy.objects.create(
         tenant=tenant, name="tasks need review", tool="tasks.create"
     )
     grant(policy, Group.objects.get(name="acme-reviewers"))
-    sandbox_factory("key")
     run = create_run(tenant, "api-review", GOAL, actor="agent:agent-a")
     assert advance_run(run.run_id, "w1").outcome == "waiting"
     assert Run.objects.get(pk=run.pk).status == RunStatus.WAITING_APPROVAL
@@ -139,7 +155,23 @@ def world(reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]) -> dic
     decide(
         past.pk, reviewer_a.user, "reject", past.action_hash, reason="Duplicate of existing work"
     )
-    return {"run": run, "request": request, "parked": parked}
+    return {
+        "run": run,
+        "request": request,
+        "parked": parked,
+        "undo-request": ApprovalRequest.objects.get(action=held),
+        "stuck-run": stuck_undo.run_id,
+        "undoable-run": undoable.run_id,
+    }
+
+
+def done_action(tenant: Tenant) -> Action:
+    """A completed api-review run's confirmed tasks.create (tasks.close undoes it)."""
+    run = create_run(tenant, "api-review", GOAL, actor="agent:agent-a")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    action = Action.objects.get(run=run)
+    assert action.status == ActionStatus.CONFIRMED
+    return action
 
 
 def measure(page: Page, name: str, width: int, problems: list[str]) -> None:
@@ -185,6 +217,7 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
         "inbox-history": "/inbox/history/",
         "overview": "/overview/",
         "request": f"/approvals/{world['request'].pk}/",
+        "request-undo": f"/approvals/{world['undo-request'].pk}/",
         "runs": "/runs/",
         "run": f"/runs/{run.run_id}/",
         "trail": f"/runs/{run.run_id}/trail/",
@@ -223,4 +256,8 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
         page.goto(f"{base}/inbox/")
         expect(page.locator("#tenant-select")).to_be_visible()
         measure(page, "inbox-admin-two-tenants", width, problems)
+        for name, box in (("stuck", "Compensations not sent"), ("undoable", "Undo a confirm")):
+            page.goto(f"{base}/runs/{world[f'{name}-run']}/")
+            expect(page.get_by_text(box).first).to_be_visible()
+            measure(page, f"run-admin-{name}", width, problems)
     assert not problems, "\n".join(problems)
