@@ -20,7 +20,7 @@ from uuid import UUID
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -336,6 +336,15 @@ def _when(value: Any) -> datetime | None:
         return None
 
 
+def _pending_request() -> Subquery:
+    """The id of an action's pending approval request, for the Actions table's link to it
+    (no statement of its own). The model is reached through Action's reverse relation:
+    runtime does not import approvals, which builds on it."""
+    requests = Action._meta.get_field("approvals").related_model
+    pending = requests._default_manager.filter(action=OuterRef("pk"), status="pending")
+    return Subquery(pending.values("pk")[:1])
+
+
 def _live_context(
     principal: Principal, run: Run, seen: str, state_rev: int | None = None
 ) -> dict[str, Any]:
@@ -350,6 +359,7 @@ def _live_context(
         actions_for(principal)
         .filter(run=run)
         .only("tool", "status", "goal_rev", "idempotency_key", "step", "compensates", "created_at")
+        .annotate(pending_request=_pending_request())
         .order_by("-created_at")[: ACTION_LIMIT + 1]
     )
     chain_break: Break | None = verify_stream(stream)

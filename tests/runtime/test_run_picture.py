@@ -95,6 +95,9 @@ def test_the_steps_panel_marks_the_step_waiting_for_approval_then_all_done(
     assert "approval requested policy tasks need review" in flow
     assert "so far" in flow and "in progress" in flow  # the open request and visit count on
     assert "Timeline" in page and "step_committed" in page  # the audit view stays below
+    # The held action's row links to its request, where a reviewer decides it.
+    decide_link = f'<a href="{reverse("approval-page", args=[request.pk])}">decide…</a>'
+    assert decide_link in page
 
     decide(request.pk, reviewer_a.user, "approve", request.action_hash)
     assert advance_run(run.run_id, "w1").outcome == "completed"
@@ -107,6 +110,7 @@ def test_the_steps_panel_marks_the_step_waiting_for_approval_then_all_done(
     assert "approval approved" in flow and "approve by user:alice" in flow
     assert "awaiting_approval → approved" in flow and "→ confirmed" in flow
     assert "completed the run" in flow and "in progress" not in flow
+    assert "decide…" not in live  # decided: nothing to link to
 
 
 def test_a_queued_run_marks_its_start_step_and_nothing_reached(
