@@ -26,7 +26,7 @@ from runtime.errors import (
     ToolUnavailable,
 )
 from runtime.events import RunEvent, record
-from runtime.models import Action, ActionStatus, Run
+from runtime.models import SENDABLE, Action, ActionStatus, Run
 from runtime.queue import enqueue_task, on_commit_task
 from runtime.tools import get_tool, tool_of
 
@@ -44,11 +44,9 @@ RESEND_CAP = 3600.0
 # How long the sweeper's claim on a due resend lasts: a ring lost on the way is rung again
 # after this; a send that fails again sets its own next time.
 RESEND_HOLD = 120.0
-# What a standalone action's sender may send: `prepared` (not held, or a send that could not
-# reach its tool) and `approved` (a reviewer let it go). One `awaiting_approval` is rung by
-# nobody — not asked again, not sent again, not resent by the sweeper — until its request
-# is decided.
-UNSENT_STANDALONE = (S.PREPARED, S.APPROVED)
+# A standalone action's sender is rung only for one it may send (runtime.models.SENDABLE):
+# one `awaiting_approval` is rung by nobody — not asked again, not sent again, not resent by
+# the sweeper — until its request is decided.
 SENDER = "runtime.tasks.dispatch_standalone"
 
 
@@ -106,7 +104,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             # that could not be reached: the circuit open, the server down or switched off)
             # is rung again: nothing else ever sends it, and asking again is how a person
             # says "now". The compare-and-swap to `sent` keeps two rings to one send.
-            if existing.status in UNSENT_STANDALONE:
+            if existing.status in SENDABLE:
                 ring(existing)
             elif existing.status == S.AWAITING_APPROVAL:
                 # Its open request (raised with it) stays the one; one held before requests
@@ -157,7 +155,7 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
     the action already sent. An unknown outcome is reconciled by the tool's contract.
     """
     action = Action.objects.get(pk=action_id)
-    if action.status not in (*ledger.UNSETTLED, *UNSENT_STANDALONE):
+    if action.status not in (*ledger.UNSETTLED, *SENDABLE):
         return action
     tool = get_tool(action.tool, action.tenant_id)
     fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
@@ -195,7 +193,7 @@ def send_again(action: Action, *, actor: str) -> Action:
     current = Action.objects.get(pk=action.pk, tenant_id=action.tenant_id)
     if current.compensates_id is None or current.step != STANDALONE:
         raise InvalidTransition("only a compensation is sent again from here")
-    if current.status not in UNSENT_STANDALONE:
+    if current.status not in SENDABLE:
         raise InvalidTransition(f"the compensation is {current.status}: nothing to send again")
     if current.send_failed_at is None:
         raise InvalidTransition("the compensation has not failed to send: it is on its way")

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import BooleanField, DateTimeField, ExpressionWrapper, Q, QuerySet, Value
+from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -38,7 +38,8 @@ from runtime.errors import (
     ToolWithheld,
 )
 from runtime.events import RunEvent, record
-from runtime.models import TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
+from runtime.leases import db_now_plus
+from runtime.models import SENDABLE, TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
 from runtime.tools import Tool
 
 S = ActionStatus
@@ -446,7 +447,7 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
         raise RunFinished(f"the run is {run.status}: nothing more is sent for it")
     if action.goal_rev != run.goal_rev:
         raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
-    if action.status not in (S.PREPARED, S.APPROVED):
+    if action.status not in SENDABLE:
         raise InvalidTransition(f"action is {action.status}")
     return action
 
@@ -474,7 +475,7 @@ def _unheld_goal_rev(action: Action, fence: int, tool: Tool) -> int | None:
         return None
     if status in TERMINAL and action.step != "standalone":
         return None
-    if action.status not in (S.PREPARED, S.APPROVED) or gates.may_hold(action, tool):
+    if action.status not in SENDABLE or gates.may_hold(action, tool):
         return None
     return int(goal_rev)
 
@@ -719,7 +720,7 @@ def note_unsent(action: Action, reason: str, actor: str, *, retry_in: float | No
     where = {
         "action_id": action.pk,
         "tenant_id": statements.Check(action.tenant_id),
-        "status": [S.PREPARED, S.APPROVED],
+        "status": list(SENDABLE),
     }
     with transaction.atomic(durable=True):
         rows = statements.update(Action, changes, where, returning=statements.attnames(Action))
@@ -746,18 +747,16 @@ def claim_resends(limit: int, hold: float) -> list[tuple[str, int]]:
     — a compare-and-swap on its being due — so that the next sweep does not ring it again
     while its ring waits in the queue. A ring that is lost is rung again after `hold`; the
     send's own failure sets the next time, a send takes it out of the sweeper's index."""
-    unsent = [S.PREPARED, S.APPROVED]
     due = (
-        Action.objects.filter(status__in=unsent, send_retry_at__lte=Now())
+        Action.objects.filter(status__in=SENDABLE, send_retry_at__lte=Now())
         .order_by("send_retry_at")
         .values_list("action_id", "tenant_id")[:limit]
     )
-    later = ExpressionWrapper(Now() + Value(timedelta(seconds=hold)), output_field=DateTimeField())
     claimed = []
     for action_id, tenant_id in list(due):
         moved = Action.objects.filter(
-            pk=action_id, tenant_id=tenant_id, status__in=unsent, send_retry_at__lte=Now()
-        ).update(send_retry_at=later)
+            pk=action_id, tenant_id=tenant_id, status__in=SENDABLE, send_retry_at__lte=Now()
+        ).update(send_retry_at=db_now_plus(hold))
         if moved:
             claimed.append((str(action_id), tenant_id))
     return claimed

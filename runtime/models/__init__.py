@@ -1,6 +1,6 @@
 """Runtime models, one module per concept."""
 
-from runtime.models.actions import UNSENT, Action, ActionStatus
+from runtime.models.actions import SENDABLE, UNSENT, Action, ActionStatus
 from runtime.models.idempotency import IdempotencyRecord
 from runtime.models.logins import FailedLoginWindow
 from runtime.models.mcp import McpServer, McpTransport
@@ -23,6 +23,7 @@ from runtime.models.tokens import AgentToken, TokenStatus
 from runtime.models.tooldefs import ToolDefinition
 
 __all__ = [
+    "SENDABLE",
     "UNSENT",
     "Action",
     "ActionStatus",

@@ -31,6 +31,9 @@ class ActionStatus(models.TextChoices):
 
 # Before anything left: a goal revision, a rejection or a cancel may still withdraw these.
 UNSENT = frozenset({ActionStatus.PREPARED, ActionStatus.AWAITING_APPROVAL, ActionStatus.APPROVED})
+# What a send may start from: not held (or a send that could not reach its tool), or approved.
+# One `awaiting_approval` is sent by nobody until its request is decided.
+SENDABLE = (ActionStatus.PREPARED, ActionStatus.APPROVED)
 
 
 class Action(models.Model):

@@ -33,7 +33,7 @@ from audit.verification import Break, verify_stream
 from runtime.api.filters import RunFilter, narrowed
 from runtime.api.serializers import CancelIn, RunCreate, StrictChar
 from runtime.artifacts import resolve
-from runtime.compensation import REASON_MAX, UNSENT_STANDALONE, compensate, send_again
+from runtime.compensation import REASON_MAX, compensate, send_again
 from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
 from runtime.lifecycle import (
@@ -44,7 +44,7 @@ from runtime.lifecycle import (
     resume_run,
     revise_goal,
 )
-from runtime.models import Action, ActionStatus, Membership, Role, Run, RunStatus
+from runtime.models import SENDABLE, Action, ActionStatus, Membership, Role, Run, RunStatus
 from runtime.pages.access import (
     HtmxHttpRequest,
     page_input,
@@ -438,7 +438,7 @@ def _unsent_compensations(principal: Principal, run: Run) -> list[Action]:
         .filter(
             run=run,
             compensates__isnull=False,
-            status__in=UNSENT_STANDALONE,
+            status__in=SENDABLE,
             send_failed_at__isnull=False,
         )
         .select_related("compensates")
