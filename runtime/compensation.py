@@ -48,6 +48,10 @@ RESEND_HOLD = 120.0
 # one `awaiting_approval` is rung by nobody — not asked again, not sent again, not resent by
 # the sweeper — until its request is decided.
 SENDER = "runtime.tasks.dispatch_standalone"
+# A compensation that ended without effect — rejected or withdrawn before it was sent
+# (`cancelled`), or refused by its undo tool (`failed`): the effect is still in place, and
+# the undo may be asked for again (`compensate`).
+ENDED_UNSENT = frozenset({S.CANCELLED, S.FAILED})
 
 
 def compensation_params(action: Action, param: str) -> dict[str, Any]:
@@ -77,8 +81,12 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     """Prepare the compensating action for a confirmed one and ring its dispatcher; one that
     a hold point holds waits, with its approval request, for a reviewer instead.
 
-    One compensation per action: asking again answers the one there is, whatever became of
-    it (a rejected one is that decision, and its key, `<original key>:undo`, is spent)."""
+    One live compensation per action: asking again while one is under way answers that one.
+    One that ended without effect (ENDED_UNSENT: rejected, withdrawn, refused by the undo
+    tool) leaves the effect in place, so the undo may be asked for again — a new action with
+    a key of its own (`<original key>:undo:<n>`, the n-th asked for; the first is
+    `<original key>:undo`), under the tenant's hold points like the first, its reason a new
+    one. The original's row lock makes two concurrent asks one."""
     action.refresh_from_db()
     if action.status != S.CONFIRMED:
         raise InvalidTransition(f"only a confirmed action can be compensated ({action.status})")
@@ -98,7 +106,8 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
                 f"only a confirmed action can be compensated ({original.status})"
             )
         run = Run.objects.select_for_update().get(pk=original.run_id)
-        existing = Action.objects.filter(compensates=original).first()
+        earlier = Action.objects.filter(compensates=original)
+        existing = earlier.exclude(status__in=ENDED_UNSENT).first()
         if existing is not None:
             # Asking twice is the same compensation. One still unsent (its send met a tool
             # that could not be reached: the circuit open, the server down or switched off)
@@ -111,10 +120,12 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
                 # were raised for compensations gets its request now (idempotent per action).
                 gates.hold(existing, run, actor)
             return existing
+        attempt = earlier.count() + 1
+        key = f"{original.idempotency_key}{ledger.UNDO}"
         created = Action.objects.create(
             tenant_id=run.tenant_id,
             run=run,
-            idempotency_key=f"{original.idempotency_key}{ledger.UNDO}",
+            idempotency_key=key if attempt == 1 else f"{key}:{attempt}",
             tool=undo.name,
             tool_version=undo.version,
             params=text,
@@ -139,6 +150,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             fingerprint=fingerprint,
             tool=undo.name,
             compensates=str(original.action_id),
+            attempt=attempt,
             action_status=created.status,
         )
         if created.status == S.AWAITING_APPROVAL:

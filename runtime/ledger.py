@@ -74,8 +74,11 @@ def visit_prefix(run: Run, step: str) -> str:
 
 
 # The keys Holdpoint derives begin with their run's id: a step's (`visit_prefix`), an MCP
-# call's (`mcp:<run id>:…`, gateway.calls); a compensation's is its action's key and UNDO.
+# call's (`mcp:<run id>:…`, gateway.calls); a compensation's is its action's key and UNDO
+# (the first one asked for), or UNDO and `:<n>` (the n-th, asked after earlier ones ended
+# unsent: `runtime.compensation.compensate`).
 UNDO = ":undo"
+_UNDONE = re.compile(re.escape(UNDO) + r"(?::[0-9]+)?\Z")
 _DERIVED = re.compile(r"^(?:mcp:)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):")
 
 
@@ -85,8 +88,8 @@ def reserved_key(key: str, run_id: Any) -> str:
     Keys are unique per tenant, and every part of a derived key is on the API (run id, goal
     revision, step, visit): a client's key spelled as another run's next one took it first,
     and that run's own prepare failed on it, step after step, until the run failed."""
-    if key.endswith(UNDO):
-        return f"keys ending in {UNDO} are Holdpoint's, for compensations"
+    if _UNDONE.search(key):
+        return f"keys ending in {UNDO} or {UNDO}:<n> are Holdpoint's, for compensations"
     derived = _DERIVED.match(key)
     if derived is not None and derived.group(1) != str(run_id):
         return "the key is one Holdpoint derives for another run"

@@ -20,7 +20,7 @@ from uuid import UUID
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import OuterRef, QuerySet, Subquery
+from django.db.models import Exists, OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -33,7 +33,7 @@ from audit.verification import Break, verify_stream
 from runtime.api.filters import RunFilter, narrowed
 from runtime.api.serializers import CancelIn, RunCreate, StrictChar
 from runtime.artifacts import resolve
-from runtime.compensation import REASON_MAX, compensate, send_again
+from runtime.compensation import ENDED_UNSENT, REASON_MAX, compensate, send_again
 from runtime.errors import HoldpointError, InvalidParams, UnknownGraph
 from runtime.graphs import registry
 from runtime.lifecycle import (
@@ -406,17 +406,25 @@ def _checkpoint_state(principal: Principal, run: Run) -> tuple[Any, str]:
 
 def _compensable(principal: Principal, run: Run) -> list[tuple[Action, str]]:
     """The run's confirmed actions an admin may undo now, each with its undo tool's name:
-    the tool they were sent with declares a compensation, and none was asked for yet."""
+    the tool they were sent with declares a compensation, and none is under way (one asked
+    for before that ended without effect — rejected, withdrawn, refused by the undo tool —
+    is shown beside the form as `earlier_undo`, what became of it)."""
     if not _compensates(principal):
         return []
+    undos = Action.objects.filter(compensates=OuterRef("pk"), tenant_id=OuterRef("tenant_id"))
+    latest = undos.order_by("-created_at")
     confirmed = (
         actions_for(principal)
         .filter(run=run, status=ActionStatus.CONFIRMED)
-        .exclude(compensations__isnull=False)
+        .exclude(Exists(undos.exclude(status__in=ENDED_UNSENT)))
+        .annotate(
+            earlier_undo_status=Subquery(latest.values("status")[:1]),
+            earlier_undo_error=Subquery(latest.values("last_error")[:1]),
+        )
         .only("tool", "tool_version", "tenant_id", "idempotency_key", "external_id")
         .order_by("-created_at")[:ACTION_LIMIT]
     )
-    found = []
+    found: list[tuple[Action, str]] = []
     for action in confirmed:
         try:
             undo = tool_of(action).compensation
@@ -629,7 +637,7 @@ class CompensateIn(serializers.Serializer[Any]):
 def action_compensate(request: HttpRequest, principal: Principal, action_id: UUID) -> HttpResponse:
     """The tenant admin's door to `runtime.compensation.compensate`, the one writer: it
     decides whether the action can still be compensated (confirmed, a compensation declared,
-    none asked for yet: asking twice answers the same one); its refusal is a message."""
+    none under way: asking twice answers the same one); its refusal is a message."""
     action: Action = scoped_or_404(
         actions_for(principal).select_related("run"), principal, action_id=action_id
     )
@@ -639,11 +647,6 @@ def action_compensate(request: HttpRequest, principal: Principal, action_id: UUI
 
     def lever() -> str:
         undo = compensate(action, reason, actor=principal.label)
-        if undo.status == ActionStatus.CANCELLED:  # one per action: a rejection is final
-            return (
-                f"{action.tool} {action.idempotency_key} already has a compensation, and it was "
-                f"not sent ({undo.last_error or 'cancelled'}): the action stays confirmed."
-            )
         then = (
             "It waits for a reviewer's approval."
             if undo.status == ActionStatus.AWAITING_APPROVAL

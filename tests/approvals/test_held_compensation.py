@@ -236,19 +236,42 @@ def test_a_rejection_sends_nothing_and_the_original_stays_confirmed(
     assert rings() == [] and closes(box) == []
     assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
 
-    # One compensation per action: the page offers no second undo, and asking anyway says so.
+    # The effect is still in place: the page offers the undo again, saying what became of
+    # the first; asking again (a new reason) is a new compensation under its own key, held
+    # by the same policy with a new request; approved, it closes the task once.
     admin = page_of(admin_a)
-    form = f'action="/actions/{original.action_id}/compensate/"'
-    assert form not in admin.get(reverse("run", args=[run.run_id])).content.decode()
+    page = admin.get(reverse("run", args=[run.run_id])).content.decode()
+    assert f'action="/actions/{original.action_id}/compensate/"' in page
+    assert "An earlier undo did not take effect (cancelled: rejected by alice: keep it)" in page
     with committed():
         again = admin.post(
             reverse("action-compensate", args=[original.action_id]),
-            {"reason": "please"},
+            {"reason": "it was a mistake after all"},
             follow=True,
         )
-    assert "already has a compensation, and it was not sent" in again.content.decode()
+    assert "It waits for a reviewer&#x27;s approval." in again.content.decode()
+    second = Action.objects.exclude(pk=undo.pk).get(compensates=original)
+    assert second.idempotency_key == f"{original.idempotency_key}:undo:2"
+    assert (second.status, second.reason) == (S.AWAITING_APPROVAL, "it was a mistake after all")
     assert rings() == [] and closes(box) == []
-    assert Action.objects.filter(compensates=original).count() == 1
+    # Asking a third time while the second is under way answers the second.
+    with committed():
+        admin.post(
+            reverse("action-compensate", args=[original.action_id]), {"reason": "x"}, follow=True
+        )
+    assert Action.objects.filter(compensates=original).count() == 2
+    assert (
+        f'action="/actions/{original.action_id}/compensate/"'
+        not in admin.get(reverse("run", args=[run.run_id])).content.decode()
+    )
+    with committed():
+        assert on_page(reviewer_a, the_request(second), "approve").status_code == 200
+    run_rings()
+    second.refresh_from_db()
+    original.refresh_from_db()
+    assert (second.status, original.status) == (S.CONFIRMED, S.COMPENSATED)
+    assert len(closes(box)) == 1 and box.tasks()[0]["status"] == "closed"
+    assert Action.objects.get(pk=undo.pk).status == S.CANCELLED  # the first stays as decided
 
 
 def test_a_changed_compensation_cannot_be_approved_as_shown(

@@ -593,7 +593,7 @@ def test_an_answer_holding_a_nul_byte_outside_json_is_recorded(
     assert "\ufffd" in action.last_error
 
 
-@pytest.mark.parametrize("spelled", ["hosted", "mcp", "undo"])
+@pytest.mark.parametrize("spelled", ["hosted", "mcp", "undo", "undo again"])
 def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
     tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox], spelled: str
 ) -> None:
@@ -613,6 +613,7 @@ def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
         "hosted": derived,
         "mcp": f"mcp:{victim.run_id}:{'0' * 64}:1",
         "undo": "ticket-7:undo",  # a compensation's: the action keyed ticket-7's undo
+        "undo again": "ticket-7:undo:2",  # the second asked for, after the first was rejected
     }[spelled]
     run = create_run(
         tenant_a, "ticketing", {}, actor="agent:a", external=True, executor_account=agent_a.user
@@ -620,7 +621,7 @@ def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
     fence = protocol.take(run, "agent-1", 30, who="agent:a").fence
     body = {"fence": fence, "tool": "tickets.create", "params": {"title": "x"}}
     refused = post(agent_a.api(), f"runs/{run.run_id}/actions/", {**body, "idempotency_key": key})
-    why = "compensations" if spelled == "undo" else "another run"
+    why = "compensations" if spelled.startswith("undo") else "another run"
     assert why in problem(refused, 422, "idempotency_key_reused")["detail"]
     assert not Action.objects.filter(run=run).exists()
     # Its own run's spelling is the agent's to use; the victim files its ticket.
