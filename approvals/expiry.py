@@ -22,7 +22,6 @@ from approvals.requests import (
     request_approval,
 )
 from runtime import ledger
-from runtime.compensation import STANDALONE
 from runtime.events import RunEvent, record
 from runtime.graphs import registry
 from runtime.models import Action, ActionStatus, Run, RunStatus
@@ -111,7 +110,7 @@ def _needs_attention(run: Run, action: Action) -> bool:
     """A compensation (a standalone action) rejected at its last expiry needs nobody to look
     at its run: no step waits for it, and the run may wait for something else or be done.
     Its original stays confirmed; the run page lists the compensation as cancelled."""
-    if action.step == STANDALONE:
+    if action.standalone:
         return False
     return final_expiry_needs_attention(run.graph, run.graph_version)
 

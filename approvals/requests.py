@@ -22,7 +22,6 @@ from audit import journal
 from fastsql import statements
 from fastsql.statements import tenant_check
 from runtime import compensation
-from runtime.compensation import STANDALONE
 from runtime.errors import AlreadyDecided, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
@@ -285,7 +284,7 @@ def after_decision(action: Action, run: Run, actor: str) -> None:
     (nothing else would ever send it; the send re-checks this approval before `sent`, as
     every send does); rejected, nothing waits for it, and a run that waits for something
     else is left alone."""
-    if action.step != STANDALONE:
+    if not action.standalone:
         wake_from_approval(run, actor)
     elif action.status == ActionStatus.APPROVED:
         compensation.ring(action)

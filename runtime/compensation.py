@@ -26,12 +26,11 @@ from runtime.errors import (
     ToolUnavailable,
 )
 from runtime.events import RunEvent, record
-from runtime.models import SENDABLE, Action, ActionStatus, Run
+from runtime.models import SENDABLE, STANDALONE, Action, ActionStatus, Run
 from runtime.queue import enqueue_task, on_commit_task
 from runtime.tools import get_tool, tool_of
 
 S = ActionStatus
-STANDALONE = "standalone"
 # The longest reason a compensation keeps (on the action, and sent to an undo tool that takes
 # a `reason` as long as that): the run page's form refuses a longer one rather than cutting
 # it silently. An undo tool whose schema bounds its `reason` shorter (tasks.close: 2000) gets
@@ -203,7 +202,7 @@ def send_again(action: Action, *, actor: str) -> Action:
     tenant's hold points. One no longer unsent, or never failed, is refused: there is
     nothing to send again (a queued one is on its way)."""
     current = Action.objects.get(pk=action.pk, tenant_id=action.tenant_id)
-    if current.compensates_id is None or current.step != STANDALONE:
+    if current.compensates_id is None or not current.standalone:
         raise InvalidTransition("only a compensation is sent again from here")
     if current.status not in SENDABLE:
         raise InvalidTransition(f"the compensation is {current.status}: nothing to send again")

@@ -446,7 +446,7 @@ def check_dispatchable(action_id: Any, fence: int, tenant_id: int | None = None)
     if action.status == S.CANCELLED:
         raise ActionCancelled("the action was cancelled")
     finished = run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
-    if finished and action.step != "standalone":  # compensations may follow a finished run
+    if finished and not action.standalone:  # compensations may follow a finished run
         raise RunFinished(f"the run is {run.status}: nothing more is sent for it")
     if action.goal_rev != run.goal_rev:
         raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {run.goal_rev}")
@@ -476,7 +476,7 @@ def _unheld_goal_rev(action: Action, fence: int, tool: Tool) -> int | None:
     run_fence, goal_rev, status = rows[0]
     if run_fence != fence or goal_rev != action.goal_rev:
         return None
-    if status in TERMINAL and action.step != "standalone":
+    if status in TERMINAL and not action.standalone:
         return None
     if action.status not in SENDABLE or gates.may_hold(action, tool):
         return None

@@ -1,6 +1,6 @@
 """Runtime models, one module per concept."""
 
-from runtime.models.actions import SENDABLE, UNSENT, Action, ActionStatus
+from runtime.models.actions import SENDABLE, STANDALONE, UNSENT, Action, ActionStatus
 from runtime.models.idempotency import IdempotencyRecord
 from runtime.models.logins import FailedLoginWindow
 from runtime.models.mcp import McpServer, McpTransport
@@ -24,6 +24,7 @@ from runtime.models.tooldefs import ToolDefinition
 
 __all__ = [
     "SENDABLE",
+    "STANDALONE",
     "UNSENT",
     "Action",
     "ActionStatus",

@@ -34,6 +34,9 @@ UNSENT = frozenset({ActionStatus.PREPARED, ActionStatus.AWAITING_APPROVAL, Actio
 # What a send may start from: not held (or a send that could not reach its tool), or approved.
 # One `awaiting_approval` is sent by nobody until its request is decided.
 SENDABLE = (ActionStatus.PREPARED, ActionStatus.APPROVED)
+# The `step` of an action no step drives (a compensation): no run waits for it, and it may
+# follow a finished run.
+STANDALONE = "standalone"
 
 
 class Action(models.Model):
@@ -115,3 +118,9 @@ class Action(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tool} {self.idempotency_key} ({self.status})"
+
+    @property
+    def standalone(self) -> bool:
+        """No step drives it (a compensation): its sender is rung for it, no run waits on
+        its outcome, and it may be sent after its run finished."""
+        return self.step == STANDALONE
