@@ -8,6 +8,14 @@ other tests (the API, ledger and crash-matrix tests). Such a test is marked
 `@pytest.mark.ci_database("sqlite")` (or `"postgresql"`): with `HOLDPOINT_CI_PAIR=1`, which
 `.ci/run` sets for both suites, the other suite deselects it, so the pair runs it once. Without
 it — `make test` on either database — every test runs.
+
+A test with no database in reach is above the database by construction, marked or not:
+pytest-django refuses the ORM to a test that neither is marked `django_db` nor asks for a
+database fixture, so it gets the same answer on both suites. Under the pair it runs on
+SQLite's only (the suite that ends first) — unless it says otherwise: marked `postgres` or
+`ci_database(...)`, or skipped by a `skipif` (whose condition might be the database's).
+A test whose own subprocess reads DATABASE_URL must ask for a database fixture (as every
+worker-process test does, to make its rows) or be marked.
 """
 
 from __future__ import annotations
@@ -19,6 +27,46 @@ import pytest
 from tests.pg_guard import on_postgres
 
 VENDORS = ("sqlite", "postgresql")
+# What gives a test the database: pytest-django's fixtures (a test's `fixturenames` is their
+# closure, so a fixture that needs `db` counts). Not its blocker: every test has it (through
+# pytest-django's own autouse fixtures), and one that lifts it also asks for the database.
+DATABASE_FIXTURES = frozenset(
+    {
+        "db",
+        "transactional_db",
+        "django_db_reset_sequences",
+        "django_db_serialized_rollback",
+        "live_server",
+    }
+)
+
+
+# The modules of the longest tests (CI's `--durations=30`, both suites), longest first, are
+# collected before the rest. Under
+# pytest-xdist a worker runs what it was handed: the longest tests, at the end of the
+# collection (tests/web/ sorts last), left one worker waiting up to two minutes for the other
+# at the end of a suite. First, they overlap the rest. The order within each part is kept, so
+# a module's tests stay together (its module-scoped fixtures are set up once).
+LONGEST = (
+    "tests/security/test_isolation_matrix.py",
+    "tests/core/test_run_script.py",
+    "tests/web/test_page_fuzzer.py",
+    "tests/client/test_openai_agents.py",
+    "tests/runtime/test_chaos.py",
+    "tests/security/test_admin_isolation.py",
+    "tests/web/test_responsive.py",
+    "tests/audit/test_pages.py",
+    "tests/security/test_no_state_change_through_get.py",
+    "tests/api/test_stateful.py",
+    "tests/client/test_async_client.py",
+)
+
+
+def no_database(item: pytest.Item) -> bool:
+    """Nothing of the database reaches this test, and nothing says it cares which one."""
+    if any(item.get_closest_marker(name) for name in ("django_db", "postgres", "skipif")):
+        return False
+    return not DATABASE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,11 +77,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         marker = item.get_closest_marker("ci_database")
         if marker is None:
-            keep.append(item)
+            if paired and vendor != "sqlite" and no_database(item):
+                other.append(item)
+            else:
+                keep.append(item)
             continue
         if len(marker.args) != 1 or marker.args[0] not in VENDORS:
             raise pytest.UsageError(f"{item.nodeid}: ci_database takes one of {VENDORS}")
         (keep if not paired or marker.args[0] == vendor else other).append(item)
     if other:
         config.hook.pytest_deselected(items=other)
-        items[:] = keep
+    first = {module: place for place, module in enumerate(LONGEST)}
+    items[:] = sorted(keep, key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
