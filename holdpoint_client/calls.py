@@ -28,8 +28,8 @@ from holdpoint_client.errors import (
     HoldpointAPIError,
     IdempotencyKeyInFlight,
     ServerError,
-    ServiceUnavailable,
     Throttled,
+    ToolUnavailable,
     TransportError,
     error_from_response,
 )
@@ -686,12 +686,13 @@ class RetryPolicy:
 
 
 def retryable(error: HoldpointAPIError, replay_safe: bool) -> bool:
-    """429 and a key still in flight always; Holdpoint's own 503 always (it refused before
-    any work); other 5xx — a gateway's 503 too — only when repeating the call cannot apply
-    it twice."""
+    """429 and a key still in flight always; Holdpoint's 503 `tool_unavailable` always (it
+    refused before any work); other 5xx — Holdpoint's `service_unavailable` (its database
+    was out of reach, perhaps after part of the call was committed), a gateway's 503 — only
+    when repeating the call cannot apply it twice."""
     if isinstance(error, Throttled | IdempotencyKeyInFlight):
         return True
-    if isinstance(error, ServiceUnavailable) and error.said_by_holdpoint:
+    if isinstance(error, ToolUnavailable) and error.said_by_holdpoint:
         return True
     return isinstance(error, ServerError) and replay_safe
 

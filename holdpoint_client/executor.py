@@ -51,10 +51,10 @@ from holdpoint_client.errors import (
     OutcomeUnknown,
     Rejected,
     ServerError,
-    ServiceUnavailable,
     StaleFence,
     StaleGoalRev,
     ToolRefused,
+    ToolUnavailable,
     TransportError,
 )
 from holdpoint_client.faults import fault
@@ -446,11 +446,12 @@ class ExecutorCore(Generic[C]):
 
     def _dispatch(self, action: Action) -> Flow[Action]:
         """Mark `sent`. A refusal or an ambiguous failure (a lost connection, a gateway's
-        502/504, Holdpoint's own 500 — a fault that may come after `sent` was committed) is
-        settled by re-reading the action: its status, not our guess, decides what happens
-        next. Found still unsent, it is dispatched again after a pause, `replay_attempts`
-        times in all; then the failure is raised. A 503 is not ambiguous (nothing was
-        applied: `tool_unavailable`, `service_unavailable`), and was retried already."""
+        502/504, Holdpoint's own 500 or 503 `service_unavailable` — a fault, or its database
+        lost, that may come after `sent` was committed) is settled by re-reading the action:
+        its status, not our guess, decides what happens next. Found still unsent, it is
+        dispatched again after a pause, `replay_attempts` times in all; then the failure is
+        raised. A 503 `tool_unavailable` is not ambiguous (nothing was applied), and was
+        retried already."""
         for attempt in range(self.replay_attempts):
             if attempt:
                 yield from pause(self._backoff(attempt))
@@ -460,7 +461,7 @@ class ExecutorCore(Generic[C]):
                 if not exc.may_have_applied or attempt + 1 == self.replay_attempts:
                     raise
             except ServerError as exc:
-                if isinstance(exc, ServiceUnavailable) or attempt + 1 == self.replay_attempts:
+                if isinstance(exc, ToolUnavailable) or attempt + 1 == self.replay_attempts:
                     raise
             reread = yield from ask(calls.get_action(action.action_id))
             if reread.status not in ("prepared", "approved"):

@@ -8,10 +8,12 @@ Every failure goes through `exception_handler` — domain refusals (HoldpointErr
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from typing import Any
 
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.renderers import JSONRenderer
@@ -142,6 +144,9 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
             headers.update(
                 {k: v for k, v in response.items() if k in ("WWW-Authenticate", "Allow")}
             )
+    elif isinstance(exc, DATABASE_LOST):
+        body = database_lost(exc)
+        headers["Retry-After"] = RETRY_AFTER
     else:
         request_id = uuid.uuid4().hex
         log.exception("unhandled API error %s", request_id)
@@ -234,19 +239,50 @@ SERVER_FAULT = (
 )
 
 
+# The database out of reach: the connection lost (a server restart, a failover, a network
+# cut, the backend terminated), or SQLite's write lock not had within its busy timeout. The
+# next request opens a new connection (Django closes an unusable one when a request ends), so
+# the call may be tried again — after the same care as a fault's: part of it may have been
+# committed before the connection went (a commit whose answer was lost is the classic case).
+DATABASE_LOST = (OperationalError, InterfaceError)
+RETRY_AFTER = "2"
+DATABASE_FAULT = (
+    "The database could not be reached; try again in a moment. Part of this call may have "
+    "been applied before the connection was lost: repeat it with the same Idempotency-Key, "
+    "or read what it changes before you retry."
+)
+
+
+def database_lost(exc: BaseException) -> dict[str, Any]:
+    """503 `service_unavailable` (TEST-MATRIX A4: no 500 for a lost database connection; a
+    retryable 503), logged with its request id and the driver's message for the operator."""
+    request_id = uuid.uuid4().hex
+    log.error("database unavailable %s: %s", request_id, exc, exc_info=exc)
+    return problem(
+        503, "service_unavailable", "Service unavailable", DATABASE_FAULT, request_id=request_id
+    )
+
+
 def server_error(request: HttpRequest) -> Any:
     """API paths answer in the problem format; pages get templates/500.html (rendered
-    without the request: nothing on it may need the database)."""
+    without the request: nothing on it may need the database). Django calls it while the
+    exception is being handled (one raised outside a DRF view, in a middleware): a lost
+    database is the API's 503, as inside a view."""
     if _is_api(request):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, DATABASE_LOST):
+            response = JsonResponse(database_lost(exc), status=503, content_type=CONTENT_TYPE)
+            response["Retry-After"] = RETRY_AFTER
+            return response
         return problem_response(request, 500, "server_error", "Internal error", SERVER_FAULT)
     from django.views.defaults import server_error as page_error
 
     return page_error(request)
 
 
-# Calls that may answer 503 `tool_unavailable`: a dispatch Holdpoint sends itself, refused
-# before anything was applied (a circuit open, an MCP server turned off) — dispatch again later.
-UNAVAILABLE_NOW = {("post", "/api/v1/actions/{action_id}/dispatch/")}
+# Every call may answer 503 `service_unavailable` (the database out of reach); a dispatch
+# Holdpoint sends itself also 503 `tool_unavailable`, refused before anything was applied (a
+# circuit open, an MCP server turned off) — dispatch again later.
 
 
 def add_problem_responses(
@@ -271,15 +307,13 @@ def add_problem_responses(
         },
     }
     ref = {"content": {CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
-    for path, path_item in result.get("paths", {}).items():
+    for path_item in result.get("paths", {}).values():
         for method, operation in path_item.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            codes = ["400", "401", "404", "405", "422", "429"]
+            codes = ["400", "401", "404", "405", "422", "429", "503"]
             if method in ("post", "put"):
                 codes += ["403", "409", "413", "415", "422"]
-            if (method, path) in UNAVAILABLE_NOW:
-                codes.append("503")
             for code in codes:
                 operation["responses"].setdefault(code, {"description": "Problem", **ref})
     return result

@@ -185,6 +185,26 @@ def test_a_gateway_503_on_a_call_not_safe_to_repeat_is_not_repeated(
     assert RunRow.objects.get(pk=run.run_id).goal_rev == 2
 
 
+def test_holdpoints_503_for_its_database_is_repeated_only_where_repeating_is_safe(
+    api: Client, gateway: tuple[Gateway, str]
+) -> None:
+    """Holdpoint answers 503 `service_unavailable` when its database went away mid-call —
+    perhaps after part of it was committed (TEST-MATRIX A4). The client repeated every
+    Holdpoint 503, as if it always came before any work: a revision that had applied was
+    sent again (and lost to version_conflict). Now only a call safe to repeat is repeated
+    (a run's creation, under its Idempotency-Key); `tool_unavailable` still always is."""
+    proxy, _ = gateway
+    proxy.fail("POST", "/runs/", 503, forwarded=False, code="service_unavailable")
+    run = api.create_run("api-review", {"v": 1}, external=True)
+    assert proxy.count("POST", "/runs/") == 2 and RunRow.objects.count() == 1
+
+    proxy.fail("POST", "/revisions/", 503, forwarded=True, code="service_unavailable")
+    with pytest.raises(errors.ServiceUnavailable):
+        api.revise(run.run_id, {"v": 2}, expected_goal_rev=1)
+    assert proxy.count("POST", "/revisions/") == 1
+    assert RunRow.objects.get(pk=run.run_id).goal_rev == 2
+
+
 def test_a_lease_taken_behind_a_gateway_error_is_waited_out_and_taken_again(
     api: Client, gateway: tuple[Gateway, str]
 ) -> None:
