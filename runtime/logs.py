@@ -61,7 +61,13 @@ def formatter(format: str = "json") -> logging.Formatter:
             structlog.processors.JSONRenderer(),
         ]
     else:
-        final.append(structlog.dev.ConsoleRenderer(colors=False))
+        # A plain traceback, never structlog's default when `rich` is installed: rich's
+        # shows every frame's local variables — an agent's key in the frame that read the
+        # header, a revealed credential in the one that sends it.
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback
+        )
+        final.append(renderer)
     return structlog.stdlib.ProcessorFormatter(foreign_pre_chain=pre_chain, processors=final)
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -153,3 +154,33 @@ def test_the_default_format_is_readable_on_a_terminal_and_json_elsewhere() -> No
     assert piped["event"] == "hello there" and piped["logger"] == "holdpoint.test"
     said = _logged(True, HOLDPOINT_LOG_FORMAT="json").strip()
     assert json.loads(said)["event"] == "hello there"
+
+
+@pytest.mark.parametrize("format", logs.FORMATS)
+def test_a_tracebacks_locals_never_reach_a_log_line(agent_a: Persona, format: str) -> None:
+    """An API request whose token lookup meets a database error is a 500, and the operator
+    gets its traceback — in both formats without the frames' local variables: the console
+    renderer printed them when `rich` is installed (the test extra brings it, and `make run`
+    logs in console format), and the frame that reads the header holds the agent's key."""
+    from django.db import OperationalError, connection
+
+    def lost(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "agenttoken" in sql.lower():
+            raise OperationalError("server closed the connection unexpectedly")
+        return execute(sql, params, many, context)
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logs.formatter(format))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with connection.execute_wrapper(lost):
+            answer = agent_a.api().get("/api/v1/runs/")
+    finally:
+        root.removeHandler(handler)
+    assert answer.status_code == 500
+    written = out.getvalue()
+    assert "OperationalError" in written and "server closed the connection" in written
+    assert agent_a.token and agent_a.token not in written
+    assert agent_a.token[:12] not in written  # not even the part a truncated repr shows
