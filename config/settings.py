@@ -534,5 +534,11 @@ LOGGING = {
         # django-q2 gives its logger a handler of its own in its own format unless it has one
         # already: this one, so its lines come out like every other.
         "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+        # uvicorn (the web) gives its loggers handlers in its own format before it imports
+        # the app; the app's start (django.setup) replaces them by this one, so its start-up,
+        # access and error lines come out like every other.
+        "uvicorn": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+        "uvicorn.error": {"handlers": [], "level": LOG_LEVEL, "propagate": True},
+        "uvicorn.access": {"handlers": [], "level": LOG_LEVEL, "propagate": True},
     },
 }

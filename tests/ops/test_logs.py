@@ -7,6 +7,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +185,32 @@ def test_a_tracebacks_locals_never_reach_a_log_line(agent_a: Persona, format: st
     assert "OperationalError" in written and "server closed the connection" in written
     assert agent_a.token and agent_a.token not in written
     assert agent_a.token[:12] not in written  # not even the part a truncated repr shows
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_every_line_of_the_production_web_is_json(tmp_path: Path) -> None:
+    """`uvicorn config.asgi:application` (production's web) with the JSON format: its own
+    lines — start-up, each request's access line, shutdown — are JSON objects like Django's,
+    not uvicorn's `INFO:     …` text among them (a log pipeline reading one JSON object per
+    line dropped or choked on them)."""
+    import signal
+
+    import httpx
+
+    from tests import procs
+
+    log = tmp_path / "web.log"
+    server, base = procs.start_web(procs.child_env(HOLDPOINT_LOG_FORMAT="json"), log)
+    try:
+        assert httpx.get(base + "/healthz", timeout=30).status_code == 200
+        assert httpx.get(base + "/api/v1/runs/", timeout=30).status_code == 401
+    finally:
+        procs.kill(server, signal.SIGTERM)
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    parsed = [json.loads(line) for line in lines]  # every line, or this raises
+    events = [str(line["event"]) for line in parsed]
+    assert any('"GET /healthz HTTP/1.1" 200' in event for event in events), events
+    assert any(line["logger"] == "uvicorn.access" for line in parsed)
+    assert "Application shutdown complete." in events
+    assert all(set(logs.FIELDS) <= set(line) for line in parsed)
