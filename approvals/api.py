@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -241,8 +240,9 @@ async def approval_events(
                     partial(_changed, principal, told.last, status),
                 )
             except DatabaseError:
-                log.exception("live events: reading approval changes failed; retrying")
-                await asyncio.sleep(live.RETRY_SECONDS)
+                live.read_failed(log, "live events: reading approval changes failed; retrying")
+                if alive := await recheck.pause():
+                    yield alive
                 continue
             for chunk in told.chunks(events):
                 yield chunk

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ CHANNEL = "holdpoint_journal"  # audit/migrations/0006_notify_appends.py
 POLL_SECONDS = 0.5  # SQLite: how stale a wake-up may be
 READERS = 4
 RETRY_SECONDS = 1.0
+LOG_EVERY = 15.0  # seconds between two lines about streams' failed reads (read_failed)
 
 
 def _readers() -> tuple[ThreadPoolExecutor, list[BaseDatabaseWrapper]]:
@@ -236,6 +238,29 @@ def _heads(keys: list[str]) -> dict[str, Any]:
 
 
 doorbell = Doorbell()
+
+
+class _Failures:
+    """A failed read is every open stream's at once (the database away: each of 200 streams
+    retries every RETRY_SECONDS), so it is logged once per LOG_EVERY seconds for the whole
+    process, with its traceback and how many were not — not a traceback per stream per try."""
+
+    def __init__(self) -> None:
+        self.logged = -LOG_EVERY
+        self.unsaid = 0
+
+    def say(self, logger: logging.Logger, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.logged < LOG_EVERY:
+            self.unsaid += 1
+            return
+        unsaid, self.unsaid, self.logged = self.unsaid, 0, now
+        if unsaid:
+            message, args = message + " (and %d more since the last such line)", (*args, unsaid)
+        logger.exception(message, *args)
+
+
+read_failed = _Failures().say
 
 
 def event(data: bytes, *, type: str, id: int | None = None) -> bytes:

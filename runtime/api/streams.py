@@ -137,12 +137,22 @@ class Recheck:
         passed since the last one, nothing else. Counted from the last keep-alive, not from
         the last wake-up: wake-ups that send nothing (an approvals stream is rung by every
         append in its tenant) must not keep the comment line from ever going out."""
-        interval = settings.HOLDPOINT_SSE_KEEPALIVE
-        left = interval - (time.monotonic() - self.spoke)
+        left = settings.HOLDPOINT_SSE_KEEPALIVE - (time.monotonic() - self.spoke)
         woken = await live.heartbeat_or_wake(wake, max(left, 0.0))
         if not await self.holds(quiet=not woken):
             return None
-        if time.monotonic() - self.spoke < interval:
+        return self._due()
+
+    async def pause(self) -> bytes:
+        """After a failed read (the database away), the pause before the next try, then a
+        keep-alive if one is due: a stream held open through an outage still says it lives
+        (else a proxy closes it as idle, and the reconnect meets the outage at its
+        authentication)."""
+        await asyncio.sleep(live.RETRY_SECONDS)
+        return self._due()
+
+    def _due(self) -> bytes:
+        if time.monotonic() - self.spoke < settings.HOLDPOINT_SSE_KEEPALIVE:
             return b""
         self.spoke = time.monotonic()
         return KEEP_ALIVE
@@ -216,8 +226,9 @@ async def run_events(
                     ("run", run_id, last), partial(_after, principal, run_id, last)
                 )
             except DatabaseError:
-                log.exception("live events: reading run %s failed; retrying", run_id)
-                await asyncio.sleep(live.RETRY_SECONDS)
+                live.read_failed(log, "live events: reading run %s failed; retrying", run_id)
+                if alive := await recheck.pause():
+                    yield alive
                 continue
             for seq, chunk in events:
                 yield chunk
