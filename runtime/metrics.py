@@ -200,6 +200,12 @@ def serve(host: str, port: int) -> None:
             else:
                 try:
                     body = generate_latest(registry())
+                except Exception:  # the database away: answered, and logged as the web does
+                    log.exception("metrics_server: the scrape failed")
+                    self.send_response(500)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 finally:
                     connection.close()  # this request's thread's own: it ends with it
                 self.send_response(200)

@@ -97,3 +97,33 @@ def test_metrics_server_answers_like_the_web(tenant_a: Tenant, tmp_path: Path) -
     assert answer.status_code == 200
     assert 'holdpoint_runs{status="queued"} 1.0' in answer.text
     assert refused.status_code == 401 and refused.content == b""
+
+
+def test_metrics_server_answers_500_and_logs_a_json_line_without_its_database(
+    tmp_path: Path,
+) -> None:
+    """A scrape whose database is away: the web answers 500 and logs it; metrics_server hung
+    up with no answer at all (Prometheus saw a connection reset, not the server's error) and
+    printed socketserver's plain traceback among its JSON lines."""
+    port = procs.free_port()
+    log = tmp_path / "m.log"
+    env = procs.child_env(
+        DATABASE_URL="postgres://holdpoint@127.0.0.1:1/nowhere", HOLDPOINT_LOG_FORMAT="json"
+    )
+    server = procs.start(["metrics_server", "--port", str(port)], env, log=log)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+
+        def up() -> httpx.Response | None:
+            try:
+                return httpx.get(url, timeout=30)
+            except httpx.ConnectError:  # not listening yet
+                return None
+
+        answer = procs.wait_for(up, timeout=60, every=0.2)
+    finally:
+        procs.kill(server)
+    assert answer.status_code == 500 and answer.content == b""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    failed = [line for line in lines if line["logger"] == "holdpoint.metrics"]
+    assert failed and "OperationalError" in str(failed[0].get("exception")), lines
