@@ -732,6 +732,83 @@ def test_a_stream_woken_often_with_nothing_to_send_still_sends_a_comment_line(
     assert got.count(KEEP_ALIVE) >= 2, got
 
 
+@pytest.mark.parametrize("kind", ["run", "approvals"])
+def test_streams_outlive_a_database_outage_alive_and_without_a_flood_of_lines(
+    agent_a: Persona,
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    """The database away for a while: each open stream retried its read every second and
+    sent nothing meanwhile, so a proxy closed it as idle (API.md: a comment line at least
+    every 15 s) — and each retry of each stream logged a traceback (200 streams: 200 lines
+    a second). Now the comment line goes on through the outage, the failure is logged once
+    per interval for the whole process, and the entries come once the database is back."""
+    from django.db import OperationalError
+
+    from approvals import api as approvals_api
+    from approvals.api import approval_events, changes_head
+    from runtime.api import streams
+    from runtime.api.streams import KEEP_ALIVE
+    from runtime.models import Role
+    from runtime.tenancy import Principal
+
+    settings.HOLDPOINT_SSE_KEEPALIVE = 1
+    monkeypatch.setattr(live, "LOG_EVERY", 2.0)
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    grant_policy(agent_a.tenant)
+    run_id = new_run(agent_a.api())["run_id"]
+    fence = take_lease(agent_a.api(), run_id)
+    start = changes_head(principal)
+    ok(prepare(agent_a.api(), run_id, fence), 201)  # an approval requested after `start`
+    module, name = (streams, "_after") if kind == "run" else (approvals_api, "_changed")
+    read = getattr(module, name)
+    away = threading.Event()
+    away.set()
+
+    def through_the_outage(*args: Any) -> Any:
+        if away.is_set():  # the seam between a stream and its database, as a driver fails
+            raise OperationalError("server closed the connection unexpectedly")
+        return read(*args)
+
+    monkeypatch.setattr(module, name, through_the_outage)
+    clients = 20
+    got: list[list[bytes]] = [[] for _ in range(clients)]
+
+    def events() -> Any:
+        if kind == "run":
+            return streams.run_events(principal, run_id, 0)
+        return approval_events(principal, start)
+
+    async def outage() -> None:
+        async def watch(into: list[bytes]) -> None:
+            async for chunk in events():
+                into.append(chunk)
+
+        watchers = [asyncio.create_task(watch(into)) for into in got]
+        try:
+            await asyncio.sleep(4.5)
+            assert all(KEEP_ALIVE in into for into in got)  # during the outage
+            away.clear()
+            await asyncio.sleep(2)
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.wait(watchers, timeout=5)
+            await live.doorbell.stop()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(outage())
+    expected = b"event: run_created" if kind == "run" else b"event: approval"
+    for chunks in got:
+        assert chunks.count(KEEP_ALIVE) >= 3, chunks
+        assert sum(expected in chunk for chunk in chunks) == 1, chunks
+    failed = [r for r in caplog.records if "live events" in r.getMessage()]
+    assert 1 <= len(failed) <= 3, [r.getMessage() for r in failed]
+    assert failed[0].exc_info is not None  # the operator still gets what failed
+
+
 def test_client_iterators_follow_a_run_to_its_end(web: str, agent_a: Persona) -> None:
     run = new_run(agent_a.api())
     run_id = run["run_id"]
@@ -1199,80 +1276,3 @@ def test_streams_served_by_threads_of_a_wsgi_server_at_once_all_answer(agent_a: 
         for thread in threads:
             thread.join()
     assert failures == []
-
-
-@pytest.mark.parametrize("kind", ["run", "approvals"])
-def test_streams_outlive_a_database_outage_alive_and_without_a_flood_of_lines(
-    agent_a: Persona,
-    settings: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    kind: str,
-) -> None:
-    """The database away for a while: each open stream retried its read every second and
-    sent nothing meanwhile, so a proxy closed it as idle (API.md: a comment line at least
-    every 15 s) — and each retry of each stream logged a traceback (200 streams: 200 lines
-    a second). Now the comment line goes on through the outage, the failure is logged once
-    per interval for the whole process, and the entries come once the database is back."""
-    from django.db import OperationalError
-
-    from approvals import api as approvals_api
-    from approvals.api import approval_events, changes_head
-    from runtime.api import streams
-    from runtime.api.streams import KEEP_ALIVE
-    from runtime.models import Role
-    from runtime.tenancy import Principal
-
-    settings.HOLDPOINT_SSE_KEEPALIVE = 1
-    monkeypatch.setattr(live, "LOG_EVERY", 2.0)
-    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
-    grant_policy(agent_a.tenant)
-    run_id = new_run(agent_a.api())["run_id"]
-    fence = take_lease(agent_a.api(), run_id)
-    start = changes_head(principal)
-    ok(prepare(agent_a.api(), run_id, fence), 201)  # an approval requested after `start`
-    module, name = (streams, "_after") if kind == "run" else (approvals_api, "_changed")
-    read = getattr(module, name)
-    away = threading.Event()
-    away.set()
-
-    def through_the_outage(*args: Any) -> Any:
-        if away.is_set():  # the seam between a stream and its database, as a driver fails
-            raise OperationalError("server closed the connection unexpectedly")
-        return read(*args)
-
-    monkeypatch.setattr(module, name, through_the_outage)
-    clients = 20
-    got: list[list[bytes]] = [[] for _ in range(clients)]
-
-    def events() -> Any:
-        if kind == "run":
-            return streams.run_events(principal, run_id, 0)
-        return approval_events(principal, start)
-
-    async def outage() -> None:
-        async def watch(into: list[bytes]) -> None:
-            async for chunk in events():
-                into.append(chunk)
-
-        watchers = [asyncio.create_task(watch(into)) for into in got]
-        try:
-            await asyncio.sleep(4.5)
-            assert all(KEEP_ALIVE in into for into in got)  # during the outage
-            away.clear()
-            await asyncio.sleep(2)
-        finally:
-            for watcher in watchers:
-                watcher.cancel()
-            await asyncio.wait(watchers, timeout=5)
-            await live.doorbell.stop()
-
-    with caplog.at_level("ERROR"):
-        asyncio.run(outage())
-    expected = b"event: run_created" if kind == "run" else b"event: approval"
-    for chunks in got:
-        assert chunks.count(KEEP_ALIVE) >= 3, chunks
-        assert sum(expected in chunk for chunk in chunks) == 1, chunks
-    failed = [r for r in caplog.records if "live events" in r.getMessage()]
-    assert 1 <= len(failed) <= 3, [r.getMessage() for r in failed]
-    assert failed[0].exc_info is not None  # the operator still gets what failed
