@@ -146,23 +146,41 @@ def take(run: Run, owner: str, ttl: float, *, who: str) -> Lease:
 
 def settle_takeover(run: Run, lease: Lease) -> None:
     """A new lease finds actions `sent` (or `unknown`) by an earlier one: of a tool that can
-    neither deduplicate nor be looked up, nothing can ever prove what happened, so each goes
+    neither deduplicate nor be looked up, nothing can ever prove what happened — nor can a
+    key alone for an action whose goal was revised since (`_person_settles`) — so each goes
     to a person at once (`manual_review`, the run `needs_reconciliation`) — the executor
     must not call it again. The others keep their status; their `reconcile` says how."""
     open_ = Action.objects.filter(
         tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
     )
-    unprovable = [a for a in open_ if tool_of(a).dedup_mode() == Dedup.NONE]
+    goal_rev = Run.objects.values_list("goal_rev", flat=True).get(
+        pk=run.run_id, tenant_id=run.tenant_id
+    )
+    unprovable = [(a, why) for a in open_ if (why := _person_settles(a, goal_rev))]
     if not unprovable:
         return
     with transaction.atomic(durable=True):
         ledger.fenced(run.run_id, lease.fence, run.tenant_id)
-        for action in unprovable:
-            reason = (
-                f"{action.tool} cannot deduplicate or be looked up, and its executor "
-                "changed before it reported an outcome"
-            )
+        for action, why in unprovable:
+            reason = f"{why}; its executor changed before it reported an outcome"
             outcomes.to_person(action, lease.fence, lease.actor, reason)
+
+
+def _person_settles(action: Action, goal_rev: int) -> str:
+    """Why only a person can settle an action that may have been sent ("" if its tool's
+    contract still can): a tool with neither key nor lookup; or one reconciled by a replay
+    with its key whose goal was revised since — the replay would send the old goal's action
+    after the revision (invariant 6), as a worker's reconciler refuses too
+    (runtime.dispatch._revised_since). A lookup still tells: it sends nothing."""
+    mode = tool_of(action).dedup_mode()
+    if mode == Dedup.NONE:
+        return f"{action.tool} cannot deduplicate or be looked up"
+    if mode == Dedup.KEY and action.goal_rev != goal_rev:
+        return (
+            f"{action.tool} was prepared under goal revision {action.goal_rev}, the goal is now "
+            f"at {goal_rev}: a replay with its key would send it after the revision"
+        )
+    return ""
 
 
 def hand_over_unproven(run: Run, actor: str) -> list[Action]:
@@ -492,9 +510,18 @@ def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: s
             raise StaleFence("the run was taken over by another executor")
         if status in TERMINAL:
             raise RunFinished(f"the run is {status}: nothing more is sent for it")
-        if action.goal_rev != goal_rev:
-            raise StaleGoalRev(f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}")
-        return ledger.mark_resent(action, fence, ttl, tool, actor)
+        revised = _person_settles(action, goal_rev)
+        if not revised:
+            return ledger.mark_resent(action, fence, ttl, tool, actor)
+        if ledger.reload(action).status == S.UNKNOWN:
+            # Its executor said it cannot tell, and the replay that would tell is refused:
+            # a person says whether it applied (committed with the refusal that follows),
+            # not left `unknown` for a replay nobody may make. A `sent` one still takes its
+            # sender's late outcome (and goes to a person at a takeover or an `unknown`).
+            outcomes.to_person(action, fence, actor, revised)
+    raise StaleGoalRev(
+        f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}: not sent again"
+    )
 
 
 def _resume(action: Action, fence: int, actor: str) -> None:
@@ -539,6 +566,9 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
     if action.status not in ledger.UNSETTLED:
         return None
     how = RECONCILE[tool_of(action).dedup_mode()]
+    if how == "replay_same_key" and action.goal_rev != action.run.goal_rev:
+        # The replay would be refused (stale_goal_rev) and hands the action to a person.
+        return {"how": "manual_review"}
     if how == "lookup":
         # "not_found" is accepted only once the sender can no longer be in flight.
         return {"how": how, "not_found_after": action.in_flight_until}

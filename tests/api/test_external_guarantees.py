@@ -380,6 +380,77 @@ def test_mode_lookup_not_found_is_accepted_only_after_the_in_flight_grace(
     assert ok(dispatch(client, action["action_id"], fence))["attempts"] == 2
 
 
+def key_tool_sent(agent: Persona, settings: Any) -> tuple[APIClient, str, int, dict[str, Any]]:
+    """An external run leased by `agent` with one action of a mode-`key` tool `sent`."""
+    settings.HOLDPOINT_TASKS_DEDUP = "key"
+    client = agent.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    return client, run_id, fence, sent(client, run_id, fence)
+
+
+def test_mode_key_an_unknown_action_of_a_revised_goal_goes_to_a_person_not_stuck(
+    agent_a: Persona, settings: Any
+) -> None:
+    """An `unknown` action of a tool reconciled by `replay_same_key`, then the goal revised:
+    a replay would send the old goal's action after the revision, so the dispatch is refused
+    (stale_goal_rev) — and the action stayed `unknown` for ever, its `reconcile` still saying
+    "replay_same_key", with nobody ever told. A worker's reconciler hands it to a person
+    (runtime.dispatch._revised_since); an external executor's run gets the same."""
+    client, run_id, fence, action = key_tool_sent(agent_a, settings)
+    ok(outcome(client, action["action_id"], fence, "unknown"))
+    ok(post(client, f"runs/{run_id}/revisions/", {"goal": {"v": 2}, "expected_goal_rev": 1}))
+
+    shown = ok(get(client, f"actions/{action['action_id']}/"))
+    assert shown["reconcile"] == {"how": "manual_review"}  # what happens next, truthfully
+    problem(dispatch(client, action["action_id"], fence), 409, "stale_goal_rev")
+
+    stored = Action.objects.get(pk=action["action_id"])
+    assert stored.status == ActionStatus.MANUAL_REVIEW and stored.attempts == 1  # not resent
+    assert "revision" in stored.last_error
+    run = Run.objects.get(pk=run_id)
+    assert (run.status, run.waiting_for["action_id"]) == (
+        RunStatus.NEEDS_RECONCILIATION,
+        action["action_id"],
+    )
+
+
+def test_a_takeover_hands_a_sent_action_of_a_revised_goal_to_a_person(
+    agent_a: Persona, settings: Any
+) -> None:
+    """The executor died with an action `sent` (mode key), and the goal was revised: its
+    successor keys its calls under the new revision, so nothing would ever look at the old
+    action again — `sent` for ever, though its effect may have happened. The new lease hands
+    it to a person, as a worker's recovery does."""
+    client, run_id, fence, old = key_tool_sent(agent_a, settings)  # ...and it died
+    ok(post(client, f"runs/{run_id}/revisions/", {"goal": {"v": 2}, "expected_goal_rev": 1}))
+    expire_lease(run_id)
+
+    successor = take_lease(client, run_id, owner="agent-2")
+
+    stored = Action.objects.get(pk=old["action_id"])
+    assert stored.status == ActionStatus.MANUAL_REVIEW and "revision" in stored.last_error
+    assert Run.objects.get(pk=run_id).status == RunStatus.NEEDS_RECONCILIATION
+    shown = ok(get(client, f"actions/{old['action_id']}/"))
+    assert shown["reconcile"] == {"how": "manual_review"}
+    # The successor's own work under the new goal goes on meanwhile.
+    new = ok(prepare(client, run_id, successor, tool=CLIENT, params={"title": "v2"}), 201)
+    assert ok(dispatch(client, new["action_id"], successor))["status"] == "sent"
+
+
+def test_a_takeover_keeps_a_sent_action_of_the_current_goal_for_a_replay(
+    agent_a: Persona, settings: Any
+) -> None:
+    client, run_id, fence, action = key_tool_sent(agent_a, settings)
+    expire_lease(run_id)
+
+    successor = take_lease(client, run_id, owner="agent-2")
+
+    shown = ok(get(client, f"actions/{action['action_id']}/"))
+    assert (shown["status"], shown["reconcile"]) == ("sent", {"how": "replay_same_key"})
+    assert ok(dispatch(client, action["action_id"], successor))["attempts"] == 2
+
+
 def test_a_takeover_hands_a_sent_action_of_a_none_tool_to_a_person(
     agent_a: Persona, settings: Any
 ) -> None:
