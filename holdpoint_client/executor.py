@@ -474,7 +474,12 @@ class ExecutorCore(Generic[C]):
         except StaleFence as exc:
             raise self._lose(exc) from exc
         except StaleGoalRev as exc:
-            raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=action) from exc
+            # Withdrawn only if it never left; a replay refused (the action sent or unknown)
+            # may have applied: the server hands it to a person, and the loop waits for them.
+            reread = yield from ask(calls.get_action(action.action_id))
+            if reread.status in ("prepared", "approved", "cancelled"):
+                raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=reread) from exc
+            return reread
         except (ApprovalRequired, ApprovalExpired):
             # The server holds the action again under a new request: wait for that one.
             reread = yield from ask(calls.get_action(action.action_id))

@@ -40,7 +40,7 @@ from holdpoint_client import (
     ToolRefused,
 )
 from runtime.api.problems import CODES
-from runtime.lifecycle import create_run
+from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Action as ActionRow
 from runtime.models import Run as RunRow
 from runtime.models import Tenant
@@ -678,6 +678,47 @@ def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
     stored = ActionRow.objects.get(run_id=run.run_id)
     assert (stored.goal_rev, stored.status) == (1, "manual_review")
     assert RunRow.objects.get(run_id=run.run_id).status == "needs_reconciliation"
+
+
+class RevisingAfterUnknown(Faulty):
+    """Revises the run's goal right after the executor's `unknown` report has landed, before
+    the replay that report leads to is dispatched."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path.endswith("/outcome/") and b'"unknown"' in request.content:
+            run = RunRow.objects.get(pk=json.loads(response.read())["run_id"])
+            revise_goal(run, {**GOAL, "scope": ["/orders"]}, run.goal_rev, actor="user:u")
+        return response
+
+
+def test_an_unknown_action_whose_goal_was_revised_before_its_replay_waits_for_a_person(
+    live_server: Any, agent_a: Persona
+) -> None:
+    """The call's answer was lost (`unknown`), then the goal was revised before the replay
+    went out: the server refuses the replay (stale_goal_rev) and hands the action to a
+    person. The executor raised ActionWithdrawn — "cancelled without a rejection", i.e.
+    certainly not applied — for an action that may well have applied; it now waits for the
+    person's answer (OutcomeUnknown when that does not come in time)."""
+    api = connect(live_server.url, agent_a, transport=RevisingAfterUnknown())
+    run = api.create_run("api-review", GOAL, external=True)
+    tracker = Tracker()
+
+    def lost_answer(call: ToolCall) -> tuple[str, Any]:
+        tracker(call)  # applied...
+        raise ConnectionResetError("...and the reply was lost")
+
+    try:
+        with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+            with pytest.raises(OutcomeUnknown, match="still manual_review"):
+                ex.act(TOOL, TASK, call="propose_task", perform=lost_answer, resolution_timeout=0)
+    finally:
+        api.close()
+
+    assert len(tracker.calls) == 1  # never replayed after the revision
+    stored = ActionRow.objects.get(run_id=run.run_id)
+    assert (stored.goal_rev, stored.status, stored.attempts) == (1, "manual_review", 1)
+    assert RunRow.objects.get(pk=run.run_id).status == "needs_reconciliation"
 
 
 def test_a_run_that_failed_to_open_does_not_keep_its_lease(
