@@ -159,7 +159,7 @@ def test_the_default_format_is_readable_on_a_terminal_and_json_elsewhere() -> No
 
 @pytest.mark.parametrize("format", logs.FORMATS)
 def test_a_tracebacks_locals_never_reach_a_log_line(agent_a: Persona, format: str) -> None:
-    """An API request whose token lookup meets a database error is a 500, and the operator
+    """An API request whose token lookup meets a lost database is a 503, and the operator
     gets its traceback — in both formats without the frames' local variables: the console
     renderer printed them when `rich` is installed (the test extra brings it, and `make run`
     logs in console format), and the frame that reads the header holds the agent's key."""
@@ -180,7 +180,7 @@ def test_a_tracebacks_locals_never_reach_a_log_line(agent_a: Persona, format: st
             answer = agent_a.api().get("/api/v1/runs/")
     finally:
         root.removeHandler(handler)
-    assert answer.status_code == 500
+    assert answer.status_code == 503  # service_unavailable (tests/api/test_database_lost.py)
     written = out.getvalue()
     assert "OperationalError" in written and "server closed the connection" in written
     assert agent_a.token and agent_a.token not in written
