@@ -81,11 +81,12 @@ def check_database() -> Result:
             cursor.fetchone()
     except Exception as exc:  # any driver error means "not reachable" to a probe
         detail = f"{type(exc).__name__}: {exc}".strip()[:200]
-        return _fail(
-            [_line(f"database unreachable ({detail})", "nothing can run", "check DATABASE_URL")],
-            detail=detail,
-        )
+        return _fail([_unreachable(detail)], detail=detail, kind=type(exc).__name__)
     return _ok()
+
+
+def _unreachable(detail: str) -> str:
+    return _line(f"database unreachable ({detail})", "nothing can run", "check DATABASE_URL")
 
 
 def check_migrations() -> Result:
@@ -546,7 +547,7 @@ def problems(results: dict[str, Result]) -> list[tuple[str, str, str]]:
 
 # /readyz answers anyone who can reach it: checks of the deployment show their problems, the
 # checks that read tenants' tools and credentials say only how many (`manage.py doctor`
-# names them), so no tenant's names leak to a probe.
+# names them), so no tenant's names leak to a probe — nor the database's address and user.
 DEPLOYMENT_CHECKS = {
     "database",
     "migrations",
@@ -561,6 +562,11 @@ DEPLOYMENT_CHECKS = {
 
 
 def _public(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    if name == "database" and not result["ok"]:
+        # The driver's message names the database's host, port, user and database (and why
+        # the login failed): the class of the error is all a probe is told; doctor says more.
+        kind = str(result.get("kind", "error"))
+        return {**result, "detail": kind, "problems": [_unreachable(kind)], "kind": kind}
     if name in DEPLOYMENT_CHECKS:
         return result
     count = len(result.get("problems", []))

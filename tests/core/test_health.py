@@ -73,6 +73,10 @@ def test_readyz_fails_when_the_database_is_unreachable() -> None:
         checks = ready.json()["checks"]
         assert checks["database"]["ok"] is False
         assert "OperationalError" in checks["database"]["detail"]
+        # A probe anyone can reach is not told where the database is, nor as whom: the
+        # driver's message (host, port, user, database) stays with `manage.py doctor`.
+        told = ready.text
+        assert str(closed) not in told and "nobody" not in told and "nowhere" not in told
     finally:
         procs.kill(server)
 
