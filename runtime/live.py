@@ -76,6 +76,26 @@ def _read_in_thread(fn: Callable[[], T]) -> T:
             connection.close()
 
 
+class _Failures:
+    """A failed read is every open stream's at once (the database away: each of 200 streams
+    retries every RETRY_SECONDS), so it is logged once per LOG_EVERY seconds for the whole
+    process, with its traceback and how many were not — not a traceback per stream per try."""
+
+    def __init__(self) -> None:
+        self.logged = -LOG_EVERY
+        self.unsaid = 0
+
+    def say(self, logger: logging.Logger, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.logged < LOG_EVERY:
+            self.unsaid += 1
+            return
+        unsaid, self.unsaid, self.logged = self.unsaid, 0, now
+        if unsaid:
+            message, args = message + " (and %d more since the last such line)", (*args, unsaid)
+        logger.exception(message, *args)
+
+
 class Doorbell:
     """The process's wake-ups, keyed by stream ("run:<id>", "tenant:<id>")."""
 
@@ -85,6 +105,9 @@ class Doorbell:
         self.inflight: dict[Hashable, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Its LISTEN or poll failing is logged once per LOG_EVERY (the database away, it
+        # retries every second or half-second), apart from the streams' own failed reads.
+        self.failed = _Failures().say
 
     @contextlib.asynccontextmanager
     async def subscription(self, *keys: str) -> AsyncIterator[asyncio.Event]:
@@ -173,7 +196,7 @@ class Doorbell:
             except asyncio.CancelledError:
                 raise
             except Exception:  # a lost connection: listen again, after a pause
-                log.exception("live events: the LISTEN connection failed; reconnecting")
+                self.failed(log, "live events: the LISTEN connection failed; reconnecting")
             await asyncio.sleep(RETRY_SECONDS)
 
     async def _poll(self) -> None:
@@ -196,7 +219,7 @@ class Doorbell:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("live events: polling the stream heads failed")
+                self.failed(log, "live events: polling the stream heads failed")
             await asyncio.sleep(POLL_SECONDS)
 
 
@@ -238,26 +261,6 @@ def _heads(keys: list[str]) -> dict[str, Any]:
 
 
 doorbell = Doorbell()
-
-
-class _Failures:
-    """A failed read is every open stream's at once (the database away: each of 200 streams
-    retries every RETRY_SECONDS), so it is logged once per LOG_EVERY seconds for the whole
-    process, with its traceback and how many were not — not a traceback per stream per try."""
-
-    def __init__(self) -> None:
-        self.logged = -LOG_EVERY
-        self.unsaid = 0
-
-    def say(self, logger: logging.Logger, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self.logged < LOG_EVERY:
-            self.unsaid += 1
-            return
-        unsaid, self.unsaid, self.logged = self.unsaid, 0, now
-        if unsaid:
-            message, args = message + " (and %d more since the last such line)", (*args, unsaid)
-        logger.exception(message, *args)
 
 
 read_failed = _Failures().say

@@ -349,6 +349,45 @@ def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Person
     assert asyncio.run(rung())
 
 
+def test_the_doorbell_says_once_per_interval_that_it_cannot_reach_the_database(
+    db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database away: the process's doorbell — PostgreSQL's LISTEN connection, SQLite's
+    poll of the stream heads — tried again every second (half-second) and logged a traceback
+    each time, a flood beside the streams' own line. Now it is one line per interval, as
+    for the streams' failed reads. (`db`: the vendor decides which of the two runs.)"""
+    import logging
+
+    from django.db import OperationalError
+
+    monkeypatch.setattr(live, "LOG_EVERY", 60.0)
+    monkeypatch.setattr(live, "RETRY_SECONDS", 0.1)
+    monkeypatch.setattr(live, "POLL_SECONDS", 0.1)
+    if connection.vendor == "postgresql":  # nothing listens on that port
+        closed = f"host=127.0.0.1 port={procs.free_port()} user=nobody dbname=nowhere"
+        monkeypatch.setattr(live, "_conninfo", lambda: closed)
+    else:
+
+        def unreachable(keys: list[str]) -> Any:
+            raise OperationalError("unable to open database file")
+
+        monkeypatch.setattr(live, "_heads", unreachable)
+
+    async def away() -> None:
+        doorbell = live.Doorbell()
+        try:
+            async with doorbell.subscription("run:away"):
+                await asyncio.sleep(1.5)  # ~15 tries
+        finally:
+            await doorbell.stop()
+
+    with caplog.at_level(logging.ERROR, logger=live.log.name):
+        asyncio.run(away())
+    said = [r.getMessage() for r in caplog.records if r.name == live.log.name]
+    assert len(said) == 1, said
+    assert said[0].startswith("live events: ")
+
+
 @pytest.mark.postgres
 def test_stopping_the_doorbell_closes_the_connections_its_readers_kept() -> None:
     """On PostgreSQL a reader thread keeps its connection between reads; stopping the doorbell
