@@ -154,6 +154,73 @@ def _unresolved(resolver: Resolver[Any], resource: referencing.Resource[Any]) ->
     return ""
 
 
+# Keywords that apply their subschemas to the same value (not to a part of it): a `$ref`
+# that comes back to itself through these alone never reaches into the params, and checking
+# any value against it recurses until the stack runs out.
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+_IN_PLACE_LIST = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_MAP = ("dependentSchemas",)
+
+
+def looping_ref(schema: Any) -> str:
+    """The first `$ref` (or `$dynamicRef`) of `schema` that leads back to a schema it came
+    from without reaching into the value (`#/$defs/a` → `#/$defs/a`, or through `allOf`),
+    or "" when none does. A `$ref` back to the root through `properties` or `items` is a
+    tree of any depth, not a loop: each step goes one level into the params. Call it after
+    `unresolved_ref` found nothing (a `$ref` it cannot resolve is skipped here)."""
+    root = DRAFT202012.create_resource(schema)
+    done: set[int] = set()
+    return _loop_in(NOWHERE.resolver_with_root(root), root, done)
+
+
+def _loop_in(resolver: Resolver[Any], resource: referencing.Resource[Any], done: set[int]) -> str:
+    found = _in_place_loop(resolver, resource.contents, [], done)
+    if found:
+        return found
+    for inner in resource.subresources():
+        found = _loop_in(resolver.in_subresource(inner), inner, done)
+        if found:
+            return found
+    return ""
+
+
+def _in_place_loop(resolver: Resolver[Any], contents: Any, path: list[int], done: set[int]) -> str:
+    """Depth first over the subschemas `contents` applies to the same value; `path` holds
+    the ones on the way here (a loop when one comes again), `done` those seen loop-free."""
+    if not isinstance(contents, Mapping) or id(contents) in done:
+        return ""
+    if id(contents) in path:
+        return "a loop"
+    path.append(id(contents))
+    nexts: list[tuple[Resolver[Any], Any, str]] = []
+    for keyword in ("$ref", "$dynamicRef"):
+        ref = contents.get(keyword)
+        if isinstance(ref, str):
+            try:
+                resolved = resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable:
+                continue
+            nexts.append((resolved.resolver, resolved.contents, ref))
+    inner: list[Any] = [contents.get(k) for k in _IN_PLACE_ONE]
+    for keyword in _IN_PLACE_LIST:
+        if isinstance(contents.get(keyword), list):
+            inner.extend(contents[keyword])
+    for keyword in _IN_PLACE_MAP:
+        if isinstance(contents.get(keyword), Mapping):
+            inner.extend(contents[keyword].values())
+    for sub in inner:
+        if isinstance(sub, Mapping):
+            here = resolver.in_subresource(DRAFT202012.create_resource(sub))
+            nexts.append((here, sub, ""))
+    for next_resolver, next_contents, ref in nexts:
+        found = _in_place_loop(next_resolver, next_contents, path, done)
+        if found:
+            return ref or found
+    path.pop()
+    done.add(id(contents))
+    return ""
+
+
 # Regular expressions in a schema (`pattern`, `patternProperties`) come from a tenant's
 # admin or an upstream MCP server, and the strings they are run on from an agent. Python's
 # `re`, which python-jsonschema uses, backtracks without bound: `^(a|a)+$` against forty
@@ -202,7 +269,16 @@ class ParamsSchema:
         self.fast: Any = None
         self.regex: Any = None
         self.unusable = ""
-        if has_regex(schema):
+        try:
+            loop = looping_ref(schema)
+        except Exception:  # not a schema the resolver can walk: the validators judge it
+            loop = ""
+        if loop:
+            # Stored before definitions were refused for it: checking any value would recurse
+            # until the stack runs out (a RecursionError, or a panic inside the resolver's
+            # Rust maps), so no value is checked against it.
+            self.unusable = f"$ref {loop!r} leads back to itself"
+        elif has_regex(schema):
             try:
                 self.regex = regex_validator(schema)
             except ValueError as exc:

@@ -250,8 +250,11 @@ def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
         errors.add("schema", f"not a valid JSON Schema: {exc.message}")
         return {}
     ref = paramcheck.unresolved_ref(schema)
+    loop = "" if ref else paramcheck.looping_ref(schema)
     if ref:
         errors.add("schema", f"$ref {ref!r} does not point inside the schema (none is fetched)")
+    elif loop:
+        errors.add("schema", f"$ref {loop!r} leads back to itself without reaching into the params")
     elif paramcheck.has_regex(schema):
         try:
             paramcheck.regex_validator(schema)
@@ -337,7 +340,11 @@ def _lookup(lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool) 
             lookup, "method", ("GET", "POST"), "GET", errors, where="lookup.method"
         )
         spec["url"] = lookup.get("url")
-        _template(spec["url"], "lookup.url", params | {"idempotency_key"}, errors)
+        template = _template(spec["url"], "lookup.url", params | {"idempotency_key"}, errors)
+        if template is not None and "idempotency_key" not in template.placeholders:
+            # Without the key every action asks the same question, and whatever it finds
+            # would confirm each of them.
+            errors.add("lookup.url", "the lookup asks by the action's key: {idempotency_key}")
     return spec
 
 

@@ -5,6 +5,7 @@ definition is 422 with field errors and stores nothing; another tenant's tool is
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -171,6 +172,32 @@ BAD = {
         "invalid_tool",
         "schema",
     ),
+    # A `$ref` that comes back to itself without reaching into the params: every check of
+    # an action's params recursed until Python's stack ran out (a 500 at `POST actions/`,
+    # a failed step in a worker), for every action of the tool.
+    "a $ref that loops": (
+        tickets(
+            schema={
+                "type": "object",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+                "properties": {"title": {"$ref": "#/$defs/a"}},
+            }
+        ),
+        "invalid_tool",
+        "schema",
+    ),
+    "a $ref to itself": (
+        tickets(schema={"type": "object", "properties": {"title": {"$ref": "#/properties/title"}}}),
+        "invalid_tool",
+        "schema",
+    ),
+    # A lookup that does not carry the key asks the same question for every action: any
+    # effect it finds would confirm each of them (a false completion).
+    "a lookup without the key": (
+        tickets(lookup={"url": "http://127.0.0.1:8765/tickets?mine=1", "found": "$[0].id"}),
+        "invalid_tool",
+        "lookup.url",
+    ),
     "not an object": (["tickets.create"], "invalid_tool", "tool"),
     "unknown field": (tickets(surprise=1), "invalid_tool", "surprise"),
 }
@@ -296,3 +323,50 @@ def test_the_list_pages_by_cursor(
     back = ok(client.get(pages[-1]["previous"]))
     assert [t["name"] for t in back["results"]] == [t["name"] for t in pages[-2]["results"]]
     problem(get(client, "tools/?cursor=bm9wZQ"), 422, "invalid_params")
+
+
+def test_a_schema_that_recurses_into_its_params_is_a_definition(admin_a: Persona) -> None:
+    """A `$ref` back to the root through a property reaches one level deeper into the
+    params each time: a tree of any depth, not a loop."""
+    tree = {
+        "type": "object",
+        "properties": {"title": {"type": "string"}, "child": {"$ref": "#"}},
+    }
+    ok(post(admin_a.api(), "tools/", tickets(schema=tree)), 201)
+
+
+def test_a_stored_schema_that_loops_refuses_the_params_not_the_server(
+    admin_a: Persona, agent_a: Persona
+) -> None:
+    """A definition stored before such schemas were refused: its actions are 422
+    invalid_params with the reason, not a 500, and nothing is prepared."""
+    from runtime import protocol
+    from runtime.lifecycle import create_run
+    from runtime.models import Action
+
+    ok(post(admin_a.api(), "tools/", TICKETS), 201)
+    row = ToolDefinition.objects.get()
+    looping = {"type": "object", "properties": {"title": {"$ref": "#/properties/title"}}}
+    ToolDefinition.objects.create(
+        tenant=row.tenant,
+        name=row.name,
+        version=row.version + 1,
+        spec={**row.spec, "schema": looping},
+        digest="1" * 64,
+        created_by="user:admin",
+    )
+    run = create_run(
+        admin_a.tenant,
+        "ticketing",
+        {"title": "x"},
+        actor="agent:a",
+        external=True,
+        executor_account=agent_a.user,
+    )
+    fence = protocol.take(run, "agent-1", 30, who="agent:a").fence
+    body = {"fence": fence, "tool": "tickets.create", "params": {"title": "x"}, "reason": "r"}
+    refused = problem(
+        post(agent_a.api(), f"runs/{run.run_id}/actions/", body), 422, "invalid_params"
+    )
+    assert "schema" in json.dumps(refused)
+    assert not Action.objects.exists()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from runtime.errors import InvalidParams
 from runtime.ledger import canonical_params
-from runtime.paramcheck import FAST_KEYWORDS, ParamsSchema, fast_enough
+from runtime.paramcheck import FAST_KEYWORDS, ParamsSchema, fast_enough, looping_ref
 from runtime.tools import Tool
 
 # Numbers at and around the bounds below, where two implementations' arithmetic can part.
@@ -343,3 +343,52 @@ def test_a_pattern_that_backtracks_is_refused_at_once_not_run_for_ever() -> None
     except subprocess.TimeoutExpired:
         pytest.fail("the params check still ran after 60 s")
     assert json.loads(done.stdout) == {"title": ['"' + "a" * 60 + '!" does not match "^(a|a)+$"']}
+
+
+_LOOPS = {
+    "through an anchor and not": {
+        "$defs": {"a": {"$anchor": "A", "not": {"$ref": "#A"}}},
+        "properties": {"x": {"$ref": "#A"}},
+    },
+    "through an $id": {
+        "$defs": {"a": {"$id": "https://e.example/a", "$ref": "a"}},
+        "properties": {"x": {"$ref": "https://e.example/a"}},
+    },
+    "through a $dynamicRef": {
+        "$defs": {"a": {"$dynamicAnchor": "d", "anyOf": [{"$dynamicRef": "#d"}]}},
+        "properties": {"x": {"$ref": "#/$defs/a"}},
+    },
+    "the root through allOf": {"allOf": [{"$ref": "#"}]},
+}
+_TREES = {  # (schema, params it takes)
+    "a child of its own kind": ({"properties": {"c": {"$ref": "#"}}}, {"c": {"c": {}}}),
+    "a list of its own kind": (
+        {"properties": {"c": {"type": "array", "items": {"$ref": "#"}}}},
+        {"c": [{"c": []}]},
+    ),
+    "one definition used twice": (
+        {
+            "$defs": {
+                "a": {"allOf": [{"$ref": "#/$defs/b"}, {"$ref": "#/$defs/b"}]},
+                "b": {"type": "string"},
+            },
+            "properties": {"x": {"$ref": "#/$defs/a"}},
+        },
+        {"x": "1"},
+    ),
+}
+
+
+@pytest.mark.parametrize("schema", list(_LOOPS.values()), ids=list(_LOOPS))
+def test_a_ref_loop_is_found_and_refuses_params_instead_of_recursing(schema: Any) -> None:
+    """Checking any value against such a schema recursed until the stack ran out."""
+    schema = {"type": "object", **schema}
+    assert looping_ref(schema)
+    assert "leads back to itself" in ParamsSchema(schema).errors({"x": "1"})["params"][0]
+
+
+@pytest.mark.parametrize(("schema", "params"), list(_TREES.values()), ids=list(_TREES))
+def test_a_ref_that_reaches_into_the_value_is_no_loop(schema: Any, params: Any) -> None:
+    schema = {"type": "object", **schema}
+    assert looping_ref(schema) == ""
+    assert ParamsSchema(schema).errors(params) == {}
