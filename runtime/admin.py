@@ -24,6 +24,7 @@ from django.http import HttpRequest
 from django.utils.functional import cached_property
 
 from audit.models import JournalEntry
+from runtime import outbound
 from runtime.accounts import record_tenant_act
 from runtime.auth import DEFAULT_OVERLAP, Issued, issue_token, revoke_token, rotate_tokens
 from runtime.crypto import SecretUnreadable
@@ -426,6 +427,13 @@ class ToolCredentialForm(forms.ModelForm[ToolCredential]):
         value: str = self.cleaned_data.get("secret", "")
         if not value and self.instance.pk is None:
             raise forms.ValidationError("A new credential needs its secret.")
+        try:  # it is sent as a bearer token: a value no header can carry is never sent
+            outbound.check_headers({"Authorization": f"Bearer {value}"})
+        except outbound.OutboundRefused:
+            raise forms.ValidationError(
+                "A credential is sent in an HTTP header: no line breaks, control characters"
+                " or characters outside Latin-1."
+            ) from None
         return value
 
 

@@ -132,6 +132,7 @@ def target_for(
             timeout=seconds,
             max_bytes=max_bytes,
         )
+    outbound.check_headers(headers)  # a credential no header can carry: never quoted
     return Target(
         McpTransport.STREAMABLE_HTTP,
         url=server.url,
@@ -377,6 +378,8 @@ def fetch_tools(server: McpServer) -> list[UpstreamTool]:
     try:
         target = target_for(server, _secret(server))
     except outbound.OutboundRefused as exc:
+        if exc.code == "bad_header":
+            raise UpstreamUnavailable(f"{server.name}: {exc.detail}") from None
         raise HostNotAllowed(exc.detail, errors={"url": [exc.detail]}) from None
     except (httpx.ConnectError, SecretUnreadable) as exc:
         raise UpstreamUnavailable(f"{server.name}: {exc}") from None

@@ -50,12 +50,19 @@ class OutboundRefused(Exception):
     """A request Holdpoint will not send, or an answer it will not take.
 
     `code` is one of CODES. Raised before connecting (host_not_allowed, private_address,
-    bad_url) nothing was sent; raised after (redirect, too_large) the request did reach the
-    service, which is why the caller, not this module, decides what that means for the
-    effect. `status_code` is the answer's status when there was one.
+    bad_url, bad_header) nothing was sent; raised after (redirect, too_large) the request
+    did reach the service, which is why the caller, not this module, decides what that
+    means for the effect. `status_code` is the answer's status when there was one.
     """
 
-    CODES = ("host_not_allowed", "private_address", "redirect", "too_large", "bad_url")
+    CODES = (
+        "host_not_allowed",
+        "private_address",
+        "redirect",
+        "too_large",
+        "bad_url",
+        "bad_header",
+    )
 
     def __init__(self, code: str, detail: str, *, status_code: int | None = None) -> None:
         if code not in self.CODES:
@@ -194,6 +201,28 @@ def _judged_url(url: str, hosts: tuple[str, ...] | None) -> tuple[str, int, str]
             "host_not_allowed", f"{host} is not among the hosts allowed (HOLDPOINT_TOOL_HOSTS)"
         )
     return host, port or (443 if split.scheme == "https" else 80), split.scheme
+
+
+# What no header value may hold: control characters but the tab (a line break would end the
+# header and start another) and anything past Latin-1, the bytes http.client writes.
+_NOT_IN_A_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]|[^\x00-\xff]")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def check_headers(headers: Mapping[str, str]) -> None:
+    """OutboundRefused("bad_header") for a header that cannot be sent as it is, naming the
+    header and never its value: the HTTP libraries' own errors quote the whole value, and a
+    value may be a credential (the message becomes an action's error, which every member of
+    the tenant reads, and goes into the journal)."""
+    for name, value in headers.items():
+        if not _HEADER_NAME.fullmatch(name):
+            raise OutboundRefused("bad_header", f"{name[:100]!r} is not a header name")
+        if _NOT_IN_A_HEADER.search(value):
+            raise OutboundRefused(
+                "bad_header",
+                f"the {name} header holds a line break or a character HTTP headers cannot carry"
+                " (its value is not shown)",
+            )
 
 
 # --- Addresses --------------------------------------------------------------------------
@@ -747,6 +776,7 @@ def send(
     limit = settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES if max_bytes is None else max_bytes
     target, host_header = _target(url)
     sent_headers = {k: v for k, v in headers.items() if k.lower() != "host"}
+    check_headers(sent_headers)
     sent_headers["Host"] = host_header  # host[:port] as the URL gave it
     # Identity unless the caller asks otherwise: nothing to inflate at all. A compressed
     # answer is still read, inflated within the cap (`_Inflate`).

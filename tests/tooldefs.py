@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.models import Tenant, ToolDefinition
-from runtime.tooldefs import define_many
+from runtime.models import Action, Tenant, ToolDefinition
+from runtime.tooldefs import define, define_many
 
 
 def tickets(url: str, mode: str = "key", **changes: Any) -> list[dict[str, Any]]:
@@ -56,3 +56,20 @@ def define_tickets(tenant: Tenant, url: str, mode: str = "key", **changes: Any) 
     """Define the tickets tools for `tenant`; the tickets.create definition stored."""
     defined = define_many(tenant, tickets(url, mode, **changes), "user:admin")
     return defined[-1].definition
+
+
+def run_ticket(tenant: Tenant, url: str, mode: str = "none", **changes: Any) -> Action:
+    """Define tickets.create at `url` (no approval: a policy lets it go), start a ticketing
+    run and advance it one step in this process; its action."""
+    from approvals.models import ApprovalPolicy
+    from runtime.executor import advance_run
+    from runtime.lifecycle import create_run
+
+    for item in tickets(url, mode, **changes):
+        define(tenant, item, "user:admin", known_tools=["tickets.close"])
+    ApprovalPolicy.objects.get_or_create(
+        tenant=tenant, name="tickets go", defaults={"tool": "tickets.create", "required": False}
+    )
+    run = create_run(tenant, "ticketing", {"title": "probe"}, actor="user:t")
+    advance_run(run.run_id, "w1")
+    return Action.objects.get(run=run)

@@ -11,28 +11,16 @@ from typing import Any
 
 import pytest
 
-from approvals.models import ApprovalPolicy
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import Action, ActionStatus, Tenant, ToolDefinition
+from runtime.models import ActionStatus, Tenant, ToolDefinition
 from runtime.tooldefs import HostNotAllowed, InvalidTool, define, parse
 from tests.httpservers import Behaviour, Server, answer_json, redirect_to, stream_forever
+from tests.tooldefs import run_ticket as _run_ticket
 from tests.tooldefs import tickets
 
 S = ActionStatus
 Serve = Callable[[Behaviour], Server]
-
-
-def _run_ticket(tenant: Tenant, url: str, mode: str = "none", **changes: Any) -> Action:
-    """Define tickets.create at `url` (no approval: a policy lets it go) and run one step."""
-    for item in tickets(url, mode, **changes):
-        define(tenant, item, "user:admin", known_tools=["tickets.close"])
-    ApprovalPolicy.objects.get_or_create(
-        tenant=tenant, name="tickets go", defaults={"tool": "tickets.create", "required": False}
-    )
-    run = create_run(tenant, "ticketing", {"title": "probe"}, actor="user:t")
-    advance_run(run.run_id, "w1")
-    return Action.objects.get(run=run)
 
 
 def test_a_loopback_service_is_refused_unless_its_network_is_allowed(

@@ -1,0 +1,74 @@
+"""A tool credential is sent as a bearer token and nowhere else (README, "Tool credentials":
+never in logs, journal payloads, exports or API responses). A value that cannot travel in an
+HTTP header is refused by the HTTP layer with a message that quoted the whole header, the
+secret included — and that message became the action's error, which every member of the
+tenant reads over the API, and went into the journal."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from audit.models import JournalEntry
+from runtime.models import ActionStatus, Tenant, ToolCredential
+from tests.conftest import Persona
+from tests.httpservers import Behaviour, Server, answer_json
+from tests.tooldefs import run_ticket
+
+pytestmark = pytest.mark.django_db
+
+S = ActionStatus
+SECRET = "s3cret-token-4711"
+
+
+def _credential(tenant: Tenant, value: str) -> None:
+    credential = ToolCredential(tenant=tenant, service="tasks")
+    credential.set_secret(value, actor="user:admin")
+    credential.save()
+
+
+@pytest.mark.parametrize("value", [f"{SECRET}\n", f"{SECRET}\r\nX-Injected: 1", f"\n{SECRET}"])
+def test_a_credential_no_header_can_carry_is_never_quoted_and_nothing_is_sent(
+    tenant_a: Tenant, serve: Callable[[Behaviour], Server], agent_a: Persona, value: str
+) -> None:
+    server = serve(answer_json)
+    _credential(tenant_a, value)
+    action = run_ticket(tenant_a, server.url, "key", credential="tasks")
+    assert server.requests == []  # refused before a byte went out
+    # Nothing was sent, so nothing can have applied: not an unknown outcome for a person.
+    assert action.status in (S.PREPARED, S.FAILED), action.status
+    assert SECRET not in action.last_error
+    assert "credential" in action.last_error or "header" in action.last_error
+    for entry in JournalEntry.objects.all():
+        assert SECRET not in json.dumps(entry.payload), entry.type
+    listed = agent_a.api().get(f"/api/v1/actions/{action.action_id}/")
+    assert listed.status_code == 200 and SECRET not in listed.content.decode()
+
+
+@pytest.mark.parametrize("value", [f"{SECRET}\n", f"{SECRET}\r", "tok\x00en", "t\u20acken"])
+def test_the_admin_refuses_a_secret_no_header_can_carry(
+    client: Client, admin_a: Persona, value: str
+) -> None:
+    client.force_login(admin_a.user)
+    page = client.post(
+        "/admin/runtime/toolcredential/add/",
+        {"tenant": admin_a.tenant.pk, "service": "tasks", "secret": value},
+    )
+    assert page.status_code == 200  # the form again, with its error
+    assert "secret" in page.context["adminform"].form.errors
+    assert not ToolCredential.objects.exists()
+
+
+def test_the_admin_stores_a_secret_a_header_can_carry(client: Client, admin_a: Persona) -> None:
+    client.force_login(admin_a.user)
+    page = client.post(
+        "/admin/runtime/toolcredential/add/",
+        {"tenant": admin_a.tenant.pk, "service": "tasks", "secret": "ab c~!\t=="},
+    )
+    assert page.status_code == 302, page.content[:500]
+    stored: Any = ToolCredential.objects.get()
+    assert stored.secret().reveal() == "ab c~!\t=="
