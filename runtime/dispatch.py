@@ -592,8 +592,10 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
             )
         if result.outcome == "stale":
             raise StaleFence(result.detail)
-        if result.outcome == "refused" and not result.transient:
+        if result.outcome == "refused" and not (result.transient or result.unsent):
             return _settle(action, fence, actor, S.FAILED, result.detail)
+        # Not sent this time (refused here, or not reached): the first request may still
+        # have applied, so the action is not failed; it is asked again, then a person.
         return _again(action, fence, actor, result.detail)
     found = tool.lookup(action.idempotency_key, action.params, run_id=str(action.run_id))
     fault(FaultPoint.DURING_RECONCILE)

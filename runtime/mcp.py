@@ -636,7 +636,7 @@ class McpTool(Tool):
                 max_bytes=settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES,
             )
         except outbound.OutboundRefused as exc:
-            return CallResult("refused", detail=f"{exc.code}: {exc.detail}")
+            return CallResult("refused", detail=f"{exc.code}: {exc.detail}", unsent=True)
         except (httpx.ConnectError, SecretUnreadable) as exc:
             return CallResult("refused", transient=True, detail=str(exc))
         arguments = json.loads(params_text)

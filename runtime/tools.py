@@ -61,6 +61,10 @@ class CallResult:
     result: Any = None
     transient: bool = False  # with "refused": certainly not applied, may succeed later
     detail: str = ""
+    # With "refused": Holdpoint refused to send it (a host or address not allowed, a URL or
+    # header it cannot build), so the service said nothing — of this request, nor of an
+    # earlier one with the same key, which a replay is asked to settle.
+    unsent: bool = False
 
 
 @dataclass(frozen=True)
@@ -281,7 +285,7 @@ class HttpTool(Tool):
         except SecretUnreadable as exc:  # nothing was sent; an operator must fix the keys
             return CallResult("refused", transient=True, detail=str(exc))
         except urltemplates.TemplateError as exc:
-            return CallResult("refused", detail=f"the URL cannot be built: {exc}")
+            return CallResult("refused", detail=f"the URL cannot be built: {exc}", unsent=True)
         try:
             response = outbound.send(
                 request.method,
@@ -295,7 +299,7 @@ class HttpTool(Tool):
                 # The service answered, but not with proof: it may have applied (a 303
                 # after a POST usually means it did). The dedup contract settles it.
                 return CallResult("unknown", detail=f"{exc.code}: {exc.detail}")
-            return CallResult("refused", detail=f"{exc.code}: {exc.detail}")  # nothing sent
+            return CallResult("refused", detail=f"{exc.code}: {exc.detail}", unsent=True)
         except httpx.ConnectError as exc:
             # Nothing reached the service: certainly not applied.
             return CallResult("refused", transient=True, detail=f"connect failed: {exc}")
