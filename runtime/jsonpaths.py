@@ -8,6 +8,7 @@ applies them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -110,8 +111,23 @@ class _Environment(jsonpath_rfc9535.JSONPathEnvironment):
 _ENVIRONMENT = _Environment()
 
 
+# A descendant segment (`..`) visits every node below where it starts; one inside another's
+# filter (`$..[?@..id]`) or after another (`$..a..id`) does so again for each node the first
+# reached. Each more multiplies the work by the answer's size: over a 60 KB answer nested
+# 55 deep, `$..[?@..[?@..x]]` took 4 s, and an answer may be 1 MB
+# (HOLDPOINT_TOOL_MAX_RESPONSE_BYTES), read by a worker or an API thread other tenants share.
+MAX_DESCENDANTS = 1
+_STRING = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
 @lru_cache(maxsize=1024)
 def compile_path(expr: str) -> JsonPath:
+    descendants = _STRING.sub("", expr).count("..")
+    if descendants > MAX_DESCENDANTS:
+        raise JsonPathError(
+            f"{expr!r} has {descendants} descendant segments (..): at most {MAX_DESCENDANTS},"
+            " as each more multiplies the work by the size of the answer"
+        )
     try:
         return JsonPath(expr, _ENVIRONMENT.compile(expr))
     # RecursionError: nesting past the stack; OverflowError: a number past a double's range

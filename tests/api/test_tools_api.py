@@ -127,6 +127,12 @@ BAD = {
         "invalid_tool",
         "result",
     ),
+    # Nested descendant segments: the work multiplies by the answer's size at each one.
+    "JSONPath with a descendant inside a descendant": (
+        tickets(result={"external_id": "$..[?@..[?@..id]].id"}),
+        "invalid_tool",
+        "result",
+    ),
     "lookup JSONPath that does not parse": (
         tickets(lookup={"url": "http://127.0.0.1:8765/t?key={idempotency_key}", "found": "$$"}),
         "invalid_tool",
