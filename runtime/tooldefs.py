@@ -323,9 +323,20 @@ def _request(request: Any, params: set[str], key_header: Any, errors: _Errors) -
             # Sent beside the action's key, as a second header: a service reading the first
             # would take this constant for every action's key.
             errors.add("request.headers", f"{key} carries the action's key (dedup.header)")
-        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
-            errors.add("request.headers", f"{key}: a single-line string")
+        if not isinstance(value, str) or not _sendable(str(key), value):
+            errors.add("request.headers", f"{key}: a single-line string HTTP can carry")
     return {"method": method, "url": url, "headers": dict(headers)}
+
+
+def _sendable(name: str, value: str) -> bool:
+    """Whether a header can be sent as written (`outbound.check_headers`): no line break,
+    no other control character, nothing past Latin-1 — else every action would be refused
+    at send time."""
+    try:
+        outbound.check_headers({name: value})
+    except outbound.OutboundRefused:
+        return False
+    return True
 
 
 def _lookup(lookup: Any, params: set[str], errors: _Errors, *, needs_url: bool) -> dict[str, Any]:

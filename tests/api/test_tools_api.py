@@ -59,6 +59,11 @@ def tickets(**changes: Any) -> dict[str, Any]:
     return body
 
 
+def with_headers(headers: dict[str, str]) -> dict[str, Any]:
+    """TICKETS sending these extra headers."""
+    return tickets(request={**TICKETS["request"], "headers": headers})
+
+
 def _defined_events() -> int:
     return JournalEntry.objects.filter(type="tool_defined").count()
 
@@ -156,13 +161,7 @@ BAD = {
     # Sent beside the key as a second header: a service reading the first one dedups every
     # action by this constant (the sandbox does: the second action "applied" as the first).
     "the dedup header as an extra header": (
-        tickets(
-            request={
-                "method": "POST",
-                "url": "http://127.0.0.1:8765/tickets",
-                "headers": {"idempotency-key": "same-for-all"},
-            }
-        ),
+        with_headers({"idempotency-key": "same-for-all"}),
         "invalid_tool",
         "request.headers",
     ),
@@ -203,6 +202,17 @@ BAD = {
         tickets(lookup={"url": "http://127.0.0.1:8765/tickets?mine=1", "found": "$[0].id"}),
         "invalid_tool",
         "lookup.url",
+    ),
+    # Accepted before, then refused at every send (http.client and h11 take neither).
+    "a header value with a control character": (
+        with_headers({"X-Team": "ops\x01"}),
+        "invalid_tool",
+        "request.headers",
+    ),
+    "a header value past Latin-1": (
+        with_headers({"X-Team": "ops \u20ac"}),
+        "invalid_tool",
+        "request.headers",
     ),
     "not an object": (["tickets.create"], "invalid_tool", "tool"),
     "unknown field": (tickets(surprise=1), "invalid_tool", "surprise"),
