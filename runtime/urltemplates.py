@@ -96,7 +96,7 @@ class UrlTemplate:
                     "Placeholders may be used as query values (?key={name}), not as query keys."
                 )
         for segment in split.path.split("/"):
-            if "{" not in segment and unquote(segment) in _DOT_SEGMENTS:
+            if "{" not in segment and _dot_segment(segment):
                 raise TemplateError("A URL path segment may not be '.' or '..'.")
         return cls(text=text, parts=tuple(parts))
 
@@ -133,10 +133,18 @@ class UrlTemplate:
     @staticmethod
     def _check_path(url: str) -> None:
         # A whole segment "." or ".." (or %2E%2E, which servers and proxies decode) is
-        # resolved away by clients and proxies: /tasks/{id} with id ".." would reach /.
+        # resolved away by clients and proxies: /tasks/{id} with id ".." would reach /. So is
+        # one a value's encoded slash makes: nginx matches and proxies the URI decoded and
+        # normalised, so /tasks/{id} with id "../admin" (sent as ..%2Fadmin) reaches /admin.
         for segment in urlsplit(url).path.split("/"):
-            if unquote(segment) in _DOT_SEGMENTS:
+            if _dot_segment(segment):
                 raise TemplateError("A URL path segment may not be '.' or '..'.")
+
+
+def _dot_segment(segment: str) -> bool:
+    """Whether `segment`, decoded, is or holds a "." or ".." segment (between slashes or
+    backslashes, which some servers take for slashes too)."""
+    return any(part in _DOT_SEGMENTS for part in re.split(r"[/\\]", unquote(segment)))
 
 
 def _scalar(name: str, value: Any) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import ActionStatus, Tenant, ToolDefinition
+from runtime.models import Action, ActionStatus, Tenant, ToolDefinition
 from runtime.tooldefs import HostNotAllowed, InvalidTool, define, parse
 from tests.httpservers import Behaviour, Server, answer_json, redirect_to, stream_forever
 from tests.tooldefs import run_ticket as _run_ticket
@@ -69,12 +69,18 @@ def test_params_cannot_leave_their_path_segment(tenant_a: Tenant, serve: Serve) 
         request={"method": "POST", "url": f"{server.url}/boards/{{title}}/tickets"},
     )
     assert action.status == S.CONFIRMED
-    # "probe" is plain; a hostile title is encoded into its one segment.
-    run = create_run(tenant_a, "ticketing", {"title": "x/../../admin?y=1#z"}, actor="user:t")
+    # "probe" is plain; a hostile title is encoded into its one segment...
+    run = create_run(tenant_a, "ticketing", {"title": "x/y?z=1#w"}, actor="user:t")
     advance_run(run.run_id, "w1")
+    # ...and one that climbs out once a proxy decodes the path (nginx: /boards/x/../../admin
+    # is /admin) is never sent: refused before a byte went out.
+    run = create_run(tenant_a, "ticketing", {"title": "x/../../admin"}, actor="user:t")
+    advance_run(run.run_id, "w1")
+    refused = Action.objects.get(run=run)
+    assert refused.status == S.FAILED and "segment" in refused.last_error
     assert [r["path"] for r in server.requests] == [
         "/boards/probe/tickets",
-        "/boards/x%2F..%2F..%2Fadmin%3Fy%3D1%23z/tickets",
+        "/boards/x%2Fy%3Fz%3D1%23w/tickets",
     ]
 
 
