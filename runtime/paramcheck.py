@@ -162,12 +162,23 @@ _IN_PLACE_LIST = ("allOf", "anyOf", "oneOf")
 _IN_PLACE_MAP = ("dependentSchemas",)
 
 
+# The longest chain of `$ref`s (and in-place subschemas) a value is checked through: each
+# step is a few frames of python-jsonschema's recursion, and a chain of some hundreds ran
+# out of stack (a RecursionError at every action) though it never looped.
+MAX_REF_CHAIN = 50
+
+
+class RefChainTooLong(ValueError):
+    """A schema whose `$ref`s chain further than MAX_REF_CHAIN (the message says so)."""
+
+
 def looping_ref(schema: Any) -> str:
     """The first `$ref` (or `$dynamicRef`) of `schema` that leads back to a schema it came
     from without reaching into the value (`#/$defs/a` → `#/$defs/a`, or through `allOf`),
     or "" when none does. A `$ref` back to the root through `properties` or `items` is a
     tree of any depth, not a loop: each step goes one level into the params. Call it after
-    `unresolved_ref` found nothing (a `$ref` it cannot resolve is skipped here)."""
+    `unresolved_ref` found nothing (a `$ref` it cannot resolve is skipped here).
+    RefChainTooLong for a chain longer than MAX_REF_CHAIN that never loops."""
     root = DRAFT202012.create_resource(schema)
     done: set[int] = set()
     return _loop_in(NOWHERE.resolver_with_root(root), root, done)
@@ -191,6 +202,10 @@ def _in_place_loop(resolver: Resolver[Any], contents: Any, path: list[int], done
         return ""
     if id(contents) in path:
         return "a loop"
+    if len(path) >= MAX_REF_CHAIN:
+        raise RefChainTooLong(
+            f"its $refs chain more than {MAX_REF_CHAIN} deep without reaching into the params"
+        )
     path.append(id(contents))
     nexts: list[tuple[Resolver[Any], Any, str]] = []
     for keyword in ("$ref", "$dynamicRef"):
@@ -261,6 +276,17 @@ def regex_validator(schema: Any) -> Any:
         raise ValueError(str(exc).split("\n", 1)[0]) from None
 
 
+def _ref_trouble(schema: Any) -> str:
+    """Why `schema`'s `$ref`s make it unusable ("" when they do not)."""
+    try:
+        loop = looping_ref(schema)
+    except RefChainTooLong as exc:
+        return str(exc)
+    except Exception:  # not a schema the resolver can walk: the validators judge it
+        return ""
+    return f"$ref {loop!r} leads back to itself" if loop else ""
+
+
 class ParamsSchema:
     """One tool version's schema, its validators built once."""
 
@@ -268,17 +294,13 @@ class ParamsSchema:
         self.full = jsonschema.Draft202012Validator(schema, registry=NOWHERE)
         self.fast: Any = None
         self.regex: Any = None
-        self.unusable = ""
-        try:
-            loop = looping_ref(schema)
-        except Exception:  # not a schema the resolver can walk: the validators judge it
-            loop = ""
-        if loop:
-            # Stored before definitions were refused for it: checking any value would recurse
-            # until the stack runs out (a RecursionError, or a panic inside the resolver's
-            # Rust maps), so no value is checked against it.
-            self.unusable = f"$ref {loop!r} leads back to itself"
-        elif has_regex(schema):
+        # Stored before definitions were refused for it: checking any value would recurse
+        # until the stack runs out (a RecursionError, or a panic inside the resolver's Rust
+        # maps), so no value is checked against it.
+        self.unusable = _ref_trouble(schema)
+        if self.unusable:
+            return
+        if has_regex(schema):
             try:
                 self.regex = regex_validator(schema)
             except ValueError as exc:

@@ -250,7 +250,11 @@ def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
         errors.add("schema", f"not a valid JSON Schema: {exc.message}")
         return {}
     ref = paramcheck.unresolved_ref(schema)
-    loop = "" if ref else paramcheck.looping_ref(schema)
+    try:
+        loop = "" if ref else paramcheck.looping_ref(schema)
+    except paramcheck.RefChainTooLong as exc:
+        loop = ""
+        errors.add("schema", str(exc))
     if ref:
         errors.add("schema", f"$ref {ref!r} does not point inside the schema (none is fetched)")
     elif loop:

@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from runtime.errors import InvalidParams
 from runtime.ledger import canonical_params
-from runtime.paramcheck import FAST_KEYWORDS, ParamsSchema, fast_enough, looping_ref
+from runtime.paramcheck import (
+    FAST_KEYWORDS,
+    ParamsSchema,
+    RefChainTooLong,
+    fast_enough,
+    looping_ref,
+)
+from runtime.tooldefs import InvalidTool, parse
 from runtime.tools import Tool
 
 # Numbers at and around the bounds below, where two implementations' arithmetic can part.
@@ -392,3 +399,17 @@ def test_a_ref_that_reaches_into_the_value_is_no_loop(schema: Any, params: Any) 
     schema = {"type": "object", **schema}
     assert looping_ref(schema) == ""
     assert ParamsSchema(schema).errors(params) == {}
+
+
+def test_a_long_ref_chain_is_refused_instead_of_running_out_of_stack() -> None:
+    """No loop, but each `$ref` is a few frames of python-jsonschema's recursion: a chain of
+    1,500 raised RecursionError at every action (and when the definition was checked)."""
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1500)}
+    defs["d1500"] = {"type": "string"}
+    schema = {"type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/d0"}}}
+    with pytest.raises(RefChainTooLong):
+        looping_ref(schema)
+    assert "chain" in ParamsSchema(schema).errors({"x": "a"})["params"][0]
+    with pytest.raises(InvalidTool) as refused:
+        parse({"name": "t.x", "effect": "read", "executor": "client", "schema": schema})
+    assert "chain" in refused.value.extra["errors"]["schema"][0]
