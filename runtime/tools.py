@@ -255,13 +255,18 @@ class HttpTool(Tool):
             "Holdpoint-Run": run_id,
             **self.authorization(run_id, reveal=reveal),
         }
+        content = b"" if self.method in ("GET", "DELETE") else text.encode("utf-8")
+        return OutboundRequest(self.method, self.url.render(params), self._headers(own), content)
+
+    def _headers(self, own: dict[str, str]) -> dict[str, str]:
+        """The definition's extra headers (an API version, a team, an Accept) with ours: a
+        header of ours replaces a definition's of that name in any case."""
         headers = dict(self.extra_headers)
-        if headers:  # a header of ours replaces a definition's of that name in any case
+        if headers:
             taken = {name.lower() for name in own}
             headers = {name: v for name, v in headers.items() if name.lower() not in taken}
         headers.update(own)
-        content = b"" if self.method in ("GET", "DELETE") else text.encode("utf-8")
-        return OutboundRequest(self.method, self.url.render(params), headers, content)
+        return headers
 
     def authorization(self, run_id: str, *, reveal: bool = True) -> dict[str, str]:
         """The run's tenant's credential for this tool as a bearer token, if it has one
@@ -334,7 +339,10 @@ class HttpTool(Tool):
         try:
             params = json.loads(params_text)
             url = self.lookup_url.render({**params, "idempotency_key": key})
-            headers = {"Holdpoint-Run": run_id, **self.authorization(run_id)}
+            # The definition's extra headers too: a service that needs them to answer the
+            # send needs them to answer the lookup (without, every lookup failed and each
+            # unknown action went to a person).
+            headers = self._headers({"Holdpoint-Run": run_id, **self.authorization(run_id)})
             response = outbound.send(
                 self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )

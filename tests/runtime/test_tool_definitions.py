@@ -433,6 +433,23 @@ def test_an_answer_too_deep_to_store_is_unknown_not_a_step_failure(
         assert "nested deeper than 64 levels" in action.last_error, depth
 
 
+def test_a_lookup_sends_the_definitions_extra_headers(serve: Any, tenant_a: Tenant) -> None:
+    """A service that needs the definition's extra headers (here X-Team) to answer the send
+    needs them to answer the lookup: the lookup sent only Holdpoint-Run and the credential,
+    so against such a service every lookup failed, and an action whose outcome was unknown
+    went to a person though the service could have told."""
+    import uuid
+
+    from tests.httpservers import answer_with
+
+    service = serve(answer_with(200, b'[{"id": "t-9"}]'))
+    define_tickets(tenant_a, service.url)
+    looked = get_tool("tickets.create", tenant_a.pk).lookup("k-1", run_id=str(uuid.uuid4()))
+    assert (looked.found, looked.external_id) == (True, "t-9")
+    [asked] = service.requests
+    assert asked["path"] == "/tasks?key=k-1" and asked["headers"]["x-team"] == "ops"
+
+
 @pytest.mark.parametrize(
     ("answer", "found", "applied"),
     [
