@@ -109,12 +109,11 @@ def resume_after(request: Request, after: T) -> int | T:
 
 
 def _position(raw: str, name: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidParams(
-            f"{name} must be a sequence number", errors={name: ["an integer"]}
-        ) from None
+    """An id as this API gives them: ASCII digits only (Python's int() also reads "1_0",
+    " 7", "+7", "-1" and other scripts' digits, none of which any id ever looked like)."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:  # no seq is longer (bigint)
+        raise InvalidParams(f"{name} must be a sequence number", errors={name: ["an integer"]})
+    return int(raw)
 
 
 KEEP_ALIVE = b": keep-alive\n\n"

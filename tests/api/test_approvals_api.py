@@ -464,6 +464,13 @@ def test_a_viewer_or_an_agent_token_may_not_resolve(
         ({}, "1.5", "Last-Event-ID"),
         ({}, "", "Last-Event-ID"),
         ({"after": "3"}, "x", "Last-Event-ID"),
+        # What Python's int() reads as a number, but no id this API gave ever looked like.
+        ({"after": "1_0"}, None, "after"),
+        ({"after": "\u0661\u0662"}, None, "after"),  # Arabic-Indic digits
+        ({"after": " 7"}, None, "after"),
+        ({}, "+7", "Last-Event-ID"),
+        ({}, "-1", "Last-Event-ID"),
+        ({"after": "9" * 5000}, None, "after"),  # past int()'s 4,300 digits
     ],
 )
 def test_the_approvals_stream_refuses_a_position_that_is_no_id(
