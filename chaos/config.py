@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.faults import FaultPoint
+from runtime.faults import WORKER_POINTS
 
 GRAPH = "api-review"
 GOAL: dict[str, Any] = {
@@ -18,7 +18,7 @@ GOAL: dict[str, Any] = {
 }
 HUMAN = "user:chaos"
 # Where a restarted worker may be armed to die: every point the code has.
-FAULT_POINTS = tuple(FaultPoint)
+FAULT_POINTS = WORKER_POINTS
 MODES = ("key", "lookup", "none")
 ChildEnv = Mapping[str, str] | Callable[[], Mapping[str, str]]
 

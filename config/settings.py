@@ -394,6 +394,11 @@ HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.
 # How long an Idempotency-Key's stored response is replayed (hours).
 HOLDPOINT_IDEMPOTENCY_HOURS = env_int("HOLDPOINT_IDEMPOTENCY_HOURS", 24, minimum=1)
+# How long a request holds its Idempotency-Key before a retry may take it over (seconds):
+# longer than any creating POST takes (SQLite's 30 s busy timeout, more than once), short
+# enough that a key whose request died is free again soon. A request still running past
+# it loses its effect, not its uniqueness (runtime.api.idempotency).
+HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS = env_int("HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS", 120, minimum=1)
 # Runs per transaction of the retention purge: the artifact table is locked against step
 # commits that store artifacts while one batch's orphans go, never for the whole purge.
 HOLDPOINT_PURGE_BATCH = env_int("HOLDPOINT_PURGE_BATCH", 500, minimum=1)

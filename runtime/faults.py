@@ -41,6 +41,15 @@ class FaultPoint(StrEnum):
     DURING_RECONCILE = "during_reconcile"
     # A paid call is recorded; its step is not committed.
     AFTER_RECORD = "after_record"
+    # The web server's, around a creating POST with an Idempotency-Key: the key is claimed,
+    # the work not begun; the work committed, its response not stored.
+    AFTER_KEY_CLAIMED = "after_key_claimed"
+    BEFORE_KEY_RESPONSE = "before_key_response"
+
+
+# Reached by a web server serving a request, never by a worker running a step.
+REQUEST_POINTS = frozenset({FaultPoint.AFTER_KEY_CLAIMED, FaultPoint.BEFORE_KEY_RESPONSE})
+WORKER_POINTS = tuple(p for p in FaultPoint if p not in REQUEST_POINTS)
 
 
 def points_from(name: str, environ: Mapping[str, str] = os.environ) -> frozenset[FaultPoint]:

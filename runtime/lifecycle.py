@@ -7,6 +7,7 @@ transaction, and the doorbell rung after commit when there is work for a worker.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from django.db import transaction
@@ -60,12 +61,14 @@ def create_run(
     metadata: dict[str, Any] | None = None,
     external: bool = False,
     executor_account: Any = None,
+    settle: Callable[[Any, bool], None] | None = None,
 ) -> Run:
     """Start a run pinned to a registered graph version (the latest unless one is named).
 
     `external`: the agent runs its own loop through the executor protocol; Holdpoint's
     workers never pick it up. `executor_account`: the agent account that may execute it
-    (runtime.protocol.authorize), normally the agent that starts it.
+    (runtime.protocol.authorize), normally the agent that starts it. `settle`: records the
+    run on the request's Idempotency-Key claim in the run's own transaction.
     """
     found = registry.get(graph, graph_version) if graph_version else None
     if found is None:
@@ -98,6 +101,8 @@ def create_run(
             status=RunStatus.QUEUED,
         )
         record_shaper(run, actor, ShaperKind.STARTED, 1)
+        if settle is not None:
+            settle(run.run_id, True)
         if not external:
             ring(run.run_id)
     return run

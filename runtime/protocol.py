@@ -11,6 +11,7 @@ them. Every write is conditional on the caller's fence and commits with its jour
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -239,9 +240,12 @@ def write_checkpoint(
     next_step: str,
     who: str,
     status: str = "running",
+    settle: Callable[[Any, bool], None] | None = None,
 ) -> Checkpoint:
     """The next checkpoint, compare-and-swap on the fence and `expected_rev`: one step commit
-    (runtime.stepcommit), the same row, digest and journal entry as a worker's."""
+    (runtime.stepcommit), the same row, digest and journal entry as a worker's. `settle`
+    records the rev on the request's Idempotency-Key claim in the step commit's transaction
+    (which then takes the transaction path, not PostgreSQL's single statement)."""
     if not isinstance(state, dict):
         raise InvalidParams("state must be a JSON object", errors={"state": ["not an object"]})
     if status not in EXTERNAL_STATUSES:
@@ -280,6 +284,7 @@ def write_checkpoint(
             event=RunEvent.STEP_COMMITTED,
             payload={"refs": len(collect_refs(encoded, set()))},
             artifacts=encoder.new,
+            within=(lambda: settle(rev, True)) if settle is not None else None,
         )
         try:
             stepcommit.write(commit)
@@ -315,6 +320,7 @@ def prepare(
     who: str,
     idempotency_key: str | None = None,
     target: str = "",
+    settle: Callable[[Any, bool], None] | None = None,
 ) -> tuple[Action, bool]:
     """Prepare an action for an external executor; (action, created).
 
@@ -323,6 +329,7 @@ def prepare(
     first — the same request is the same action: the same key with the same params, or
     without a key the same tool and params in the same visit. The same key with other params
     is refused (422); so is a key another run used. All of it runs under the run's row lock.
+    `settle` records the action on the request's Idempotency-Key claim in that transaction.
     """
     tool: Tool = get_tool(tool_name, run.tenant_id)
     if not isinstance(params, dict):
@@ -332,6 +339,12 @@ def prepare(
     if idempotency_key and (reserved := ledger.reserved_key(idempotency_key, run.run_id)):
         raise IdempotencyKeyReused(f"key {idempotency_key!r}: {reserved}")
     actor = _actor(who, fence)
+
+    def answer(action: Action, created: bool) -> tuple[Action, bool]:
+        if settle is not None:
+            settle(action.pk, created)
+        return action, created
+
     with transaction.atomic(durable=True):
         # The fence check workers make (and the run row lock that holds the ledger still).
         ledger.fenced(run.run_id, fence, run.tenant_id)
@@ -341,7 +354,7 @@ def prepare(
         calls = ledger.visit_actions(current, API_STEP)
         earlier = _asked_before(current, tool, canonical[1], idempotency_key, calls)
         if earlier is not None:
-            return earlier, False
+            return answer(earlier, False)
         toolcatalog.refuse_withheld(tool, current.tenant_id)
         index = max(calls, default=0) + 1
         key = idempotency_key or ledger.idempotency_key(current, API_STEP, index)
@@ -367,13 +380,13 @@ def prepare(
             # spelled like this visit's next call: the same request or a refusal.
             taken = ledger.by_key(current.tenant_id, key)
             if taken is not None and _same(taken, current, tool, canonical[1]):
-                return taken, False
+                return answer(taken, False)
             if idempotency_key:
                 raise IdempotencyKeyReused(f"key {key!r} is taken") from None
             raise VersionConflict(f"call {index} of this step was taken; try again") from None
         if approval and current.status in PARKABLE:
             _park(current, fence, action, actor)
-    return action, True
+        return answer(action, True)
 
 
 def _asked_before(

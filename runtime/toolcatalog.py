@@ -12,7 +12,7 @@ gateway and the workers' steps alike. Nothing here writes a definition:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -247,10 +247,13 @@ def dry_run(tenant_id: int, name: str, params: Any, version: int | None = None) 
     )
 
 
-def create(tenant: Tenant, data: Any, actor: str) -> ToolDefinition:
+def create(
+    tenant: Tenant, data: Any, actor: str, settle: Callable[[Any, bool], None] | None = None
+) -> ToolDefinition:
     """A new tool (`POST tools/`): 409 `tool_exists` for a name the tenant already defined
-    (a definition of a built-in's name is allowed: the tenant's own takes precedence)."""
-    return tooldefs.define(tenant, data, actor, create_only=True).definition
+    (a definition of a built-in's name is allowed: the tenant's own takes precedence).
+    `settle`: see tooldefs.define."""
+    return tooldefs.define(tenant, data, actor, create_only=True, settle=settle).definition
 
 
 def revise(tenant: Tenant, name: str, data: Any, actor: str) -> ToolDefinition:

@@ -27,7 +27,7 @@ What is checked, because each would otherwise fail at send time, on a tenant's b
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -503,13 +503,15 @@ def define(
     *,
     create_only: bool = False,
     known_tools: Iterable[str] = (),
+    settle: Callable[[Any, bool], None] | None = None,
 ) -> Defined:
     """Store a definition as the tool's next version (the one writer of definitions).
 
     `create_only` (`POST tools/`): a name the tenant already defined is 409 `tool_exists`;
     otherwise (admin, import) a changed definition is a new version, an unchanged one is
     left as it is. Either way the definition is validated first and nothing is stored if it
-    is refused."""
+    is refused. `settle` records the definition on the request's Idempotency-Key claim in
+    the same transaction."""
     known = set(known_tools) | set(tenant_tool_names(tenant.pk)) | set(builtin_names())
     spec = parse(data, known_tools=known, tenant_id=tenant.pk)
     name, fingerprint = spec["name"], digest(spec)
@@ -538,6 +540,8 @@ def define(
             payload={"tool": name, "version": row.version, "digest": fingerprint},
             object_ref=f"tool:{name}",
         )
+        if settle is not None:
+            settle(row.pk, True)
     return Defined(row, created=True)
 
 

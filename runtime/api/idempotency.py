@@ -4,16 +4,32 @@ The key is claimed in its own transaction before the work (a concurrent duplicat
 in flight: 409), the response is stored with the request's fingerprint after the work
 (same key + same body → the first response again; a different body → 422), and a request
 that failed validation gives its key back, so the client can fix the body and retry.
+
+A request can die holding its claim (SIGKILL, OOM, a deploy, its database connection lost
+so that it cannot give the key back). So a claim is a lease with a fence: it holds until
+`claimed_until` (database time, HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS, longer than any of
+these requests takes); past it a retry with the same key and body takes it over,
+compare-and-swap on `claim`, so two retries do not both take it. The effect is recorded on
+the claim in the effect's own transaction (`Claim.settle`, which the domain function calls
+inside it): a retry that takes over a claim whose effect committed answers with that effect
+and does nothing again; one whose effect did not commit does the work. `settle` is
+conditional on the claim's fence: a request still running past its lease, overtaken by a
+retry, fails there and its effect rolls back (409 idempotency_key_in_flight) — never two
+effects, never a write over its successor's record.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
 from django.http import HttpResponse
 from django.utils import timezone
 from rest_framework.renderers import JSONRenderer
@@ -21,8 +37,15 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from audit.canonical import digest
-from runtime.errors import Conflict, HoldpointError, InvalidParams
+from runtime.errors import Conflict, InvalidParams
+from runtime.faults import FaultPoint, fault
+from runtime.leases import db_now_plus
 from runtime.models import IdempotencyRecord, Tenant
+
+log = logging.getLogger("holdpoint.api")
+
+# What a domain function calls inside its effect's transaction: (the effect's id, created).
+Settle = Callable[[Any, bool], None]
 
 
 class KeyReused(InvalidParams):
@@ -35,9 +58,58 @@ class KeyInFlight(Conflict):
     title = "A request with this Idempotency-Key is still being processed"
 
 
+@dataclass(frozen=True)
+class Claim:
+    """This request's hold on its key: the record and the fence it was claimed with."""
+
+    pk: int
+    fence: int
+
+    def settle(self, effect: Any, created: bool = True) -> None:
+        """Record the effect on the claim — call it inside the effect's transaction, so the
+        two commit together. A claim taken over meanwhile raises: the effect rolls back."""
+        mine = IdempotencyRecord.objects.filter(pk=self.pk, claim=self.fence, effect="")
+        if mine.update(effect=str(effect), effect_created=created) != 1:
+            raise KeyInFlight("a retry with this Idempotency-Key took the request over")
+
+    def complete(self, response: Response) -> str:
+        """Store the response to replay (after the effect committed); its bytes."""
+        content = JSONRenderer().render(response.data).decode()
+        self.mine().update(status=response.status_code, content=content)
+        return content
+
+    def release(self) -> None:
+        """The request failed: give the key back if its effect did not commit (so the
+        client can fix the body and retry), else end the claim so a retry answers with the
+        effect at once. A lost connection is retried once on a new one; if that fails too
+        the claim's lease ends it."""
+        for attempt in (1, 2):
+            try:
+                self.mine().filter(effect="").delete()
+                self.mine().update(claimed_until=Now())
+                return
+            except DatabaseError:
+                if attempt == 2 or connection.in_atomic_block:
+                    log.warning("Idempotency-Key claim %s kept until its lease ends", self.pk)
+                    return
+                connection.close()
+
+    def mine(self) -> Any:
+        """The record while this claim holds it and no response is stored."""
+        return IdempotencyRecord.objects.filter(pk=self.pk, claim=self.fence, status=None)
+
+
+def settler(request: Request) -> Settle | None:
+    """The claim's `settle` for the domain function the view calls (None: no key given)."""
+    claim: Claim | None = getattr(request, "idempotency_claim", None)
+    return claim.settle if claim is not None else None
+
+
 def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
-    """Wrap a creating POST handler `(self, request, *args, **kwargs)`. A replay answers with
-    the stored bytes: a plain HttpResponse, not a DRF Response."""
+    """Wrap a creating POST handler `(self, request, *args, **kwargs)` whose domain function
+    takes `settle=settler(request)`; the view class answers for a recorded effect with
+    `effect_response(request, effect, created, *args, **kwargs)`. A replay answers with the
+    stored bytes: a plain HttpResponse, not a DRF Response."""
 
     def wrapper(self: Any, request: Request, *args: Any, **kwargs: Any) -> HttpResponse:
         key = request.headers.get("Idempotency-Key")
@@ -53,23 +125,25 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
         fingerprint = digest({"scope": scope, "body": request.data})
         record = _claim(tenant, key, scope, fingerprint)
         if record.status is not None:
-            return _replay(record)
+            return _replay(record.status, record.content)
+        claim = Claim(record.pk, record.claim)
+        if record.effect:  # taken over from a request that died after its effect committed
+            answer = self.effect_response(
+                request, record.effect, record.effect_created, *args, **kwargs
+            )
+            return _replay(answer.status_code, claim.complete(answer))
+        setattr(request, "idempotency_claim", claim)  # noqa: B010 (DRF Request has no slot)
+        fault(FaultPoint.AFTER_KEY_CLAIMED)
         try:
             response = view(self, request, *args, **kwargs)
-        except HoldpointError as exc:
-            if exc.status < 500:
-                IdempotencyRecord.objects.filter(pk=record.pk).delete()  # key given back
-            raise
         except Exception:
-            IdempotencyRecord.objects.filter(pk=record.pk).delete()
+            claim.release()
             raise
-        if response.status_code < 300:
-            content = JSONRenderer().render(response.data).decode()
-            IdempotencyRecord.objects.filter(pk=record.pk).update(
-                status=response.status_code, content=content
-            )
-        else:
-            IdempotencyRecord.objects.filter(pk=record.pk).delete()
+        if response.status_code >= 300:
+            claim.release()
+            return response
+        fault(FaultPoint.BEFORE_KEY_RESPONSE)
+        claim.complete(response)
         return response
 
     wrapper.__name__ = view.__name__
@@ -77,12 +151,10 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
     return wrapper
 
 
-def _replay(record: IdempotencyRecord) -> HttpResponse:
+def _replay(status: int, content: str | None) -> HttpResponse:
     """The first response's bytes, as they were sent (the renderer is DRF's JSONRenderer,
     the one that rendered the original)."""
-    response = HttpResponse(
-        record.content or "", status=record.status, content_type="application/json"
-    )
+    response = HttpResponse(content or "", status=status, content_type="application/json")
     response["Idempotent-Replayed"] = "true"
     return response
 
@@ -102,15 +174,32 @@ def _claim(tenant: Tenant, key: str, scope: str, fingerprint: str) -> Idempotenc
     IdempotencyRecord.objects.filter(
         tenant=tenant, key=key, created_at__lt=timezone.now() - window
     ).delete()
+    lease = db_now_plus(settings.HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS)
     try:
         with transaction.atomic():
             return IdempotencyRecord.objects.create(
-                tenant=tenant, key=key, scope=scope, fingerprint=fingerprint
+                tenant=tenant, key=key, scope=scope, fingerprint=fingerprint, claimed_until=lease
             )
     except IntegrityError:
         existing = IdempotencyRecord.objects.get(tenant=tenant, key=key)
     if existing.fingerprint != fingerprint:
         raise KeyReused("same Idempotency-Key, different request")
     if existing.status is None:
-        raise KeyInFlight("the first request with this key has not finished; retry later")
+        return _take_over(existing)
     return existing
+
+
+def _take_over(existing: IdempotencyRecord) -> IdempotencyRecord:
+    """The claim of a request that can no longer be running, moved on to this one
+    (compare-and-swap on its fence: of two retries racing for it, one gets it)."""
+    lease = db_now_plus(settings.HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS)
+    dead = Q(claimed_until__lt=Now()) | Q(claimed_until=None)
+    taken = IdempotencyRecord.objects.filter(
+        dead, pk=existing.pk, claim=existing.claim, status=None
+    ).update(claim=existing.claim + 1, claimed_until=lease)
+    if taken != 1:
+        again = IdempotencyRecord.objects.filter(pk=existing.pk).first()
+        if again is not None and again.status is not None:
+            return again  # it finished meanwhile: its response
+        raise KeyInFlight("the first request with this key has not finished; retry later")
+    return IdempotencyRecord.objects.get(pk=existing.pk)

@@ -26,9 +26,9 @@ from rest_framework.response import Response
 
 from runtime import toolcatalog
 from runtime.api.base import ApiView
-from runtime.api.idempotency import idempotent
+from runtime.api.idempotency import idempotent, settler
 from runtime.errors import InvalidParams, NotFound, NotPermitted
-from runtime.models import Role
+from runtime.models import Role, ToolDefinition
 from runtime.tenancy import Principal
 from runtime.tooldefs import EFFECTS, EXECUTORS, METHODS, MODES
 
@@ -226,8 +226,16 @@ class ToolList(ApiView, ToolAdminOnly):
     @idempotent
     def post(self, request: Request) -> Response:
         principal = self.admin(self.principal(request))
-        row = toolcatalog.create(principal.tenant, request.data, self.actor(request))
-        entry = toolcatalog.entry(principal.tenant.pk, row.name, row.version)
+        row = toolcatalog.create(
+            principal.tenant, request.data, self.actor(request), settle=settler(request)
+        )
+        return self.effect_response(request, row.pk, True)
+
+    def effect_response(self, request: Request, effect: Any, created: bool) -> Response:
+        """The answer for the tool definition `effect` (a row's pk): made or found again."""
+        tenant = self.principal(request).tenant
+        row = ToolDefinition.objects.get(pk=effect, tenant=tenant)
+        entry = toolcatalog.entry(tenant.pk, row.name, row.version)
         return Response(ToolSerializer(entry).data, status=http.HTTP_201_CREATED)
 
 

@@ -20,7 +20,7 @@ from runtime.api import examples as ex
 from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
 from runtime.api.base import ApiView, Cursor, wait_for_change, wait_seconds
-from runtime.api.idempotency import idempotent
+from runtime.api.idempotency import idempotent, settler
 from runtime.auth import Standing
 from runtime.errors import NotPermitted
 from runtime.models import Action, Checkpoint, Role, Run
@@ -77,7 +77,14 @@ class RunList(ApiView):
             graph_version=data.get("graph_version"),
             external=data["external"],
             executor_account=principal.user if principal.is_agent else None,
+            settle=settler(request),
         )
+        return Response(s.RunSerializer(run).data, status=status.HTTP_201_CREATED)
+
+    def effect_response(self, request: Request, effect: str, created: bool) -> Response:
+        """The answer for the run a request with this Idempotency-Key made (it died before
+        its response was stored): the run as it is now."""
+        run = runs_for(self.principal(request)).get(pk=effect)
         return Response(s.RunSerializer(run).data, status=status.HTTP_201_CREATED)
 
 
@@ -184,7 +191,16 @@ class Checkpoints(RunLever):
             data["next_step"],
             self.actor(request),
             status=data["status"],
+            settle=settler(request),
         )
+        return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
+
+    def effect_response(
+        self, request: Request, effect: str, created: bool, run_id: str
+    ) -> Response:
+        """The answer for the checkpoint (its rev) a request with this key wrote."""
+        principal = self.principal(request)
+        checkpoint = checkpoints_for(principal).get(run_id=run_id, rev=int(effect))
         return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)
 
 
@@ -266,7 +282,15 @@ class RunActions(RunLever):
             who=self.actor(request),
             idempotency_key=data.get("idempotency_key"),
             target=data["target"],
+            settle=settler(request),
         )
+        return self.effect_response(request, action.pk, created, run_id)
+
+    def effect_response(
+        self, request: Request, effect: Any, created: bool, run_id: str
+    ) -> Response:
+        """The answer for the action a request with this key prepared or found."""
+        action = actions_for(self.principal(request)).select_related("run").get(pk=effect)
         return Response(
             s.ActionSerializer(action).data,
             status=status.HTTP_201_CREATED if created else status.HTTP_200_OK,

@@ -17,6 +17,19 @@ class IdempotencyRecord(models.Model):
     # reorder its keys and a replay would no longer be byte-identical).
     content = models.TextField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The claim's fence: a retry that takes over a dead request's claim moves it on, and the
+    # old request's effect and response writes are conditional on it, so they change nothing.
+    claim = models.PositiveIntegerField(default=1)
+    # Until when the request holding the claim may still be running (database time); past
+    # it, a retry with the same key and body takes the claim over. Null: a claim older than
+    # this column, taken over at once.
+    claimed_until = models.DateTimeField(null=True, blank=True)
+    # What the request did, written in the same transaction as the effect (its run, action,
+    # checkpoint rev or tool definition): "effect committed" == "effect recorded here", so a
+    # retry of a request that died before storing its response answers with it, never
+    # doing it again. Empty: the effect has not committed.
+    effect = models.CharField(max_length=64, blank=True, default="")
+    effect_created = models.BooleanField(default=True)  # 201, or 200 when found (actions)
 
     class Meta:
         constraints = [

@@ -139,7 +139,11 @@ def test_a_request_while_the_first_is_in_flight_is_409(agent_a: Persona) -> None
     ok(create(client, "warm-up"), 201)
     record = IdempotencyRecord.objects.get(key="warm-up")
     IdempotencyRecord.objects.create(
-        tenant=agent_a.tenant, key="busy", scope=record.scope, fingerprint=record.fingerprint
+        tenant=agent_a.tenant,
+        key="busy",
+        scope=record.scope,
+        fingerprint=record.fingerprint,
+        claimed_until=timezone.now() + timedelta(minutes=1),  # its claim still holds
     )
     # Same scope and body as "warm-up" had, so the fingerprint matches: in flight, not reuse.
     problem(create(client, "busy"), 409, "idempotency_key_in_flight")

@@ -19,7 +19,7 @@ import pytest
 from django.utils import timezone
 
 from approvals.models import ApprovalPolicy
-from runtime.faults import FaultPoint
+from runtime.faults import WORKER_POINTS, FaultPoint
 from runtime.ledger import resolve
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
@@ -38,7 +38,7 @@ GOAL = {
 }
 # Every point around a side effect; after_record (a paid call recorded, its step not yet
 # committed) is crashed at in test_workers.py.
-POINTS = [p for p in FaultPoint if p != FaultPoint.AFTER_RECORD]
+POINTS = [p for p in WORKER_POINTS if p != FaultPoint.AFTER_RECORD]
 # Where the request may have left: mode none cannot know, a human must say.
 AMBIGUOUS = {
     FaultPoint.AFTER_SENT_MARK,
