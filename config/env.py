@@ -32,6 +32,18 @@ def env_str(name: str, default: str | None = None) -> str:
     return value
 
 
+def env_token(name: str) -> str:
+    """A secret compared byte for byte (a bearer token), empty when unset. The whitespace
+    around it is not part of it: a secrets file mounted as the variable ends in a newline,
+    and a token kept with it could never match. Whitespace alone is refused, not read as
+    "unset" — that would open what the variable was set to close."""
+    raw = os.environ.get(name, "")
+    value = raw.strip()
+    if raw and not value:
+        raise EnvError(f"{name} is set but holds only whitespace")
+    return value
+
+
 def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None:

@@ -18,6 +18,7 @@ from config.env import (
     env_int,
     env_list,
     env_str,
+    env_token,
     stderr_is_terminal,
 )
 
@@ -504,8 +505,9 @@ if TESTING:
     PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 # --- Metrics and logs (README, "Metrics and logs") --------------------------------------
-# /metrics answers only with this bearer token when it is set.
-HOLDPOINT_METRICS_TOKEN = env_str("HOLDPOINT_METRICS_TOKEN", "")
+# /metrics answers only with this bearer token when it is set (stripped: a secrets file's
+# trailing newline is not part of it).
+HOLDPOINT_METRICS_TOKEN = env_token("HOLDPOINT_METRICS_TOKEN")
 # prometheus-client's multiprocess mode: every process (web, each qcluster worker) writes its
 # histograms to files here and a scrape sums them. prometheus-client reads the variable when
 # it is first imported, so it is put in the environment here, before anything imports it.

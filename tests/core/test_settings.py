@@ -112,3 +112,26 @@ def test_sqlite_default_is_wal_full_and_immediate(db: None) -> None:
         assert cursor.fetchone()[0] == "wal"
         cursor.execute("PRAGMA synchronous")
         assert cursor.fetchone()[0] == 2  # FULL
+
+
+def test_a_metrics_token_read_from_a_secrets_file_matches_its_scrapes() -> None:
+    """`HOLDPOINT_METRICS_TOKEN=$(cat file)` keeps no newline, but a secrets manager's file
+    mounted as the variable does: the token with its trailing newline could never match, and
+    every scrape was refused. The surrounding whitespace is not part of the token; a value of
+    whitespace alone is refused at start-up rather than leaving /metrics open."""
+    code = (
+        "from runtime.metrics import authorized; "
+        "print(authorized('Bearer s3cret-token'), authorized('Bearer wrong'))"
+    )
+    result = _manage(
+        dict(PRODUCTION, HOLDPOINT_METRICS_TOKEN="s3cret-token\n"),
+        "shell",
+        "--no-imports",
+        "-c",
+        code,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+    refused = _manage(dict(PRODUCTION, HOLDPOINT_METRICS_TOKEN=" \n"), "check")
+    assert refused.returncode != 0
+    assert "HOLDPOINT_METRICS_TOKEN" in refused.stderr
