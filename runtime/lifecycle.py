@@ -125,6 +125,7 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
                 status=RunStatus.CANCELLED,
                 waiting_for=None,
                 wake_at=None,
+                attention_reason="",  # nobody need look at a cancelled run
                 lease_owner="",
                 lease_expires_at=None,
                 updated_at=Now(),
@@ -230,7 +231,11 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
         changes: dict[str, Any] = {"goal": goal, "goal_rev": new_rev, "updated_at": Now()}
         if waiting or current.status in (RunStatus.RETRYING, RunStatus.NEEDS_ATTENTION):
             changes.update(
-                status=RunStatus.QUEUED, waiting_for=None, wake_at=None, pending_input=None
+                status=RunStatus.QUEUED,
+                waiting_for=None,
+                wake_at=None,
+                pending_input=None,
+                attention_reason="",  # the reason leaves needs_attention with the run
             )
         Run.objects.filter(pk=run.pk, tenant_id=run.tenant_id, goal_rev=expected_goal_rev).update(
             **changes

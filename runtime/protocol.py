@@ -261,7 +261,14 @@ def write_checkpoint(
     encoder = Encoder()
     encoded = encoder.encode(state)
     rev = expected_rev + 1
-    changes: dict[str, Any] = {"step_rev": rev, "next_step": next_step, "status": run_status}
+    # No status an executor writes is needs_attention: a run escalated under its lease (an
+    # approval's last expiry) leaves it with this checkpoint, and its reason with it.
+    changes: dict[str, Any] = {
+        "step_rev": rev,
+        "next_step": next_step,
+        "status": run_status,
+        "attention_reason": "",
+    }
     if run_status != RunStatus.RUNNING:
         changes.update(lease_owner="", lease_expires_at=None)
         if run_status not in TERMINAL:

@@ -553,6 +553,64 @@ def test_a_lost_executor_writes_nothing_after_the_sweeper_flagged_it(
     ok(dispatch(client, earlier["action_id"], again))
 
 
+def _lost(client: APIClient, settings: Any) -> tuple[str, int]:
+    """An external run whose executor the sweeper declared lost: (run id, its old fence)."""
+    settings.HOLDPOINT_EXECUTOR_GRACE = 10
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, ttl=5)
+    Run.objects.filter(pk=run_id).update(lease_expires_at=timezone.now() - timedelta(seconds=11))
+    sweep_once(ring=lambda run_id: None)
+    shown = ok(get(client, f"runs/{run_id}/"))
+    assert (shown["status"], shown["attention_reason"]) == ("needs_attention", "executor_lost")
+    return run_id, fence
+
+
+@pytest.mark.parametrize(
+    ("way_out", "status"),
+    [
+        ("revisions/", "queued"),
+        ("cancel/", "cancelled"),
+        ("resume/", "queued"),
+        ("lease/", "running"),
+    ],
+)
+def test_every_way_out_of_needs_attention_takes_its_reason_along(
+    agent_a: Persona, settings: Any, way_out: str, status: str
+) -> None:
+    """Revising the goal of an `executor_lost` run queued it again, but the run still said
+    `attention_reason: executor_lost` — read by the Overview, the admin and every client as
+    "a person must look" on a run that needs nobody. Cancelling it kept the reason too."""
+    client = agent_a.api()
+    run_id, _ = _lost(client, settings)
+    body = {
+        "revisions/": {"goal": dict(GOAL, scope=["/orders"]), "expected_goal_rev": 1},
+        "cancel/": {"reason": "no longer needed"},
+        "resume/": {},
+        "lease/": {"owner": "agent-2", "ttl_seconds": 60},
+    }[way_out]
+    ok(post(client, f"runs/{run_id}/{way_out}", body), 202 if way_out == "resume/" else 200)
+    shown = ok(get(client, f"runs/{run_id}/"))
+    assert (shown["status"], shown["attention_reason"]) == (status, "")
+    assert Run.objects.get(pk=run_id).attention_reason == ""
+
+
+def test_an_external_checkpoint_out_of_needs_attention_takes_its_reason_along(
+    agent_a: Persona,
+) -> None:
+    """The executor holding the lease of a run escalated under it (an approval's last expiry
+    asks a person to look) may still checkpoint it `running`: the reason went no further."""
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    Run.objects.filter(pk=run_id).update(  # as approvals.expiry escalates it
+        status=RunStatus.NEEDS_ATTENTION, attention_reason="approval expired"
+    )
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "x"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", body), 201)
+    shown = ok(get(client, f"runs/{run_id}/"))
+    assert (shown["status"], shown["attention_reason"]) == ("running", "")
+
+
 def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
     agent_a: Persona, reviewer_a: Persona, settings: Any
 ) -> None:
