@@ -31,6 +31,8 @@ from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils.dateparse import parse_datetime
 
+from audit.journal import run_stream
+from audit.models import JournalEntry
 from fastsql import statements
 from runtime.errors import (
     AlreadyCompleted,
@@ -135,10 +137,20 @@ def take_lease(
     with transaction.atomic(durable=True):
         # The one read by id alone: it is how an executor, knowing a bare run id, learns the
         # run's tenant. Every later statement names the tenant too (defence in depth).
-        before = Run.objects.filter(pk=run_id).values("lease_owner", "status", "tenant_id").first()
+        before = (
+            Run.objects.filter(pk=run_id)
+            .values("lease_owner", "status", "tenant_id", "attention_reason")
+            .first()
+        )
         if before is None:
             raise NotFound()
         tenant_id = before["tenant_id"]
+        previous_owner = before["lease_owner"]
+        if (before["status"], before["attention_reason"]) == (
+            RunStatus.NEEDS_ATTENTION,
+            EXECUTOR_LOST,
+        ):
+            previous_owner = _lost_owner(run_id, tenant_id)
         due = Run.objects.filter(pk=run_id, tenant_id=tenant_id).filter(lease_free())
         due = due.exclude(status__in=TERMINAL)
         if external:
@@ -175,11 +187,28 @@ def take_lease(
             owner=owner,
             fence=run.fence,
             expires_at=run.lease_expires_at.isoformat(),
-            previous_owner=before["lease_owner"],
-            takeover=bool(before["lease_owner"]) and before["lease_owner"] != owner,
+            previous_owner=previous_owner,
+            takeover=bool(previous_owner) and previous_owner != owner,
             status=run.status,
         )
         return lease
+
+
+def _lost_owner(run_id: Any, tenant_id: int) -> str:
+    """The owner whose lease the sweeper found expired and cleared (runtime.sweeper,
+    `executor_lost`, journalled with it): the next lease takes the run from that executor —
+    a takeover, unless it is the same one back ("" once the purge redacted the entry)."""
+    payload = (
+        JournalEntry.objects.filter(
+            tenant_id=tenant_id, stream=run_stream(run_id), type=RunEvent.ESCALATED
+        )
+        .order_by("-seq")
+        .values_list("payload", flat=True)
+        .first()
+    )
+    if not isinstance(payload, dict) or payload.get("reason") != EXECUTOR_LOST:
+        return ""
+    return str(payload.get("lease_owner") or "")
 
 
 def _lease_view(run_id: Any) -> list[Any] | None:

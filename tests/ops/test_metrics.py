@@ -25,8 +25,12 @@ from runtime.executor import advance_run
 from runtime.leases import take_lease
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.sweeper import sweep_once
 from runtime.tools import tool_of  # noqa: F401  (registers the test tools through tests.graphs)
+from tests.api import new_run
+from tests.api import take_lease as take_lease_over_api
 from tests.audit.tamper import tampering
+from tests.conftest import Persona
 from tests.ops.metrics import scrape, value
 from tests.runtime.helpers import expire_lease
 
@@ -191,3 +195,24 @@ def _taken_over(tenant: Tenant) -> Run:
     expire_lease(run)
     advance_run(run.run_id, "w2")
     return run
+
+
+@pytest.mark.parametrize(("owner", "counted"), [("agent-2", 1), ("agent-1", 0)])
+def test_a_lease_after_the_sweeper_declared_its_executor_lost_is_a_takeover(
+    agent_a: Persona, settings: Any, owner: str, counted: int
+) -> None:
+    """The sweeper clears a lost executor's lease (`executor_lost`), so the next lease saw
+    no previous owner and was never counted, though another executor took the run whose
+    holder's lease had expired. The same executor coming back takes nothing from anyone."""
+    settings.HOLDPOINT_EXECUTOR_GRACE = 10
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    take_lease_over_api(client, run_id, owner="agent-1", ttl=5)
+    Run.objects.filter(pk=run_id).update(lease_expires_at=Now() - timedelta(seconds=11))
+    sweep_once(ring=lambda run_id: None)
+    assert Run.objects.get(pk=run_id).attention_reason == "executor_lost"
+    before = value(scrape(), "holdpoint_lease_takeovers_total")
+
+    take_lease_over_api(client, run_id, owner=owner)
+
+    assert value(scrape(), "holdpoint_lease_takeovers_total") == before + counted
