@@ -87,6 +87,11 @@ def observe_action(tool: str, began: float) -> None:
     ACTION_SECONDS.labels(tool=tool).observe(time.perf_counter() - began)
 
 
+def observe_action_seconds(tool: str, seconds: float) -> None:
+    """A request timed elsewhere: a `client` tool's, by the database's times."""
+    ACTION_SECONDS.labels(tool=tool).observe(max(seconds, 0.0))
+
+
 def takeovers_sql(vendor: str) -> str:
     """The takeovers journalled and those redacted since, in one statement: one snapshot, so
     a purge committing between two reads cannot count its takeovers twice, or not at all."""

@@ -94,6 +94,20 @@ def sending(action: Any) -> Sending:
     return Sending(action)
 
 
+def answer_reported(action: Any, settled_from: str) -> None:
+    """An external executor reported the answer of a `client` tool's request: `action` is
+    the row as stored after it, `settled_from` its status before. Timed as a hosted tool's
+    request is, from its `sent` mark to the outcome, both the database's times — only a
+    report that settled a `sent` action with the service's answer (a repeat, a lookup or an
+    `unknown` is no request's answer)."""
+    if settled_from != "sent" or action.status not in ("confirmed", "failed"):
+        return
+    if action.sent_at is None or action.updated_at is None:
+        return
+    seconds = (action.updated_at - action.sent_at).total_seconds()
+    metrics.observe_action_seconds(action.tool, seconds)
+
+
 def recording(ctx: Any, key: str, kind: str) -> AbstractContextManager[Any]:
     """A `ctx.record` / `ctx.model` call (`kind`), paid or answered from the record
     (`tracing.reused` marks which)."""

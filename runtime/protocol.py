@@ -632,35 +632,53 @@ def record_outcome(
             .get()
         )
         action = ledger.reload(action)  # its status now, under the run's row lock
-        if action.status == S.MANUAL_REVIEW:
-            raise InvalidTransition("the action waits for a person to resolve it")
-        if action.goal_rev != goal_rev:
-            # Settles the action as the report says, advancing nothing (outcomes.py).
-            if outcome == "not_found":
-                _absent_after_flight(action)
-            return outcomes.record_late_result(
-                action,
-                OUTCOMES[outcome],
-                actor,
-                fence=fence,
-                outcome=outcome,
-                result=result,
-                external_id=external_id,
-                last_error="looked up by key: not found" if outcome == "not_found" else "",
-                journal_extra=reported,
-            )
-        if outcome == "not_found":
-            return _not_found(action, actor, reported)
-        if outcome == "unknown" and action.status in ledger.UNSETTLED:
-            return outcomes.settle_unknown(
-                action, fence, actor, mode, journal_extra=reported, result=result
-            )
-        changes: dict[str, Any] = {"result": result}
-        if outcome == "confirmed":
-            changes["external_id"] = external_id.strip()
-        return ledger.transition(
-            action, OUTCOMES[outcome], actor, journal_extra=reported, **changes
+        settled_from = action.status
+        settled = _apply_outcome(
+            action, fence, outcome, actor, mode, reported, goal_rev, external_id, result
         )
+    observe.answer_reported(settled, settled_from)
+    return settled
+
+
+def _apply_outcome(
+    action: Action,
+    fence: int,
+    outcome: str,
+    actor: str,
+    mode: str,
+    reported: dict[str, Any],
+    goal_rev: int,
+    external_id: str,
+    result: Any,
+) -> Action:
+    """Inside record_outcome's transaction, the run row locked: the report applied."""
+    if action.status == S.MANUAL_REVIEW:
+        raise InvalidTransition("the action waits for a person to resolve it")
+    if action.goal_rev != goal_rev:
+        # Settles the action as the report says, advancing nothing (outcomes.py).
+        if outcome == "not_found":
+            _absent_after_flight(action)
+        return outcomes.record_late_result(
+            action,
+            OUTCOMES[outcome],
+            actor,
+            fence=fence,
+            outcome=outcome,
+            result=result,
+            external_id=external_id,
+            last_error="looked up by key: not found" if outcome == "not_found" else "",
+            journal_extra=reported,
+        )
+    if outcome == "not_found":
+        return _not_found(action, actor, reported)
+    if outcome == "unknown" and action.status in ledger.UNSETTLED:
+        return outcomes.settle_unknown(
+            action, fence, actor, mode, journal_extra=reported, result=result
+        )
+    changes: dict[str, Any] = {"result": result}
+    if outcome == "confirmed":
+        changes["external_id"] = external_id.strip()
+    return ledger.transition(action, OUTCOMES[outcome], actor, journal_extra=reported, **changes)
 
 
 def _check_outcome(tool: Tool, outcome: str, external_id: str, result: Any) -> str:

@@ -27,7 +27,7 @@ from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
 from runtime.sweeper import sweep_once
 from runtime.tools import tool_of  # noqa: F401  (registers the test tools through tests.graphs)
-from tests.api import new_run
+from tests.api import new_run, post
 from tests.api import take_lease as take_lease_over_api
 from tests.audit.tamper import tampering
 from tests.conftest import Persona
@@ -216,3 +216,41 @@ def test_a_lease_after_the_sweeper_declared_its_executor_lost_is_a_takeover(
     take_lease_over_api(client, run_id, owner=owner)
 
     assert value(scrape(), "holdpoint_lease_takeovers_total") == before + counted
+
+
+def test_a_client_tools_action_is_timed_from_its_sent_mark_to_its_reported_outcome(
+    agent_a: Persona,
+) -> None:
+    """Hosted tools' requests were timed around the call; a `client` tool's request is made
+    by the external executor, and its actions never reached the histogram. Timed now by the
+    database's clock, from the dispatch (`sent`) to the outcome that settles it — once: a
+    repeated report is not a second request."""
+    client = agent_a.api()
+    tool = "agent.tasks.create"
+    run_id = new_run(client)["run_id"]
+    fence = take_lease_over_api(client, run_id)
+    before = scrape()
+    for verdict, fields in (("confirmed", {"external_id": "T-1"}), ("failed", {})):
+        action = post(
+            client,
+            f"runs/{run_id}/actions/",
+            {"fence": fence, "tool": tool, "params": {"title": verdict}, "reason": "r"},
+        ).json()
+        post(client, f"actions/{action['action_id']}/dispatch/", {"fence": fence})
+        # The executor's request took 3 s (the sent mark moved back: data, not a clock).
+        Action.objects.filter(pk=action["action_id"]).update(sent_at=Now() - timedelta(seconds=3))
+        body = {"fence": fence, "outcome": verdict, **fields}
+        answer = post(client, f"actions/{action['action_id']}/outcome/", body)
+        assert answer.status_code == 200, answer.content
+        # A repeated report (a retry after a lost reply) records nothing, times nothing.
+        post(client, f"actions/{action['action_id']}/outcome/", body)
+    after = scrape()
+
+    def grown(name: str) -> float:
+        return value(after, name, tool=tool) - value(before, name, tool=tool)
+
+    assert grown("holdpoint_action_duration_seconds_count") == 2
+    assert 6 <= grown("holdpoint_action_duration_seconds_sum") < 60
+    assert value(after, "holdpoint_action_duration_seconds_bucket", tool=tool, le="1.0") == value(
+        before, "holdpoint_action_duration_seconds_bucket", tool=tool, le="1.0"
+    )
