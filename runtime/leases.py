@@ -325,8 +325,27 @@ def release(lease: Lease, *, requeue: bool = False, if_held: bool = False) -> No
                 from runtime.queue import ring
 
                 ring(lease.run_id)
-    if not released and not if_held:
+    if not released and not if_held and not _released_before(lease):
         refuse_stale(lease, "release")
+
+
+def _released_before(lease: Lease) -> bool:
+    """Whether this fence's release already happened and nothing came after it: the run's
+    fence is the next one (a release moves it on by one; a lease by another executor would
+    have moved it again), nobody holds it, and the journal has this fence's release. A
+    client repeating a release whose answer it lost then hears what the first heard."""
+    after = Run.objects.filter(
+        pk=lease.run_id, tenant_id=lease.tenant_id, fence=lease.fence + 1, lease_owner=""
+    )
+    return (
+        after.exists()
+        and JournalEntry.objects.filter(
+            tenant_id=lease.tenant_id,
+            stream=run_stream(lease.run_id),
+            type=RunEvent.LEASE_RELEASED,
+            payload__fence=lease.fence,
+        ).exists()
+    )
 
 
 def refuse_stale(lease: Lease, what: str) -> None:

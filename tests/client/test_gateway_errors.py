@@ -17,6 +17,8 @@ import pytest
 from django.core.cache import caches
 
 import holdpoint_client.errors as errors
+from audit.journal import run_stream
+from audit.models import JournalEntry
 from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, ToolCall
 from runtime.models import Action as ActionRow
 from runtime.models import Run as RunRow
@@ -346,3 +348,34 @@ def test_holdpoints_500_after_recording_the_outcome_is_read_back_async(
     assert (done.status, done.external_id) == ("confirmed", "T-1") and len(service.calls) == 1
     assert proxy.count("POST", "/outcome/") == 1
     assert ActionRow.objects.get(pk=done.action_id).status == "confirmed"
+
+
+@pytest.mark.parametrize("status", [502, 0], ids=["502", "hang-up"])
+def test_a_release_repeated_after_its_lost_answer_answers_as_the_first(
+    api: Client, gateway: tuple[Gateway, str], status: int
+) -> None:
+    """The client repeats a release whose answer was lost (it is safe to repeat), but the
+    repeat met the fence the first had moved on and answered 409 `stale_fence`: a caller
+    saw StaleFence ("another executor took the run") for a release that worked. The repeat
+    of a release of the same fence now answers what the first did; a fence released and then
+    leased by another executor is still refused."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    fence = api.lease(run.run_id, "agent-1", 10).fence
+    proxy.fail("POST", "/lease/release/", status, forwarded=True)
+
+    api.release(run.run_id, fence)
+
+    assert proxy.count("POST", "/lease/release/") == 2
+    row = RunRow.objects.get(pk=run.run_id)
+    assert (row.status, row.lease_owner, row.fence) == ("queued", "", fence + 1)
+    types = list(
+        JournalEntry.objects.filter(stream=run_stream(run.run_id)).values_list("type", flat=True)
+    )
+    assert types.count("lease_released") == 1 and "stale_write_refused" not in types
+    api.release(run.run_id, fence)  # asked again later: the same answer
+
+    successor = api.lease(run.run_id, "agent-2", 10).fence
+    with pytest.raises(errors.StaleFence):
+        api.release(run.run_id, fence)
+    api.release(run.run_id, successor)
