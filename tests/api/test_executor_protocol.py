@@ -229,14 +229,22 @@ def test_heartbeat_and_release_of_another_tenants_lease_are_404(
     assert stored.lease_expires_at == before.lease_expires_at
 
 
-def test_a_second_release_of_the_same_lease_is_409(agent_a: Persona) -> None:
-    """Released is released: the old fence no longer holds anything (as for a worker)."""
+def test_a_second_release_of_the_same_lease_answers_as_the_first_and_holds_nothing(
+    agent_a: Persona,
+) -> None:
+    """Released is released: the old fence no longer holds anything (as for a worker). A
+    release repeated with it (a client's retry after a lost answer) answers what the first
+    did and writes nothing; once another executor leased the run, it is stale."""
     client = agent_a.api()
     run_id, fence = leased(client)
-    ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}))
-    problem(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}), 409, "stale_fence")
+    first = ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}))
+    assert ok(post(client, f"runs/{run_id}/lease/release/", {"fence": fence})) == first
     released = JournalEntry.objects.filter(stream=f"run:{run_id}", type="lease_released")
     assert released.count() == 1
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "b"}
+    problem(post(client, f"runs/{run_id}/checkpoints/", body), 409, "stale_fence")
+    take_lease(client, run_id, owner="p2")
+    problem(post(client, f"runs/{run_id}/lease/release/", {"fence": fence}), 409, "stale_fence")
 
 
 # --- POST runs/{id}/checkpoints/ -------------------------------------------------------------
