@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
@@ -109,11 +110,19 @@ def resume_after(request: Request, after: T) -> int | T:
 
 
 def _position(raw: str, name: str) -> int:
-    """An id as this API gives them: ASCII digits only (Python's int() also reads "1_0",
-    " 7", "+7", "-1" and other scripts' digits, none of which any id ever looked like)."""
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:  # no seq is longer (bigint)
-        raise InvalidParams(f"{name} must be a sequence number", errors={name: ["an integer"]})
-    return int(raw)
+    """A position in ASCII digits, an optional minus before them (before everything): Python's
+    int() also reads "1_0", " 7", "+7" and other scripts' digits, none of which any id this
+    API gave looks like, and raises on more than 4,300 digits. One past every id is after
+    everything (an empty page), not an error."""
+    if _POSITION.fullmatch(raw):
+        try:
+            return int(raw)
+        except ValueError:  # past int()'s digit limit
+            pass
+    raise InvalidParams(f"{name} must be a sequence number", errors={name: ["an integer"]})
+
+
+_POSITION = re.compile(r"-?[0-9]+")
 
 
 KEEP_ALIVE = b": keep-alive\n\n"

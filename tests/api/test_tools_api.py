@@ -368,7 +368,7 @@ def test_a_stored_schema_that_loops_refuses_the_params_not_the_server(
         name=row.name,
         version=row.version + 1,
         spec={**row.spec, "schema": looping},
-        digest="1" * 64,
+        digest=tooldefs.digest({**row.spec, "schema": looping}),  # tools are cached by it
         created_by="user:admin",
     )
     run = create_run(
