@@ -538,6 +538,11 @@ LOGGING = {
         "django.db.backends": {"level": "INFO"},
         # django-axes says its version at every process start (every manage.py command).
         "axes.apps": {"level": "WARNING"},
+        # httpx (httpx2 as the mcp SDK carries it: the MCP client's transport) writes each
+        # request's whole URL at INFO: a key an admin put in an MCP server's URL
+        # (`?api_key=…`) would be in every log line.
+        "httpx": {"level": "WARNING"},
+        "httpx2": {"level": "WARNING"},
         # django-q2 gives its logger a handler of its own in its own format unless it has one
         # already: this one, so its lines come out like every other.
         "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},

@@ -53,6 +53,21 @@ def _exempt(tenant: Tenant, tool: str = CREATE) -> None:
     ApprovalPolicy.objects.create(tenant=tenant, name=f"{tool} goes", tool=tool, required=False)
 
 
+def test_a_key_in_an_upstreams_url_is_not_written_to_the_log(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some MCP servers take their key in the URL's query. httpx, the MCP client's
+    transport, logged every request's whole URL at INFO: the key was in the log (JSON
+    lines shipped to a collector) at every import and every call."""
+    import logging
+
+    upstream = mcp_upstream()
+    server = _server(tenant_a, upstream.url + "?api_key=sekrit-in-the-url")
+    with caplog.at_level(logging.INFO):  # LOG_LEVEL's default
+        assert mcp.import_tools(server, "user:admin").tools
+    assert "sekrit-in-the-url" not in caplog.text
+
+
 def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no_version(
     tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
 ) -> None:
