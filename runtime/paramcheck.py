@@ -276,15 +276,16 @@ def regex_validator(schema: Any) -> Any:
         raise ValueError(str(exc).split("\n", 1)[0]) from None
 
 
-def _ref_trouble(schema: Any) -> str:
-    """Why `schema`'s `$ref`s make it unusable ("" when they do not)."""
+def ref_trouble(schema: Any) -> str:
+    """Why `schema`'s `$ref`s make it unusable ("" when they do not): a definition is refused
+    for it (runtime.tooldefs), and one stored before that checks no value against it."""
     try:
         loop = looping_ref(schema)
     except RefChainTooLong as exc:
         return str(exc)
     except Exception:  # not a schema the resolver can walk: the validators judge it
         return ""
-    return f"$ref {loop!r} leads back to itself" if loop else ""
+    return f"$ref {loop!r} leads back to itself without reaching into the params" if loop else ""
 
 
 class ParamsSchema:
@@ -297,7 +298,7 @@ class ParamsSchema:
         # Stored before definitions were refused for it: checking any value would recurse
         # until the stack runs out (a RecursionError, or a panic inside the resolver's Rust
         # maps), so no value is checked against it.
-        self.unusable = _ref_trouble(schema)
+        self.unusable = ref_trouble(schema)
         if self.unusable:
             return
         if has_regex(schema):

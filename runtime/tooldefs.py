@@ -250,15 +250,10 @@ def _schema(schema: Any, errors: _Errors) -> dict[str, Any]:
         errors.add("schema", f"not a valid JSON Schema: {exc.message}")
         return {}
     ref = paramcheck.unresolved_ref(schema)
-    try:
-        loop = "" if ref else paramcheck.looping_ref(schema)
-    except paramcheck.RefChainTooLong as exc:
-        loop = ""
-        errors.add("schema", str(exc))
     if ref:
         errors.add("schema", f"$ref {ref!r} does not point inside the schema (none is fetched)")
-    elif loop:
-        errors.add("schema", f"$ref {loop!r} leads back to itself without reaching into the params")
+    elif trouble := paramcheck.ref_trouble(schema):
+        errors.add("schema", trouble)
     elif paramcheck.has_regex(schema):
         try:
             paramcheck.regex_validator(schema)
