@@ -120,11 +120,10 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
                 gates.hold(existing, run, actor)
             return existing
         attempt = earlier.count() + 1
-        key = f"{original.idempotency_key}{ledger.UNDO}"
         created = Action.objects.create(
             tenant_id=run.tenant_id,
             run=run,
-            idempotency_key=key if attempt == 1 else f"{key}:{attempt}",
+            idempotency_key=ledger.undo_key(original.idempotency_key, attempt),
             tool=undo.name,
             tool_version=undo.version,
             params=text,

@@ -82,6 +82,12 @@ _UNDONE = re.compile(re.escape(UNDO) + r"(?::[0-9]+)?\Z")
 _DERIVED = re.compile(r"^(?:mcp:)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):")
 
 
+def undo_key(key: str, attempt: int) -> str:
+    """The key of the `attempt`-th compensation of the action keyed `key` (what
+    `reserved_key` keeps clients from spelling)."""
+    return f"{key}{UNDO}" if attempt == 1 else f"{key}{UNDO}:{attempt}"
+
+
 def reserved_key(key: str, run_id: Any) -> str:
     """Why an executor may not give `key` to an action of run `run_id`; "" when it may.
 
