@@ -586,7 +586,7 @@ def reconcile_instruction(action: Action) -> dict[str, Any] | None:
     if action.status not in ledger.UNSETTLED:
         return None
     how = RECONCILE[tool_of(action).dedup_mode()]
-    if how == "replay_same_key" and action.goal_rev != action.run.goal_rev:
+    if how == "replay_same_key" and _person_settles(action, action.run.goal_rev):
         # The replay would be refused (stale_goal_rev) and hands the action to a person.
         return {"how": "manual_review"}
     if how == "lookup":
