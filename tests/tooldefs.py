@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.models import Action, Tenant, ToolDefinition
-from runtime.tooldefs import define, define_many
+from runtime.tooldefs import define, define_many, digest
 
 
 def tickets(url: str, mode: str = "key", **changes: Any) -> list[dict[str, Any]]:
@@ -73,3 +73,17 @@ def run_ticket(tenant: Tenant, url: str, mode: str = "none", **changes: Any) -> 
     run = create_run(tenant, "ticketing", {"title": "probe"}, actor="user:t")
     advance_run(run.run_id, "w1")
     return Action.objects.get(run=run)
+
+
+def store_unchecked(row: ToolDefinition, spec: dict[str, Any]) -> ToolDefinition:
+    """`row`'s next version with `spec`, stored as a definition from before a check refused
+    it (past `define`'s checks). With its real digest: tools are cached by digest in the
+    process, so a made-up one shared by two tests hands one test the other's tool."""
+    return ToolDefinition.objects.create(
+        tenant=row.tenant,
+        name=row.name,
+        version=row.version + 1,
+        spec=spec,
+        digest=digest(spec),
+        created_by="user:admin",
+    )

@@ -24,6 +24,7 @@ from tests.api import (
     problem,
 )
 from tests.conftest import Persona
+from tests.tooldefs import store_unchecked
 
 pytestmark = pytest.mark.django_db
 
@@ -363,14 +364,7 @@ def test_a_stored_schema_that_loops_refuses_the_params_not_the_server(
     ok(post(admin_a.api(), "tools/", TICKETS), 201)
     row = ToolDefinition.objects.get()
     looping = {"type": "object", "properties": {"title": {"$ref": "#/properties/title"}}}
-    ToolDefinition.objects.create(
-        tenant=row.tenant,
-        name=row.name,
-        version=row.version + 1,
-        spec={**row.spec, "schema": looping},
-        digest=tooldefs.digest({**row.spec, "schema": looping}),  # tools are cached by it
-        created_by="user:admin",
-    )
+    store_unchecked(row, {**row.spec, "schema": looping})
     run = create_run(
         admin_a.tenant,
         "ticketing",

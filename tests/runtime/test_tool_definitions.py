@@ -29,7 +29,7 @@ from runtime.tools import get_tool, tracker_definitions
 from tests.conftest import Persona
 from tests.graphs import BETWEEN_TICKETS
 from tests.sandbox import Sandbox
-from tests.tooldefs import define_tickets, tickets
+from tests.tooldefs import define_tickets, store_unchecked, tickets
 
 S = ActionStatus
 
@@ -78,14 +78,7 @@ def test_a_stored_header_named_like_the_key_header_is_never_sent_beside_the_key(
     box = sandbox_factory("key")
     row = define_tickets(tenant_a, box.url)
     spec = {**row.spec, "request": {**row.spec["request"], "headers": {"idempotency-key": "k"}}}
-    ToolDefinition.objects.create(
-        tenant=tenant_a,
-        name=row.name,
-        version=row.version + 1,
-        spec=spec,
-        digest=tooldefs.digest(spec),  # tools are cached by it: a made-up one is shared
-        created_by="user:admin",
-    )
+    store_unchecked(row, spec)
     _exempt(tenant_a)
     runs = [_ticket_run(tenant_a, title) for title in ("First", "Second")]
     for run in runs:
