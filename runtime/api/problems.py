@@ -280,11 +280,6 @@ def server_error(request: HttpRequest) -> Any:
     return page_error(request)
 
 
-# Every call may answer 503 `service_unavailable` (the database out of reach); a dispatch
-# Holdpoint sends itself also 503 `tool_unavailable`, refused before anything was applied (a
-# circuit open, an MCP server turned off) — dispatch again later.
-
-
 def add_problem_responses(
     result: dict[str, Any], generator: Any, request: Any, public: bool
 ) -> dict[str, Any]:
@@ -311,6 +306,9 @@ def add_problem_responses(
         for method, operation in path_item.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
+            # 503 for every call: `service_unavailable` (the database out of reach); a
+            # dispatch Holdpoint sends itself also `tool_unavailable`, refused before
+            # anything was applied (a circuit open, an MCP server turned off).
             codes = ["400", "401", "404", "405", "422", "429", "503"]
             if method in ("post", "put"):
                 codes += ["403", "409", "413", "415", "422"]
