@@ -142,6 +142,10 @@ def world(reviewer_a: Persona, sandbox_factory: Callable[[str], Sandbox]) -> dic
     grant(closes, Group.objects.get(name="acme-reviewers"))
     held = compensate(held_undo, "The reviewer asked for it twice", actor="user:ada")
     assert held.status == ActionStatus.AWAITING_APPROVAL  # a request in the inbox: "Undoes"
+    # An undo asked for and rejected: the run page offers it again, saying what became of it.
+    refused = compensate(undoable, "Closed by mistake in the tracker", actor="user:ada")
+    no = ApprovalRequest.objects.get(action=refused)
+    decide(no.pk, reviewer_a.user, "reject", no.action_hash, reason="The task is still needed")
 
     policy = ApprovalPolicy.objects.create(
         tenant=tenant, name="tasks need review", tool="tasks.create"
@@ -259,5 +263,8 @@ def test_every_reviewer_page_fits_at_1280_and_390_px(
         for name, box in (("stuck", "Compensations not sent"), ("undoable", "Undo a confirm")):
             page.goto(f"{base}/runs/{world[f'{name}-run']}/")
             expect(page.get_by_text(box).first).to_be_visible()
+            if name == "undoable":  # its first undo was rejected: the form says so
+                earlier = "An earlier undo did not take effect (cancelled: rejected by"
+                expect(page.get_by_text(earlier)).to_be_visible()
             measure(page, f"run-admin-{name}", width, problems)
     assert not problems, "\n".join(problems)
