@@ -12,6 +12,7 @@ to by id only.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import date, datetime
 from itertools import groupby
@@ -59,20 +60,37 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
         """
         if not PurgeGate.objects.exists():
             raise AppendOnly("redaction needs the purge gate open in this transaction")
+        return self._redaction(_redact)
+
+    def redaction_preview(self) -> Redaction:
+        """What `redact` would do, writing nothing (`purge --dry-run`): the same walk and the
+        same verdicts, so a plan names the runs the purge will keep and does not count them."""
+        return self._redaction(len)
+
+    def _redaction(self, apply: Callable[[list[tuple[int, str]]], int]) -> Redaction:
         done, refused = 0, {}
+        for stream, digests, why in self._redactions():
+            if why:
+                refused[stream] = why
+            else:
+                done += apply(digests)
+        return Redaction(done, refused)
+
+    def _redactions(self) -> Iterator[tuple[str, list[tuple[int, str]], str]]:
+        """Each stream's unredacted entries with their payload digests, or why the stream
+        cannot be redacted (the first entry whose payload has no digest)."""
         entries = self.filter(redacted=False).order_by("stream", "seq")
         rows = entries.only("pk", "stream", "seq", "payload").iterator()
         for stream, group in groupby(rows, key=attrgetter("stream")):
             digests: list[tuple[int, str]] = []
+            why = ""
             for entry in group:
                 try:
                     digests.append((entry.pk, payload_digest(entry.payload)))
                 except CanonicalError as exc:
-                    refused[stream] = f"seq {entry.seq}: payload is not canonical JSON ({exc})"
+                    why = f"seq {entry.seq}: payload is not canonical JSON ({exc})"
                     break
-            if stream not in refused:
-                done += _redact(digests)
-        return Redaction(done, refused)
+            yield stream, digests, why
 
 
 @dataclass(frozen=True)

@@ -87,10 +87,7 @@ def purge_tenant(
         else due_runs(tenant, now)
     )
     if dry_run:
-        report = PurgeReport(tenant.slug, [str(r) for r in runs.values_list("run_id", flat=True)])
-        if report.runs:
-            _preview(tenant, report)
-        return report
+        return _preview(tenant, runs)
     report = PurgeReport(tenant.slug)
     size = batch_size or settings.HOLDPOINT_PURGE_BATCH
     kept = _Kept(tenant.pk)
@@ -180,18 +177,29 @@ def _delete_orphans(tenant: Tenant, doomed_refs: set[str], kept: _Kept) -> int:
     return count
 
 
-def _preview(tenant: Tenant, report: PurgeReport) -> None:
-    """A dry run's counts, as the purge would count them, writing nothing (a dry run that
-    said "0 checkpoint(s), 0 artifact(s)" for runs with hundreds was read as "cheap")."""
-    doomed = Checkpoint.objects.filter(run_id__in=report.runs)
-    kept = Checkpoint.objects.filter(tenant=tenant).exclude(run_id__in=report.runs)
+def _preview(tenant: Tenant, runs: QuerySet[Run]) -> PurgeReport:
+    """A dry run's report, as the purge would make it, writing nothing: the runs it would
+    purge with their checkpoints, orphaned artifacts and redacted payloads (a dry run that
+    said "0 checkpoint(s), 0 artifact(s)" for runs with hundreds was read as "cheap"), and
+    the due runs it would keep because their journal cannot be redacted (counted among the
+    purged before, while the purge then kept them and failed). Runs are matched by subquery,
+    not by a list of ids, so a tenant with more due runs than the driver takes parameters
+    is counted too."""
+    due = [str(r) for r in runs.values_list("run_id", flat=True)]
+    if not due:
+        return PurgeReport(tenant.slug)
+    streams = {journal.run_stream(run_id): run_id for run_id in due}
+    redaction = JournalEntry.objects.filter(stream__in=streams).redaction_preview()
+    held = {streams[name]: why for name, why in redaction.refused.items()}
+    report = PurgeReport(tenant.slug, [r for r in due if r not in held], held=held)
+    going = runs.exclude(run_id__in=list(held)).values("run_id")
+    doomed = Checkpoint.objects.filter(run_id__in=going)
+    kept = Checkpoint.objects.filter(tenant=tenant).exclude(run_id__in=going)
     orphans = _refs(tenant.pk, doomed) - _refs(tenant.pk, kept)
-    streams = [journal.run_stream(run_id) for run_id in report.runs]
     report.checkpoints = doomed.count()
     report.artifacts = Artifact.objects.filter(tenant=tenant, digest__in=orphans).count()
-    report.entries_redacted = JournalEntry.objects.filter(
-        stream__in=streams, redacted=False
-    ).count()
+    report.entries_redacted = redaction.done
+    return report
 
 
 def _hold_artifact_writes() -> None:

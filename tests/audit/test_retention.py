@@ -28,6 +28,19 @@ def _aged(run: Run, days: int) -> None:
     Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(days=days))
 
 
+def _edited_past_canonical_json(run: Run, seq: int) -> str:
+    """Edit one of the run's entries to a payload no writer stores (an integer past
+    ±2**53): it has no digest, so its stream cannot be redacted. Returns the stream."""
+    stream = journal.run_stream(run.run_id)
+    victim = JournalEntry.objects.get(stream=stream, seq=seq)
+    with tampering() as cursor:
+        cursor.execute(
+            "UPDATE audit_journalentry SET payload = %s WHERE id = %s",
+            ['{"n": 1152921504606846976}', victim.pk],
+        )
+    return stream
+
+
 def _purge(*args: str) -> str:
     out = StringIO()
     call_command("purge", *args, stdout=out)
@@ -201,13 +214,7 @@ def test_a_payload_edited_past_canonical_json_keeps_its_run_and_the_purge_goes_o
     for run in (edited, other, later):
         advance_run(run.run_id, "w1")
         _aged(run, 31)
-    stream = journal.run_stream(edited.run_id)
-    victim = JournalEntry.objects.get(stream=stream, seq=2)
-    with tampering() as cursor:
-        cursor.execute(
-            "UPDATE audit_journalentry SET payload = %s WHERE id = %s",
-            ['{"n": 1152921504606846976}', victim.pk],
-        )
+    stream = _edited_past_canonical_json(edited, seq=2)
 
     out = StringIO()
     with pytest.raises(CommandError, match="1 due run"):
@@ -369,3 +376,39 @@ def test_an_empty_tenant_slug_is_refused_not_taken_for_every_tenant(
             with pytest.raises(CommandError, match="--tenant needs a tenant slug"):
                 _purge("--tenant", empty, *extra)
     assert Run.objects.filter(pk__in=[r.pk for r in runs]).count() == 2
+
+
+@pytest.mark.tampers_journal
+def test_a_dry_run_names_the_run_the_purge_would_keep_and_does_not_count_it(
+    tenant_a: Tenant,
+) -> None:
+    """A dry run counted a run whose journal cannot be redacted among the runs it "would
+    purge", with its checkpoints and payloads, and said nothing of it; the purge then kept
+    it and failed. The plan is only worth reading if it is what the purge does: the same
+    runs, the same counts, the same run named as kept, the same non-zero exit — and
+    nothing written."""
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    edited = create_run(tenant_a, "grower", {"steps": 7}, actor="t")
+    other = create_run(tenant_a, "grower", {"steps": 5}, actor="t")
+    for run in (edited, other):
+        advance_run(run.run_id, "w1")
+        _aged(run, 31)
+    _edited_past_canonical_json(edited, seq=2)
+    entries = JournalEntry.objects.count()
+
+    planned = StringIO()
+    with pytest.raises(CommandError, match="1 due run"):
+        call_command("purge", "--dry-run", "--tenant", tenant_a.slug, stdout=planned)
+    assert JournalEntry.objects.filter(redacted=True).count() == 0
+    assert JournalEntry.objects.count() == entries
+    assert Run.objects.filter(pk__in=[edited.pk, other.pk]).count() == 2
+    done = StringIO()
+    with pytest.raises(CommandError, match="1 due run"):
+        call_command("purge", "--tenant", tenant_a.slug, stdout=done)
+
+    plan, result = planned.getvalue(), done.getvalue()
+    line = next(x for x in result.splitlines() if x.startswith("acme: purged"))
+    assert "purged 1 run(s)" in line and " 0 checkpoint(s)" not in line, line
+    assert line.replace("purged", "would purge") in plan, (plan, result)
+    assert f"acme: would keep run {edited.run_id}: journal" in plan and "seq 2" in plan, plan
+    assert f"acme: KEPT run {edited.run_id}" in result, result

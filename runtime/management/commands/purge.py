@@ -57,11 +57,12 @@ class Command(BaseCommand):
                 f"{report.checkpoints} checkpoint(s), {report.artifacts} artifact(s), "
                 f"{report.entries_redacted} journal payload(s) redacted"
             )
+            kept = "would keep" if options["dry_run"] else "KEPT"
             for run_id, why in report.held.items():
-                self.stdout.write(f"{report.tenant}: KEPT run {run_id}: journal {why}")
+                self.stdout.write(f"{report.tenant}: {kept} run {run_id}: journal {why}")
         held = sum(len(report.held) for report in reports)
         if held:  # the other tenants and runs went; this still needs a person
             raise CommandError(
-                f"{held} due run(s) kept: their journal cannot be redacted (edited?); "
-                "see audit_verify"
+                f"{held} due run(s) {'would be ' if options['dry_run'] else ''}kept: their "
+                "journal cannot be redacted (edited?); see audit_verify"
             )
