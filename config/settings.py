@@ -543,6 +543,10 @@ LOGGING = {
         # (`?api_key=…`) would be in every log line.
         "httpx": {"level": "WARNING"},
         "httpx2": {"level": "WARNING"},
+        # The mcp SDK's own lines: the endpoint's whole URL (DEBUG), each session's id, which
+        # the server takes as the session's credential (INFO), every message a server sent —
+        # tools' answers, tenant data — (DEBUG). Holdpoint logs what an MCP call did itself.
+        "mcp": {"level": "WARNING"},
         # django-q2 gives its logger a handler of its own in its own format unless it has one
         # already: this one, so its lines come out like every other.
         "django-q": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},

@@ -68,6 +68,24 @@ def test_a_key_in_an_upstreams_url_is_not_written_to_the_log(
     assert "sekrit-in-the-url" not in caplog.text
 
 
+def test_the_mcp_clients_own_lines_keep_keys_and_sessions_out_of_a_debug_log(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With LOG_LEVEL=DEBUG (how an operator chases a failing import) the MCP SDK's
+    client wrote the endpoint's whole URL, a key in its query included, and at INFO every
+    session's id (which the server takes as the session's credential) and at DEBUG every
+    message a server sent (tools' answers: tenant data) into the shared log."""
+    import logging
+
+    upstream = mcp_upstream()
+    server = _server(tenant_a, upstream.url + "?api_key=sekrit-in-the-url")
+    with caplog.at_level(logging.DEBUG):
+        assert mcp.import_tools(server, "user:admin").tools
+    assert "sekrit-in-the-url" not in caplog.text
+    assert "session ID" not in caplog.text and "SSE message" not in caplog.text
+    assert not [r for r in caplog.records if r.name.startswith("mcp.client")]
+
+
 def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no_version(
     tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
 ) -> None:
