@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.contrib.auth.models import AnonymousUser, User
@@ -37,6 +37,9 @@ class Principal:
     user: User
     tenant: Tenant
     role: str
+    # Every active tenant the user belongs to, read with the membership that chose `tenant`
+    # (the pages' tenant switcher): a page then reads the memberships once, not twice.
+    tenants: tuple[Tenant, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def is_agent(self) -> bool:
@@ -73,7 +76,10 @@ def principal_for(user: User | AnonymousUser, tenant_id: int | None = None) -> P
     if not memberships:
         return None
     chosen = next((m for m in memberships if m.tenant_id == tenant_id), memberships[0])
-    return Principal(user=chosen.user, tenant=chosen.tenant, role=chosen.role)
+    # The user asked about, not `chosen.user`: that is the same row read a second time.
+    assert isinstance(user, User)
+    tenants = tuple(m.tenant for m in memberships)
+    return Principal(user=user, tenant=chosen.tenant, role=chosen.role, tenants=tenants)
 
 
 def scope(queryset: QuerySet[M], principal: Principal) -> QuerySet[M]:
@@ -145,7 +151,8 @@ def tenant_context(request: HttpRequest) -> dict[str, Any]:
         return {"principal": None, "tenant_choices": []}
     return {
         "principal": principal,
-        "tenant_choices": [m.tenant for m in memberships_of(request.user)],
+        "tenant_choices": list(principal.tenants)
+        or [m.tenant for m in memberships_of(request.user)],
     }
 
 

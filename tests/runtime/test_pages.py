@@ -119,6 +119,28 @@ def test_list_query_count_does_not_grow_with_runs(client: Client, reviewer_a: Pe
     assert queries_for(3) == queries_for(30)
 
 
+def test_a_page_reads_the_user_and_the_memberships_once(
+    client: Client, reviewer_a: Persona, tenant_b: Tenant
+) -> None:
+    """Each page read the signed-in user twice (the membership's user, again) and the
+    memberships twice (the tenant switcher's list, again): two statements of every page's
+    ten or so that told nothing new. The switcher still lists both tenants."""
+    from runtime.models import Membership, Role
+
+    Membership.objects.create(tenant=tenant_b, user=reviewer_a.user, role=Role.VIEWER)
+    login(client, reviewer_a)
+    for url in (reverse("inbox"), reverse("runs"), reverse("run", args=[uuid.uuid4()])):
+        with CaptureQueriesContext(connection) as captured:
+            page = client.get(url)
+        assert page.status_code in (200, 404), url
+        reads = [q["sql"] for q in captured if " FROM " in q["sql"]]
+        tables = [sql.split(" FROM ", 1)[1].split()[0] for sql in reads]
+        assert tables.count('"auth_user"') == 1, (url, tables)
+        assert tables.count('"runtime_membership"') == 1, (url, tables)
+        switcher = b"switch tenant" if page.status_code == 404 else tenant_b.name.encode()
+        assert switcher in page.content, url
+
+
 def test_user_without_tenant_gets_a_friendly_page(client: Client, db: None) -> None:
     user = get_user_model().objects.create_user(username="nomad", password="pw-nomad")
     client.force_login(user)
