@@ -596,12 +596,15 @@ class ExecutorCore(Generic[C]):
     def _record(
         self, action: Action, outcome: str, *, external_id: str = "", result: Any = None
     ) -> Flow[Action]:
-        """Record the outcome; after an ambiguous failure, the ledger tells if it landed
-        (if not, it is sent again after a pause, `replay_attempts` times in all).
+        """Record the outcome; after an ambiguous failure, sent again after a pause,
+        `replay_attempts` times in all. A report that landed the first time is answered
+        again by the server with the action as it is now (200: the same fence, outcome and
+        external id), so repeating it can neither apply it twice nor be mistaken for a
+        refusal; a 409 `invalid_transition` is then a real one (another report applied).
 
         A 5xx is such an ambiguous failure even when Holdpoint itself wrote it (its own
         500 `server_error`, a 503 `service_unavailable` it kept answering): the POST may
-        have been recorded before the fault, or not at all — the ledger says which.
+        have been recorded before the fault, or not at all.
 
         Not recorded in the end, it is OutcomeUnknown, not a bare failure: the effect may
         well have happened (`unrecorded` says what the tool answered), and only the ledger
@@ -625,22 +628,10 @@ class ExecutorCore(Generic[C]):
                 )
             except StaleFence as exc:
                 raise self._lose(exc) from exc
-            except InvalidTransition:
-                reread = yield from ask(calls.get_action(action.action_id))
-                if _moved(action, reread, outcome):  # our own earlier attempt landed
-                    return reread
-                raise
             except (TransportError, ServerError) as exc:
                 failure = exc
                 if isinstance(exc, TransportError) and not exc.may_have_applied:
                     break
-                try:
-                    reread = yield from ask(calls.get_action(action.action_id))
-                except (TransportError, ServerError) as lost:
-                    failure = lost
-                    break
-                if _moved(action, reread, outcome):
-                    return reread
         raise OutcomeUnknown(
             f"{action.tool}: could not record {outcome} for {action.action_id} ({failure}): "
             "the server does not know what came of it — do not do it again yourself; "
@@ -747,14 +738,6 @@ class Executor(ExecutorCore[Client]):
         """
         flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return drive(flow, self.client)
-
-
-def _moved(before: Action, now: Action, outcome: str) -> bool:
-    """Whether a report of `outcome` landed: the action is in the status it names, or — the
-    server applies the tool's contract to an `unknown` — a person now has it."""
-    if now.status == outcome:
-        return True
-    return outcome == "unknown" and now.status == "manual_review" != before.status
 
 
 def _deadline(timeout: float | None) -> float | None:

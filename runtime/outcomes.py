@@ -22,6 +22,8 @@ from typing import Any
 from django.conf import settings
 from django.db.models.functions import Now
 
+from audit.journal import run_stream
+from audit.models import JournalEntry
 from runtime import ledger
 from runtime.errors import InvalidTransition
 from runtime.events import RunEvent, record
@@ -58,6 +60,41 @@ def to_person(action: Action, fence: int, actor: str, reason: str, **journal_ext
             status=RunStatus.NEEDS_RECONCILIATION,
         )
     return action
+
+
+def report(who: str, owner: str, outcome: str) -> dict[str, Any]:
+    """What an external executor's report adds to each journal entry it writes: the API
+    account that reported it, the lease owner, and the outcome word it said — by which
+    `repeated` knows the report again."""
+    return {"reported_by": who, "executor_owner": owner, "outcome": outcome}
+
+
+def repeated(action: Action, actor: str, outcome: str, external_id: str) -> bool:
+    """Whether this very report already applied: since the action was last marked `sent`,
+    `actor` (the reporting account under its fence) reported `outcome` — for `confirmed`
+    with this external id. A client repeating a report whose answer it lost is answered with
+    the action as it is now: whatever followed the report (an `unknown` handed to a person,
+    the person's resolution) stays, and nothing is journalled again. Read newest first
+    through the action's outcome entries, back to its latest send (none: not `sent` now)."""
+    if action.status == S.SENT:
+        return False  # every report moves an action off `sent`: none since this send
+    entries = (
+        JournalEntry.objects.filter(
+            tenant_id=action.tenant_id,
+            stream=run_stream(action.run_id),
+            type=RunEvent.ACTION_OUTCOME,
+            payload__action_id=str(action.action_id),
+        )
+        .order_by("-seq")
+        .values_list("actor", "payload")
+    )
+    for by, payload in entries:
+        if payload.get("action_status") == S.SENT:
+            return False
+        said = payload.get("reported_by") and payload.get("outcome") == outcome
+        if by == actor and said:
+            return outcome != "confirmed" or payload.get("external_id") == external_id.strip()
+    return False
 
 
 def settle_unknown(

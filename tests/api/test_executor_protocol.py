@@ -619,6 +619,93 @@ def test_outcome_of_an_action_never_sent_is_409_invalid_transition(agent_a: Pers
     assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.FAILED
 
 
+def entries(run_id: str) -> int:
+    return JournalEntry.objects.filter(stream=f"run:{run_id}").count()
+
+
+@pytest.mark.parametrize(
+    ("verdict", "fields"),
+    [("confirmed", {"external_id": "T-1"}), ("failed", {}), ("unknown", {})],
+)
+def test_a_repeated_outcome_answers_200_with_the_action_and_changes_nothing(
+    agent_a: Persona, verdict: str, fields: dict[str, Any]
+) -> None:
+    """The executor's outcome landed and its answer was lost; it reports the same again.
+    That was 409 invalid_transition (an `unknown` even counted twice), so a client could not
+    tell "mine landed" from "someone else moved the action". Now the same report — the
+    same fence, the same outcome and, for `confirmed`, the same external id — answers 200
+    with the action, as a repeated decision or release does, and nothing is written."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    ok(dispatch(client, action["action_id"], fence))
+    first = ok(outcome(client, action["action_id"], fence, verdict, result={"n": 1}, **fields))
+    written, attempts = entries(run_id), Action.objects.get(pk=first["action_id"]).attempts
+    counted = Action.objects.get(pk=first["action_id"]).reconcile_attempts
+
+    again = ok(outcome(client, action["action_id"], fence, verdict, result={"n": 1}, **fields))
+
+    assert again == first
+    assert entries(run_id) == written
+    stored = Action.objects.get(pk=action["action_id"])
+    assert (stored.status, stored.attempts, stored.reconcile_attempts) == (
+        verdict,
+        attempts,
+        counted,
+    )
+
+
+def test_an_outcome_other_than_the_one_that_applied_stays_409(agent_a: Persona) -> None:
+    """Only the same report is answered again: another external id, another outcome word,
+    or the report under a fence that lost the lease is refused as before."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    ok(dispatch(client, action["action_id"], fence))
+    ok(outcome(client, action["action_id"], fence, "confirmed", external_id="T-1"))
+
+    other_id = outcome(client, action["action_id"], fence, "confirmed", external_id="T-2")
+    problem(other_id, 409, "invalid_transition")
+    problem(outcome(client, action["action_id"], fence, "failed"), 409, "invalid_transition")
+    problem(outcome(client, action["action_id"], fence, "unknown"), 409, "invalid_transition")
+    expire_lease(run_id)
+    take_lease(client, run_id, owner="p2")
+    stale = outcome(client, action["action_id"], fence, "confirmed", external_id="T-1")
+    problem(stale, 409, "stale_fence")
+    stored = Action.objects.get(pk=action["action_id"])
+    assert (stored.status, stored.external_id) == (ActionStatus.CONFIRMED, "T-1")
+
+
+def test_a_repeated_unknown_after_a_person_settled_it_undoes_nothing(
+    agent_a: Persona, reviewer_a: Persona, settings: Any
+) -> None:
+    """An `unknown` of a tool that can neither deduplicate nor be looked up goes to a person
+    at once; the person says "not applied" (the action is `prepared`, to be sent again with
+    its key). The executor's repeat of its `unknown` — its answer was lost — arrives only
+    now: it answers 200 with the action as the person left it, moves nothing back and
+    journals nothing."""
+    settings.HOLDPOINT_TASKS_DEDUP = "none"
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    action = ok(prepare(client, run_id, fence, tool=CLIENT), 201)
+    ok(dispatch(client, action["action_id"], fence))
+    first = ok(outcome(client, action["action_id"], fence, "unknown"))
+    assert first["status"] == "manual_review"
+    Action.objects.filter(pk=action["action_id"]).update(
+        in_flight_until=timezone.now() - timedelta(seconds=1)
+    )
+    alice = session(reviewer_a.user)
+    body = {"outcome": "not_applied", "note": "not in the tracker"}
+    ok(post(alice, f"actions/{action['action_id']}/resolve/", body))
+    written = entries(run_id)
+
+    again = ok(outcome(client, action["action_id"], fence, "unknown"))
+
+    assert again["status"] == "prepared" and entries(run_id) == written
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.PREPARED
+    assert ok(dispatch(client, action["action_id"], fence))["status"] == "sent"
+
+
 def test_confirmed_without_an_external_id_is_refused(agent_a: Persona) -> None:
     client = agent_a.api()
     run_id, fence = leased(client)

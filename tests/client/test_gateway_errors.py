@@ -150,7 +150,8 @@ def test_an_outcome_recorded_behind_a_gateway_error_is_read_back_async(
 ) -> None:
     """The outcome reached Holdpoint (the action is `confirmed`) and the gateway answered
     504: `act` raised ServerError after the effect, as if nothing were recorded. Now the
-    action is re-read and found confirmed (AsyncExecutor: the same flows, the same policy)."""
+    report is sent again and the server answers the repeat with the confirmed action,
+    recorded once (AsyncExecutor: the same flows, the same policy)."""
     proxy, url = gateway
     assert agent_a.token is not None
     service = Service()
@@ -165,7 +166,18 @@ def test_an_outcome_recorded_behind_a_gateway_error_is_read_back_async(
     done = asyncio.run(story())
 
     assert (done.status, done.external_id) == ("confirmed", "T-1") and len(service.calls) == 1
-    assert proxy.count("POST", "/outcome/") == 1
+    assert proxy.count("POST", "/outcome/") == 2  # the repeat, answered 200
+    assert confirmed_entries(done.run_id) == 1
+
+
+def confirmed_entries(run_id: str) -> int:
+    """How many times the run's journal says an action became confirmed."""
+    entries = JournalEntry.objects.filter(stream=run_stream(run_id), type="action_outcome")
+    return sum(
+        1
+        for p in entries.values_list("payload", flat=True)
+        if p.get("action_status") == "confirmed"
+    )
 
 
 def test_a_gateway_503_on_a_call_not_safe_to_repeat_is_not_repeated(
@@ -330,8 +342,9 @@ def test_holdpoints_500_after_recording_the_outcome_is_read_back_async(
     gateway: tuple[Gateway, str], agent_a: Persona
 ) -> None:
     """Holdpoint recorded the outcome, then answered 500 `server_error` (a fault after the
-    commit): `act` raised ServerError although the action was confirmed. Now the ledger is
-    re-read and the confirmed action returned (AsyncExecutor: the same flows)."""
+    commit): `act` raised ServerError although the action was confirmed. Now the report is
+    sent again, and its repeat answered with the confirmed action (AsyncExecutor: the same
+    flows)."""
     proxy, url = gateway
     assert agent_a.token is not None
     service = Service()
@@ -346,8 +359,9 @@ def test_holdpoints_500_after_recording_the_outcome_is_read_back_async(
     done = asyncio.run(story())
 
     assert (done.status, done.external_id) == ("confirmed", "T-1") and len(service.calls) == 1
-    assert proxy.count("POST", "/outcome/") == 1
+    assert proxy.count("POST", "/outcome/") == 2  # the repeat, answered 200
     assert ActionRow.objects.get(pk=done.action_id).status == "confirmed"
+    assert confirmed_entries(done.run_id) == 1
 
 
 @pytest.mark.parametrize("status", [502, 0], ids=["502", "hang-up"])
