@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
@@ -40,7 +40,7 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.leases import db_now_plus
 from runtime.models import SENDABLE, TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
-from runtime.tools import Tool
+from runtime.tools import Tool, tool_of
 
 S = ActionStatus
 # The allowed transitions, in one place (DESIGN.md, "Action" state machine).
@@ -598,6 +598,29 @@ def _restamp(action: Action, tool: Tool, actor: str) -> str:
         version=tool.version,
     )
     return ""
+
+
+def extend_in_flight(run_id: Any, tenant_id: int, fence: int, lease_ends: datetime) -> int:
+    """After a heartbeat of `fence` (its lease now ends at `lease_ends`, database time): the
+    actions it sent that are still `sent` may be in flight until then plus their tool's
+    timeout — an external executor's `perform` may run as long as it keeps its lease, and
+    nobody may conclude "not applied" (a successor's lookup, a person) before it could no
+    longer land. Never earlier than the window was; returns how many moved.
+
+    The run's `sent` actions are read through the partial index runtime_action_unsettled —
+    none, usually: one statement per heartbeat — and moved by one compare-and-swap per
+    timeout (still `sent` by this fence, and only later)."""
+    sent = Action.objects.filter(
+        tenant_id=tenant_id, run_id=run_id, status=S.SENT, sent_fence=fence
+    )
+    by_timeout: dict[float, list[Any]] = {}
+    for action in sent.only("action_id", "tenant_id", "tool", "tool_version"):
+        by_timeout.setdefault(tool_of(action).timeout, []).append(action.pk)
+    moved = 0
+    for timeout, ids in by_timeout.items():
+        until = lease_ends + timedelta(seconds=timeout)
+        moved += sent.filter(pk__in=ids, in_flight_until__lt=until).update(in_flight_until=until)
+    return moved
 
 
 def mark_resent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) -> Action:

@@ -220,8 +220,14 @@ def lease_of(run: Run, fence: int, who: str, *, owner: str | None = None, ttl: f
 
 
 def heartbeat(run: Run, fence: int, ttl: float, *, who: str, owner: str | None = None) -> datetime:
-    """Extend the lease by `ttl` (capped) from database now (runtime.leases.heartbeat)."""
-    return leases.heartbeat(lease_of(run, fence, who, owner=owner, ttl=capped_ttl(ttl)))
+    """Extend the lease by `ttl` (capped) from database now (runtime.leases.heartbeat), and
+    with it the in-flight window of what this fence sent and has not reported: its executor
+    may be inside that call for as long as it holds the lease (ledger.extend_in_flight).
+    Two statements, not one transaction: a beat whose second one is lost leaves the window
+    of the beat before, and the next beat moves it."""
+    expires_at = leases.heartbeat(lease_of(run, fence, who, owner=owner, ttl=capped_ttl(ttl)))
+    ledger.extend_in_flight(run.run_id, run.tenant_id, fence, expires_at)
+    return expires_at
 
 
 def release(run: Run, fence: int, who: str, *, owner: str | None = None) -> None:

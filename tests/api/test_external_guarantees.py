@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.db.models import F
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -651,6 +652,55 @@ def test_the_in_flight_window_lasts_the_senders_lease_plus_the_tools_timeout(
     timeout = timedelta(seconds=get_tool(action.tool).timeout)
     assert lease_ends + timeout - timedelta(seconds=2) <= action.in_flight_until
     assert action.in_flight_until <= lease_ends + timeout + timedelta(seconds=2)
+
+
+def passed(run_id: str, seconds: float) -> None:
+    """`seconds` go by for the run and its actions: their database-time marks move back."""
+    ago = timedelta(seconds=seconds)
+    Run.objects.filter(pk=run_id).update(lease_expires_at=F("lease_expires_at") - ago)
+    Action.objects.filter(run_id=run_id).update(
+        sent_at=F("sent_at") - ago, in_flight_until=F("in_flight_until") - ago
+    )
+
+
+def heartbeat(client: APIClient, run_id: str, fence: int, ttl: int) -> Any:
+    body = {"fence": fence, "ttl_seconds": ttl}
+    return ok(post(client, f"runs/{run_id}/lease/heartbeat/", body))
+
+
+def test_a_heartbeat_extends_the_in_flight_window_of_what_its_fence_sent(
+    agent_a: Persona, settings: Any
+) -> None:
+    """An executor whose `perform` runs long keeps its lease with heartbeats, and may still be
+    inside its call until that lease is lost (plus the tool's timeout). The window its
+    dispatch set was not moved by them: once the lease lapsed, a successor's `not_found`
+    was accepted at once — and the action sent again while the first call might still land.
+    Now each heartbeat moves the window of the actions its fence sent that are still `sent`
+    to the new lease expiry plus the tool's timeout (never earlier than it was)."""
+    settings.HOLDPOINT_TASKS_DEDUP = "lookup"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id, ttl=60)
+    action = sent(client, run_id, fence)
+    timeout = timedelta(seconds=get_tool(CLIENT).timeout)
+    for _ in range(2):  # 100 s in `perform`, heartbeating: past the window the dispatch set
+        passed(run_id, 50)
+        heartbeat(client, run_id, fence, 60)
+    stored = Action.objects.get(pk=action["action_id"])
+    lease_ends = Run.objects.get(pk=run_id).lease_expires_at
+    assert lease_ends is not None and stored.in_flight_until == lease_ends + timeout
+    heartbeat(client, run_id, fence, 10)  # a shorter lease does not shorten the window
+    assert Action.objects.get(pk=action["action_id"]).in_flight_until == lease_ends + timeout
+
+    expire_lease(run_id)  # the executor is lost now; a successor takes the run
+    successor = take_lease(client, run_id, owner="p2")
+    early = outcome(client, action["action_id"], successor, "not_found")
+
+    problem(early, 409, "invalid_transition")
+    assert Action.objects.get(pk=action["action_id"]).status == ActionStatus.SENT
+    passed(run_id, 61 + timeout.total_seconds())  # the last lease plus the timeout are over
+    absent = ok(outcome(client, action["action_id"], successor, "not_found"))
+    assert absent["status"] == "prepared"
 
 
 @pytest.mark.django_db(transaction=True)
