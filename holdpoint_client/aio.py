@@ -229,6 +229,7 @@ class AsyncClient(Configured):
         reason: str = "",
         target: str = "",
         idempotency_key: str | None = None,
+        expected_goal_rev: int | None = None,
     ) -> Action:
         call = calls.prepare_action(
             run_id,
@@ -238,6 +239,7 @@ class AsyncClient(Configured):
             reason=reason,
             target=target,
             idempotency_key=idempotency_key,
+            expected_goal_rev=expected_goal_rev,
         )
         return await self.send(call)
 

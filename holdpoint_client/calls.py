@@ -452,6 +452,7 @@ def prepare_action(
     reason: str = "",
     target: str = "",
     idempotency_key: str | None = None,
+    expected_goal_rev: int | None = None,
 ) -> Call[Action]:
     body: dict[str, Any] = {
         "fence": fence,
@@ -462,6 +463,8 @@ def prepare_action(
     }
     if idempotency_key is not None:
         body["idempotency_key"] = idempotency_key
+    if expected_goal_rev is not None:
+        body["expected_goal_rev"] = expected_goal_rev
     return post(at("runs", run_id, "actions"), body, Action.from_json, create=True)
 
 

@@ -230,9 +230,12 @@ class Client(Configured):
         reason: str = "",
         target: str = "",
         idempotency_key: str | None = None,
+        expected_goal_rev: int | None = None,
     ) -> Action:
         """Record an intended side effect. `idempotency_key` is the *ledger* key: the same
-        key with the same params returns the action prepared before (200, not 201)."""
+        key with the same params returns the action prepared before (200, not 201).
+        `expected_goal_rev`: the goal revision you last read (VersionConflict if the goal
+        was revised since — nothing is prepared)."""
         return self.send(
             calls.prepare_action(
                 run_id,
@@ -242,6 +245,7 @@ class Client(Configured):
                 reason=reason,
                 target=target,
                 idempotency_key=idempotency_key,
+                expected_goal_rev=expected_goal_rev,
             )
         )
 

@@ -56,6 +56,7 @@ from holdpoint_client.errors import (
     ToolRefused,
     ToolUnavailable,
     TransportError,
+    VersionConflict,
 )
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, ask, drive, invoke, pause
@@ -332,7 +333,8 @@ class ExecutorCore(Generic[C]):
         dispatched action's status is its outcome; this flow waits for it to settle.
         """
         self._check()
-        key = self.key_for(call)
+        goal_rev = self.goal_rev
+        key = self.key_for(call, goal_rev)
         found = yield from ask(calls.actions_page(idempotency_key=key))
         if found.results and found.results[0].params == dict(params):
             action = found.results[0]
@@ -341,7 +343,7 @@ class ExecutorCore(Generic[C]):
             # New, or found with other params: a reviewer's edit (the server matches the
             # params first asked for and returns the action) or an agent that changed its
             # mind under the same label (refused: IdempotencyKeyReused).
-            action = yield from self._prepare(key, tool, params, reason, target)
+            action = yield from self._prepare(key, tool, params, reason, target, goal_rev=goal_rev)
         approval_deadline = _deadline(approval_timeout)
         resolution_deadline = _deadline(resolution_timeout)
         performed = 0
@@ -379,8 +381,19 @@ class ExecutorCore(Generic[C]):
                 raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
 
     def _prepare(
-        self, key: str, tool: str, params: Mapping[str, Any], reason: str, target: str
+        self,
+        key: str,
+        tool: str,
+        params: Mapping[str, Any],
+        reason: str,
+        target: str,
+        *,
+        goal_rev: int,
     ) -> Flow[Action]:
+        """Prepare the call keyed `key` under goal revision `goal_rev` — sent along, so that
+        a goal revised since (the server's version_conflict) prepares nothing: the action
+        would be the new goal's under the old goal's key, and after a restart, keyed under
+        the new revision, the call would be made again."""
         try:
             return (
                 yield from ask(
@@ -392,11 +405,22 @@ class ExecutorCore(Generic[C]):
                         reason=reason,
                         target=target,
                         idempotency_key=key,
+                        expected_goal_rev=goal_rev,
                     )
                 )
             )
         except StaleFence as exc:
             raise self._lose(exc) from exc
+        except VersionConflict as exc:
+            raise (yield from self._revised(exc.detail)) from exc
+
+    def _revised(self, detail: str, action: Action | None = None) -> Flow[ActionWithdrawn]:
+        """The server says the goal was revised since this executor read the run (a
+        prepare's version_conflict, a dispatch's stale_goal_rev): the run is read again —
+        the agent's next call is keyed under the new revision — and the call is withdrawn,
+        for the agent to decide anew under the new goal."""
+        yield from self._refresh_flow()
+        return ActionWithdrawn(f"the goal was revised: {detail}", action=action)
 
     def _cancelled(self, action: Action) -> Flow[ExecutorError]:
         """A rejection (found again after a restart, too) or another withdrawal."""
@@ -478,7 +502,7 @@ class ExecutorCore(Generic[C]):
             # may have applied: the server hands it to a person, and the loop waits for them.
             reread = yield from ask(calls.get_action(action.action_id))
             if reread.status in ("prepared", "approved", "cancelled"):
-                raise ActionWithdrawn(f"the goal was revised: {exc.detail}", action=reread) from exc
+                raise (yield from self._revised(exc.detail, reread)) from exc
             return reread
         except (ApprovalRequired, ApprovalExpired):
             # The server holds the action again under a new request: wait for that one.

@@ -110,11 +110,12 @@ def _prepared(
     run: AsyncRunHandle, tool: str, params: Mapping[str, Any], label: str, reason: str, target: str
 ) -> Flow[Action]:
     """The call's action, found by its key or prepared now (the policy decides there)."""
-    key = run.ex.key_for(label)
+    goal_rev = run.ex.goal_rev
+    key = run.ex.key_for(label, goal_rev)
     found = yield from ask(calls.actions_page(idempotency_key=key))
     if found.results:
         return found.results[0]
-    return (yield from run.ex._prepare(key, tool, params, reason, target))
+    return (yield from run.ex._prepare(key, tool, params, reason, target, goal_rev=goal_rev))
 
 
 def holdpoint_tool(

@@ -333,6 +333,7 @@ def prepare(
     who: str,
     idempotency_key: str | None = None,
     target: str = "",
+    expected_goal_rev: int | None = None,
     settle: Callable[[Any, bool], None] | None = None,
 ) -> tuple[Action, bool]:
     """Prepare an action for an external executor; (action, created).
@@ -342,6 +343,10 @@ def prepare(
     first — the same request is the same action: the same key with the same params, or
     without a key the same tool and params in the same visit. The same key with other params
     is refused (422); so is a key another run used. All of it runs under the run's row lock.
+    `expected_goal_rev`: the revision the executor last read and keyed the call under — a
+    goal revised since is VersionConflict, before anything is looked up or made (the action
+    would be the new goal's under the old goal's key, which the executor, once it reads the
+    new revision, would not find again: the call made twice).
     `settle` records the action on the request's Idempotency-Key claim in that transaction.
     """
     tool: Tool = get_tool(tool_name, run.tenant_id)
@@ -364,6 +369,10 @@ def prepare(
         current = Run.objects.get(pk=run.run_id, tenant_id=run.tenant_id)
         if current.status in TERMINAL:
             raise RunFinished(f"the run is {current.status}")
+        if expected_goal_rev is not None and current.goal_rev != expected_goal_rev:
+            raise VersionConflict(
+                f"goal_rev is {current.goal_rev}, not {expected_goal_rev}: read the run again"
+            )
         calls = ledger.visit_actions(current, API_STEP)
         earlier = _asked_before(current, tool, canonical[1], idempotency_key, calls)
         if earlier is not None:

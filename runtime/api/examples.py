@@ -56,6 +56,7 @@ PREPARE = OpenApiExample(
         "params": {"title": "Review 3 API compatibility risks", "body": "- POST /orders …"},
         "reason": "The new API version breaks clients",
         "idempotency_key": "run-42:propose:1",
+        "expected_goal_rev": 1,
     },
 )
 DISPATCH = OpenApiExample("Mark sent, then call the tool", request_only=True, value={"fence": 3})

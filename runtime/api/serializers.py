@@ -269,6 +269,12 @@ class ActionIn(FenceIn):
     reason = StrictChar(max_length=5000, allow_blank=True, default="")
     target = StrictChar(max_length=300, allow_blank=True, default="")
     idempotency_key = StrictChar(max_length=255, required=False)
+    expected_goal_rev = StrictInt(
+        min_value=1,
+        required=False,
+        help_text="The goal revision the caller last read (and keyed the call under): "
+        "409 version_conflict when the goal was revised since, and nothing is prepared.",
+    )
 
 
 class OutcomeIn(FenceIn):

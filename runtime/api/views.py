@@ -282,6 +282,7 @@ class RunActions(RunLever):
             who=self.actor(request),
             idempotency_key=data.get("idempotency_key"),
             target=data["target"],
+            expected_goal_rev=data.get("expected_goal_rev"),
             settle=settler(request),
         )
         return self.effect_response(request, action.pk, created, run_id)

@@ -293,6 +293,28 @@ def test_prepare_answers_201_prepared_with_the_action(agent_a: Persona) -> None:
     assert detail == data
 
 
+def test_prepare_with_an_expected_goal_rev_the_goal_moved_past_is_409_version_conflict(
+    agent_a: Persona,
+) -> None:
+    """The executor keys its calls by the goal revision it last read. A prepare took no
+    expected revision: under a revision the executor had not read yet, it made the new
+    goal's action under the old goal's key. Now `expected_goal_rev` is compare-and-swapped
+    (API.md's convention): moved on, 409 version_conflict and nothing is written; current,
+    the action is prepared."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    body = {"goal": {"steps": 1}, "expected_goal_rev": 1}
+    ok(post(client, f"runs/{run_id}/revisions/", body))
+    before = row_counts()
+
+    stale = prepare(client, run_id, fence, idempotency_key="call-1", expected_goal_rev=1)
+
+    assert "goal_rev is 2" in problem(stale, 409, "version_conflict")["detail"]
+    assert row_counts() == before
+    made = ok(prepare(client, run_id, fence, idempotency_key="call-1", expected_goal_rev=2), 201)
+    assert (made["goal_rev"], made["idempotency_key"]) == (2, "call-1")
+
+
 def test_prepare_under_a_policy_answers_201_awaiting_approval(
     agent_a: Persona, reviewer_a: Persona
 ) -> None:

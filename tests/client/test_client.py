@@ -680,6 +680,40 @@ def test_a_replay_after_the_goal_was_revised_is_not_sent(api: Client) -> None:
     assert RunRow.objects.get(run_id=run.run_id).status == "needs_reconciliation"
 
 
+def test_a_call_keyed_under_an_older_goal_revision_is_not_performed_twice(
+    api: Client, agent_a: Persona
+) -> None:
+    """The executor keys a call `<run>:<goal_rev>:ext:<label>` with the goal revision it last
+    read. The goal was revised while it held the lease without re-reading the run: it
+    prepared under the OLD revision's key, the server made the action under the NEW one,
+    and it was dispatched and performed. Restarted, the executor read the new revision,
+    keyed the same call under it, found nothing — and performed it a second time. Now
+    the prepare carries the revision its key was built with; the server refuses it
+    (version_conflict), nothing is prepared, and the executor — having read the run again
+    — raises ActionWithdrawn, as for a revision it meets at dispatch. The call is made
+    once, under the new revision's key."""
+    run = api.create_run("api-review", GOAL, external=True)
+    tracker = Tracker()
+    withdrawn: errors.ActionWithdrawn | None = None
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        assert ex.goal_rev == 1
+        revise_goal(RunRow.objects.get(pk=run.run_id), {**GOAL, "v": 2}, 1, actor="user:u")
+        try:
+            ex.act(TOOL, TASK, call="propose_task", perform=tracker)
+        except errors.ActionWithdrawn as exc:
+            withdrawn = exc
+        read_again = ex.goal_rev
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:  # restarted
+        done = ex.act(TOOL, TASK, call="propose_task", perform=tracker)
+
+    assert len(tracker.calls) == 1
+    assert (done.goal_rev, done.idempotency_key) == (2, f"{run.run_id}:2:ext:propose_task")
+    assert ActionRow.objects.filter(run_id=run.run_id).count() == 1
+    assert withdrawn is not None and "goal was revised" in str(withdrawn)
+    assert read_again == 2  # its next call is keyed under the new goal
+
+
 class RevisingAfterUnknown(Faulty):
     """Revises the run's goal right after the executor's `unknown` report has landed, before
     the replay that report leads to is dispatched."""
