@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -458,8 +458,7 @@ class ActionRunner:
         """Write what the call said, with a checkpoint; an old revision's result is kept
         on the action but advances nothing."""
         actor = self.lease.actor
-        if result.outcome == "stale":
-            raise StaleFence(f"{action.tool} refused fence {self.lease.fence}: {result.detail}")
+        result = settle_fence_claim(action, self.lease.fence, result)
         target, changes = outcome_of(result)
         if target == S.CONFIRMED:
             self.host.commit_later(Confirmed(action, result, actor, self.lease.fence))
@@ -519,8 +518,7 @@ def perform(
         )
     tool.breaker.record(result.outcome == "applied")
     fault(FaultPoint.AFTER_TOOL_RESPONSE)
-    if result.outcome == "stale":
-        raise StaleFence(f"{action.tool} refused fence {fence}: {result.detail}")
+    result = settle_fence_claim(action, fence, result)
     target, changes = outcome_of(result)
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
@@ -531,8 +529,24 @@ def perform(
     return action
 
 
+def settle_fence_claim(action: Action, fence: int, result: CallResult) -> CallResult:
+    """A call's answer with a `stale` claim settled by the database (invariant 4). The
+    service said it refused `fence` (a 409 naming a fence): if the run's fence moved on,
+    it did, and this sender lost the run (StaleFence: it stops, the action stays for the
+    new holder). If `fence` is still the run's, nobody holds a later one for the service
+    to have seen: the service refused the request for a reason of its own ("fence post
+    already ordered"), a refusal like any other 4xx — stopping here would leave the action
+    `sent` for the next holder to meet the same answer. Reads the run only on this path."""
+    if result.outcome != "stale":
+        return result
+    if ledger.fence_moved(action.run_id, fence):
+        raise StaleFence(f"{action.tool} refused fence {fence}: {result.detail}")
+    return replace(result, outcome="refused", transient=False)
+
+
 def outcome_of(result: CallResult) -> tuple[str, dict[str, Any]]:
-    """The status and fields a call's answer gives its action (`stale` is the caller's)."""
+    """The status and fields a call's answer gives its action (`stale` is settled first,
+    `settle_fence_claim`)."""
     if result.outcome == "applied":
         return S.CONFIRMED, {
             "external_id": result.external_id,
@@ -590,8 +604,7 @@ def reconcile_action(action: Action, fence: int, actor: str) -> Verdict:
                 external_id=result.external_id,
                 result=result.result,
             )
-        if result.outcome == "stale":
-            raise StaleFence(result.detail)
+        result = settle_fence_claim(action, fence, result)
         if result.outcome == "refused" and not (result.transient or result.unsent):
             return _settle(action, fence, actor, S.FAILED, result.detail)
         # Not sent this time (refused here, or not reached): the first request may still

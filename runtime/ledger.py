@@ -135,6 +135,13 @@ def fenced(run_id: Any, fence: int, tenant_id: int | None = None) -> None:
         raise StaleFence(f"fence {fence} no longer owns run {run_id}")
 
 
+def fence_moved(run_id: Any, fence: int) -> bool:
+    """Whether `fence` is no longer the run's (a takeover or a release moved it on): one read
+    of the run row by its key, no lock. A service's word that it refused our fence is
+    believed only when this agrees (`dispatch.settle_fence_claim`)."""
+    return not Run.objects.filter(pk=run_id, fence=fence).exists()
+
+
 def _absorb(action: Action, row: list[Any]) -> Action:
     """The row as the database now holds it, written onto the instance (a refresh)."""
     action.__dict__.update(zip(statements.attnames(Action), row, strict=True))

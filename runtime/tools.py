@@ -5,7 +5,8 @@ deduplicates (`key`: it honours an idempotency key; `lookup`: it can be asked wh
 effect with a key exists; `none`: neither). The ledger's reconciliation follows from that:
 replay with the same key, look up, or hand the question to a human. A tool's call answers
 one of: applied (with proof: the external id), refused (permanent, or transient and
-certainly not applied), stale (the service refused our fence) or unknown.
+certainly not applied), stale (the service says it refused our fence: believed only if the
+run's fence moved on, `dispatch.settle_fence_claim`) or unknown.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class Sender:
 
 @dataclass(frozen=True)
 class CallResult:
-    outcome: str  # applied | refused | stale | unknown
+    # applied | refused | stale | unknown. `stale` is the service's claim (a 409 naming the
+    # fence); the sender checks it against the run's fence before it stops.
+    outcome: str
     external_id: str = ""
     result: Any = None
     transient: bool = False  # with "refused": certainly not applied, may succeed later
@@ -328,7 +331,9 @@ class HttpTool(Tool):
                 return CallResult("unknown", detail=f"success without a usable id: {detail}")
             return CallResult("applied", external_id=str(external_id), result=body)
         if status == 409 and "fence" in detail:
-            return CallResult("stale", detail=detail)
+            # Perhaps our fence refused — or a conflict of the service's own whose text
+            # names a fence: the sender asks the run (`dispatch.settle_fence_claim`).
+            return CallResult("stale", detail=f"HTTP {status}: {detail}")
         if status in (408, 429) or status >= 500:
             return CallResult("unknown", detail=f"HTTP {status}: {detail}")
         return CallResult("refused", detail=f"HTTP {status}: {detail}")
