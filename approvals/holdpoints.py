@@ -17,7 +17,13 @@ from django.db.models.functions import Now
 
 from approvals.expiry import sweep_approvals
 from approvals.hashing import action_hash, same_hash
-from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus, Decision
+from approvals.models import (
+    ApprovalPolicy,
+    ApprovalRequest,
+    ApprovalStatus,
+    Decision,
+    OnExpiry,
+)
 from approvals.policies import held_by_default, may_decide, may_hold, policy_for
 from approvals.requests import close_request, request_approval, supersede_approval
 from fastsql.statements import OneStatement, Part, tenant_check
@@ -77,7 +83,20 @@ class HoldPoints:
             )
             return Verdict("approval_required") if held else GO
         refusal, reason = _no_longer_binds(approved, action, expired=approved.expired)
-        return Verdict(refusal, stale=approved.pk, reason=reason) if refusal else GO
+        if not refusal:
+            return GO
+        if refusal == "approval_expired" and approved.policy.on_expiry == OnExpiry.REJECT:
+            # The policy's expiry rejects, whoever was waiting: an approval that lapsed
+            # unsent ends the action as one nobody decided in time does (approvals.expiry).
+            at = _when(approved)
+            return Verdict(
+                refusal,
+                stale=approved.pk,
+                reason=f"expired at {at} before it was sent; rejected at expiry",
+                withdraw=f"rejected at expiry: its approval expired at {at} before it was sent "
+                f"(policy {approved.policy.name} rejects what expires)",
+            )
+        return Verdict(refusal, stale=approved.pk, reason=reason)
 
     def supersede(self, approval: Any, action: Action, reason: str, actor: str) -> None:
         supersede_approval(approval, action, actor, reason)
@@ -103,8 +122,12 @@ class HoldPoints:
 
 
 # What follows a refusal at dispatch: the ledger holds the action again and a new request
-# is raised for it (runtime.ledger.hold_again).
+# is raised for it (runtime.ledger.hold_again) — unless the policy rejects at expiry.
 THEN = "re-requested"
+
+
+def _when(approved: ApprovalRequest) -> str:
+    return approved.expires_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _no_longer_binds(
@@ -117,8 +140,7 @@ def _no_longer_binds(
     if not same_hash(action_hash(action), approved.action_hash):
         return "approval_required", f"the action changed after it was approved; {THEN}"
     if expired:
-        at = approved.expires_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        return "approval_expired", f"expired at {at} before it was sent; {THEN}"
+        return "approval_expired", f"expired at {_when(approved)} before it was sent; {THEN}"
     votes = approved.votes.filter(
         decision=Decision.APPROVE, request__tenant_id=action.tenant_id
     ).select_related("user")

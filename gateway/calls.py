@@ -52,6 +52,7 @@ from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import reconcile_due
 from runtime.errors import (
+    ApprovalExpired,
     ApprovalRequired,
     HoldpointError,
     InvalidParams,
@@ -329,7 +330,9 @@ def drive(caller: Caller, call: Call) -> Action:
             unsettled = _unsettled(action)
             try:
                 action = protocol.dispatch(action, fence, caller.who)
-            except (ApprovalRequired, ToolUnavailable):
+            except (ApprovalRequired, ApprovalExpired, ToolUnavailable):
+                # Held again (asked anew) or, under a policy that rejects at expiry,
+                # cancelled: the action's status now is the call's answer.
                 action = ledger.reload(action)
             if unsettled is not None and _unsettled(action) == unsettled:
                 _absent_for_now(action)  # reconciled, and nothing written: see below

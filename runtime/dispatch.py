@@ -427,6 +427,8 @@ class ActionRunner:
             )
         except (ApprovalRequired, ApprovalExpired) as refused:
             ledger.reload(action)
+            if action.status == S.CANCELLED:  # rejected at expiry (ledger.reject_lapsed)
+                raise ActionRejected(action.last_error) from None
             raise Park("waiting_approval", refused.detail, action=action) from None
         except ToolWithheld as withheld:
             # Nothing was written: the action keeps its approval. Only a person can turn the

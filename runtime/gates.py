@@ -24,12 +24,15 @@ class Verdict:
     (`approval_required`, `approval_expired`), the action goes back to awaiting approval,
     and `stale` names the approval that no longer binds it (to supersede), if there was one.
     `reason` says in words why that approval stopped counting and what follows — what the
-    journal and reviewers read (the code is for the sender).
+    journal and reviewers read (the code is for the sender). `withdraw`, when set: nothing
+    is asked again — the hold point's policy ends the action there (it rejects at expiry),
+    and the ledger cancels it with these words as its last error.
     """
 
     refusal: str = ""
     stale: Any = None
     reason: str = ""
+    withdraw: str = ""
 
     @property
     def go(self) -> bool:

@@ -560,9 +560,15 @@ def mark_sent(
             if then is not None:
                 then(sent)
             return sent
-        hold_again(action, actor, verdict)
+        if verdict.withdraw:
+            reject_lapsed(action, actor, verdict)
+        else:
+            hold_again(action, actor, verdict)
+    said = verdict.refusal.replace("_", " ")
+    if verdict.withdraw:
+        said = f"{said}; {verdict.withdraw}: the action is cancelled"
     raise (ApprovalExpired if verdict.refusal == ApprovalExpired.code else ApprovalRequired)(
-        f"{action.tool} cannot be sent: {verdict.refusal.replace('_', ' ')}"
+        f"{action.tool} cannot be sent: {said}"
     )
 
 
@@ -666,6 +672,17 @@ def hold_again(action: Action, actor: str, verdict: gates.Verdict) -> Action:
     action = transition(action, S.AWAITING_APPROVAL, actor)
     gates.hold(action, Run.objects.get(pk=action.run_id, tenant_id=action.tenant_id), actor)
     return action
+
+
+def reject_lapsed(action: Action, actor: str, verdict: gates.Verdict) -> Action:
+    """In the dispatch transaction: the approval lapsed unsent and its policy rejects at
+    expiry — superseded (its words say so), and the action `cancelled` with the verdict's
+    "rejected at expiry: …", as the expirer rejects a request nobody decided in time. Every
+    way of waiting reads that: a step gets ActionRejected, a client's next dispatch 409
+    `action_cancelled`, the MCP gateway REJECTED."""
+    if verdict.stale is not None:
+        gates.supersede(verdict.stale, action, verdict.reason or verdict.refusal, actor)
+    return transition(action, S.CANCELLED, actor, last_error=verdict.withdraw[:2000])
 
 
 def edit_params(action: Action, params: dict[str, Any], actor: str) -> Action:
