@@ -43,6 +43,22 @@ class JsonPath:
         except (jsonpath_rfc9535.JSONPathError, Unmatchable) as exc:
             raise JsonPathError(f"{self.expr} could not be applied: {exc}") from None
 
+    def stopped_at(self, data: Any) -> tuple[int, list[Any]]:
+        """Where the expression, matching nothing in `data`, stopped: the values its longest
+        matching prefix selects, and that prefix's length in segments (0: not even its first
+        segment matched; the values are then `[data]`). A lookup tells "nothing there" (an
+        empty list, null) from "something there, but not where the path looks" by it."""
+        segments = self.query.segments
+        for length in range(len(segments) - 1, 0, -1):
+            prefix = jsonpath_rfc9535.JSONPathQuery(env=_ENVIRONMENT, segments=segments[:length])
+            try:
+                values = list(prefix.find(data).values())
+            except (jsonpath_rfc9535.JSONPathError, Unmatchable) as exc:
+                raise JsonPathError(f"{self.expr} could not be applied: {exc}") from None
+            if values:
+                return length, values
+        return 0, [data]
+
 
 class Unmatchable(Exception):
     """A string match() or search() cannot be run on (a lone surrogate: not UTF-8)."""

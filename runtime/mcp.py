@@ -709,7 +709,7 @@ class McpTool(Tool):
             return LookupResult(
                 found=None, detail="lookup: the answer is neither structured nor JSON"
             )
-        verdict = found_in(self.found_path, content)
+        verdict = found_in(self.found_path, content, bare_object_is_none=True)
         if not verdict.found:
             return verdict
         return replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))

@@ -370,17 +370,36 @@ class HttpTool(Tool):
         return replace(verdict, result=first)
 
 
-def found_in(found_path: str, answer: Any) -> LookupResult:
-    """A lookup's verdict from its answer, for every kind of tool: nothing at `found_path` is
-    absent; something there that is not an id (null, "", an object) is no answer — "not
-    found" would let the action be sent again, so the contract asks again; else found, with
-    that id (the caller adds the answer as its result)."""
+def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False) -> LookupResult:
+    """A lookup's verdict from its answer, for every kind of tool. An id at `found_path`:
+    found, with that id (the caller adds the answer as its result). Something there that is
+    not an id (null, "", an object): no answer. Nothing there: absent only when the answer
+    says there is nothing — the path stopped at an empty list or object, or at null (`[]`
+    for `$[0].id`, `{"task": null}` for `$.task.id`). A record the path does not reach into
+    (`[{"task_id": 7}]` for `$[0].id`: a `found` that names the wrong field) is no answer
+    either: "absent" lets the action be sent again, and from a misconfigured path that is a
+    duplicate effect on every lookup. No answer is asked again, then a person decides.
+
+    `bare_object_is_none`: the service has no status to say "none" in (an MCP tool, where an
+    HTTP service answers 404): an answer object without even the path's first step (the
+    finder's `{"found": false}` for `$.id`) is its "none"."""
     try:
-        matched = jsonpaths.compile_path(found_path).values(answer)
+        path = jsonpaths.compile_path(found_path)
+        matched = path.values(answer)
+        if not matched:
+            depth, stopped = path.stopped_at(answer)
     except jsonpaths.JsonPathError as exc:
         return LookupResult(found=None, detail=f"lookup: {exc}")
     if not matched:
-        return LookupResult(found=False)
+        if all(value is None or value == [] or value == {} for value in stopped):
+            return LookupResult(found=False)
+        if bare_object_is_none and depth == 0 and isinstance(answer, dict):
+            return LookupResult(found=False)
+        return LookupResult(
+            found=None,
+            detail=f"lookup: the answer has something, but nothing at {found_path} "
+            "(is the definition's `found` right?)",
+        )
     if not usable_id(matched[0]):
         return LookupResult(found=None, detail=f"lookup: {found_path} is {matched[0]!r}, not an id")
     return LookupResult(found=True, external_id=str(matched[0]))

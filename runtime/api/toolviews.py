@@ -54,7 +54,11 @@ class DedupSpec(serializers.Serializer[dict[str, Any]]):
 class LookupSpec(serializers.Serializer[dict[str, Any]]):
     method = serializers.ChoiceField(choices=("GET", "POST"), required=False)
     url = serializers.CharField(required=False, help_text="may cite {idempotency_key}")
-    found = serializers.CharField(help_text="JSONPath (RFC 9535) of the found id")
+    found = serializers.CharField(
+        help_text="JSONPath (RFC 9535) of the found id. Absent (the action may be sent again) "
+        "only on a 404 or where the path stops at an empty list or object or null; an answer "
+        "with a record the path does not reach into is no answer (asked again, then a person)"
+    )
 
 
 class ResultSpec(serializers.Serializer[dict[str, Any]]):
