@@ -59,6 +59,18 @@ class JsonPath:
                 return length, values
         return 0, [data]
 
+    def filters_at(self, index: int) -> bool:
+        """Whether the expression's segment at `index` only filters (`[?…]`): where the
+        match stopped before such a segment, the filter looked at what was there and chose
+        nothing — the definition's own way of saying "none of these is it"."""
+        segments = self.query.segments
+        if not 0 <= index < len(segments):
+            return False
+        selectors = segments[index].selectors
+        return bool(selectors) and all(
+            isinstance(s, jsonpath_rfc9535.selectors.FilterSelector) for s in selectors
+        )
+
 
 class Unmatchable(Exception):
     """A string match() or search() cannot be run on (a lone surrogate: not UTF-8)."""

@@ -377,8 +377,10 @@ def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False)
     says there is nothing — the path stopped at an empty list or object, or at null (`[]`
     for `$[0].id`, `{"task": null}` for `$.task.id`). A record the path does not reach into
     (`[{"task_id": 7}]` for `$[0].id`: a `found` that names the wrong field) is no answer
-    either: "absent" lets the action be sent again, and from a misconfigured path that is a
-    duplicate effect on every lookup. No answer is asked again, then a person decides.
+    either ("absent" lets the action be sent again, and from a misconfigured path that is a
+    duplicate effect on every lookup) — unless the path stopped at a filter of its own,
+    which looked at the records and chose none (`$.tasks[?@.key=='k'].id` over other keys'
+    tasks: absent). No answer is asked again, then a person decides.
 
     `bare_object_is_none`: the service has no status to say "none" in (an MCP tool, where an
     HTTP service answers 404): an answer object without even the path's first step (the
@@ -393,6 +395,8 @@ def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False)
     if not matched:
         if all(value is None or value == [] or value == {} for value in stopped):
             return LookupResult(found=False)
+        if path.filters_at(depth):
+            return LookupResult(found=False)  # the definition's filter chose none of them
         if bare_object_is_none and depth == 0 and isinstance(answer, dict):
             return LookupResult(found=False)
         return LookupResult(

@@ -56,7 +56,8 @@ class LookupSpec(serializers.Serializer[dict[str, Any]]):
     url = serializers.CharField(required=False, help_text="may cite {idempotency_key}")
     found = serializers.CharField(
         help_text="JSONPath (RFC 9535) of the found id. Absent (the action may be sent again) "
-        "only on a 404 or where the path stops at an empty list or object or null; an answer "
+        "only on a 404, where the path stops at an empty list or object or null, or where its "
+        "own filter chose none of the records; an answer "
         "with a record the path does not reach into is no answer (asked again, then a person)"
     )
 

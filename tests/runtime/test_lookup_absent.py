@@ -37,6 +37,12 @@ S = ActionStatus
         (200, {"task": None}, "$.task.id", False),
         (200, {}, "$.id", False),
         (200, [{"id": "T-1"}], "$[0].id", True),
+        # The definition's own filter chose none of the records: absent, as before.
+        (200, {"tasks": [{"key": "other", "id": 1}]}, "$.tasks[?@.key=='k-1'].id", False),
+        (200, [{"key": "other", "id": 1}], "$[?@.key=='k-1'].id", False),
+        (200, {"tasks": [{"key": "k-1", "id": 7}]}, "$.tasks[?@.key=='k-1'].id", True),
+        # The filter chose a record, and the path does not reach into it: no answer.
+        (200, {"tasks": [{"key": "k-1", "n": 7}]}, "$.tasks[?@.key=='k-1'].id", None),
         # Something is there, and the path does not reach into it: no answer.
         (200, [{"id": "T-1", "title": "x"}], "$[0].task_id", None),
         (200, {"id": "T-1"}, "$.task_id", None),
