@@ -423,7 +423,9 @@ class ExecutorCore(Generic[C]):
         return ActionWithdrawn(f"the goal was revised: {detail}", action=action)
 
     def _cancelled(self, action: Action) -> Flow[ExecutorError]:
-        """A rejection (found again after a restart, too) or another withdrawal."""
+        """A rejection (found again after a restart, too) or another withdrawal — then the
+        run is read again: a revision withdraws what was held or unsent, and the agent's
+        next call must be keyed under the new goal revision, not the one read before."""
         if action.approval is not None:
             approval = yield from ask(calls.get_approval(action.approval))
             if approval.status == "rejected":
@@ -432,6 +434,7 @@ class ExecutorCore(Generic[C]):
                     action=action,
                     reason=approval.decision_reason,
                 )
+        yield from self._refresh_flow()
         return ActionWithdrawn(f"{action.tool} was cancelled: {action.last_error}", action=action)
 
     def _await_decision(self, action: Action, deadline: float | None) -> Flow[Action]:

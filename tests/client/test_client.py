@@ -714,6 +714,36 @@ def test_a_call_keyed_under_an_older_goal_revision_is_not_performed_twice(
     assert read_again == 2  # its next call is keyed under the new goal
 
 
+def test_an_action_withdrawn_by_a_revision_while_held_rekeys_the_next_call(
+    api: Client,
+    hold_point: ApprovalPolicy,  # noqa: F811
+) -> None:
+    """A held action withdrawn by a goal revision (the revision cancels what waits for a
+    decision) raised ActionWithdrawn, but the executor kept the goal revision it had read:
+    its next call was keyed under the old revision again — prepared as the new goal's
+    under the old goal's key (the call-made-twice shape), or refused, one more
+    ActionWithdrawn for nothing. It reads the run again on a withdrawal, as on a
+    dispatch's stale_goal_rev."""
+    run = api.create_run("api-review", GOAL, external=True)
+    tracker = Tracker()
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        held = api.prepare_action(
+            run.run_id,
+            fence=ex.fence,
+            tool=TOOL,
+            params=TASK,
+            idempotency_key=ex.key_for("propose_task"),
+        )
+        assert held.status == "awaiting_approval"
+        revise_goal(RunRow.objects.get(pk=run.run_id), {**GOAL, "v": 2}, 1, actor="user:u")
+        with pytest.raises(errors.ActionWithdrawn):
+            ex.act(TOOL, TASK, call="propose_task", perform=tracker)
+        assert ex.goal_rev == 2
+        assert ex.key_for("propose_task") == f"{run.run_id}:2:ext:propose_task"
+    assert tracker.calls == []
+    assert ActionRow.objects.get(pk=held.action_id).status == "cancelled"
+
+
 class RevisingAfterUnknown(Faulty):
     """Revises the run's goal right after the executor's `unknown` report has landed, before
     the replay that report leads to is dispatched."""
