@@ -419,6 +419,9 @@ def probe(ctx: AdminCtx, route: Route, method: str) -> bool:
     return False
 
 
+# Above the database as the URL matrix is (its scoping is the admin's querysets): CI's pair
+# runs it once, on SQLite, and the URL matrix on PostgreSQL (tests/ci_pair.py).
+@pytest.mark.ci_database("sqlite")
 def test_every_admin_url_model_and_view_is_isolated(admin_ctx: AdminCtx) -> None:
     ctx = admin_ctx
     own = matrix.sessions_of(ctx.client, ctx.b_client)  # the callers' session rows

@@ -670,6 +670,10 @@ WRITERS = {
 # --- the matrix -------------------------------------------------------------------------------
 
 
+# Scoping is the querysets' (runtime.tenancy.scope), the same SQL on both databases, which
+# the API and page tests run on both: CI's pair runs this matrix once, on PostgreSQL — the
+# production shape — and the admin matrix on SQLite (tests/ci_pair.py; ~100 s each).
+@pytest.mark.ci_database("postgresql")
 def test_every_url_and_method_is_isolated(ctx: Ctx) -> None:
     routes = matrix.all_routes()
     probed = [r for r in routes if r.area != "admin"]
