@@ -151,8 +151,7 @@ def tenant_context(request: HttpRequest) -> dict[str, Any]:
         return {"principal": None, "tenant_choices": []}
     return {
         "principal": principal,
-        "tenant_choices": list(principal.tenants)
-        or [m.tenant for m in memberships_of(request.user)],
+        "tenant_choices": list(principal.tenants),
     }
 
 
