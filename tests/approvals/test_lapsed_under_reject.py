@@ -58,6 +58,18 @@ def _lapse(request_id: Any) -> None:
     assert moved == 1
 
 
+def _approved_then_lapsed(client: Any, reviewer: Persona) -> tuple[int, dict[str, Any]]:
+    """An external executor's held action, approved, whose approval then lapsed unsent:
+    the lease's fence and the action as the API showed it."""
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = ok(prepare(client, run_id, fence), 201)
+    request = ApprovalRequest.objects.get(action_id=action["action_id"])
+    decide(request.id, reviewer.user, "approve", request.action_hash, reason="fine")
+    _lapse(request.pk)
+    return fence, action
+
+
 def _text(html: str) -> str:
     return " ".join(unescape(re.sub(r"<[^>]+>", " ", html)).split())
 
@@ -96,12 +108,7 @@ def test_an_external_executors_dispatch_after_a_lapse_under_reject_cancels_the_a
     policy = grant_policy(agent_a.tenant)
     ApprovalPolicy.objects.filter(pk=policy.pk).update(on_expiry=OnExpiry.REJECT)
     client = agent_a.api()
-    run_id = new_run(client)["run_id"]
-    fence = take_lease(client, run_id)
-    action = ok(prepare(client, run_id, fence), 201)
-    request = ApprovalRequest.objects.get(action_id=action["action_id"])
-    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
-    _lapse(request.pk)
+    fence, action = _approved_then_lapsed(client, reviewer_a)
 
     url = f"actions/{action['action_id']}/dispatch/"
     refused = problem(post(client, url, {"fence": fence}), 409, "approval_expired")
@@ -111,7 +118,7 @@ def test_an_external_executors_dispatch_after_a_lapse_under_reject_cancels_the_a
     assert shown["status"] == "cancelled" and "rejected at expiry" in shown["last_error"]
     problem(post(client, url, {"fence": fence}), 409, "action_cancelled")  # final
     assert ok(get(session(reviewer_a.user), "approvals/?status=pending"))["results"] == []
-    assert Run.objects.get(pk=run_id).status != RunStatus.WAITING_APPROVAL
+    assert Run.objects.get(pk=action["run_id"]).status != RunStatus.WAITING_APPROVAL
 
 
 @pytest.mark.django_db
@@ -120,12 +127,7 @@ def test_an_external_executors_dispatch_after_a_lapse_under_rerequest_asks_again
 ) -> None:
     grant_policy(agent_a.tenant)  # the default: re-request once
     client = agent_a.api()
-    run_id = new_run(client)["run_id"]
-    fence = take_lease(client, run_id)
-    action = ok(prepare(client, run_id, fence), 201)
-    request = ApprovalRequest.objects.get(action_id=action["action_id"])
-    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
-    _lapse(request.pk)
+    fence, action = _approved_then_lapsed(client, reviewer_a)
 
     url = f"actions/{action['action_id']}/dispatch/"
     problem(post(client, url, {"fence": fence}), 409, "approval_expired")
