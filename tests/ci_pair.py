@@ -47,6 +47,11 @@ DATABASE_FIXTURES = frozenset(
 # collection (tests/web/ sorts last), left one worker waiting up to two minutes for the other
 # at the end of a suite. First, they overlap the rest. The order within each part is kept, so
 # a module's tests stay together (its module-scoped fixtures are set up once).
+#
+# Never across pytest-django's line, though: every transactional test (its flush empties the
+# tables, the rows migrations wrote included) runs after every test that rolls back, as Django
+# orders them. pytest-django sorts that way first (its hook is tryfirst); this sort keeps it,
+# so the longest transactional modules lead the transactional part, not the whole suite.
 LONGEST = (
     "tests/security/test_isolation_matrix.py",
     "tests/core/test_run_script.py",
@@ -69,6 +74,19 @@ def no_database(item: pytest.Item) -> bool:
     return not DATABASE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
 
 
+def transactional(item: pytest.Item) -> bool:
+    """pytest-django's own test of "this test flushes the database" (its ordering hook's)."""
+    from pytest_django.fixtures import validate_django_db
+
+    marker = item.get_closest_marker("django_db")
+    if marker is not None:
+        transaction, reset_sequences, *_ = validate_django_db(marker)
+        if transaction or reset_sequences:
+            return True
+    fixtures = getattr(item, "fixturenames", ())
+    return "transactional_db" in fixtures or "live_server" in fixtures
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     vendor = "postgresql" if on_postgres() else "sqlite"
     paired = os.environ.get("HOLDPOINT_CI_PAIR") == "1"
@@ -88,4 +106,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if other:
         config.hook.pytest_deselected(items=other)
     first = {module: place for place, module in enumerate(LONGEST)}
-    items[:] = sorted(keep, key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+    items[:] = sorted(
+        keep,
+        key=lambda item: (
+            transactional(item),
+            first.get(item.nodeid.split("::")[0], len(first)),
+        ),
+    )

@@ -110,3 +110,46 @@ def test_the_longest_modules_named_first_exist() -> None:
 
     assert len(set(LONGEST)) == len(LONGEST)
     assert [m for m in LONGEST if not (procs.ROOT / m).is_file()] == []
+
+
+LONG_MODULE = """
+import pytest
+
+@pytest.mark.django_db(transaction=True)
+def test_long_and_flushing(): pass
+
+@pytest.mark.django_db
+def test_long_and_rolled_back(): pass
+"""
+
+ORDINARY = """
+import pytest
+
+@pytest.mark.django_db
+def test_rolled_back(): pass
+
+def test_no_database(): pass
+
+def test_live(live_server): pass
+
+@pytest.fixture
+def live_server(): pass  # pytest-django's name: a live server flushes as transactional_db does
+"""
+
+
+def test_the_longest_modules_lead_but_never_before_a_test_that_rolls_back(tmp_path: Path) -> None:
+    """A transactional test's flush deletes the rows migrations wrote (a schedule, the roles);
+    one run before a rolled-back test that reads them failed `make test` (Schedule.DoesNotExist).
+    The longest modules lead each part; the transactional part still comes last."""
+    long_module = tmp_path / "tests" / "runtime" / "test_chaos.py"  # one of LONGEST
+    long_module.parent.mkdir(parents=True)
+    long_module.write_text(LONG_MODULE)
+    out = _collected(tmp_path, "", False, ORDINARY)
+    order = [line.split("::")[-1] for line in out.splitlines() if "::" in line]
+    assert order == [
+        "test_long_and_rolled_back",
+        "test_rolled_back",
+        "test_no_database",
+        "test_long_and_flushing",
+        "test_live",
+    ], out
