@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +283,46 @@ def append_after(
     parts of `lead` were made for (with what it also reads), if they were.
     """
     one = one or statements.OneStatement()
+    parts = parts_after(stream, tenant_id, entries, head, lead, one)
+    return appended_after(stream, entries, head, one.run(parts))
+
+
+def send_after(
+    stream: str,
+    entries: list[JournalEntry],
+    head: Head,
+    parts: list[statements.Part],
+    one: statements.OneStatement,
+) -> Callable[[], str]:
+    """`append_after` of `parts_after`'s parts, in two halves (`OneStatement.send`): the
+    statement is sent now and the returned function waits for its answer and returns what
+    `append_after` would. The stream's remembered head is its last entry's from now on — the
+    next statement can be built on it meanwhile — and goes back to `head` if the answer is
+    not "written"."""
+    answer = one.send(parts)
+    heads = _thread_state().heads
+    if stream in heads:
+        heads[stream] = Head(entries[-1].seq, entries[-1].hash)
+
+    def appended() -> str:
+        outcome = appended_after(stream, entries, head, answer())
+        if outcome != "written" and stream in heads:
+            heads[stream] = head
+        return outcome
+
+    return appended
+
+
+def parts_after(
+    stream: str,
+    tenant_id: int,
+    entries: list[JournalEntry],
+    head: Head,
+    lead: list[statements.Part],
+    one: statements.OneStatement,
+) -> list[statements.Part]:
+    """`append_after`'s parts: `lead`, then the head's lock and move and the entries'
+    insert, each after the one before."""
     rows = _chain(head, entries)
     last = entries[-1]
     swap, rest = lead[0], lead[1:]
@@ -297,7 +337,14 @@ def append_after(
         after=(locked.name, lead[-1].name),
     )
     added = one.insert("journal_added", JournalEntry, rows, after=moved.name)
-    counts = one.run([swap, locked, *rest, moved, added])
+    return [swap, locked, *rest, moved, added]
+
+
+def appended_after(
+    stream: str, entries: list[JournalEntry], head: Head, counts: tuple[int, int] | None
+) -> str:
+    """What `append_after`'s statement answered (`OneStatement.run`'s counts), as its
+    outcome word; the entries and the remembered head brought up to it when written."""
     if counts is None:  # swapped, but the head had moved: nothing was written
         return "moved"
     changed, written = counts
@@ -310,6 +357,7 @@ def append_after(
         entry._state.db = DEFAULT_DB_ALIAS
     heads = _thread_state().heads
     if stream in heads:
+        last = entries[-1]
         heads[stream] = Head(last.seq, last.hash)
     return "written"
 

@@ -380,6 +380,9 @@ HOLDPOINT_HEARTBEAT_THREAD = env_bool("HOLDPOINT_HEARTBEAT_THREAD", True)
 # PostgreSQL: the worker's hot-path statements are bound on the server and prepared once per
 # connection (fastsql.cursor). Turn off behind a pooler in transaction mode.
 HOLDPOINT_PG_PREPARE = env_bool("HOLDPOINT_PG_PREPARE", True)
+# PostgreSQL (with HOLDPOINT_PG_PREPARE): a step's commit is sent and the next step runs while
+# it is on its way; nothing else leaves the worker until its answer is in (runtime.executor).
+HOLDPOINT_OVERLAP_COMMITS = env_bool("HOLDPOINT_OVERLAP_COMMITS", True)
 HOLDPOINT_SLICE_SECONDS = env_int("HOLDPOINT_SLICE_SECONDS", 60, minimum=1)
 # Live event streams (runtime/live.py): a comment line after this many seconds of quiet, for
 # proxies' idle timeouts and clients' read timeouts. API.md promises one at least every 15 s,

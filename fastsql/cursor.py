@@ -8,7 +8,8 @@ Django's wrapper around the driver's cursor — its error translation, `execute_
 and query capture see every statement — and change only those two costs.
 
 This is the one module that subclasses Django's database backend classes and calls their
-underscore methods (`_prepare_cursor`); each use says what it relies on. A Django upgrade
+underscore methods (`_prepare_cursor`) — and psycopg's (`_execute_gen`, for a statement sent
+now and answered later: `PreparedCursor.send`); each use says what it relies on. A Django upgrade
 that changes them breaks here, and tests/runtime/test_perf_invariants.py says so.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -125,8 +127,56 @@ def _prepared_cursor_class() -> Any:
                 # django-stubs declare ServerBindingCursor without its psycopg.Cursor base.
                 return super().execute(query, params, **kwargs)  # type: ignore[misc]
 
+            def send(self, query: Any, params: Any) -> Callable[[], None]:
+                """`execute`, in two halves: this one sends the statement and returns as soon
+                as its answer is awaited, the returned one waits for the answer and takes it
+                in (after which the cursor is as `execute` leaves it). Until then the
+                connection is busy: any other use of it fails loudly (libpq's "another command
+                is already in progress"), it never mixes answers.
+
+                psycopg internals: `_execute_gen` is the generator `execute` runs to its end;
+                here it is run up to its first wait for the server's answer (`Wait.R`), and
+                resumed from there. A statement prepared for the first time waits for the
+                PREPARE's answer first: the statement is then sent only by the second half."""
+                from psycopg.waiting import Wait
+
+                work = self._execute_gen(numbered(query), params, prepare=self.prepare)
+                waiting: list[Any] = []
+
+                def until_answer() -> Any:
+                    try:
+                        state = next(work)
+                        while state != Wait.R:
+                            state = work.send((yield state))
+                    except StopIteration:
+                        return
+                    waiting.append(state)
+
+                with self._conn.lock:
+                    self._conn.wait(until_answer())
+                if not waiting:
+                    return _done
+
+                def answer() -> None:
+                    def resumed() -> Any:
+                        state = waiting[0]
+                        try:
+                            while True:
+                                state = work.send((yield state))
+                        except StopIteration:
+                            return
+
+                    with self._conn.lock:
+                        self._conn.wait(resumed())
+
+                return answer
+
         _PreparedCursor = PreparedCursor
     return _PreparedCursor
+
+
+def _done() -> None:
+    """The second half of a `send` whose statement was answered within the first."""
 
 
 _PreparedCursor: Any = None

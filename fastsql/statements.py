@@ -691,6 +691,44 @@ class OneStatement:
         it then wrote none either. None when the first wrote and the last did not: the
         statement then fails on purpose (a division by zero) and rolls back whole, so
         nothing of it is written."""
+        sql, params = self._statement(parts)
+        cursor = _cursor(self.conn, sql)
+        try:
+            cursor.execute(sql, params)
+        except DataError:  # the deliberate failure: nothing was written
+            return None
+        return self._counts(cursor)
+
+    def send(self, parts: Sequence[Part]) -> Callable[[], tuple[int, int] | None]:
+        """`run`, in two halves (PostgreSQL's prepared cursor; `sends` says when): the
+        statement is sent now — autocommit, so it commits on its own as soon as the server
+        has run it — and the returned function waits for its answer and returns what `run`
+        would. Until that function is called the connection must not be used."""
+        sql, params = self._statement(parts)
+        cursor = _cursor(self.conn, sql)
+        with self.conn.wrap_database_errors:
+            answer = cursor.cursor.send(sql, params)
+
+        def counts() -> tuple[int, int] | None:
+            try:
+                with self.conn.wrap_database_errors:
+                    answer()
+            except DataError:  # the deliberate failure: nothing was written
+                return None
+            return self._counts(cursor)
+
+        return counts
+
+    def sends(self) -> bool:
+        """Whether `send` can split this statement here: PostgreSQL's prepared cursor, with
+        nobody watching the statements (Django's query log and `execute_wrapper` hooks see
+        only what goes through Django's cursor, and `send` does not)."""
+        conn = self.conn
+        if conn.vendor != "postgresql" or conn.queries_logged or conn.execute_wrappers:
+            return False
+        return hasattr(_cursor(conn).cursor, "send")
+
+    def _statement(self, parts: Sequence[Part]) -> tuple[str, list[Any]]:
         reads = self.reads
         key = (*((part.name, part.sql) for part in parts), *(read.sql for read in reads))
         sql = _CHAINS.get(key)
@@ -710,14 +748,12 @@ class OneStatement:
         params = [value for part in parts for value in part.params]
         for read in reads:
             params += read.params
-        cursor = _cursor(self.conn, sql)
-        try:
-            cursor.execute(sql, params)
-        except DataError:  # the deliberate failure: nothing was written
-            return None
+        return sql, params
+
+    def _counts(self, cursor: Any) -> tuple[int, int]:
         first_count, last_count, _, *values = cursor.fetchone()
         if first_count and last_count:
-            for read, value in zip(reads, values, strict=True):
+            for read, value in zip(self.reads, values, strict=True):
                 read.value, read.done = value, True
         return first_count, last_count
 

@@ -89,6 +89,8 @@ class StepContext:
         return self._record(key or f"{self.step}@{self._visit}#{self._index}", call, "record")
 
     def _record(self, key: str, call: Callable[[], Any], kind: str) -> Any:
+        if self.runner is not None:  # the step's own commit, if still on its way, lands first
+            self.runner.host.settled()
         with observe.recording(self, key, kind) as span:
             return self._recorded(key, call, span)
 

@@ -165,6 +165,10 @@ class ActionHost(Protocol):
         """Write `outcome` in the host's next commit, whichever it is (or, if that commit
         finds the run moved, as a late result)."""
 
+    def settled(self) -> None:
+        """The host's commit still on its way, if any, has landed: RunMoved if it did not
+        (the step running meanwhile ran on a state never committed)."""
+
 
 # (tenant, tool) → until when a prepare of it goes straight to its transaction: a policy
 # named the tool when a one-statement prepare last tried it. Only a hint — the guard decides,
@@ -213,6 +217,7 @@ class ActionRunner:
         target: str,
         call_index: int,
     ) -> ActionResult:
+        self.host.settled()  # nothing is prepared before the step's own commit is in
         run = self.host.run
         # A step visit that began with this execution (no checkpoint since the visit began)
         # cannot have prepared anything yet: skip the lookup. The unique key still refuses

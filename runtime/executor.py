@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Now
 
@@ -27,7 +27,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
 from audit.models import JournalEntry
 from fastsql import statements
-from runtime import observe, stepcommit
+from runtime import metrics, observe, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Confirmed, RunMoved, for_a_person
@@ -129,6 +129,18 @@ def backoff_seconds(graph: Graph, failures: int) -> float:
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
+@dataclass
+class _InFlight:
+    """A step's commit on its way (`Executor.commit`, overlap): the function that takes its
+    answer, what the executor held before it (the state, how it is stored, its goal rev) —
+    back to that if it does not land — and the step's watch, counted when it lands."""
+
+    answer: Callable[[], None]
+    step: str
+    before: tuple[dict[str, Any], Any, int]
+    landed: tuple[Any, float] | None = None
+
+
 class Executor:
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
@@ -150,13 +162,26 @@ class Executor:
         self.runner: ActionRunner | None = None
         # Confirmed outcomes the next commit writes (ActionRunner.record defers them).
         self.confirmed: list[Confirmed] = []
+        # A step's commit sent and not yet answered (`commit`, overlap): the next step runs
+        # meanwhile, and nothing else of the run leaves the process until `settle`.
+        self.in_flight: _InFlight | None = None
+        # A commit in flight did not land since the step that is running began (`settle`):
+        # that step ran on a state that was never committed, and its outcome is dropped.
+        self.lost = False
+        # A commit in flight the database refused with an error (`settle`): its step failed,
+        # counted as a failure of that step at the loop's next turn.
+        self.refused: tuple[str, Exception] | None = None
 
     # --- the loop ------------------------------------------------------------------------
     def execute(self, slice_seconds: float) -> AdvanceResult:
         # While it runs, this executor is the run stream's writer: its appends carry the head
         # through instead of re-reading it (audit.journal.owning).
         with journal.owning(self.stream), observe.advancing(self.run):
-            return self._execute(slice_seconds)
+            try:
+                return self._execute(slice_seconds)
+            finally:
+                if self.in_flight is not None:  # left by an exception: take its answer
+                    self.drain()
 
     def _execute(self, slice_seconds: float) -> AdvanceResult:
         graph = self.ensure_compatible()
@@ -187,6 +212,17 @@ class Executor:
         self, graph: Graph, deadline: float, beater: Heartbeater | None, clock: StepClock
     ) -> AdvanceResult:
         while True:
+            if self.refused is not None:  # a step whose commit failed, found after it ran
+                (failed_step, error), self.refused = self.refused, None
+                self.check_lease(beater)
+                return self.fail(graph, failed_step, error)
+            if self.run.status != RunStatus.RUNNING:  # a commit in flight found it moved
+                return self.stopped()
+            if self.in_flight is not None and time.monotonic() > deadline:
+                if not self.settle():
+                    continue
+                release(self.lease, requeue=True)
+                return AdvanceResult("yielded", self.steps)
             if self.state_goal_rev != self.run.goal_rev:
                 if not self.apply_revision(graph):
                     return self.stopped()
@@ -198,12 +234,16 @@ class Executor:
                 continue
             step = graph.steps.get(self.run.next_step)
             if step is None:
+                if not self.settle():
+                    continue
                 self.escalate(
                     f"graph {graph.name}@{graph.version} has no step {self.run.next_step!r}"
                 )
                 return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
             ctx = self.context(self.run.next_step)
             step_watch = observe.step_begins(ctx, quiet=(Park, RunMoved))
+            self.lost = False
+            failure: Exception | None = None
             try:
                 with step_watch:
                     outcome = clock.call(step, ctx)
@@ -211,38 +251,93 @@ class Executor:
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
             except StaleFence:
                 raise
-            except Park as parked:
-                self.absorb(ctx)
-                return self.park(parked, ctx.step)
-            except RunMoved:
-                self.absorb(ctx)
-                if self.run.status != RunStatus.RUNNING:
-                    return self.stopped()
-                continue  # the goal moved under a side effect: apply the revision, go again
-            except Exception as exc:  # a step's failure is data: retry, then escalate
-                self.absorb(ctx)
-                self.check_lease(beater)
-                return self.fail(graph, ctx.step, exc)
+            except Exception as exc:
+                failure = exc
             self.absorb(ctx)
+            if failure is not None:
+                # The commit the step ran on, if still in flight, is answered first: a step
+                # that ran on a state never committed is dropped, whatever it raised. One that
+                # raised while that commit was still on its way (it reached the database
+                # itself, which is busy until the answer is in: "another command is already
+                # in progress") runs again once it has landed; only then does what it raises
+                # count.
+                speculative = self.in_flight is not None
+                if not self.settle() or self.lost or speculative:
+                    continue
+                if isinstance(failure, Park):
+                    return self.park(failure, ctx.step)
+                if isinstance(failure, RunMoved):
+                    if self.run.status != RunStatus.RUNNING:
+                        return self.stopped()
+                    continue  # the goal moved under a side effect: apply the revision, again
+                self.check_lease(beater)  # a step's failure is data: retry, then escalate
+                return self.fail(graph, ctx.step, failure)
             self.check_lease(beater)
             try:
                 committed = self.commit_outcome(ctx, outcome)
             except StaleFence:
                 raise
             except Exception as exc:  # a result that cannot be committed is a step failure
+                if not self.settle() or self.lost:
+                    continue
                 return self.fail(graph, ctx.step, unstorable(outcome, exc))
             if not committed:
                 if self.run.status != RunStatus.RUNNING:
                     return self.stopped()
                 continue  # the goal moved under the step: apply the revision, go again
-            self.steps += 1
-            observe.step_done(step_watch)
-            fault(FaultPoint.AFTER_CHECKPOINT)
+            if self.in_flight is not None:  # counted when it lands (`settle`)
+                self.in_flight.landed = (step_watch, metrics.clock())
+                continue
+            self.stepped(step_watch)
             if self.run.status != RunStatus.RUNNING:
                 return AdvanceResult(_OUTCOME[self.run.status], self.steps)
             if time.monotonic() > deadline:
                 release(self.lease, requeue=True)
                 return AdvanceResult("yielded", self.steps)
+
+    def stepped(self, step_watch: Any, sent_at: float | None = None) -> None:
+        """A step's commit landed (`sent_at`: sent then, its answer taken only now)."""
+        self.steps += 1
+        observe.step_done(step_watch, sent_at)
+        fault(FaultPoint.AFTER_CHECKPOINT)
+
+    def settle(self) -> bool:
+        """Wait for the answer to the commit in flight, if any. False if it did not land (the
+        run moved — cancelled, revised, or another executor took it: StaleFence): this copy
+        of the run is read again, the state is the last committed one, `lost` is set, and
+        the step that ran meanwhile must be dropped."""
+        sent, self.in_flight = self.in_flight, None
+        if sent is None:
+            return True
+        try:
+            sent.answer()
+        except (stepcommit.Moved, DatabaseError) as exc:
+            self.state, self.stored, self.state_goal_rev = sent.before
+            self.lost = True
+            self.extended_at = float("-inf")  # if it pushed the lease out, it did not: now
+            if isinstance(exc, DatabaseError):  # refused whole: a failure of that step
+                self.refused = (sent.step, exc)
+            self.reload()  # StaleFence if another executor holds the run
+            return False
+        if sent.landed is not None:
+            self.stepped(*sent.landed)
+        return True
+
+    def settled(self) -> None:
+        """`settle` for a commit or a step's call that is about to write: RunMoved if the
+        commit in flight did not land (nothing of what follows may be written)."""
+        if not self.settle():
+            raise RunMoved("the run moved under the step's commit")
+
+    def drain(self) -> None:
+        """Take the answer of a commit left in flight by an exception on its way out, so the
+        connection is free again; whether it landed, the next holder reads."""
+        sent, self.in_flight = self.in_flight, None
+        try:
+            if sent is not None:
+                sent.answer()
+        except Exception:  # the exception on its way out is the one to report
+            log.warning("run %s: a step commit's answer was lost", self.run.run_id, exc_info=True)
 
     def check_lease(self, beater: Heartbeater | None) -> None:
         if beater is not None and beater.lost.is_set():
@@ -481,6 +576,7 @@ class Executor:
         False if the run moved (cancelled, or goal revised) — raises StaleFence if another
         executor holds it. `state_goal_rev`: the goal revision `state` belongs to, when it is
         not the run's (a migration's)."""
+        before = (self.state, self.stored, self.state_goal_rev)
         encoded = self.unchanged() if state is self.state else self.encoder.encode(state)
         # A step boundary (or a revision's jump) starts a new step visit; checkpoints around a
         # side effect, a parked step and a graph migration do not: the step runs again from
@@ -488,8 +584,19 @@ class Executor:
         # it prepared, sent or confirmed before — on the old version too (DESIGN.md).
         new_visit = event in (RunEvent.STEP_COMMITTED, RunEvent.REVISION_APPLIED)
         update, extended = self.run_changes(status, next_step, changes, new_visit)
+        # A step's commit that leaves the run running, with nothing of the ledger or of new
+        # artifacts in it, is sent and not waited for: the next step runs while it is on its
+        # way (`settle` waits for its answer before anything else is written or called).
+        overlap = (
+            event == RunEvent.STEP_COMMITTED
+            and status == RunStatus.RUNNING
+            and within is None
+            and not self.confirmed
+            and not self.encoder.new
+            and settings.HOLDPOINT_OVERLAP_COMMITS
+        )
         try:
-            stepcommit.write(
+            answer = (stepcommit.send if overlap else stepcommit.write)(
                 StepCommit(
                     run=self.run,
                     actor=self.lease.actor,
@@ -508,7 +615,8 @@ class Executor:
                     before=self.write_confirmed if self.confirmed else None,
                     before_parts=self.confirmed_parts if self.confirmed else None,
                     state_goal_rev=state_goal_rev,
-                )
+                ),
+                before_send=self.settled,
             )
         except stepcommit.Moved:
             self.reload()  # StaleFence: the confirmations stay `sent` for the run's new holder
@@ -519,6 +627,8 @@ class Executor:
         except BaseException:
             self.confirmed = []  # rolled back with the commit: `sent`, settled by the contract
             raise
+        if answer is not None:
+            self.in_flight = _InFlight(answer, step, before)
         self.confirmed_written(True)
         if extended is not None:
             self.extended_at = extended

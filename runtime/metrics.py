@@ -79,8 +79,8 @@ def clock() -> float:
     return time.perf_counter()
 
 
-def observe_step(began: float) -> None:
-    STEP_SECONDS.observe(time.perf_counter() - began)
+def observe_step(began: float, ended: float | None = None) -> None:
+    STEP_SECONDS.observe((time.perf_counter() if ended is None else ended) - began)
 
 
 def observe_action(tool: str, began: float) -> None:

@@ -59,8 +59,10 @@ def step_begins(ctx: Any, quiet: tuple[type[BaseException], ...] = ()) -> Step:
     return Step(ctx, quiet)
 
 
-def step_done(step: Step) -> None:
-    metrics.observe_step(step.began)
+def step_done(step: Step, ended: float | None = None) -> None:
+    """The step's commit landed. `ended`: when its commit was sent, for one whose answer was
+    taken later (during the next step: runtime.executor) — its duration ends there."""
+    metrics.observe_step(step.began, ended)
 
 
 class Sending:

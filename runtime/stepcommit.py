@@ -16,6 +16,9 @@ How it is sent:
   statements, COMMIT). A part that writes nothing (a confirmation whose action moved, a
   guard that found a hold point) fails the statement whole, and the transaction path then
   writes it or says why.
+- The worker's step commit that leaves its run running, with no ledger write and no new
+  artifact in it, goes by `send`: the same statement, but the worker takes its answer only
+  when it next needs the connection, running the next step meanwhile (runtime.executor).
 - Otherwise one short transaction: the run CAS first (its row lock orders the commit before a
   goal revision, which locks the run and then its actions), the checkpoint only if it held, the
   artifacts, then the journal entries of the ledger writes that happened before the step's
@@ -107,8 +110,27 @@ def checkpoint_digest(run_id: Any, fields: Mapping[str, Any]) -> str:
     return sha256_hex(canonical({"run": str(run_id), **fields}))
 
 
-def write(commit: StepCommit) -> None:
-    """Send the commit (see the module docstring); raises Moved if the run moved."""
+def write(commit: StepCommit, *, before_send: Callable[[], None] | None = None) -> None:
+    """Send the commit (see the module docstring); raises Moved if the run moved.
+    `before_send`: called once, after the commit is built and before anything of it is sent
+    (the executor waits there for its previous commit's answer: `send`)."""
+    _write(commit, before_send, split=False)
+
+
+def send(
+    commit: StepCommit, *, before_send: Callable[[], None] | None = None
+) -> Callable[[], None] | None:
+    """`write`, but where the commit goes as one statement on PostgreSQL, in two halves: the
+    statement is sent, and the function returned waits for the server's answer — nothing
+    else may use the connection until it is called. It raises Moved if the run moved, and
+    writes the commit by its transaction if the journal's head moved meanwhile (as `write`
+    does). None: the commit was written whole here (no statement to split)."""
+    return _write(commit, before_send, split=True)
+
+
+def _write(
+    commit: StepCommit, before_send: Callable[[], None] | None, *, split: bool
+) -> Callable[[], None] | None:
     run = commit.run
     rev = commit.rev
     fields = checkpoint_fields(commit)
@@ -141,47 +163,73 @@ def write(commit: StepCommit) -> None:
     parts_only = (commit.before is None or commit.before_parts is not None) and (
         commit.within is None or commit.within_parts is not None
     )
+    written: Callable[[], str] | None = None
     if parts_only and not commit.artifacts:
-        if _one_statement(commit, stream, update, mine, checkpoint, entry):
-            return
-    with transaction.atomic(durable=True), journal.batched(stream):
-        if not statements.update_then_insert(Run, update, mine, Checkpoint, checkpoint):
+        written = _one_statement(
+            commit, stream, (update, mine, checkpoint, entry), before_send, split
+        )
+
+    def in_transaction() -> None:
+        with transaction.atomic(durable=True), journal.batched(stream):
+            if not statements.update_then_insert(Run, update, mine, Checkpoint, checkpoint):
+                raise Moved()
+            if commit.artifacts:
+                Artifact.objects.bulk_create(
+                    [
+                        Artifact(
+                            tenant_id=run.tenant_id,
+                            digest=d,
+                            content=text,
+                            size=len(text.encode()),
+                        )
+                        for d, text in commit.artifacts.items()
+                    ],
+                    ignore_conflicts=True,
+                )
+            if commit.before is not None:
+                commit.before()
+            record(run, commit.event, commit.actor, **entry)
+            if commit.within is not None:
+                commit.within()
+
+    if written is None:  # not as one statement: by the transaction, now
+        if before_send is not None:
+            before_send()
+        in_transaction()
+        return None
+
+    def answered() -> None:
+        outcome = written()
+        if outcome == "refused":
             raise Moved()
-        if commit.artifacts:
-            Artifact.objects.bulk_create(
-                [
-                    Artifact(
-                        tenant_id=run.tenant_id, digest=d, content=text, size=len(text.encode())
-                    )
-                    for d, text in commit.artifacts.items()
-                ],
-                ignore_conflicts=True,
-            )
-        if commit.before is not None:
-            commit.before()
-        record(run, commit.event, commit.actor, **entry)
-        if commit.within is not None:
-            commit.within()
+        if outcome == "moved":  # the journal's head moved: nothing was written
+            in_transaction()
+
+    if not split:
+        answered()
+        return None
+    return answered
 
 
 def _one_statement(
     commit: StepCommit,
     stream: str,
-    update: dict[str, Any],
-    mine: dict[str, Any],
-    checkpoint: dict[str, Any],
-    entry: dict[str, Any],
-) -> bool:
+    rows: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]],
+    before_send: Callable[[], None] | None,
+    split: bool,
+) -> Callable[[], str] | None:
     """PostgreSQL, for a writer that carries the stream head: the whole commit as a single
-    autocommit statement. True if written; raises Moved if the run moved; False if this path
-    does not apply or the journal head moved meanwhile (then nothing was written and the
-    caller takes the transaction path)."""
+    autocommit statement, sent. Returns the function that waits for its answer (the
+    outcome word of `journal.append_after`: "written", "refused" — then the run moved — or
+    "moved": the journal's head moved, nothing written), called already unless `split` and
+    the connection can split it; None if this path does not apply (nothing sent)."""
     connection = transaction.get_connection()
     if connection.vendor != "postgresql" or connection.in_atomic_block:
-        return False
+        return None
+    update, mine, checkpoint, entry = rows  # the run's, its CAS, the checkpoint's, the entry's
     head = journal.remembered(stream)
     if head is None:
-        return False
+        return None
     lead = statements.update_then_insert_parts(Run, update, mine, Checkpoint, checkpoint)
     one = statements.OneStatement()
     with journal.batched(stream, deferred=True) as pending:
@@ -191,9 +239,20 @@ def _one_statement(
         if commit.within_parts is not None:  # journalled after it, as `within` would be
             within = commit.within_parts(one, lead[-1].name)
             if within is None:
-                return False  # nothing sent; the recorded entries go with the batch
+                return None  # nothing sent; the recorded entries go with the batch
             lead += within
-    outcome = journal.append_after(stream, commit.run.tenant_id, pending, head, lead, one)
-    if outcome == "refused":
-        raise Moved()
-    return outcome == "written"
+    tenant = commit.run.tenant_id
+    # Built (the entries chained, hashed) before `before_send` waits: that work overlaps the
+    # previous commit's round trip. Built again if that answer moved the head.
+    parts = journal.parts_after(stream, tenant, pending, head, lead, one)
+    if before_send is not None:
+        before_send()
+        now = journal.remembered(stream)
+        if now is None:
+            return None
+        if now != head:
+            head, parts = now, journal.parts_after(stream, tenant, pending, now, lead, one)
+    if split and one.sends():
+        return journal.send_after(stream, pending, head, parts, one)
+    outcome = journal.appended_after(stream, pending, head, one.run(parts))
+    return lambda: outcome

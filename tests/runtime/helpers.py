@@ -5,10 +5,23 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from audit.models import JournalEntry
 from runtime.models import Run
+
+
+def overlaps_commits() -> bool:
+    """Whether a worker here runs the next step while a step's commit is on its way
+    (HOLDPOINT_OVERLAP_COMMITS, PostgreSQL with its prepared cursor): a worker killed as it
+    learns a commit landed had already begun the next step, which then runs again."""
+    return (
+        connection.vendor == "postgresql"
+        and settings.HOLDPOINT_OVERLAP_COMMITS
+        and settings.HOLDPOINT_PG_PREPARE
+    )
 
 
 def expire_lease(run: Run | Any) -> None:

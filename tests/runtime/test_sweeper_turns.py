@@ -28,6 +28,7 @@ from runtime.sweeper import (
     take_turn,
 )
 from tests import procs
+from tests.runtime.helpers import overlaps_commits
 from tests.runtime.test_workers import _crash_at, _lines
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -103,8 +104,9 @@ def test_a_fresh_cluster_alone_resumes_a_crashed_workers_run(
     assert turn.holder and turn.holder != before, (before, turn.holder)
     assert SweeperTurn.objects.get(name=TURN).holder.startswith("sweeper:")
     rid = str(run.run_id)
-    assert _lines(counter) == {  # step 1 committed before the crash: nothing done twice
-        **{(rid, f"step {i}"): 1 for i in range(1, 6)},
+    again = 2 if overlaps_commits() else 1  # step 2 had begun: test_workers.py says why
+    assert _lines(counter) == {  # step 1 committed before the crash: no paid call twice
+        **{(rid, f"step {i}"): again if i == 2 else 1 for i in range(1, 6)},
         **{(rid, f"call {i}"): 1 for i in range(1, 6)},
     }
 
