@@ -158,11 +158,12 @@ def _prepared_cursor_class() -> Any:
                     return _done
 
                 def answer() -> None:
+                    # Interrupted (a signal's handler raised while it waited), it can be
+                    # called again: it goes on from where the statement's generator stopped.
                     def resumed() -> Any:
-                        state = waiting[0]
                         try:
                             while True:
-                                state = work.send((yield state))
+                                waiting[0] = work.send((yield waiting[0]))
                         except StopIteration:
                             return
 

@@ -319,6 +319,9 @@ class Executor:
                 self.refused = (sent.step, exc)
             self.reload()  # StaleFence if another executor holds the run
             return False
+        except BaseException:  # interrupted while it waited (the step's clock): still on its way
+            self.in_flight = sent
+            raise
         if sent.landed is not None:
             self.stepped(*sent.landed)
         return True

@@ -77,6 +77,41 @@ def third(ctx: StepContext) -> Outcome:
 
 looping = Graph("overlap-loop", version="1")
 
+# A step's clock (SIGALRM) may go off while the step waits for the commit before it.
+slow = Graph("overlap-slow", version="1", step_timeout=1, max_failures=3, retry_base=0.05)
+HELD = threading.Event()
+
+
+@slow.step(start=True)
+def locked_out(ctx: StepContext) -> Outcome:
+    # Another transaction holds the run's row for 2.5 s: this step's commit waits for it.
+    HELD.clear()
+    threading.Thread(target=_hold_run_row, args=(ctx.run_id, 2.5), daemon=True).start()
+    HELD.wait(10)
+    return Next("after")
+
+
+def _hold_run_row(run_id: Any, seconds: float) -> None:
+    import time
+
+    from django.db import transaction
+
+    try:
+        with transaction.atomic():
+            Run.objects.select_for_update().get(pk=run_id)
+            HELD.set()
+            time.sleep(seconds)
+    finally:
+        connection.close()
+
+
+@slow.step()
+def after(ctx: StepContext) -> Outcome:
+    seen = SEEN.setdefault(str(ctx.run_id), [])
+    seen.append("after")
+    ctx.record("paid", lambda: seen.append("paid") or "answer")  # waits for the commit first
+    return Complete()
+
 
 @looping.step(start=True)
 def count(ctx: StepContext) -> Outcome:
@@ -92,11 +127,13 @@ def graph() -> Iterator[None]:
         pytest.skip("SQLite's commit is in the worker's own process: nothing is on its way")
     registry.register(overlap)
     registry.register(looping)
+    registry.register(slow)
     try:
         yield
     finally:
         registry.unregister("overlap", "1")
         registry.unregister("overlap-loop", "1")
+        registry.unregister("overlap-slow", "1")
 
 
 def _run(tenant: Tenant, **goal: Any) -> tuple[Run, Any]:
@@ -181,3 +218,20 @@ def test_a_step_sent_on_its_way_is_still_one_server_transaction(tenant_a: Tenant
     assert (_commits_for(tenant_a, 30) - _commits_for(tenant_a, 10)) / 20 == 1.0
     with override_settings(HOLDPOINT_OVERLAP_COMMITS=False):
         assert (_commits_for(tenant_a, 30) - _commits_for(tenant_a, 10)) / 20 == 1.0
+
+
+def test_a_step_whose_clock_runs_out_while_it_waits_for_the_commit_runs_again(
+    tenant_a: Tenant,
+) -> None:
+    """The first step's commit waits 2.5 s for a row lock; the second step (1 s allowed) waits
+    for that commit before its paid call and its clock goes off meanwhile. The commit is still
+    on its way: its answer is taken, and the step runs again on it — a step that ran before
+    its commit landed does not count as failed. The connection is whole afterwards."""
+    run = create_run(tenant_a, "overlap-slow", {}, actor="user:test")
+    result = advance_run(run.run_id, "w1")
+    run.refresh_from_db()
+    assert result.outcome == "completed" and run.status == RunStatus.COMPLETED
+    assert SEEN[str(run.run_id)] == ["after", "after", "paid"]
+    assert run.consecutive_failures == 0 and payloads(run, "step_failed") == []
+    assert list(RecordedCall.objects.filter(run=run).values_list("key", flat=True)) == ["paid"]
+    assert Run.objects.filter(pk=run.pk).count() == 1  # the worker's connection answers
