@@ -221,17 +221,23 @@ def scratch_postgres(prefix: str) -> Iterator[str]:
 GRAPH_MODULES = "bench.graphs,runtime.agents.api_review.graph"
 
 
+PASSED_ON = frozenset({"HOLDPOINT_OVERLAP_COMMITS"})
+
+
 def bench_env(database_url: str, var_dir: str, **extra: str) -> dict[str, str]:
     """The environment of every process the bench starts against a scratch database: the
     bench graphs, the ORM broker in that database (never a shared Redis: another cluster
     would take our tasks), and the scratch database — never the developer's. DEBUG=1 only
     lets the settings load without production secrets; every bench process switches
     `settings.DEBUG` off right after `django.setup()` (bench/djrun.py for manage.py
-    commands), so no process runs with the debug cursor that records every query."""
+    commands), so no process runs with the debug cursor that records every query.
+    HOLDPOINT_OVERLAP_COMMITS is passed on (the one setting an A/B of the bench's worker
+    processes needs: `HOLDPOINT_OVERLAP_COMMITS=0 make bench`)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("HOLDPOINT_", "DJANGO_")) and k not in {"REDIS_URL", "DEBUG"}
+        if (not k.startswith(("HOLDPOINT_", "DJANGO_")) or k in PASSED_ON)
+        and k not in {"REDIS_URL", "DEBUG"}
     }
     env.update(
         DJANGO_SETTINGS_MODULE="config.settings",
