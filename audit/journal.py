@@ -260,59 +260,6 @@ def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry])
     return True
 
 
-def append_after(
-    stream: str,
-    tenant_id: int,
-    entries: list[JournalEntry],
-    head: Head,
-    lead: list[statements.Part],
-    one: statements.OneStatement | None = None,
-) -> str:
-    """PostgreSQL, outside any transaction: a change and its journal entries as *one*
-    statement — one round trip and its own (implicit, durable) transaction, where the
-    step's BEGIN, statements and COMMIT would be four.
-
-    `lead` is the change as parts — a compare-and-swap first, then what depends on it
-    (see fastsql.statements.update_then_insert_parts). The statement runs the
-    compare-and-swap first (so its row is locked before the stream head, the order every
-    other writer of a run and its stream takes), then locks the stream head and checks it
-    is `head` (seq and hash), then moves it and inserts the entries. All of it is written or
-    none of it: if the swap happened but the head is no longer `head`, the statement fails
-    on purpose and rolls back. Returns "written", "refused" (the swap changed nothing:
-    nothing written) or "moved" (the head moved: nothing written). `one`: the statement the
-    parts of `lead` were made for (with what it also reads), if they were.
-    """
-    one = one or statements.OneStatement()
-    parts = parts_after(stream, tenant_id, entries, head, lead, one)
-    return appended_after(stream, entries, head, one.run(parts))
-
-
-def send_after(
-    stream: str,
-    entries: list[JournalEntry],
-    head: Head,
-    parts: list[statements.Part],
-    one: statements.OneStatement,
-) -> Callable[[], str]:
-    """`append_after` of `parts_after`'s parts, in two halves (`OneStatement.send`): the
-    statement is sent now and the returned function waits for its answer and returns what
-    `append_after` would. The stream's remembered head is its last entry's from now on — the
-    next statement can be built on it meanwhile — and goes back to `head` if the answer is
-    not "written"."""
-    answer = one.send(parts)
-    heads = _thread_state().heads
-    if stream in heads:
-        heads[stream] = Head(entries[-1].seq, entries[-1].hash)
-
-    def appended() -> str:
-        outcome = appended_after(stream, entries, head, answer())
-        if outcome != "written" and stream in heads:
-            heads[stream] = head
-        return outcome
-
-    return appended
-
-
 def parts_after(
     stream: str,
     tenant_id: int,
@@ -321,8 +268,19 @@ def parts_after(
     lead: list[statements.Part],
     one: statements.OneStatement,
 ) -> list[statements.Part]:
-    """`append_after`'s parts: `lead`, then the head's lock and move and the entries'
-    insert, each after the one before."""
+    """PostgreSQL, outside any transaction: a change and its journal entries as the parts of
+    *one* statement (`append_after` runs them, `send_after` sends them) — one round trip and
+    its own (implicit, durable) transaction, where the step's BEGIN, statements and COMMIT
+    would be four.
+
+    `lead` is the change as parts — a compare-and-swap first, then what depends on it
+    (see fastsql.statements.update_then_insert_parts). The statement runs the
+    compare-and-swap first (so its row is locked before the stream head, the order every
+    other writer of a run and its stream takes), then locks the stream head and checks it
+    is `head` (seq and hash), then moves it and inserts the entries (chained onto `head`
+    here). All of it is written or none of it: if the swap happened but the head is no
+    longer `head`, the statement fails on purpose and rolls back. `one`: the statement the
+    parts of `lead` were made for (with what it also reads)."""
     rows = _chain(head, entries)
     last = entries[-1]
     swap, rest = lead[0], lead[1:]
@@ -340,11 +298,48 @@ def parts_after(
     return [swap, locked, *rest, moved, added]
 
 
-def appended_after(
+def append_after(
+    stream: str,
+    entries: list[JournalEntry],
+    head: Head,
+    parts: list[statements.Part],
+    one: statements.OneStatement,
+) -> str:
+    """Run `parts_after`'s statement. Returns "written", "refused" (the swap changed
+    nothing: nothing written) or "moved" (the head moved: nothing written)."""
+    return _appended(stream, entries, head, one.run(parts))
+
+
+def send_after(
+    stream: str,
+    entries: list[JournalEntry],
+    head: Head,
+    parts: list[statements.Part],
+    one: statements.OneStatement,
+) -> Callable[[], str]:
+    """`append_after`, in two halves (`OneStatement.send`): the statement is sent now and the
+    returned function waits for its answer and returns what `append_after` would. The
+    stream's remembered head is its last entry's from now on — the next statement can be
+    built on it meanwhile — and goes back to `head` if the answer is not "written"."""
+    answer = one.send(parts)
+    heads = _thread_state().heads
+    if stream in heads:
+        heads[stream] = Head(entries[-1].seq, entries[-1].hash)
+
+    def appended() -> str:
+        outcome = _appended(stream, entries, head, answer())
+        if outcome != "written" and stream in heads:
+            heads[stream] = head
+        return outcome
+
+    return appended
+
+
+def _appended(
     stream: str, entries: list[JournalEntry], head: Head, counts: tuple[int, int] | None
 ) -> str:
-    """What `append_after`'s statement answered (`OneStatement.run`'s counts), as its
-    outcome word; the entries and the remembered head brought up to it when written."""
+    """What the statement answered (`OneStatement.run`'s counts), as its outcome word; the
+    entries and the remembered head brought up to it when written."""
     if counts is None:  # swapped, but the head had moved: nothing was written
         return "moved"
     changed, written = counts

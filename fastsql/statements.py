@@ -700,7 +700,7 @@ class OneStatement:
         return self._counts(cursor)
 
     def send(self, parts: Sequence[Part]) -> Callable[[], tuple[int, int] | None]:
-        """`run`, in two halves (PostgreSQL's prepared cursor; `sends` says when): the
+        """`run`, in two halves (PostgreSQL's prepared cursor; `sends()` says when): the
         statement is sent now — autocommit, so it commits on its own as soon as the server
         has run it — and the returned function waits for its answer and returns what `run`
         would. Until that function is called the connection must not be used."""
@@ -718,15 +718,6 @@ class OneStatement:
             return self._counts(cursor)
 
         return counts
-
-    def sends(self) -> bool:
-        """Whether `send` can split this statement here: PostgreSQL's prepared cursor, with
-        nobody watching the statements (Django's query log and `execute_wrapper` hooks see
-        only what goes through Django's cursor, and `send` does not)."""
-        conn = self.conn
-        if conn.vendor != "postgresql" or conn.queries_logged or conn.execute_wrappers:
-            return False
-        return hasattr(_cursor(conn).cursor, "send")
 
     def _statement(self, parts: Sequence[Part]) -> tuple[str, list[Any]]:
         reads = self.reads
@@ -759,6 +750,16 @@ class OneStatement:
 
 
 _CHAINS: dict[tuple[Any, ...], str] = {}
+
+
+def sends(conn: BaseDatabaseWrapper | None = None) -> bool:
+    """Whether `OneStatement.send` can split a statement on this connection: PostgreSQL's
+    prepared cursor, with nobody watching the statements (Django's query log and
+    `execute_wrapper` hooks see only what goes through Django's cursor, and `send` does not)."""
+    conn = conn or connections[DEFAULT_DB_ALIAS]
+    if conn.vendor != "postgresql" or conn.queries_logged or conn.execute_wrappers:
+        return False
+    return hasattr(_cursor(conn).cursor, "send")
 
 
 @dataclass

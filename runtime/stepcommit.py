@@ -165,6 +165,7 @@ def _write(
     )
     written: Callable[[], str] | None = None
     if parts_only and not commit.artifacts:
+        split = split and statements.sends()  # else sent and answered here, as `write`
         written = _one_statement(
             commit, stream, (update, mine, checkpoint, entry), before_send, split
         )
@@ -221,8 +222,8 @@ def _one_statement(
     """PostgreSQL, for a writer that carries the stream head: the whole commit as a single
     autocommit statement, sent. Returns the function that waits for its answer (the
     outcome word of `journal.append_after`: "written", "refused" — then the run moved — or
-    "moved": the journal's head moved, nothing written), called already unless `split` and
-    the connection can split it; None if this path does not apply (nothing sent)."""
+    "moved": the journal's head moved, nothing written), answered already unless `split`;
+    None if this path does not apply (nothing sent)."""
     connection = transaction.get_connection()
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return None
@@ -252,7 +253,7 @@ def _one_statement(
             return None
         if now != head:
             head, parts = now, journal.parts_after(stream, tenant, pending, now, lead, one)
-    if split and one.sends():
+    if split:
         return journal.send_after(stream, pending, head, parts, one)
-    outcome = journal.appended_after(stream, pending, head, one.run(parts))
+    outcome = journal.append_after(stream, pending, head, parts, one)
     return lambda: outcome

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from psycopg import pq
 
 from runtime.context import StepContext
@@ -66,6 +67,8 @@ def second(ctx: StepContext) -> Outcome:
         ctx.record("paid", lambda: seen.append("paid") or "answer")
     elif how == "orm":  # reaches the database itself, not through ctx
         seen.append(("runs", Run.objects.filter(pk=ctx.run_id).count()))
+    elif how == "raise":
+        raise RuntimeError("the tracker said no")
     return Next("third", update={"second": True})
 
 
@@ -235,3 +238,24 @@ def test_a_step_whose_clock_runs_out_while_it_waits_for_the_commit_runs_again(
     assert run.consecutive_failures == 0 and payloads(run, "step_failed") == []
     assert list(RecordedCall.objects.filter(run=run).values_list("key", flat=True)) == ["paid"]
     assert Run.objects.filter(pk=run.pk).count() == 1  # the worker's connection answers
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_failing_step_runs_again_only_if_it_ran_before_the_commit_landed(
+    tenant_a: Tenant, watched: bool
+) -> None:
+    """A step that raises while the commit before it is on its way runs again once it has
+    landed, and only then counts. With the statements watched (Django's query log: DEBUG, a
+    test capturing queries) the commit is not split — it is answered before the next step
+    runs — so the step runs once per attempt, its failure counted at once."""
+    run = create_run(tenant_a, "overlap", {"second": "raise"}, actor="user:test")
+    if watched:
+        with CaptureQueriesContext(connection):
+            result = advance_run(run.run_id, "w1")
+    else:
+        result = advance_run(run.run_id, "w1")
+    run.refresh_from_db()
+    assert result.outcome == "retrying" and run.consecutive_failures == 1
+    assert "RuntimeError: the tracker said no" in run.last_error
+    expected = [("busy", False)] if watched else [("busy", True), ("busy", False)]
+    assert SEEN[str(run.run_id)] == expected
