@@ -9,6 +9,7 @@ One step's commit — run row CAS + artifacts + checkpoint + journal, all or not
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -171,6 +172,9 @@ class Executor:
         # A commit in flight the database refused with an error (`settle`): its step failed,
         # counted as a failure of that step at the loop's next turn.
         self.refused: tuple[str, Exception] | None = None
+        # Steps that raised while the commit before them was on its way (`steps_until`): a
+        # commit whose next step is one of them is waited for, so that step runs once.
+        self.wait_before: set[str] = set()
 
     # --- the loop ------------------------------------------------------------------------
     def execute(self, slice_seconds: float) -> AdvanceResult:
@@ -245,7 +249,7 @@ class Executor:
             self.lost = False
             failure: Exception | None = None
             try:
-                with step_watch:
+                with step_watch, self.queries_settle():
                     outcome = clock.call(step, ctx)
                 if not isinstance(outcome, Next | Wait | Complete | Fail):
                     raise TypeError(f"step returned {type(outcome).__name__}, not an outcome")
@@ -257,12 +261,15 @@ class Executor:
             if failure is not None:
                 # The commit the step ran on, if still in flight, is answered first: a step
                 # that ran on a state never committed is dropped, whatever it raised. One that
-                # raised while that commit was still on its way (it reached the database
-                # itself, which is busy until the answer is in: "another command is already
-                # in progress") runs again once it has landed; only then does what it raises
-                # count.
+                # raised while that commit was still on its way (it opened a transaction of its
+                # own — the connection is busy until the answer is in — or its clock went off
+                # while it waited) runs again once it has landed; only then does what it
+                # raises count. (A query of its own waits for the answer: `queries_settle`.)
                 speculative = self.in_flight is not None
-                if not self.settle() or self.lost or speculative:
+                if not self.settle() or self.lost:
+                    continue
+                if speculative:  # and the commits before this step are waited for from now on
+                    self.wait_before.add(ctx.step)
                     continue
                 if isinstance(failure, Park):
                     return self.park(failure, ctx.step)
@@ -325,6 +332,26 @@ class Executor:
         if sent.landed is not None:
             self.stepped(*sent.landed)
         return True
+
+    def queries_settle(self) -> contextlib.AbstractContextManager[Any]:
+        """While a commit is on its way, a step's own query (one that reaches the database
+        through Django, not through `ctx`) first takes its answer — the connection is busy
+        until then, and a query that met it busy would fail the step's run. Only around the
+        step: the step's commit after it is split only where nobody watches the statements
+        (`fastsql.statements.sends`)."""
+        if self.in_flight is None:
+            return contextlib.nullcontext()
+        wrapped: contextlib.AbstractContextManager[Any] = (
+            transaction.get_connection().execute_wrapper(self._settle_first)
+        )
+        return wrapped
+
+    def _settle_first(
+        self, execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any
+    ) -> Any:
+        if self.in_flight is not None:
+            self.settled()  # RunMoved if it did not land: the step is dropped unqueried
+        return execute(sql, params, many, context)
 
     def settled(self) -> None:
         """`settle` for a commit or a step's call that is about to write: RunMoved if the
@@ -596,6 +623,7 @@ class Executor:
             and within is None
             and not self.confirmed
             and not self.encoder.new
+            and next_step not in self.wait_before
             and settings.HOLDPOINT_OVERLAP_COMMITS
         )
         try:

@@ -1,8 +1,9 @@
 """PostgreSQL: a step's commit is sent and the next step runs while it is on its way
 (runtime.executor, HOLDPOINT_OVERLAP_COMMITS). What must hold: nothing of the next step
 leaves the worker — no recorded call, no commit — before that answer is in; a step that ran
-on a commit that did not land is dropped whole; a step that reaches the database itself
-while the connection is busy runs again, and no failure is counted for it.
+on a commit that did not land is dropped whole; a step's own query waits for the answer; a
+step that reaches the database otherwise while the connection is busy runs again, no failure
+counted for it, and the commits before it are waited for from then on.
 """
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ def third(ctx: StepContext) -> Outcome:
 
 looping = Graph("overlap-loop", version="1")
 
+# A step that opens its own transaction: that cannot wait for the answer the way a query does
+# (the connection refuses to leave autocommit while a statement is on its way).
+own_tx = Graph("overlap-own-tx", version="1", max_failures=3, retry_base=0.05)
+
+
+@own_tx.step(start=True)
+def in_its_own_transaction(ctx: StepContext) -> Outcome:
+    from django.db import transaction
+
+    seen = SEEN.setdefault(str(ctx.run_id), [])
+    seen.append(("busy", _busy()))
+    with transaction.atomic():
+        Run.objects.filter(pk=ctx.run_id).count()
+    i = ctx.state.get("i", 0) + 1
+    if i >= 4:
+        return Complete(update={"i": i})
+    return Next("in_its_own_transaction", update={"i": i})
+
+
 # A step's clock (SIGALRM) may go off while the step waits for the commit before it.
 slow = Graph("overlap-slow", version="1", step_timeout=1, max_failures=3, retry_base=0.05)
 HELD = threading.Event()
@@ -131,9 +151,11 @@ def graph() -> Iterator[None]:
     registry.register(overlap)
     registry.register(looping)
     registry.register(slow)
+    registry.register(own_tx)
     try:
         yield
     finally:
+        registry.unregister("overlap-own-tx", "1")
         registry.unregister("overlap", "1")
         registry.unregister("overlap-loop", "1")
         registry.unregister("overlap-slow", "1")
@@ -156,7 +178,7 @@ def test_the_next_step_runs_while_the_commit_before_it_is_on_its_way(tenant_a: T
     assert result.outcome == "completed" and SEEN[str(off.run_id)] == [("busy", False), "third"]
 
 
-@pytest.mark.parametrize("second", ["pure", "record"])
+@pytest.mark.parametrize("second", ["pure", "record", "orm"])
 def test_a_step_that_ran_on_a_commit_that_did_not_land_is_dropped(
     tenant_a: Tenant, second: str
 ) -> None:
@@ -170,19 +192,20 @@ def test_a_step_that_ran_on_a_commit_that_did_not_land_is_dropped(
     seen = SEEN[str(run.run_id)]
     assert seen[0] == ("busy", True)  # it did run, on the commit still on its way
     assert "paid" not in seen and "third" not in seen
+    assert not [s for s in seen if s[0] == "runs"]  # its own query did not run either
     assert list(RecordedCall.objects.filter(run=run).values_list("key", flat=True)) == ["warm"]
     assert payloads(run, "step_committed") == []
 
 
-def test_a_step_that_reaches_the_database_itself_runs_again_and_fails_nothing(
+def test_a_step_that_queries_the_database_itself_runs_once_its_query_after_the_commit(
     tenant_a: Tenant,
 ) -> None:
     run, result = _run(tenant_a, second="orm")
     assert result.outcome == "completed" and run.status == RunStatus.COMPLETED
     seen = SEEN[str(run.run_id)]
-    # Its first run met the busy connection and raised; its second ran once the commit had
-    # landed, read the database, and its outcome is the one committed.
-    assert seen == [("busy", True), ("busy", False), ("runs", 1), "third"]
+    # It began with the commit before it on its way; its query took that answer first, read
+    # the database, and its outcome is the one committed. It ran once.
+    assert seen == [("busy", True), ("runs", 1), "third"]
     assert run.consecutive_failures == 0 and run.attempts == 0
     assert payloads(run, "step_failed") == []
     assert [p["step"] for p in payloads(run, "step_committed")] == ["first", "second", "third"]
@@ -259,3 +282,21 @@ def test_a_failing_step_runs_again_only_if_it_ran_before_the_commit_landed(
     assert "RuntimeError: the tracker said no" in run.last_error
     expected = [("busy", False)] if watched else [("busy", True), ("busy", False)]
     assert SEEN[str(run.run_id)] == expected
+
+
+def test_a_step_that_opens_its_own_transaction_runs_twice_once_then_after_its_commit(
+    tenant_a: Tenant,
+) -> None:
+    """Four visits of a step that opens a transaction of its own. The first runs on nothing in
+    flight; the second begins with the first's commit on its way, cannot open its transaction,
+    and runs again once that commit landed (no failure counted). From then on the commit
+    before it is waited for: the third and fourth visits run once each, on an idle
+    connection."""
+    run = create_run(tenant_a, "overlap-own-tx", {}, actor="user:test")
+    result = advance_run(run.run_id, "w1")
+    run.refresh_from_db()
+    assert result.outcome == "completed" and run.status == RunStatus.COMPLETED
+    assert run.checkpoint_rev == 4
+    busy = [b for _, b in SEEN[str(run.run_id)]]
+    assert busy == [False, True, False, False, False]
+    assert run.consecutive_failures == 0 and payloads(run, "step_failed") == []
