@@ -1,7 +1,8 @@
 """The executor: advance one run under a lease until it waits, ends, fails or its slice ends.
 
 Recovery, step by step (DESIGN.md): take the lease (fence += 1), check the graph version
-(migrate or escalate), reconcile the ledger, then continue from the last committed step.
+(migrate or escalate: runtime.revising), reconcile the ledger, then continue from the last
+committed step.
 Every write is conditional on the fence; a refused write stops the executor at once.
 One step's commit — run row CAS + artifacts + checkpoint + journal, all or nothing — is
 `runtime.stepcommit`'s, shared with external executors (`runtime.protocol`).
@@ -25,10 +26,9 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from audit import journal
-from audit.canonical import CanonicalError, canonical, canonical_bytes, digest
-from audit.models import JournalEntry
+from audit.canonical import canonical
 from fastsql import statements
-from runtime import metrics, observe, stepcommit
+from runtime import metrics, observe, revising, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Confirmed, RunMoved, for_a_person
@@ -44,7 +44,7 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.faults import FaultPoint, fault
-from runtime.graphs import Complete, Fail, Graph, Migration, Next, Outcome, Wait, registry
+from runtime.graphs import Complete, Fail, Graph, Next, Outcome, Wait, unstorable
 from runtime.leases import (
     Heartbeater,
     Lease,
@@ -58,32 +58,6 @@ from runtime.stepclock import StepClock
 from runtime.stepcommit import StepCommit
 
 log = logging.getLogger("holdpoint.executor")
-
-
-class NotStorable(ValueError):
-    """What a step returned cannot be stored: it names where (`$.when: datetime is not a JSON
-    value`). A step failure like any other — counted, retried, then escalated — since a step
-    may return something else the next time."""
-
-
-def unstorable(outcome: Outcome, exc: Exception) -> Exception:
-    """The error to report for an outcome whose commit failed: where its first value that
-    is not JSON is, if that is why (the encoder saw the value alone, not where it was), else
-    the commit's own error."""
-    if not isinstance(exc, CanonicalError):
-        return exc
-    parts: list[tuple[str, Any]] = [("$", outcome.update)]
-    if isinstance(outcome, Wait):
-        parts.append(("waiting_for", {"prompt": outcome.prompt, **outcome.detail}))
-    for name, value in parts:
-        try:
-            canonical_bytes(value)
-        except CanonicalError as found:
-            reason = str(found).partition(": ")[2] or str(found)
-            where = "" if found.path == "$" else found.path
-            joint = "" if not where or where.startswith("[") else "."
-            return NotStorable(f"{name}{joint}{where}: {reason}")
-    return NotStorable(f"the step's result cannot be stored: {exc}")
 
 
 @dataclass(frozen=True)
@@ -188,7 +162,7 @@ class Executor:
                     self.drain()
 
     def _execute(self, slice_seconds: float) -> AdvanceResult:
-        graph = self.ensure_compatible()
+        graph = revising.compatible_graph(self)
         if graph is None:
             if self.run.status != RunStatus.NEEDS_ATTENTION:
                 return self.stopped()  # cancelled meanwhile: not the version's doing
@@ -198,7 +172,7 @@ class Executor:
         # A revision made since the last checkpoint is applied before the reconcile: a park
         # there commits a checkpoint stamped with the run's goal_rev, which must not carry
         # the old revision's state (the hook would never run for it).
-        if self.state_goal_rev != self.run.goal_rev and not self.apply_revision(graph):
+        if self.state_goal_rev != self.run.goal_rev and not revising.apply_revision(self, graph):
             return self.stopped()
         parked = self.reconcile()
         if parked is not None:
@@ -228,7 +202,7 @@ class Executor:
                 release(self.lease, requeue=True)
                 return AdvanceResult("yielded", self.steps)
             if self.state_goal_rev != self.run.goal_rev:
-                if not self.apply_revision(graph):
+                if not revising.apply_revision(self, graph):
                     return self.stopped()
                 # An old revision's action whose answer came late (RunMoved) may be left
                 # unknown: settled by its contract before the new revision acts (step 4).
@@ -802,105 +776,6 @@ class Executor:
         return True
 
     # --- versions and revisions ----------------------------------------------------------
-    def ensure_compatible(self) -> Graph | None:
-        """The run's graph: its pinned version, or the registered migration's target once the
-        migration is committed. None if the run cannot go on (escalated, or it stopped)."""
-        run = self.run
-        graph = registry.get(run.graph, run.graph_version)
-        if graph is not None:
-            return graph
-        path = registry.migration_path(run.graph, run.graph_version)
-        if not path:
-            self.escalate(
-                f"graph {run.graph} version {run.graph_version} is not registered and no "
-                "registered migration leads from it to a registered version",
-                RunEvent.INCOMPATIBLE,
-            )
-            return None
-        # A goal revised between the read and the commit refuses the commit (its CAS names
-        # the goal_rev) but leaves the run running under our fence: an ordinary move, so read
-        # the checkpoint again and migrate it again. Anything else that moved it stopped it.
-        while not self.migrate(path):
-            if self.run.status != RunStatus.RUNNING:
-                return None
-        graph = registry.get(run.graph, self.run.graph_version)
-        assert graph is not None  # the path ends at a registered version
-        return graph
-
-    def migrate(self, path: list[tuple[str, str, Migration]]) -> bool:
-        """Commit the last checkpoint's state migrated along `path`, still stamped with the
-        goal_rev that state belongs to: a migration changes its shape, not its goal, so a
-        revision made before it is still applied after it (by the revision hook of the new
-        version). True if committed; False if the run moved or the migration failed (then
-        the run is escalated)."""
-        self.load()
-        state, before = self.state, digest(self.encoder.encode(self.state))
-        self.encoder.new = {}
-        try:
-            for _, _, migrate in path:
-                state = migrate(dict(state))
-            after = digest(self.encoder.encode(state))  # refuses a state that is not JSON
-        except Exception as exc:  # a failing migration must not half-apply
-            self.escalate(
-                f"migration from {self.run.graph_version} failed: "
-                f"{unstorable(Next('', state), exc)}",
-                RunEvent.INCOMPATIBLE,
-            )
-            return False
-        source, target = self.run.graph_version, path[-1][1]
-        self.encoder.new = {}
-        ok = self.commit(
-            "(migration)",
-            state,
-            RunStatus.RUNNING,
-            self.run.next_step,
-            {"graph_version": target},
-            RunEvent.MIGRATED,
-            state_goal_rev=self.state_goal_rev,
-            from_version=source,
-            to_version=target,
-            before_digest=before,
-            after_digest=after,
-        )
-        if ok:
-            self.run.graph_version = target
-        return ok
-
-    def apply_revision(self, graph: Graph) -> bool:
-        """Let the graph keep the evidence still valid for the new goal; continue from there."""
-        old_goal = self.goal_at(self.state_goal_rev)
-        state: dict[str, Any] = {}
-        try:
-            state, next_step = graph.revise(dict(self.state), old_goal, self.run.goal)
-            applied = self.commit(
-                "(revision)",
-                state,
-                RunStatus.RUNNING,
-                next_step,
-                {},
-                RunEvent.REVISION_APPLIED,
-                from_rev=self.state_goal_rev,
-                to_rev=self.run.goal_rev,
-                kept=sorted(state),
-            )
-        except StaleFence:
-            raise
-        except Exception as exc:  # the hook, or a kept state that cannot be stored
-            self.escalate(f"revision hook failed: {unstorable(Next('', state), exc)}")
-            return False
-        return applied or self.run.status == RunStatus.RUNNING
-
-    def goal_at(self, goal_rev: int) -> Any:
-        """The goal as it was at `goal_rev`, from the journal's revision events."""
-        revisions = JournalEntry.objects.filter(
-            statements.tenant_check(self.run.tenant_id),
-            stream=journal.run_stream(self.run.run_id),
-            type=RunEvent.GOAL_REVISED.value,
-        ).order_by("seq")
-        for entry in revisions:
-            if entry.payload.get("from_rev") == goal_rev:
-                return entry.payload.get("previous_goal")
-        return self.run.goal
 
 
 # An unchanged state whose inline form is longer than this is checkpointed as a reference.

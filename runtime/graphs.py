@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, overload
 
+from audit.canonical import CanonicalError, canonical_bytes
 from runtime.errors import UnknownGraph
 
 if TYPE_CHECKING:
@@ -77,6 +78,32 @@ Step = Callable[["StepContext"], Outcome]
 # (old_state, old_goal, new_goal) -> (state to keep, step to continue with)
 RevisionHook = Callable[[dict[str, Any], Any, Any], tuple[dict[str, Any], str]]
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class NotStorable(ValueError):
+    """What a step returned cannot be stored: it names where (`$.when: datetime is not a JSON
+    value`). A step failure like any other — counted, retried, then escalated — since a step
+    may return something else the next time."""
+
+
+def unstorable(outcome: Outcome, exc: Exception) -> Exception:
+    """The error to report for an outcome whose commit failed: where its first value that
+    is not JSON is, if that is why (the encoder saw the value alone, not where it was), else
+    the commit's own error."""
+    if not isinstance(exc, CanonicalError):
+        return exc
+    parts: list[tuple[str, Any]] = [("$", outcome.update)]
+    if isinstance(outcome, Wait):
+        parts.append(("waiting_for", {"prompt": outcome.prompt, **outcome.detail}))
+    for name, value in parts:
+        try:
+            canonical_bytes(value)
+        except CanonicalError as found:
+            reason = str(found).partition(": ")[2] or str(found)
+            where = "" if found.path == "$" else found.path
+            joint = "" if not where or where.startswith("[") else "."
+            return NotStorable(f"{name}{joint}{where}: {reason}")
+    return NotStorable(f"the step's result cannot be stored: {exc}")
 
 
 @dataclass

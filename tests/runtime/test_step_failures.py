@@ -102,8 +102,7 @@ def test_each_failure_is_counted_then_escalated(
 def test_bad_values_are_named_where_they_are(tenant_a: Tenant) -> None:
     from datetime import date
 
-    from runtime.executor import unstorable
-    from runtime.graphs import Next, Wait
+    from runtime.graphs import Next, Wait, unstorable
 
     def error_of(outcome: Any) -> str:
         from audit.canonical import CanonicalError
