@@ -228,6 +228,13 @@ def check_headers(headers: Mapping[str, str]) -> None:
 # --- Addresses --------------------------------------------------------------------------
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# Not public, whatever this interpreter's `ipaddress` says: its tables are its release's
+# (before 3.11.10 and 3.12.4 all of 192.0.0.0/24 was global — 192.0.0.192 is a cloud's
+# metadata address in SSRF payload lists), no release knows the IPv6 documentation range
+# (RFC 9637), and the deprecated site-local range is still routed inside some networks.
+_NOT_PUBLIC = tuple(
+    ipaddress.ip_network(cidr) for cidr in ("192.0.0.0/24", "3fff::/20", "fec0::/10")
+)
 
 
 def _embedded(address: IPAddress) -> list[IPAddress]:
@@ -256,6 +263,7 @@ def _public(address: IPAddress) -> bool:
         or address.is_multicast
         or address.is_reserved
         or address.is_unspecified
+        or any(address in network for network in _NOT_PUBLIC)
     ) and all(_public(inner) for inner in _embedded(address))
 
 

@@ -179,6 +179,11 @@ def test_check_url(settings: Any) -> None:
         "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
         "2002:7f00:1::",  # 6to4 of 127.0.0.1
         "2001:db8::1",  # documentation
+        # Not public either, though the interpreter's tables may say so (`_NOT_PUBLIC`):
+        "192.0.0.192",  # IETF protocol assignments; a cloud's legacy metadata address
+        "192.0.0.8",  # the IPv4 dummy address
+        "3fff::1",  # documentation (RFC 9637)
+        "fec0::1",  # site-local (deprecated, still routed inside some networks)
     ],
 )
 def test_private_addresses_are_refused(address: str) -> None:
@@ -366,6 +371,26 @@ def test_the_connection_goes_to_the_vetted_address(
     )
     assert response.status_code == 201
     assert server.requests[0]["headers"]["host"] == f"rebind.test:{server.port}"
+
+
+def test_an_address_the_interpreter_calls_global_but_is_not_is_refused_before_connecting(
+    settings: Any, dns: dict[str, list[list[str]]]
+) -> None:
+    """`ipaddress` judges by its Python release's tables: before 3.11.10 and 3.12.4 all of
+    192.0.0.0/24 was global (192.0.0.192 is in SSRF payload lists as a cloud's metadata
+    address), and no release knows the IPv6 documentation range 3fff::/20 — so whether a
+    tool could reach them depended on the interpreter a worker ran. `vet` (what an MCP
+    session and `send` check before connecting) refuses them, and so does a webhook's form."""
+    settings.HOLDPOINT_TOOL_HOSTS = ["imds.test"]
+    for address in ("192.0.0.192", "3fff::1", "fec0::1"):
+        dns["imds.test"] = [[address]]
+        with pytest.raises(OutboundRefused) as refused:
+            outbound.vet("http://imds.test/latest/meta-data/")
+        assert refused.value.code == "private_address", address
+    webhooks = outbound.Reach(hosts=None, networks=())
+    with pytest.raises(OutboundRefused) as refused:
+        check_url("http://192.0.0.192/latest/user-data/", webhooks)
+    assert refused.value.code == "private_address"
 
 
 def test_one_private_address_among_public_ones_is_refused(
