@@ -163,12 +163,30 @@ def check_url(url: str, reach: Reach | None = None) -> None:
         _allowed_host(url)
         return
     host = _judged_url(url, reach.hosts)[0]
-    if not _is_address(host):
+    address = host if _is_address(host) else _old_ipv4(host)
+    if address is None:
         return  # a name: its addresses are judged when a request goes out
-    if not address_allowed(host, reach.networks):
+    if not address_allowed(address, reach.networks):
         raise OutboundRefused(
             "private_address", f"{host} is not a public address, nor in a network allowed"
         )
+
+
+_IPV4_SPELLING = re.compile(r"[0-9a-fx.]+")
+
+
+def _old_ipv4(host: str) -> str | None:
+    """A host in one of the IPv4 spellings the resolver takes as an address though
+    `ipaddress` does not — decimal (2852039166), octal (0251.0376.0251.0376), hex
+    (0xa9fea9fe), short (127.1) — as its dotted quad; None for a name. inet_aton is the
+    resolver's own parser (it stops at a space: only the characters of these spellings
+    reach it)."""
+    if not _IPV4_SPELLING.fullmatch(host):
+        return None
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def _allowed_host(url: str) -> tuple[str, int, str]:

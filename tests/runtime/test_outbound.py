@@ -393,6 +393,23 @@ def test_an_address_the_interpreter_calls_global_but_is_not_is_refused_before_co
     assert refused.value.code == "private_address"
 
 
+@pytest.mark.parametrize(
+    "host",
+    ["2852039166", "0xa9fea9fe", "0251.0376.0251.0376", "169.254.43518", "0x7f.1", "0"],
+)
+def test_an_address_in_an_old_spelling_is_judged_when_a_webhook_is_saved(host: str) -> None:
+    """The resolver takes decimal, octal, hex and short IPv4 spellings as addresses
+    (2852039166 is 169.254.169.254, a cloud's metadata service; 0x7f.1 is 127.0.0.1): a
+    webhook form judges them as it judges the dotted form, instead of passing them as names
+    to be refused at every delivery."""
+    webhooks = outbound.Reach(hosts=None, networks=())
+    with pytest.raises(OutboundRefused) as refused:
+        check_url(f"http://{host}/latest/meta-data/", webhooks)
+    assert refused.value.code == "private_address"
+    check_url("http://134744072/", webhooks)  # 8.8.8.8: public, however it is written
+    check_url("http://0x1e100.example/", webhooks)  # a name, judged when a request goes out
+
+
 def test_one_private_address_among_public_ones_is_refused(
     serve: Any, settings: Any, dns: dict[str, list[list[str]]]
 ) -> None:
