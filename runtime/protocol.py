@@ -184,11 +184,11 @@ def _person_settles(action: Action, goal_rev: int) -> str:
     return ""
 
 
-def hand_over_unproven(run: Run, actor: str) -> list[Action]:
-    """Inside the cancel of an external run: its actions that may have happened (sent,
-    unknown) will never be reported now — the executor may not write to a finished run's
-    checkpoints, no worker reconciles it — so each goes to a person (`manual_review`, the
-    Reconcile page) instead of staying unknown for ever."""
+def hand_over_unproven(run: Run, actor: str, why: str = "the run was cancelled") -> list[Action]:
+    """Inside the cancel (or the last checkpoint: `close_ledger`) of an external run: its
+    actions that may have happened (sent, unknown) will never be reported now — the executor
+    may not write to a finished run's checkpoints, no worker reconciles it — so each goes to
+    a person (`manual_review`, the Reconcile page) instead of staying unknown for ever."""
     unproven = Action.objects.filter(
         tenant_id=run.tenant_id, run_id=run.run_id, status__in=ledger.UNSETTLED
     )
@@ -197,11 +197,22 @@ def hand_over_unproven(run: Run, actor: str) -> list[Action]:
             action,
             S.MANUAL_REVIEW,
             actor,
-            last_error="the run was cancelled before this action's outcome was known",
+            last_error=f"{why} before this action's outcome was known",
             reconcile_attempts=action.reconcile_attempts + 1,
         )
         for action in unproven
     ]
+
+
+def close_ledger(run: Run, actor: str, reason: str) -> None:
+    """Inside the checkpoint that finishes an external run (`completed`, `failed`): its
+    ledger closes as at a cancel. What was never sent is withdrawn with its approval request
+    (a reviewer must not approve what nothing will send); what may have happened goes to a
+    person (`hand_over_unproven`) — no worker reconciles an external run and the sweeper
+    watches only executing ones, so a `sent` action would otherwise stay unproven for ever
+    under a run that says it is done."""
+    ledger.withdraw_unsent(run, reason, actor)
+    hand_over_unproven(run, actor, reason)
 
 
 def lease_of(run: Run, fence: int, who: str, *, owner: str | None = None, ttl: float = 0) -> Lease:
@@ -282,11 +293,19 @@ def write_checkpoint(
             # at a release, so a write of the same holder after it is refused as stale —
             # the run waits for its input and the next lease, not for more of this one.
             changes["fence"] = fence + 1
+    actor = _actor(who, fence)
+
+    def within() -> None:
+        if run_status in TERMINAL:
+            close_ledger(run, actor, f"the run {run_status}")
+        if settle is not None:
+            settle(rev, True)
+
     for _ in range(_CHECKPOINT_ATTEMPTS):
         current = _writable(run, fence, expected_rev)
         commit = StepCommit(
             run=current,
-            actor=_actor(who, fence),
+            actor=actor,
             fence=fence,
             step="",
             next_step=next_step,
@@ -297,7 +316,7 @@ def write_checkpoint(
             event=RunEvent.STEP_COMMITTED,
             payload={"refs": len(collect_refs(encoded, set()))},
             artifacts=encoder.new,
-            within=(lambda: settle(rev, True)) if settle is not None else None,
+            within=within if settle is not None or run_status in TERMINAL else None,
         )
         try:
             stepcommit.write(commit)

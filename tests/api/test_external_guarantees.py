@@ -636,6 +636,44 @@ def test_cancelling_an_external_run_hands_its_unproven_actions_to_a_person(
     assert Run.objects.get(pk=run_id).status == RunStatus.CANCELLED
 
 
+@pytest.mark.parametrize("finish", ["completed", "failed"])
+def test_an_external_run_that_finishes_leaves_no_action_open(
+    agent_a: Persona, reviewer_a: Persona, settings: Any, finish: str
+) -> None:
+    """An executor's last checkpoint (`completed` or `failed`) while its ledger was open left
+    the run finished with an action `sent` that nobody would ever settle (no worker
+    reconciles an external run, the sweeper flags only executing ones: "done" while nobody
+    knows whether the effect happened) and an approval pending in the reviewers' inbox that
+    a reviewer could still approve (200, the action `approved` for a run that sends nothing
+    more). A finishing checkpoint now closes the ledger as a cancel does: what was never sent
+    is withdrawn with its approval; what may have been sent goes to a person."""
+    settings.HOLDPOINT_TASKS_DEDUP = "key"
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    in_flight = sent(client, run_id, fence)
+    grant_policy(agent_a.tenant)
+    held = ok(prepare(client, run_id, fence, params={"title": "held"}), 201)
+    assert held["status"] == "awaiting_approval"
+
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "", "status": finish}
+    ok(post(client, f"runs/{run_id}/checkpoints/", body), 201)
+
+    assert Run.objects.get(pk=run_id).status == finish
+    unproven = Action.objects.get(pk=in_flight["action_id"])
+    assert unproven.status == ActionStatus.MANUAL_REVIEW
+    alice = session(reviewer_a.user)
+    assert in_flight["idempotency_key"] in alice.get("/reconcile/").content.decode()
+    assert Action.objects.get(pk=held["action_id"]).status == ActionStatus.CANCELLED
+    assert ApprovalRequest.objects.get(pk=held["approval"]).status == "cancelled"
+    assert ok(get(alice, "approvals/?status=pending"))["results"] == []
+    shown = ok(get(alice, f"approvals/{held['approval']}/"))
+    decision = {"decision": "approve", "action_hash": shown["action_hash"], "reason": "ok"}
+    response = post(alice, f"approvals/{held['approval']}/decision/", decision)
+    assert response.status_code == 409, response.content[:300]
+    assert Action.objects.get(pk=held["action_id"]).status == ActionStatus.CANCELLED
+
+
 def test_the_in_flight_window_lasts_the_senders_lease_plus_the_tools_timeout(
     agent_a: Persona, settings: Any
 ) -> None:
