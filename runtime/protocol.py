@@ -285,6 +285,9 @@ def write_checkpoint(
         "next_step": next_step,
         "status": run_status,
         "attention_reason": "",
+        # The input the run was given is the executor's once it writes on (it read it on the
+        # run object), as a hosted step's commit takes its `ctx.input`.
+        "pending_input": None,
     }
     if run_status != RunStatus.RUNNING:
         changes.update(lease_owner="", lease_expires_at=None)

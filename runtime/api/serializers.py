@@ -76,6 +76,13 @@ class RunSerializer(serializers.ModelSerializer[Run]):
     lease = serializers.SerializerMethodField()
     goal = serializers.JSONField()
     waiting_for = serializers.JSONField()
+    input = serializers.JSONField(
+        source="pending_input",
+        read_only=True,
+        help_text="The data given with POST runs/{run_id}/input/ that the run has not taken "
+        "yet (null when there is none): an external executor reads it here after it leases "
+        "the run again; its next checkpoint takes it.",
+    )
 
     class Meta:
         model = Run
@@ -91,6 +98,7 @@ class RunSerializer(serializers.ModelSerializer[Run]):
             "checkpoint_rev",
             "next_step",
             "waiting_for",
+            "input",
             "lease",
             "wake_at",
             "attention_reason",

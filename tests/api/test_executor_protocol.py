@@ -170,6 +170,26 @@ def test_a_checkpoint_that_waits_for_input_ends_its_lease_and_its_fence(
     ok(post(client, f"runs/{run_id}/checkpoints/", {**more, "fence": again}), 201)
 
 
+def test_the_input_given_to_an_external_run_reaches_its_executor(agent_a: Persona) -> None:
+    """`POST runs/{id}/input/` answered 200 for an external run waiting for input, and the
+    data went into a column no API call shows: not the run object, not its events, not its
+    checkpoints — the executor that asked for it, leasing the run again, could never read
+    it (a hosted worker's step gets it as `ctx.input`). The run object now carries it as
+    `input` until the executor's next checkpoint takes it, as a hosted step's commit does."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    wait = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "answer"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", {**wait, "status": "waiting_input"}), 201)
+    ok(post(client, f"runs/{run_id}/input/", {"data": {"answer": 42}, "expected_rev": 1}))
+
+    again = take_lease(client, run_id, owner="p2")
+    assert ok(get(client, f"runs/{run_id}/"))["input"] == {"answer": 42}
+
+    taken = {"fence": again, "expected_rev": 1, "state": {"answer": 42}, "next_step": "next"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", taken), 201)
+    assert ok(get(client, f"runs/{run_id}/"))["input"] is None
+
+
 def test_a_released_lease_writes_nothing(agent_a: Persona) -> None:
     """An executor that gave its lease up holds nothing: its fence is refused for every
     write, as a worker's is (before, its checkpoint was 201 and put the run back to running
