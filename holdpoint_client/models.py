@@ -96,6 +96,10 @@ class Run:
     created_at: datetime | None
     updated_at: datetime | None
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # The data given with `provide_input` that the run has not taken yet (None: none). An
+    # external executor reads it here after leasing the run again; its next checkpoint
+    # takes it, as a hosted step's commit takes `ctx.input`.
+    input: Any = None
 
     @property
     def finished(self) -> bool:
@@ -118,6 +122,7 @@ class Run:
             created_at=parse_time(data.get("created_at")),
             updated_at=parse_time(data.get("updated_at")),
             raw=dict(data),
+            input=data.get("input"),
         )
 
 

@@ -447,6 +447,23 @@ def test_executor_checkpoints_and_acts_exactly_once(api: Client) -> None:
     assert (stored.status, stored.checkpoint_rev, stored.lease_owner) == ("completed", 2, "")
 
 
+def test_an_executor_reads_the_input_its_run_was_given(api: Client) -> None:
+    """An external agent that asked a person for input leases the run again and finds the
+    answer on the run (`Run.input`), until its next checkpoint takes it."""
+    run = api.create_run("api-review", GOAL, external=True)
+    with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
+        ex.load()
+        ex.checkpoint({"asked": True}, "use_answer", status="waiting_input")
+    assert api.get_run(run.run_id).input is None
+    api.provide_input(run.run_id, {"budget": 1200}, expected_rev=1)
+
+    with Executor(api, run.run_id, "agent-2", ttl=10) as ex:
+        assert ex.load() == {"asked": True} and ex.next_step == "use_answer"
+        assert ex.run.input == {"budget": 1200}
+        ex.checkpoint({"budget": ex.run.input["budget"]}, "", status="completed")
+    assert api.get_run(run.run_id).input is None
+
+
 def test_an_answer_the_api_cannot_take_as_json_is_recorded_not_stranded(api: Client) -> None:
     """The service applied the effect and answered with its id, and with a value the API's
     JSON refuses (an integer past ±2**53 such as a 64-bit snowflake id, NaN, a NUL, a lone
