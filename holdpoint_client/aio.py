@@ -207,6 +207,7 @@ class AsyncClient(Configured):
         next_step: str,
         status: str = "running",
         idempotency_key: str | None = None,
+        prompt: str = "",
     ) -> Checkpoint:
         call = calls.write_checkpoint(
             run_id,
@@ -216,6 +217,7 @@ class AsyncClient(Configured):
             next_step=next_step,
             status=status,
             idempotency_key=idempotency_key,
+            prompt=prompt,
         )
         return await self.send(call)
 
@@ -365,9 +367,9 @@ class AsyncExecutor(ExecutorCore[AsyncClient]):
         return await adrive(self._load_flow(), self.client)
 
     async def checkpoint(
-        self, state: Mapping[str, Any], next_step: str, status: str = "running"
+        self, state: Mapping[str, Any], next_step: str, status: str = "running", prompt: str = ""
     ) -> Checkpoint:
-        return await adrive(self._checkpoint_flow(state, next_step, status), self.client)
+        return await adrive(self._checkpoint_flow(state, next_step, status, prompt), self.client)
 
     async def act(
         self,

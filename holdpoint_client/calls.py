@@ -426,14 +426,19 @@ def write_checkpoint(
     next_step: str,
     status: str = "running",
     idempotency_key: str | None = None,
+    prompt: str = "",
 ) -> Call[Checkpoint]:
-    body = {
+    """`prompt`: with status `waiting_input`, what the agent asks for (the run's
+    `waiting_for`, shown to whoever gives the input)."""
+    body: dict[str, Any] = {
         "fence": fence,
         "expected_rev": expected_rev,
         "state": dict(state),
         "next_step": next_step,
         "status": status,
     }
+    if prompt:
+        body["prompt"] = prompt
     return post(
         at("runs", run_id, "checkpoints"),
         body,

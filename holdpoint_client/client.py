@@ -207,6 +207,7 @@ class Client(Configured):
         next_step: str,
         status: str = "running",
         idempotency_key: str | None = None,
+        prompt: str = "",
     ) -> Checkpoint:
         return self.send(
             calls.write_checkpoint(
@@ -217,6 +218,7 @@ class Client(Configured):
                 next_step=next_step,
                 status=status,
                 idempotency_key=idempotency_key,
+                prompt=prompt,
             )
         )
 

@@ -259,7 +259,7 @@ class ExecutorCore(Generic[C]):
         return dict(state) if isinstance(state, Mapping) else {}
 
     def _checkpoint_flow(
-        self, state: Mapping[str, Any], next_step: str, status: str = "running"
+        self, state: Mapping[str, Any], next_step: str, status: str = "running", prompt: str = ""
     ) -> Flow[Checkpoint]:
         """Write the next checkpoint (compare-and-swap on the rev this executor last saw).
 
@@ -280,6 +280,7 @@ class ExecutorCore(Generic[C]):
                     state=state,
                     next_step=next_step,
                     status=status,
+                    prompt=prompt,
                 )
             )
         except StaleFence as exc:
@@ -737,9 +738,12 @@ class Executor(ExecutorCore[Client]):
         return drive(self._load_flow(), self.client)
 
     def checkpoint(
-        self, state: Mapping[str, Any], next_step: str, status: str = "running"
+        self, state: Mapping[str, Any], next_step: str, status: str = "running", prompt: str = ""
     ) -> Checkpoint:
-        return drive(self._checkpoint_flow(state, next_step, status), self.client)
+        """Write the next checkpoint; `prompt` goes with status `waiting_input`: what the
+        agent asks a person for (they give it with `provide_input`; `run.input` after the
+        next lease)."""
+        return drive(self._checkpoint_flow(state, next_step, status, prompt), self.client)
 
     def act(
         self,

@@ -258,11 +258,14 @@ def write_checkpoint(
     who: str,
     status: str = "running",
     settle: Callable[[Any, bool], None] | None = None,
+    prompt: str = "",
 ) -> Checkpoint:
     """The next checkpoint, compare-and-swap on the fence and `expected_rev`: one step commit
     (runtime.stepcommit), the same row, digest and journal entry as a worker's. `settle`
     records the rev on the request's Idempotency-Key claim in the step commit's transaction
-    (which then takes the transaction path, not PostgreSQL's single statement)."""
+    (which then takes the transaction path, not PostgreSQL's single statement). `prompt`:
+    what a `waiting_input` checkpoint asks for — the run's `waiting_for`, as a hosted step's
+    `Wait` sets it."""
     if not isinstance(state, dict):
         raise InvalidParams("state must be a JSON object", errors={"state": ["not an object"]})
     if status not in EXTERNAL_STATUSES:
@@ -289,6 +292,10 @@ def write_checkpoint(
         # run object), as a hosted step's commit takes its `ctx.input`.
         "pending_input": None,
     }
+    if run_status == RunStatus.WAITING_INPUT:
+        changes["waiting_for"] = {"kind": "input", "prompt": prompt}
+    elif run_status in TERMINAL:
+        changes["waiting_for"] = None  # a finished run waits for nothing
     if run_status != RunStatus.RUNNING:
         changes.update(lease_owner="", lease_expires_at=None)
         if run_status not in TERMINAL:

@@ -269,6 +269,20 @@ class CheckpointIn(FenceIn):
     status = serializers.ChoiceField(
         choices=["running", "waiting_input", "completed", "failed"], default="running"
     )
+    prompt = StrictChar(
+        max_length=2000,
+        allow_blank=True,
+        default="",
+        help_text="With status waiting_input: what the executor asks for. It becomes the "
+        "run's waiting_for ({kind: input, prompt}), shown to whoever gives the input.",
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("prompt") and attrs.get("status") != "waiting_input":
+            raise serializers.ValidationError(
+                {"prompt": ["a prompt goes with status waiting_input only"]}
+            )
+        return attrs
 
 
 class ActionIn(FenceIn):

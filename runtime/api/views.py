@@ -191,6 +191,7 @@ class Checkpoints(RunLever):
             data["next_step"],
             self.actor(request),
             status=data["status"],
+            prompt=data["prompt"],
             settle=settler(request),
         )
         return Response(s.CheckpointSerializer(checkpoint).data, status=status.HTTP_201_CREATED)

@@ -190,6 +190,34 @@ def test_the_input_given_to_an_external_run_reaches_its_executor(agent_a: Person
     assert ok(get(client, f"runs/{run_id}/"))["input"] is None
 
 
+def test_a_checkpoint_that_waits_for_input_says_what_it_asks_for(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """A `waiting_input` checkpoint's `prompt` is the run's `waiting_for` — what a person must
+    do now (API.md), as a hosted step's Wait sets it — and the run page asks with it; before,
+    an external run waiting for input said nothing of what it waited for. Given input, it
+    waits for nothing; a prompt with another status is a field error, nothing written."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "answer"}
+    refused = problem(
+        post(client, f"runs/{run_id}/checkpoints/", {**body, "prompt": "Which budget?"}),
+        400,
+        "invalid_request",
+    )
+    assert "prompt" in refused["errors"] and Run.objects.get(pk=run_id).checkpoint_rev == 0
+
+    asking = {**body, "status": "waiting_input", "prompt": "Which budget, in EUR?"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", asking), 201)
+    run = ok(get(client, f"runs/{run_id}/"))
+    assert run["waiting_for"] == {"kind": "input", "prompt": "Which budget, in EUR?"}
+    page = session(reviewer_a.user).get(f"/runs/{run_id}/").content.decode()
+    assert "Waiting for input: Which budget, in EUR?" in page
+
+    ok(post(client, f"runs/{run_id}/input/", {"data": {"eur": 1200}, "expected_rev": 1}))
+    assert ok(get(client, f"runs/{run_id}/"))["waiting_for"] is None
+
+
 def test_a_released_lease_writes_nothing(agent_a: Persona) -> None:
     """An executor that gave its lease up holds nothing: its fence is refused for every
     write, as a worker's is (before, its checkpoint was 201 and put the run back to running

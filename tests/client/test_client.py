@@ -448,13 +448,16 @@ def test_executor_checkpoints_and_acts_exactly_once(api: Client) -> None:
 
 
 def test_an_executor_reads_the_input_its_run_was_given(api: Client) -> None:
-    """An external agent that asked a person for input leases the run again and finds the
-    answer on the run (`Run.input`), until its next checkpoint takes it."""
+    """An external agent asks a person for input (the prompt is the run's `waiting_for`),
+    leases the run again and finds the answer on the run (`Run.input`), until its next
+    checkpoint takes it."""
     run = api.create_run("api-review", GOAL, external=True)
     with Executor(api, run.run_id, "agent-1", ttl=10) as ex:
         ex.load()
-        ex.checkpoint({"asked": True}, "use_answer", status="waiting_input")
-    assert api.get_run(run.run_id).input is None
+        ex.checkpoint({"asked": True}, "use_answer", status="waiting_input", prompt="Budget?")
+    waiting = api.get_run(run.run_id)
+    assert waiting.input is None
+    assert waiting.waiting_for == {"kind": "input", "prompt": "Budget?"}
     api.provide_input(run.run_id, {"budget": 1200}, expected_rev=1)
 
     with Executor(api, run.run_id, "agent-2", ttl=10) as ex:
