@@ -42,9 +42,11 @@ from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
 
-NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*$")
-SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
+# `\Z`, not `$`: `$` also matches before a final "\n", which no header name, credential or
+# tool name may end in.
+NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*\Z")
+SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}\Z")
+HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}\Z")
 EFFECTS = ("read", "write", "irreversible")
 EXECUTORS = ("http", "client", "mcp")  # `mcp`: usually imported (runtime.mcp)
 MODES = ("key", "lookup", "none")

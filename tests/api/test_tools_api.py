@@ -215,6 +215,21 @@ BAD = {
         "invalid_tool",
         "request.headers",
     ),
+    # `$` also matches before a final line break. Accepted before: every action of the
+    # first was refused at send ("not a header name"), the second went out without the
+    # credential (no credential has that name), the third stood beside tickets.create
+    # looking like it (and was not 409 tool_exists).
+    "a key header ending in a line break": (
+        tickets(dedup={"mode": "key", "header": "Idempotency-Key\n"}),
+        "invalid_tool",
+        "dedup.header",
+    ),
+    "a credential ending in a line break": (
+        tickets(credential="tasks\n"),
+        "invalid_tool",
+        "credential",
+    ),
+    "a name ending in a line break": (tickets(name="tickets.create\n"), "invalid_tool", "name"),
     "not an object": (["tickets.create"], "invalid_tool", "tool"),
     "unknown field": (tickets(surprise=1), "invalid_tool", "surprise"),
 }
