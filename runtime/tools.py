@@ -313,10 +313,15 @@ class HttpTool(Tool):
             return CallResult("refused", transient=True, detail=f"connect failed: {exc}")
         except httpx.HTTPError as exc:  # timeout or reset after sending: we cannot know
             return CallResult("unknown", detail=f"{type(exc).__name__}: {exc}")
-        return self.classify(response)
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        return self.classify(response, secret=token)
 
-    def classify(self, response: outbound.OutboundResponse) -> CallResult:
-        detail = response.text[:500]
+    def classify(self, response: outbound.OutboundResponse, *, secret: str = "") -> CallResult:
+        """The outcome the answer proves. `secret`: the credential the request carried,
+        masked wherever the answer quotes it back ("invalid token: …"): the answer's text
+        becomes the action's error, which every member of the tenant reads, and goes into
+        the journal and the log."""
+        detail = masked(response.text, secret)[:500]
         status = response.status_code
         if 200 <= status < 300:
             try:
@@ -407,6 +412,17 @@ def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False)
     if not usable_id(matched[0]):
         return LookupResult(found=None, detail=f"lookup: {found_path} is {matched[0]!r}, not an id")
     return LookupResult(found=True, external_id=str(matched[0]))
+
+
+def masked(text: str, secret: str) -> str:
+    """`text` with `secret` replaced by ******** — as written, and as escaped in a JSON
+    string (a service's JSON error may quote it either way). Masked before any truncation,
+    which could otherwise leave a prefix of it."""
+    if not secret:
+        return text
+    for form in (secret, json.dumps(secret)[1:-1]):
+        text = text.replace(form, "********")
+    return text
 
 
 def usable_id(value: Any) -> bool:

@@ -72,3 +72,37 @@ def test_the_admin_stores_a_secret_a_header_can_carry(client: Client, admin_a: P
     assert page.status_code == 302, page.content[:500]
     stored: Any = ToolCredential.objects.get()
     assert stored.secret().reveal() == "ab c~!\t=="
+
+
+def _echo_token(status: int) -> Behaviour:
+    """A service that quotes the token it was given in its error (as many do: "invalid API
+    key: …")."""
+
+    def behaviour(handler: Any, server: Server) -> None:
+        sent = server.requests[-1]["headers"].get("authorization", "")
+        body = json.dumps({"error": f"not a valid token: {sent}"}).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return behaviour
+
+
+@pytest.mark.parametrize("status", [401, 503])
+def test_a_service_quoting_the_credential_in_its_error_never_shows_it_to_the_tenant(
+    tenant_a: Tenant, serve: Callable[[Behaviour], Server], agent_a: Persona, status: int
+) -> None:
+    """The service's answer becomes the action's error (every member reads it) and goes
+    into the journal; a token it quotes back must not go with it."""
+    server = serve(_echo_token(status))
+    _credential(tenant_a, SECRET)
+    action = run_ticket(tenant_a, server.url, "none", credential="tasks")
+    assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
+    assert action.last_error and "not a valid token" in action.last_error
+    assert SECRET not in action.last_error
+    for entry in JournalEntry.objects.all():
+        assert SECRET not in json.dumps(entry.payload), entry.type
+    listed = agent_a.api().get(f"/api/v1/actions/{action.action_id}/")
+    assert listed.status_code == 200 and SECRET not in listed.content.decode()
