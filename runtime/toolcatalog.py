@@ -20,7 +20,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import OuterRef, Subquery
 
-from runtime import gates, tooldefs, tools
+from runtime import gates, tooldefs, tools, urltemplates
 from runtime.errors import InvalidParams, NotFound, VersionConflict
 from runtime.models import McpServer, Tenant, ToolCredential, ToolDefinition
 
@@ -229,7 +229,15 @@ def dry_run(tenant_id: int, name: str, params: Any, version: int | None = None) 
     tool.validate(params)
     if not isinstance(tool, tools.HttpTool):
         return DryRun(executor=tool.executor)
-    request = tool.build_request(params, key=DRY_RUN_KEY, fence=0, run_id=DRY_RUN_KEY, reveal=False)
+    # Params the schema takes may still not fit the URL (a placeholder left out, an object,
+    # ".."): the send refuses them (HttpTool.call), and the dry run says why.
+    try:
+        request = tool.build_request(
+            params, key=DRY_RUN_KEY, fence=0, run_id=DRY_RUN_KEY, reveal=False
+        )
+    except urltemplates.TemplateError as exc:
+        reason = f"the URL cannot be built: {exc}"
+        raise InvalidParams(reason, errors={"params": [reason]}) from None
     headers = dict(request.headers)
     if tool.credential:
         stored = ToolCredential.objects.filter(tenant_id=tenant_id, service=tool.credential).first()

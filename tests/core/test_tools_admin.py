@@ -210,6 +210,27 @@ def test_a_dry_run_shows_the_request_and_sends_nothing(
     assert sandbox.tasks() == []
 
 
+@pytest.mark.parametrize("params", [{}, {"task": None}, {"task": {"id": 1}}, {"task": ".."}])
+def test_a_dry_run_whose_url_cannot_be_built_says_why(
+    client: Client, admin_a: Persona, params: dict[str, Any]
+) -> None:
+    """Params the schema takes but the URL cannot (a placeholder left empty, an object, a
+    dot segment): the form says why, as the action's send would, and not a 500."""
+    spec = ticket_tool(
+        name="tickets.close",
+        title="",
+        editable=[],
+        schema={"type": "object", "properties": {"task": {}}},
+        request={"method": "POST", "url": "http://127.0.0.1:8765/tasks/{task}/close"},
+    )
+    row = tooldefs.define(admin_a.tenant, spec, "user:ada").definition
+    _login(client, admin_a)
+    shown = client.post(f"{TOOLS}{row.pk}/test/", {"params": json.dumps(params)})
+    assert shown.status_code == 200
+    errors = [str(e) for e in shown.context["form"].errors["params"]]
+    assert any("URL" in e for e in errors), errors
+
+
 def test_a_client_tool_dry_run_says_the_agent_performs_it(client: Client, admin_a: Persona) -> None:
     spec = ticket_tool(name="agent.tickets", executor="client")
     del spec["request"]
