@@ -515,7 +515,9 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
             return _lost_answer(sent, fence, tool, actor)
         return sent
     if action.status in ledger.UNSETTLED:
-        return _dispatch_again(action, fence, ttl, tool, actor)
+        # Sent under its version: a redefinition since does not change how it is
+        # reconciled (its `reconcile` says the same), so that version's contract decides.
+        return _dispatch_again(action, fence, ttl, tool_of(action), actor)
     return ledger.mark_sent(action, fence, ttl, tool, actor, then=resume)
 
 

@@ -25,6 +25,7 @@ from rest_framework.test import APIClient
 
 from approvals.models import ApprovalRequest
 from audit.models import JournalEntry
+from runtime import tooldefs
 from runtime.errors import InvalidParams
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
@@ -765,3 +766,39 @@ def test_a_stale_holders_dispatch_of_an_unsettled_action_sends_nothing(
 
     assert len(box.requests()) == asked  # nothing went to the service for the stale holder
     assert Action.objects.get(pk=action["action_id"]).status == action["status"]
+
+
+def _client_tool(mode: str) -> dict[str, Any]:
+    """A tenant's own tool performed by its agent, read-only (held by no default)."""
+    return {
+        "name": "agent.tickets",
+        "effect": "read",
+        "executor": "client",
+        "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+        "dedup": {"mode": mode},
+        "lookup": {"found": "$[0].id"},
+    }
+
+
+def test_a_redefinition_does_not_change_how_an_action_in_flight_is_reconciled(
+    agent_a: Persona,
+) -> None:
+    """An action sent under version 1 (dedup `lookup`: the service does not honour keys) is
+    reconciled by version 1's contract after the tool is redefined with dedup `key`: its
+    `reconcile` says "lookup", so a dispatch again — a second request to a service that
+    would make a second effect — is refused, as it was before the redefinition."""
+    tooldefs.define(agent_a.tenant, _client_tool("lookup"), "user:admin")
+    client = agent_a.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    action = sent(client, run_id, fence, tool="agent.tickets")
+    assert action["reconcile"]["how"] == "lookup"
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")
+
+    tooldefs.define(agent_a.tenant, _client_tool("key"), "user:admin")  # version 2
+
+    shown = ok(get(client, f"actions/{action['action_id']}/"))
+    assert shown["reconcile"]["how"] == "lookup"  # version 1's contract, as it was sent
+    problem(dispatch(client, action["action_id"], fence), 409, "invalid_transition")
+    stored = Action.objects.get(pk=action["action_id"])
+    assert (stored.status, stored.attempts, stored.tool_version) == (ActionStatus.SENT, 1, "1")
