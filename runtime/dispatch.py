@@ -456,7 +456,7 @@ class ActionRunner:
                 fence=self.lease.fence,
                 run_id=str(action.run_id),
             )
-        tool.breaker.record(result.outcome == "applied")
+        tool.breaker.record(not result.service_failed)
         fault(FaultPoint.AFTER_TOOL_RESPONSE)
         return self.record(action, result)  # a confirmation: after_confirm follows its commit
 
@@ -523,7 +523,7 @@ def perform(
         result = tool.call(
             action.params, key=action.idempotency_key, fence=fence, run_id=str(action.run_id)
         )
-    tool.breaker.record(result.outcome == "applied")
+    tool.breaker.record(not result.service_failed)
     fault(FaultPoint.AFTER_TOOL_RESPONSE)
     result = settle_fence_claim(action, fence, result)
     target, changes = outcome_of(result)

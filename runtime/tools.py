@@ -69,6 +69,15 @@ class CallResult:
     # earlier one with the same key, which a replay is asked to settle.
     unsent: bool = False
 
+    @property
+    def service_failed(self) -> bool:
+        """Whether the service is in trouble (no answer, a 5xx, 408/429, no connection):
+        what a tool's circuit breaker counts. A refusal of this request (a 4xx: params the
+        service will not take, a tenant's wrong credential) is the answer of a service that
+        works: counted, one tenant's refusals opened the circuit for every tenant sending
+        the same tool (a built-in, or a definition both imported)."""
+        return self.outcome == "unknown" or (self.outcome == "refused" and self.transient)
+
 
 @dataclass(frozen=True)
 class LookupResult:

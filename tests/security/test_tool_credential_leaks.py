@@ -106,3 +106,37 @@ def test_a_service_quoting_the_credential_in_its_error_never_shows_it_to_the_ten
         assert SECRET not in json.dumps(entry.payload), entry.type
     listed = agent_a.api().get(f"/api/v1/actions/{action.action_id}/")
     assert listed.status_code == 200 and SECRET not in listed.content.decode()
+
+
+def _only_token(token: str) -> Behaviour:
+    """A service that takes requests carrying `token` and answers 401 to any other."""
+
+    def behaviour(handler: Any, server: Server) -> None:
+        if server.requests[-1]["headers"].get("authorization") == f"Bearer {token}":
+            answer_json(handler, server)
+            return
+        body = b'{"error": "unauthorized"}'
+        handler.send_response(401)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return behaviour
+
+
+def test_another_tenants_refused_calls_do_not_stop_a_tenants_tool(
+    tenant_a: Tenant, tenant_b: Tenant, serve: Callable[[Behaviour], Server]
+) -> None:
+    """Two tenants imported the same definition (its digest is the same); tenant A has no
+    valid credential, so the service refuses each of its calls with a 401 — the service is
+    up and answering. Those refusals are A's own: B's call still goes out and is confirmed,
+    not refused by a circuit A's refusals opened."""
+    server = serve(_only_token(SECRET))
+    _credential(tenant_b, SECRET)
+    for _ in range(5):  # the breaker's threshold
+        refused = run_ticket(tenant_a, server.url, "key", credential="tasks")
+        assert refused.status == S.FAILED and "HTTP 401" in refused.last_error
+    action = run_ticket(tenant_b, server.url, "key", credential="tasks")
+    assert action.status == S.CONFIRMED, (action.status, action.last_error)
+    assert server.requests[-1]["headers"]["authorization"] == f"Bearer {SECRET}"
