@@ -95,6 +95,7 @@ def decide(
     label = f"user:{user.get_username()}"
     changed = False
     with transaction.atomic(durable=True):
+        run = _lock_run_of(request_id)
         request = (
             ApprovalRequest.objects.select_for_update()
             .select_related("policy")
@@ -108,7 +109,6 @@ def decide(
             raise NotPermitted("you may not decide under this policy")
         if request.status != A.PENDING:
             return _repeat_or_refuse(request, user, decision, seen_hash, edits)
-        run = Run.objects.select_for_update().get(pk=request.run_id)
         shapers = shaped_by(request, run) if request.policy.separation_of_duties else set()
         if label in shapers:
             raise NotPermitted(
@@ -139,6 +139,15 @@ def decide(
         raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()
     return request
+
+
+def _lock_run_of(request_id: Any) -> Run:
+    """The request's run, row-locked before the request itself: the lock order of a goal
+    revision, a cancel and a send (run, then its actions and requests). The opposite order
+    deadlocked against a revision that withdrew this request meanwhile, and the reviewer's
+    decision failed with a database error."""
+    run_id = ApprovalRequest.objects.values_list("run_id", flat=True).get(pk=request_id)
+    return Run.objects.select_for_update().get(pk=run_id)
 
 
 def _vote(

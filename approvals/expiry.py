@@ -45,6 +45,10 @@ def sweep_approvals(batch: int = 200) -> int:
 
 def expire(request_id: UUID) -> int:
     with transaction.atomic(durable=True):
+        # The run first, then the request: the lock order of a decision, a goal revision and
+        # a send (the opposite deadlocks against a revision withdrawing this request).
+        run_id = ApprovalRequest.objects.filter(pk=request_id).values_list("run_id", flat=True)
+        run = Run.objects.select_for_update().get(pk=run_id.get())
         request = (
             ApprovalRequest.objects.select_for_update()
             .select_related("policy")
@@ -53,7 +57,6 @@ def expire(request_id: UUID) -> int:
         )
         if request is None:
             return 0
-        run = Run.objects.select_for_update().get(pk=request.run_id)
         action = Action.objects.select_for_update().get(pk=request.action_id)
         policy = request.policy
         if policy.on_expiry == OnExpiry.APPROVE:
