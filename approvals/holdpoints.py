@@ -146,4 +146,24 @@ def _no_longer_binds(
     ).select_related("user")
     if not all(may_decide(v.user, approved.policy, escalated=approved.escalated) for v in votes):
         return "approval_required", f"an approver no longer holds the permission; {THEN}"
+    now = _held_now_by_another(approved, action)
+    if now is not None and (
+        len(votes) < now.quorum or not all(may_decide(v.user, now) for v in votes)
+    ):
+        return (
+            "approval_required",
+            f"the policy {now.name} holds the action now, and its approvers may not decide "
+            f"under it; {THEN}",
+        )
     return "", ""
+
+
+def _held_now_by_another(approved: ApprovalRequest, action: Action) -> ApprovalPolicy | None:
+    """The policy that holds the action now, when it is neither the one it was approved
+    under nor the one its request was raised under (an admin's reassignment stands): a
+    policy added, re-ordered or turned off since. Its deciders must be the approvers, or a
+    reviewer of a lenient policy would send what a stricter one holds by then."""
+    now = policy_for(action.tenant_id, action.tool, json.loads(action.params), action.target)
+    if now is None or now.pk == approved.policy_id:
+        return None
+    return None if now.name == (approved.shown or {}).get("policy") else now
