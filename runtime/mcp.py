@@ -68,6 +68,7 @@ from runtime.tools import (
     Tool,
     credential_for_run,
     found_in,
+    masked,
     tenant_of_run,
     usable_id,
 )
@@ -618,6 +619,22 @@ class McpTool(Tool):
         return McpServer.objects.filter(tenant_id=tenant_id, name=self.server).first()
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
+        """Send the call. What the upstream says goes into the action's error (every member
+        of the tenant reads it) and the journal: the credential the session carried is
+        masked wherever it quotes it back, as an http tool's answer is (runtime.tools)."""
+        result = self._call(params_text, key=key, run_id=run_id)
+        return replace(result, detail=self._masked(result.detail, run_id))
+
+    def _masked(self, text: str, run_id: str) -> str:
+        if not self.credential or not text:
+            return text
+        try:
+            secret = credential_for_run(self.credential, run_id)
+        except SecretUnreadable:
+            return text  # nothing was sent with it
+        return masked(text, secret.reveal()) if secret is not None else text
+
+    def _call(self, params_text: str, *, key: str, run_id: str) -> CallResult:
         server = self._server(run_id)
         if server is None:
             return CallResult("refused", detail=f"no active MCP server {self.server!r}")
@@ -701,9 +718,11 @@ class McpTool(Tool):
         except BaseException as exc:  # noqa: BLE001 (refused, unreachable, the SDK's errors)
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            return LookupResult(found=None, detail=f"lookup failed: {_describe(exc)}")
+            detail = self._masked(f"lookup failed: {_describe(exc)}", run_id)
+            return LookupResult(found=None, detail=detail)
         if result.is_error:
-            return LookupResult(found=None, detail=f"lookup: {_error_text(result)}")
+            detail = self._masked(f"lookup: {_error_text(result)}", run_id)
+            return LookupResult(found=None, detail=detail)
         content = _structured(result)
         if content is None:  # plain text: it may name the effect in words, so not "absent"
             return LookupResult(

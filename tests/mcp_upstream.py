@@ -12,8 +12,10 @@ applies the call — a request still in flight, whose effect a lookup cannot fin
 `{"raw": TEXT}` answers with the JSON text TEXT, byte for byte, as the ticket's `note` (and
 in its text block), over either transport: what the SDK's own encoder never writes — NaN,
 Infinity, a lone surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
-`{"legacy": true}` makes it a server of the 2025 protocol (sessions), `{"hold_initialized":
-SECONDS}` then holds a session's `notifications/initialized` that long (Legacy).
+A ticket titled "quote my token" is refused with an error that quotes the request's
+Authorization header (as written and JSON-escaped). `{"legacy": true}` makes it a server of
+the 2025 protocol (sessions), `{"hold_initialized": SECONDS}` then holds a session's
+`notifications/initialized` that long (Legacy).
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
@@ -31,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 
@@ -203,10 +205,13 @@ class RawStdout(io.RawIOBase):
 @server.tool(
     annotations=ToolAnnotations(title="Open a ticket", read_only_hint=False, destructive_hint=False)
 )
-async def tickets_create(title: str) -> dict[str, Any]:
+async def tickets_create(title: str, ctx: Context) -> dict[str, Any]:
     """Open a help-desk ticket."""
     if title == "refuse me":
         raise ToolError("the help desk refuses this title")
+    if title == "quote my token":  # a careless service: its error quotes the credential
+        sent = (ctx.headers or {}).get("authorization", "")
+        raise ToolError(f"not a valid token: {sent} ({json.dumps(sent)})")
     number = _record("tickets_create", {"title": title})
     await _misbehave()
     return {**_ticket(number, title), **_padding()}

@@ -20,8 +20,9 @@ from django.db import models
 
 from runtime.models.tenancy import Tenant
 
-SERVER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+# `\Z`, not `$`: `$` also matches before a final "\n", which neither may end in.
+SERVER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
+SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}\Z")
 
 
 class McpTransport(models.TextChoices):

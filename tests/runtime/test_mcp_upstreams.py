@@ -22,10 +22,20 @@ from django.test import Client
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
+from audit.models import JournalEntry
 from runtime import mcp, tooldefs
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant, ToolDefinition
+from runtime.models import (
+    Action,
+    ActionStatus,
+    McpServer,
+    Run,
+    RunStatus,
+    Tenant,
+    ToolCredential,
+    ToolDefinition,
+)
 from tests import procs
 from tests.conftest import Persona
 from tests.mcp_fixture import Upstream
@@ -300,6 +310,30 @@ def test_an_upstream_refusal_fails_the_action(
     assert upstream.calls() == []
 
 
+def test_an_upstream_quoting_the_credential_in_its_error_never_shows_it(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream], agent_a: Persona
+) -> None:
+    """The upstream's error becomes the action's error (every member of the tenant reads it)
+    and goes into the journal: a token it quotes back — as sent, or JSON-escaped — is masked
+    there, as an http tool's is."""
+    secret = "mcp-s3cret/4711"
+    credential = ToolCredential(tenant=tenant_a, service="helpdesk")
+    credential.set_secret(secret, actor="user:admin")
+    credential.save()
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream, credential="helpdesk")
+    _exempt(tenant_a)
+    run = _run(tenant_a, title="quote my token")
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.FAILED and "not a valid token: Bearer ********" in action.last_error
+    assert secret not in action.last_error and json.dumps(secret)[1:-1] not in action.last_error
+    for entry in JournalEntry.objects.all():
+        assert "s3cret" not in json.dumps(entry.payload), entry.type
+    shown = agent_a.api().get(f"/api/v1/actions/{action.action_id}/")
+    assert shown.status_code == 200 and "s3cret" not in shown.content.decode()
+
+
 def test_an_upstream_that_cannot_be_reached_leaves_the_action_unsent(
     tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
 ) -> None:
@@ -501,6 +535,24 @@ def test_names_are_normalised_to_the_definition_rules() -> None:
     assert mcp.definition_name("hd", "Tickets.Create") == "hd.tickets_create"
     assert mcp.definition_name("hd", "9lives") == "hd.t_9lives"
     assert tooldefs.NAME.match(mcp.definition_name("hd", "ünïcode/tool name"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"name": "helpdesk\n"}, "name"), ({"credential": "helpdesk\n"}, "credential")],
+)
+def test_a_server_name_or_credential_ending_in_a_line_break_is_refused(
+    tenant_a: Tenant, fields: dict[str, str], field: str
+) -> None:
+    """`$` also matches before a final line break: "helpdesk\n" passed as a server name
+    (its tools then named after a server no definition rule takes) and as a credential's
+    service (its requests then sent with no credential at all)."""
+    server = McpServer(tenant=tenant_a, name="helpdesk", url="http://127.0.0.1:9/mcp")
+    for name, value in fields.items():
+        setattr(server, name, value)
+    with pytest.raises(ValidationError) as refused:
+        server.full_clean()
+    assert field in refused.value.message_dict
 
 
 def test_a_tenant_admin_sees_only_their_servers_and_imports_in_admin(
