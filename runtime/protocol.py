@@ -341,8 +341,8 @@ def _writable(run: Run, fence: int, expected_rev: int) -> Run:
     current = Run.objects.get(pk=run.run_id, tenant_id=run.tenant_id)
     if current.fence != fence:
         raise StaleFence(f"fence {fence} does not hold run {run.run_id} (now {current.fence})")
-    if current.status in TERMINAL:
-        raise InvalidTransition(f"the run is {current.status}")
+    if current.status in TERMINAL:  # as a prepare and a lease are refused
+        raise RunFinished(f"the run is {current.status}: nothing more is checkpointed")
     if current.checkpoint_rev != expected_rev:
         raise VersionConflict(f"checkpoint_rev is {current.checkpoint_rev}, not {expected_rev}")
     return current

@@ -218,6 +218,20 @@ def test_a_checkpoint_that_waits_for_input_says_what_it_asks_for(
     assert ok(get(client, f"runs/{run_id}/"))["waiting_for"] is None
 
 
+def test_a_checkpoint_after_the_run_finished_is_run_finished(agent_a: Persona) -> None:
+    """The executor that completed the run still holds its fence (a finishing checkpoint
+    ends the lease without moving it): a checkpoint after it is refused as a prepare and a
+    lease are, 409 `run_finished` — not `invalid_transition`, which names an action's
+    transition — and nothing is written."""
+    client = agent_a.api()
+    run_id, fence = leased(client)
+    done = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "", "status": "completed"}
+    ok(post(client, f"runs/{run_id}/checkpoints/", done), 201)
+    more = {"fence": fence, "expected_rev": 1, "state": {"again": True}, "next_step": "x"}
+    problem(post(client, f"runs/{run_id}/checkpoints/", more), 409, "run_finished")
+    assert Checkpoint.objects.filter(run_id=run_id).count() == 1
+
+
 def test_a_released_lease_writes_nothing(agent_a: Persona) -> None:
     """An executor that gave its lease up holds nothing: its fence is refused for every
     write, as a worker's is (before, its checkpoint was 201 and put the run back to running
