@@ -153,14 +153,18 @@ def open_session(caller: Caller, client: dict[str, Any]) -> str:
     return str(run.run_id)
 
 
-def adopt(caller: Caller, session_id: str) -> bool:
-    """Whether `session_id` names an unfinished session run of the caller's own account
-    (a restart loses nothing: the run is the session)."""
+def adopt(caller: Caller, session_id: str) -> str:
+    """The session `session_id` names — an unfinished session run of the caller's own
+    account (a restart loses nothing: the run is the session) — as its run id is written,
+    else "". A UUID may be spelled several ways (upper case, braces, no hyphens); the calls'
+    keys and their delivered answers are the run's, so they are named by its one spelling:
+    under the client's, a delivered answer was not found again and the next identical call
+    got the previous one's result instead of being made."""
     try:
         run_id = uuid.UUID(session_id)
     except ValueError:
-        return False
-    return (
+        return ""
+    found = (
         Run.objects.filter(
             pk=run_id,
             tenant_id=caller.tenant_id,
@@ -171,6 +175,7 @@ def adopt(caller: Caller, session_id: str) -> bool:
         .exclude(status__in=TERMINAL)
         .exists()
     )
+    return str(run_id) if found else ""
 
 
 def close_session(caller: Caller, session_id: str) -> bool:

@@ -169,9 +169,11 @@ class Endpoint:
         if method == "GET":  # no server-initiated stream: every answer rides its POST
             await _plain(send, 405, "no GET stream; POST requests", allow="POST, DELETE")
             return
-        if session and not await db(calls.adopt, caller, session):
-            await _plain(send, 404, "unknown or finished session: initialize a new one")
-            return
+        if session:
+            session = await db(calls.adopt, caller, session)
+            if not session:
+                await _plain(send, 404, "unknown or finished session: initialize a new one")
+                return
         if method == "DELETE":
             if not session:
                 await _plain(send, 400, "Bad Request: no Mcp-Session-Id")

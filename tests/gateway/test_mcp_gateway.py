@@ -717,3 +717,42 @@ def test_mcp_tasks_are_not_offered_and_their_methods_are_method_not_found(
         assert (error["code"], error.get("data")) == (-32601, method), answer.text
     listing = {"jsonrpc": "2.0", "id": 20, "method": "tools/list"}
     assert '"result"' in httpx.post(url, json=listing, headers=headers, timeout=30).text
+
+
+def test_a_session_id_spelled_otherwise_is_the_same_session_and_a_new_call_acts_again(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """A session id is a UUID, and the gateway adopts it however it is spelled (upper case,
+    braces, no hyphens) — but it keyed the session's calls and counted their delivered
+    answers under the spelling the client sent. Under an upper-case id the delivered answer
+    was never found again: the next identical call, which the README makes a new call, was
+    answered with the first call's result, and the upstream never got it (a false
+    completion)."""
+    _setup(tenant_a, upstream)
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="creates go", tool=CREATE, required=False)
+    url, key, title = _endpoint(web, tenant_a), str(agent_a.token), _title()
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {key}",
+    }
+    opened = httpx.post(url, json=_initialize(), headers=headers, timeout=30)
+    session_id = opened.headers["mcp-session-id"]
+    headers["Mcp-Session-Id"] = session_id.upper()  # kept as the client spells it
+
+    def call(number: int) -> dict[str, Any]:
+        params = {"name": CREATE, "arguments": {"title": title}}
+        request = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": params}
+        answer = httpx.post(url, json=request, headers=headers, timeout=60)
+        (data,) = [line[5:] for line in answer.text.splitlines() if line.startswith("data:")]
+        result: dict[str, Any] = json.loads(data)["result"]
+        return result
+
+    first, second = call(2), call(3)
+    assert not first["isError"] and not second["isError"], (first, second)
+    assert len(_reached(upstream, title)) == 2  # two calls, each delivered: two tickets
+    assert first["structuredContent"]["id"] != second["structuredContent"]["id"]
+    assert first["_meta"]["holdpoint/session"] == session_id
+    actions = Action.objects.filter(params__contains=title)
+    assert {str(a.run_id) for a in actions} == {session_id}
+    assert sorted(a.idempotency_key.rsplit(":", 1)[1] for a in actions) == ["1", "2"]
+    assert all(a.idempotency_key.startswith(f"mcp:{session_id}:") for a in actions)
