@@ -252,13 +252,19 @@ def _message(body: bytes) -> dict[str, Any]:
     raised RecursionError there: a 500). _NotOne if the body is not JSON at all (parse
     error), or is JSON but not one object: a batch (an array), which MCP 2025-06-18 took out
     of the protocol, or a bare value (invalid request) — the same answer with or without a
-    session (the SDK would answer a session's batch with its own -32602)."""
+    session (the SDK would answer a session's batch with its own -32602). A key twice in one
+    object is a parse error too, as on the API (DESIGN.md: params are parsed strictly):
+    pydantic-core keeps the last silently, so a call's arguments would be acted on as one
+    reading while a host's log or a proxy reads the other."""
     try:
         data = pydantic_core.from_json(body)
     except ValueError:
         raise _NotOne(
             PARSE_ERROR, "Parse error: the body is not JSON (or nested too deep)"
         ) from None
+    duplicate = _duplicate_key(body)
+    if duplicate is not None:
+        raise _NotOne(PARSE_ERROR, f"Parse error: duplicate key {duplicate!r}")
     if isinstance(data, list):
         raise _NotOne(
             INVALID_REQUEST,
@@ -268,6 +274,31 @@ def _message(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _NotOne(INVALID_REQUEST, "Invalid Request: the body is not a JSON-RPC message")
     return data
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> None:
+    seen: set[str] = set()
+    for key, _ in pairs:  # one pass: an object of many keys costs no more than reading it
+        if key in seen:
+            raise _Duplicate(key)
+        seen.add(key)
+
+
+def _duplicate_key(body: bytes) -> str | None:
+    """The first key found twice in one object of `body` (JSON pydantic-core read: nested
+    within its limit, far inside the stack's), else None. Values are not built (numbers are
+    read as their text): only the keys matter here."""
+    try:
+        json.loads(body, object_pairs_hook=_unique, parse_int=str, parse_float=str)
+    except _Duplicate as found:
+        return str(found.args[0])
+    except ValueError:  # a spelling pydantic-core reads and json does not: not this check's
+        return None
+    return None
 
 
 async def _rpc_error(send: Send, code: int, message: str) -> None:

@@ -756,3 +756,32 @@ def test_a_session_id_spelled_otherwise_is_the_same_session_and_a_new_call_acts_
     assert {str(a.run_id) for a in actions} == {session_id}
     assert sorted(a.idempotency_key.rsplit(":", 1)[1] for a in actions) == ["1", "2"]
     assert all(a.idempotency_key.startswith(f"mcp:{session_id}:") for a in actions)
+
+
+def test_arguments_with_a_duplicate_key_are_refused_and_nothing_is_stored_or_sent(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """DESIGN.md: params are parsed strictly, no duplicate keys — the API answers them 400.
+    The gateway's parser kept the last of two `title`s silently: an action was prepared
+    and sent with a value other parsers (a host's log, a proxy) read differently."""
+    _setup(tenant_a, upstream)
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="creates go", tool=CREATE, required=False)
+    url, title = _endpoint(web, tenant_a), _title()
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {agent_a.token}",
+    }
+    opened = httpx.post(url, json=_initialize(), headers=headers, timeout=30)
+    headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+    arguments = f'{{"title": "{title}", "title": "{title} (other)"}}'
+    call = f'{{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {{"name": "{CREATE}", '
+    call += f'"arguments": {arguments}}}}}'
+    answer = httpx.post(url, content=call, headers=headers, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == -32700 and "duplicate key" in error["message"], error
+    assert not Action.objects.filter(params__contains=title).exists()
+    assert _reached(upstream, title) == []
+    listing = {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}  # the session goes on
+    assert '"result"' in httpx.post(url, json=listing, headers=headers, timeout=30).text
