@@ -52,11 +52,13 @@ from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import reconcile_due
 from runtime.errors import (
+    AlreadyCompleted,
     ApprovalExpired,
     ApprovalRequired,
     HoldpointError,
     InvalidParams,
     LeaseHeld,
+    RunFinished,
     ToolUnavailable,
 )
 from runtime.events import RunEvent, record
@@ -100,6 +102,11 @@ INVALID_PARAMS = -32602
 
 class Busy(Exception):
     """Another call of the session holds the run's lease: try again in a moment."""
+
+
+class Ended(Exception):
+    """The session's run finished (cancelled, closed by a DELETE or the idle sweep) after
+    the endpoint let this request in: answered as a finished session is at the door."""
 
 
 @dataclass(frozen=True)
@@ -306,7 +313,8 @@ def _delivered(run_id: str, tenant_id: int, call_hash: str) -> Any:
 
 def drive(caller: Caller, call: Call) -> Action:
     """Take the call as far as it goes now: find or prepare its action, send it if it may
-    go, settle what a dead gateway left `sent`. Busy if another call holds the session."""
+    go, settle what a dead gateway left `sent`. Busy if another call holds the session;
+    Ended if it finished meanwhile."""
     action = ledger.by_key(call.tenant_id, call.key)
     if action is not None and action.status not in (S.PREPARED, S.APPROVED, *ledger.UNSETTLED):
         return action  # waiting for a reviewer or a person, or settled: nothing to do now
@@ -318,7 +326,16 @@ def drive(caller: Caller, call: Call) -> Action:
     if action is not None and _not_yet(action):
         return action
     tool = get_tool(call.tool, call.tenant_id)
-    with _lease(caller, call.run_id, tool.timeout + LEASE_MARGIN) as (run, fence):
+    try:
+        return _drive_leased(caller, call, action, tool.timeout + LEASE_MARGIN)
+    except (RunFinished, AlreadyCompleted):
+        raise Ended() from None
+
+
+def _drive_leased(caller: Caller, call: Call, action: Action | None, ttl: float) -> Action:
+    """`drive` under the session run's lease: prepare the call's action if it has none, send
+    it if it may go."""
+    with _lease(caller, call.run_id, ttl) as (run, fence):
         if action is None:
             action, _ = protocol.prepare(
                 run,

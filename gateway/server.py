@@ -104,6 +104,10 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
             action = await db(calls.drive, caller, call)
         except calls.Busy:
             action = None
+        except calls.Ended:
+            raise MCPError(
+                INVALID_REQUEST, "this session is finished: initialize a new session"
+            ) from None
         said = await db(calls.answer, action)
         waited = time.monotonic() - started
         if not said.waiting or waited >= bound:

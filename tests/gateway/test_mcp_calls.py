@@ -437,3 +437,36 @@ def test_a_session_opened_by_a_gateway_whose_clock_runs_behind_is_not_idle_at_on
         session = calls.open_session(caller, {})
     assert mcp_session.close_idle(10) == 0
     assert Run.objects.get(pk=session).status == RunStatus.QUEUED
+
+
+@pytest.mark.parametrize("end", ["cancelled", "closed"])
+def test_a_call_whose_session_ended_after_it_was_let_in_is_told_to_open_a_new_one(
+    serve: Any, tenant_a: Tenant, agent_a: Persona, end: str
+) -> None:
+    """The endpoint lets a request in if its session is open; the session can end before
+    its call takes the run's lease — cancelled on the Runs page, closed by the client's
+    DELETE on another connection or by the idle sweep. The call then raised the lease's
+    RunFinished out of the tool handler: the SDK answered JSON-RPC error code 0 with the
+    exception's text and logged a traceback. It is the answer a finished session gets at
+    the door (404: initialize a new one) as an MCP error, and nothing is stored or sent."""
+    from mcp.shared.exceptions import MCPError
+
+    from runtime.lifecycle import cancel_run
+    from tests.httpservers import answer_with
+
+    service = serve(answer_with(201, b'{"id": "N-1"}'))
+    define_tickets(tenant_a, service.url, mode="none")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="go", tool="tickets.create", required=False)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    assert calls.adopt(caller, session)  # let in...
+    if end == "cancelled":
+        cancel_run(Run.objects.get(pk=session), "not needed", actor="user:alice")
+    else:
+        assert calls.close_session(caller, session)
+    with pytest.raises(MCPError) as refused:  # ...and ended before its call
+        _call_now(caller, session, "tickets.create", {"title": "Milk"})
+    assert refused.value.error.code == -32600, refused.value.error
+    assert "initialize a new session" in refused.value.error.message
+    assert not Action.objects.filter(tenant=tenant_a).exists()
+    assert service.requests == []
