@@ -189,11 +189,14 @@ def _encode(entries: list[Any]) -> list[tuple[int, bytes]]:
 def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int, bytes]], bool]:
     """On a reader thread: the entries after `last`, encoded, and whether they end the stream.
     The run's status is read *before* the entries: a run seen finished has committed its
-    final entry with that status, so the entries read next include it."""
+    final entry with that status, so the entries read next include it. A run gone (the
+    retention purge deleted it while its stream was read) is finished too: its journal
+    stays, redacted, and nothing appends to it again — else the stream waited for ever."""
     status = Run.objects.filter(pk=run_id).values_list("status", flat=True).first()
     entries = journal_for(principal).filter(stream=journal.run_stream(run_id), seq__gt=last)
     batch = list(entries.order_by("seq")[:BATCH])
-    return _encode(batch), status in TERMINAL and len(batch) < BATCH
+    finished = status is None or status in TERMINAL
+    return _encode(batch), finished and len(batch) < BATCH
 
 
 def run_events_now(principal: Principal, run_id: Any, after: int) -> Iterator[bytes]:

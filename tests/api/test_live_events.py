@@ -733,6 +733,57 @@ def test_a_stream_cancelled_just_after_a_wake_up_ends(agent_a: Persona) -> None:
     assert asyncio.run(leave_on_a_ring())
 
 
+def test_a_stream_of_a_run_purged_while_it_is_read_ends(agent_a: Persona, settings: Any) -> None:
+    """A finished run's stream reads a long journal in batches; the retention purge (here a
+    thread's deletion request) deletes the run between two batches. The run's status then
+    read as nothing — not finished — so the stream, having sent the last (redacted) entry,
+    waited for entries that never come, for ever (API.md: closed after the run's final
+    entry), sending keep-alives to a client whose run is gone."""
+    from audit import journal
+    from runtime.api import streams
+    from runtime.lifecycle import cancel_run, create_run
+    from runtime.models import Role
+    from runtime.retention import purge_tenant
+    from runtime.tenancy import Principal
+
+    settings.HOLDPOINT_SSE_KEEPALIVE = 1  # a waiting stream re-reads every second
+    run = create_run(agent_a.tenant, "chain", {}, actor="t", thread_id="to-delete")
+    with transaction.atomic():
+        for i in range(streams.BATCH + 10):  # a journal longer than one batch
+            journal.append(
+                journal.run_stream(run.pk),
+                "note",
+                tenant_id=agent_a.tenant.pk,
+                actor="t",
+                payload={"i": i},
+            )
+    cancel_run(Run.objects.get(pk=run.pk), "done", actor="t")
+    total = JournalEntry.objects.filter(stream=journal.run_stream(run.pk)).count()
+    principal = Principal(user=agent_a.user, tenant=agent_a.tenant, role=Role.AGENT)
+    got: list[bytes] = []
+
+    async def purged_midway() -> bool:
+        events = streams.run_events(principal, run.pk, 0)
+        try:
+            got.append(await anext(events))  # the first batch is read
+            await off_loop(lambda: purge_tenant(agent_a.tenant, thread_id="to-delete"))
+            async with asyncio.timeout(5):
+                async for chunk in events:
+                    got.append(chunk)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            await events.aclose()
+            await live.doorbell.stop()
+
+    ended = asyncio.run(purged_midway())
+    assert not Run.objects.filter(pk=run.pk).exists()  # purged
+    sent = [chunk for chunk in got if chunk.startswith(b"id: ")]
+    assert len(sent) == total  # every entry once, the redacted ones too
+    assert ended, got[-2:]
+
+
 def test_a_stream_woken_often_with_nothing_to_send_still_sends_a_comment_line(
     agent_a: Persona, settings: Any
 ) -> None:
