@@ -105,6 +105,7 @@ class Doorbell:
         self.inflight: dict[Hashable, asyncio.Future[Any]] = {}
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False  # the server is stopping: streams end (close)
         # Its LISTEN or poll failing is logged once per LOG_EVERY (the database away, it
         # retries every second or half-second), apart from the streams' own failed reads.
         self.failed = _Failures().say
@@ -146,6 +147,12 @@ class Doorbell:
             for event in events:
                 event.set()
 
+    def close(self) -> None:
+        """The server is stopping (runtime.api.sse): every stream ends at its next look
+        (runtime.api.streams.Recheck), and those waiting are woken to look now."""
+        self.closing = True
+        self.ring_all()
+
     async def stop(self) -> None:
         """Stop listening or polling (the LISTEN connection is closed) and the readers (the
         connections they kept are closed)."""
@@ -155,6 +162,7 @@ class Doorbell:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.get_running_loop().run_in_executor(None, self.close_readers)
+        self.closing = False  # a process that goes on (a test session) serves again
 
     def close_readers(self) -> None:
         """End the reader threads (reads already asked finish first), then close the

@@ -20,9 +20,12 @@ number.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -113,12 +116,47 @@ class Streams:
 
     @asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
+        restore = close_streams_on_exit(asyncio.get_running_loop())
         async with live.lifespan():
             try:
                 yield
             finally:
+                restore()
                 if self.handler is not None:
                     self.handler.openers.shutdown(wait=False, cancel_futures=True)
+
+
+EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def close_streams_on_exit(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Chain the server's own exit signal handlers so that a stop also ends the streams;
+    returns what puts them back.
+
+    uvicorn, told to stop, stops accepting, then waits for every open response to end
+    before its lifespan's shutdown — and a stream of a live run does not end: a process
+    with one open stream went on serving it, refusing every new connection, until it was
+    killed (a supervisor's SIGKILL after its grace). Its handlers are installed before the
+    lifespan starts (uvicorn.Server.capture_signals), so the ones found here are chained:
+    they still stop the server, and each stream ends (live.Doorbell.close); its client
+    resumes with Last-Event-ID, at another process or this one restarted."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread gets signals
+    chained = {sig: h for sig in EXIT_SIGNALS if callable(h := signal.getsignal(sig))}
+
+    def on_exit(sig: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(live.doorbell.close)
+        chained[signal.Signals(sig)](sig, frame)
+
+    for sig in chained:
+        signal.signal(sig, on_exit)
+
+    def restore() -> None:
+        for sig, handler in chained.items():
+            if signal.getsignal(sig) is on_exit:
+                signal.signal(sig, handler)
+
+    return restore
 
 
 def mounts(django: ASGIApp) -> list[tuple[BaseRoute, Any]]:

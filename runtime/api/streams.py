@@ -145,9 +145,11 @@ class Recheck:
         passed since the last one, nothing else. Counted from the last keep-alive, not from
         the last wake-up: wake-ups that send nothing (an approvals stream is rung by every
         append in its tenant) must not keep the comment line from ever going out."""
+        if live.doorbell.closing:  # the server is stopping: the client resumes elsewhere
+            return None
         left = settings.HOLDPOINT_SSE_KEEPALIVE - (time.monotonic() - self.spoke)
         woken = await live.heartbeat_or_wake(wake, max(left, 0.0))
-        if not await self.holds(quiet=not woken):
+        if live.doorbell.closing or not await self.holds(quiet=not woken):
             return None
         return self._due()
 

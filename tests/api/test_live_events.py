@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -317,6 +318,48 @@ def test_a_quiet_stream_sends_a_comment_line_within_the_keepalive(
     assert comments[0] < 5 and max(gaps) < KEEPALIVE + 3, lines
     # No event: comment lines, and the position (`id:` alone) where the stream opened.
     assert not [text for _, text in lines if text and not text.startswith((":", "id: "))]
+
+
+def test_a_web_process_told_to_stop_ends_its_streams_and_stops(
+    django_db_blocker: Any, tmp_path: Path, agent_a: Persona
+) -> None:
+    """SIGTERM (a deploy, a supervisor's stop): uvicorn stops accepting and waits for every
+    open response to end — and a stream of a live run never did. The process went on
+    serving it, refusing every new connection, until a SIGKILL. Now its streams end, cleanly
+    (the client resumes elsewhere with Last-Event-ID), and the process stops."""
+    run_id = new_run(agent_a.api())["run_id"]
+    take_lease(agent_a.api(), run_id)
+    events: list[tuple[str, str, str]] = []
+    caught_up = threading.Event()
+    ended: list[str] = []
+    with web_server(django_db_blocker, tmp_path / "web.log", "holdpoint-web-stop") as (proc, web):
+
+        def follow() -> None:
+            url = f"{web}/api/v1/runs/{run_id}/events/"
+            try:
+                with httpx.stream(
+                    "GET", url, params=STREAM, headers=headers(agent_a), timeout=60
+                ) as answer:
+                    for sse in EventSource(answer).iter_sse():
+                        if sse.data:
+                            events.append((sse.id, sse.event, sse.data))
+                        if sse.event == "lease_taken":
+                            caught_up.set()
+                ended.append("closed")
+            except Exception as exc:  # the connection cut instead of the stream ended
+                ended.append(repr(exc))
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        assert caught_up.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the web process with an open stream did not stop within 15 s")
+        reader.join(timeout=15)
+    assert ended == ["closed"]
+    assert as_json(events) == journal_json(run_id)  # every entry, then the end
 
 
 def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
