@@ -22,7 +22,15 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from audit import journal
-from audit.canonical import CanonicalError, canonical_bytes, digest, sha256_hex
+from audit.canonical import (
+    MAX_DEPTH,
+    TOO_DEEP,
+    CanonicalError,
+    canonical_bytes,
+    deeper_than,
+    digest,
+    sha256_hex,
+)
 from fastsql import statements
 from runtime import gates, toolcatalog
 from runtime.errors import (
@@ -103,9 +111,13 @@ def reserved_key(key: str, run_id: Any) -> str:
 
 
 def canonical_params(params: Any) -> tuple[str, str]:
-    """(canonical text, fingerprint); refuses what cannot be canonicalised unambiguously."""
+    """(canonical text, fingerprint); refuses what cannot be canonicalised unambiguously, and
+    params nested deeper than any JSON Holdpoint takes in (MAX_DEPTH: the API's parser
+    refuses such a body; an MCP host's arguments or a step's params reach here parsed)."""
     if not isinstance(params, dict):
         raise InvalidParams("params must be a JSON object", errors={"params": ["not an object"]})
+    if deeper_than(params, MAX_DEPTH):
+        raise InvalidParams(TOO_DEEP, errors={"params": [TOO_DEEP]})
     try:
         data = canonical_bytes(params)
     except CanonicalError as exc:

@@ -409,6 +409,11 @@ def test_bad_input_gets_mcp_errors_and_nothing_is_stored_or_sent(
     assert invalid.code == -32602 and "invalid arguments" in invalid.message
     oversized = _refused_call(url, key, CREATE, {"title": title + "x" * 4000})
     assert oversized.code == -32602 and "larger than 2048 bytes" in oversized.message
+    deep: Any = "bottom"
+    for _ in range(100):  # within the parser's limit, past the API's 64 levels
+        deep = {"a": deep}
+    nested = _refused_call(url, key, CREATE, {"title": title, "more": deep})
+    assert nested.code == -32602 and "nested deeper than 64 levels" in nested.message
 
     # Authentication is refused over HTTP, before any session (or run) exists.
     runs = Run.objects.count()
