@@ -278,6 +278,11 @@ def write_checkpoint(
     except CanonicalError as exc:
         raise InvalidParams(str(exc), errors={"state": [str(exc)]}) from None
     run_status = EXTERNAL_STATUSES[status]
+    if prompt and run_status != RunStatus.WAITING_INPUT:
+        raise InvalidParams(
+            "a prompt goes with status waiting_input only",
+            errors={"prompt": ["only with status waiting_input"]},
+        )
     encoder = Encoder()
     encoded = encoder.encode(state)
     rev = expected_rev + 1

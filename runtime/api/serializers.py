@@ -274,15 +274,9 @@ class CheckpointIn(FenceIn):
         allow_blank=True,
         default="",
         help_text="With status waiting_input: what the executor asks for. It becomes the "
-        "run's waiting_for ({kind: input, prompt}), shown to whoever gives the input.",
+        "run's waiting_for ({kind: input, prompt}), shown to whoever gives the input; with "
+        "another status it is 422 invalid_params.",
     )
-
-    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if attrs.get("prompt") and attrs.get("status") != "waiting_input":
-            raise serializers.ValidationError(
-                {"prompt": ["a prompt goes with status waiting_input only"]}
-            )
-        return attrs
 
 
 class ActionIn(FenceIn):

@@ -202,11 +202,13 @@ def test_a_checkpoint_that_waits_for_input_says_what_it_asks_for(
     body = {"fence": fence, "expected_rev": 0, "state": {}, "next_step": "answer"}
     refused = problem(
         post(client, f"runs/{run_id}/checkpoints/", {**body, "prompt": "Which budget?"}),
-        400,
-        "invalid_request",
+        422,
+        "invalid_params",
     )
     assert "prompt" in refused["errors"] and Run.objects.get(pk=run_id).checkpoint_rev == 0
 
+    odd = {**body, "status": "failed", "prompt": "\x03Í]\x8d"}  # schemathesis's, once
+    problem(post(client, f"runs/{run_id}/checkpoints/", odd), 422, "invalid_params")
     asking = {**body, "status": "waiting_input", "prompt": "Which budget, in EUR?"}
     ok(post(client, f"runs/{run_id}/checkpoints/", asking), 201)
     run = ok(get(client, f"runs/{run_id}/"))
