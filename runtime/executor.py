@@ -775,8 +775,6 @@ class Executor:
         self.refetch()
         return True
 
-    # --- versions and revisions ----------------------------------------------------------
-
 
 # An unchanged state whose inline form is longer than this is checkpointed as a reference.
 _UNCHANGED_INLINE = 128

@@ -40,12 +40,12 @@ from audit.canonical import canonical_bytes, sha256_hex
 from runtime import jsonpaths, outbound, paramcheck, urltemplates
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
+from runtime.models.mcp import SERVICE
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
 
-# `\Z`, not `$`: `$` also matches before a final "\n", which no header name, credential or
-# tool name may end in.
+# `\Z`, not `$`: `$` also matches before a final "\n", which no header name or tool name may
+# end in. A credential's service name is the MCP server row's rule (runtime.models.mcp).
 NAME = re.compile(r"^[a-z][a-z0-9_-]*(\.[a-z][a-z0-9_-]*)*\Z")
-SERVICE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}\Z")
 HEADER = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}\Z")
 EFFECTS = ("read", "write", "irreversible")
 EXECUTORS = ("http", "client", "mcp")  # `mcp`: usually imported (runtime.mcp)
