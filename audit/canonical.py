@@ -182,7 +182,9 @@ def _reject_constant(name: str) -> Any:
     raise CanonicalError(f"{name} is not JSON")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads's `object_pairs_hook` that refuses a key twice in one object
+    (CanonicalError "duplicate key 'k'"): parse_strict's, and the MCP gateway's."""
     found: dict[str, Any] = {}
     for key, value in pairs:
         if key in found:
@@ -202,7 +204,7 @@ def parse_strict(text: str | bytes) -> Any:
     with the reason.
     """
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_constant=_reject_constant)
     except CanonicalError:
         raise
     except RecursionError:

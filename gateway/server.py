@@ -36,6 +36,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_REQUEST, PARSE_ERROR
 from starlette.types import Message, Receive, Scope, Send
 
+from audit.canonical import CanonicalError, unique_keys
 from gateway import calls
 
 T = TypeVar("T")
@@ -268,7 +269,7 @@ def _message(body: bytes) -> dict[str, Any]:
         ) from None
     duplicate = _duplicate_key(body)
     if duplicate is not None:
-        raise _NotOne(PARSE_ERROR, f"Parse error: duplicate key {duplicate!r}")
+        raise _NotOne(PARSE_ERROR, f"Parse error: {duplicate}")
     if isinstance(data, list):
         raise _NotOne(
             INVALID_REQUEST,
@@ -280,26 +281,15 @@ def _message(body: bytes) -> dict[str, Any]:
     return data
 
 
-class _Duplicate(Exception):
-    pass
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> None:
-    seen: set[str] = set()
-    for key, _ in pairs:  # one pass: an object of many keys costs no more than reading it
-        if key in seen:
-            raise _Duplicate(key)
-        seen.add(key)
-
-
 def _duplicate_key(body: bytes) -> str | None:
-    """The first key found twice in one object of `body` (JSON pydantic-core read: nested
-    within its limit, far inside the stack's), else None. Values are not built (numbers are
-    read as their text): only the keys matter here."""
+    """What a key found twice in one object of `body` is refused with ("duplicate key 'k'",
+    audit.canonical.unique_keys: the API's own check), else None. JSON pydantic-core read:
+    nested within its limit, far inside the stack's; numbers are read as their text (only
+    the keys matter here)."""
     try:
-        json.loads(body, object_pairs_hook=_unique, parse_int=str, parse_float=str)
-    except _Duplicate as found:
-        return str(found.args[0])
+        json.loads(body, object_pairs_hook=unique_keys, parse_int=str, parse_float=str)
+    except CanonicalError as found:
+        return str(found)
     except ValueError:  # a spelling pydantic-core reads and json does not: not this check's
         return None
     return None
