@@ -596,6 +596,11 @@ def _error_text(result: CallToolResult) -> str:
     return " ".join(text for text in texts if text)[:1000] or "the tool reported an error"
 
 
+def _masked(text: str, secret: Secret | None) -> str:
+    """`text` with the credential a session carried masked (runtime.tools.masked)."""
+    return masked(text, secret.reveal()) if secret is not None else text
+
+
 @dataclass
 class McpTool(Tool):
     """A tool of an upstream MCP server, sent by Holdpoint's workers with `tools/call`."""
@@ -621,20 +626,9 @@ class McpTool(Tool):
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
         """Send the call. What the upstream says goes into the action's error (every member
         of the tenant reads it) and the journal: the credential the session carried is
-        masked wherever it quotes it back, as an http tool's answer is (runtime.tools)."""
-        result = self._call(params_text, key=key, run_id=run_id)
-        return replace(result, detail=self._masked(result.detail, run_id))
-
-    def _masked(self, text: str, run_id: str) -> str:
-        if not self.credential or not text:
-            return text
-        try:
-            secret = credential_for_run(self.credential, run_id)
-        except SecretUnreadable:
-            return text  # nothing was sent with it
-        return masked(text, secret.reveal()) if secret is not None else text
-
-    def _call(self, params_text: str, *, key: str, run_id: str) -> CallResult:
+        masked wherever it quotes it back, as an http tool's answer is (runtime.tools) — the
+        one read for this call, not a read after it (a secret replaced meanwhile is not the
+        one quoted)."""
         server = self._server(run_id)
         if server is None:
             return CallResult("refused", detail=f"no active MCP server {self.server!r}")
@@ -646,15 +640,25 @@ class McpTool(Tool):
                 "refused", transient=True, detail=f"no active MCP server {self.server!r}"
             )
         try:
+            secret = credential_for_run(self.credential, run_id)
+        except SecretUnreadable as exc:
+            return CallResult("refused", transient=True, detail=str(exc))
+        result = self._send(server, secret, params_text, key)
+        return replace(result, detail=_masked(result.detail, secret))
+
+    def _send(
+        self, server: McpServer, secret: Secret | None, params_text: str, key: str
+    ) -> CallResult:
+        try:
             target = target_for(
                 server,
-                credential_for_run(self.credential, run_id),
+                secret,
                 timeout=self.timeout,
                 max_bytes=settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES,
             )
         except outbound.OutboundRefused as exc:
             return CallResult("refused", detail=f"{exc.code}: {exc.detail}", unsent=True)
-        except (httpx.ConnectError, SecretUnreadable) as exc:
+        except httpx.ConnectError as exc:
             return CallResult("refused", transient=True, detail=str(exc))
         arguments = json.loads(params_text)
         if self.key_argument:
@@ -704,10 +708,12 @@ class McpTool(Tool):
             name: values.get(value[1:-1]) if _is_placeholder(value) else value
             for name, value in self.lookup_arguments.items()
         }
+        secret: Secret | None = None
         try:
+            secret = credential_for_run(self.credential, run_id)
             target = target_for(
                 server,
-                credential_for_run(self.credential, run_id),
+                secret,
                 timeout=self.timeout,
                 max_bytes=settings.HOLDPOINT_TOOL_MAX_RESPONSE_BYTES,
             )
@@ -718,10 +724,10 @@ class McpTool(Tool):
         except BaseException as exc:  # noqa: BLE001 (refused, unreachable, the SDK's errors)
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise
-            detail = self._masked(f"lookup failed: {_describe(exc)}", run_id)
+            detail = _masked(f"lookup failed: {_describe(exc)}", secret)
             return LookupResult(found=None, detail=detail)
         if result.is_error:
-            detail = self._masked(f"lookup: {_error_text(result)}", run_id)
+            detail = _masked(f"lookup: {_error_text(result)}", secret)
             return LookupResult(found=None, detail=detail)
         content = _structured(result)
         if content is None:  # plain text: it may name the effect in words, so not "absent"
