@@ -23,6 +23,7 @@ from approvals.requests import (
     after_decision,
     announce_status,
     close_request,
+    lock_run_of,
     reassign_request,
     record_edits,
     request_approval,
@@ -95,7 +96,9 @@ def decide(
     label = f"user:{user.get_username()}"
     changed = False
     with transaction.atomic(durable=True):
-        run = _lock_run_of(request_id)
+        run = lock_run_of(request_id)
+        if run is None:
+            raise ApprovalRequest.DoesNotExist(f"no approval request {request_id}")
         request = (
             ApprovalRequest.objects.select_for_update()
             .select_related("policy")
@@ -139,15 +142,6 @@ def decide(
         raise HashMismatch("the action changed after it was requested; a new request was raised")
     request.refresh_from_db()
     return request
-
-
-def _lock_run_of(request_id: Any) -> Run:
-    """The request's run, row-locked before the request itself: the lock order of a goal
-    revision, a cancel and a send (run, then its actions and requests). The opposite order
-    deadlocked against a revision that withdrew this request meanwhile, and the reviewer's
-    decision failed with a database error."""
-    run_id = ApprovalRequest.objects.values_list("run_id", flat=True).get(pk=request_id)
-    return Run.objects.select_for_update().get(pk=run_id)
 
 
 def _vote(

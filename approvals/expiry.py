@@ -19,6 +19,7 @@ from approvals.requests import (
     after_decision,
     announce_status,
     close_request,
+    lock_run_of,
     request_approval,
 )
 from runtime import ledger
@@ -45,10 +46,9 @@ def sweep_approvals(batch: int = 200) -> int:
 
 def expire(request_id: UUID) -> int:
     with transaction.atomic(durable=True):
-        # The run first, then the request: the lock order of a decision, a goal revision and
-        # a send (the opposite deadlocks against a revision withdrawing this request).
-        run_id = ApprovalRequest.objects.filter(pk=request_id).values_list("run_id", flat=True)
-        run = Run.objects.select_for_update().get(pk=run_id.get())
+        run = lock_run_of(request_id)  # the run first, then the request
+        if run is None:
+            return 0  # gone since the sweep listed it
         request = (
             ApprovalRequest.objects.select_for_update()
             .select_related("policy")

@@ -80,6 +80,15 @@ def _compensates(
     }
 
 
+def lock_run_of(request_id: Any) -> Run | None:
+    """The request's run, row-locked — taken before the request itself by whoever then locks
+    the request (a decision, an expiry): the lock order of a goal revision, a cancel and a
+    send (the run, then its actions and requests). The opposite order deadlocked against a
+    revision withdrawing the request meanwhile. None if there is no such request."""
+    run_id = ApprovalRequest.objects.filter(pk=request_id).values_list("run_id", flat=True).first()
+    return None if run_id is None else Run.objects.select_for_update().get(pk=run_id)
+
+
 def request_approval(
     action: Action,
     run: Run,
