@@ -41,6 +41,7 @@ from runtime import jsonpaths, outbound, paramcheck, urltemplates
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
 from runtime.models.mcp import SERVICE
+from runtime.models.tooldefs import timeout_problem
 from runtime.tools import builtin_names, tenant_tool_names, tracker_definitions
 
 # `\Z`, not `$`: `$` also matches before a final "\n", which no header name or tool name may
@@ -84,7 +85,6 @@ FIELDS = (
     "mcp",
 )
 MAX_TOOL_NAME = 200  # an upstream tool's own name, as MCP spells it
-MAX_TIMEOUT = 60.0
 
 
 class InvalidTool(HoldpointError):
@@ -189,10 +189,8 @@ def parse(
         result = {}
     spec["result"] = {"external_id": _path(result.get("external_id", "$.id"), "result", errors)}
     timeout = data.get("timeout_seconds", 5)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        errors.add("timeout_seconds", "a number of seconds")
-    elif not 0 < timeout <= MAX_TIMEOUT:
-        errors.add("timeout_seconds", f"between 0 and {MAX_TIMEOUT:g} seconds")
+    if trouble := timeout_problem(timeout):
+        errors.add("timeout_seconds", trouble)
     spec["timeout_seconds"] = timeout
     compensation = data.get("compensation", "")
     if not isinstance(compensation, str) or (compensation and not NAME.match(compensation)):

@@ -29,6 +29,7 @@ from runtime.api.base import ApiView
 from runtime.api.idempotency import idempotent, settler
 from runtime.errors import InvalidParams, NotFound, NotPermitted
 from runtime.models import Role, ToolDefinition
+from runtime.models.tooldefs import MAX_TIMEOUT, MIN_TIMEOUT
 from runtime.tenancy import Principal
 from runtime.tooldefs import EFFECTS, EXECUTORS, METHODS, MODES
 
@@ -84,7 +85,9 @@ class DefinitionFields(serializers.Serializer[dict[str, Any]]):
     dedup = DedupSpec()
     lookup = LookupSpec(required=False)
     result = ResultSpec(required=False)
-    timeout_seconds = serializers.FloatField(required=False, min_value=0, max_value=60)
+    timeout_seconds = serializers.FloatField(
+        required=False, min_value=MIN_TIMEOUT, max_value=MAX_TIMEOUT, help_text="default 5"
+    )
     compensation = serializers.CharField(required=False, allow_blank=True)
     compensation_param = serializers.CharField(required=False, allow_blank=True)
 

@@ -19,6 +19,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from runtime.models.tenancy import Tenant
+from runtime.models.tooldefs import timeout_problem
 
 # `\Z`, not `$`: `$` also matches before a final "\n", which neither may end in.
 SERVER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
@@ -84,8 +85,8 @@ class McpServer(models.Model):
             errors.setdefault("name", []).append("lower-case letters, digits, _ and -")
         if self.credential and not SERVICE.match(self.credential):
             errors.setdefault("credential", []).append("a credential's service name, e.g. tasks")
-        if not 0 < self.timeout_seconds <= 60:
-            errors.setdefault("timeout_seconds", []).append("between 0 and 60 seconds")
+        if trouble := timeout_problem(self.timeout_seconds):
+            errors.setdefault("timeout_seconds", []).append(trouble)
         if self.transport == McpTransport.STREAMABLE_HTTP:
             try:
                 outbound.check_url(self.url)

@@ -9,11 +9,31 @@ keys) and its digest; `runtime.tooldefs` is the only writer.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.db import models
 
 from runtime.models.tenancy import Tenant
+
+# How long one request of a tool may take (`timeout_seconds`), for every way a timeout is
+# given: a definition (API, admin, file, built-in) and an upstream MCP server, whose tools
+# get its timeout. Below MIN_TIMEOUT a request cannot finish — a connection, the request and
+# the answer over anything but loopback, an MCP session's handshake before its call — so every
+# action would end `unknown` and wait for reconciliation (a person, for dedup `none`). Above
+# MAX_TIMEOUT a call outlives any sensible lease (`doctor` checks the configured TTL).
+MIN_TIMEOUT = 0.1
+MAX_TIMEOUT = 60.0
+
+
+def timeout_problem(value: Any) -> str | None:
+    """Why `value` cannot be a tool's `timeout_seconds`, or None when it can. NaN and the
+    infinities are refused by name: a comparison alone would let a NaN through some day."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "a number of seconds"
+    if not math.isfinite(value) or not MIN_TIMEOUT <= value <= MAX_TIMEOUT:
+        return f"between {MIN_TIMEOUT:g} and {MAX_TIMEOUT:g} seconds"
+    return None
 
 
 class ToolDefinition(models.Model):
