@@ -69,6 +69,8 @@ from runtime.tools import (
     credential_for_run,
     found_in,
     masked,
+    masked_call,
+    masked_found,
     tenant_of_run,
     usable_id,
 )
@@ -624,11 +626,11 @@ class McpTool(Tool):
         return McpServer.objects.filter(tenant_id=tenant_id, name=self.server).first()
 
     def call(self, params_text: str, *, key: str, fence: int, run_id: str) -> CallResult:
-        """Send the call. What the upstream says goes into the action's error (every member
-        of the tenant reads it) and the journal: the credential the session carried is
-        masked wherever it quotes it back, as an http tool's answer is (runtime.tools) — the
-        one read for this call, not a read after it (a secret replaced meanwhile is not the
-        one quoted)."""
+        """Send the call. What the upstream says goes into the action's error or, applied,
+        its result and id (every member of the tenant reads them) and the journal: the
+        credential the session carried is masked wherever it quotes it back, as an http
+        tool's answer is (`runtime.tools.masked_call`) — the one read for this call, not a
+        read after it (a secret replaced meanwhile is not the one quoted)."""
         server = self._server(run_id)
         if server is None:
             return CallResult("refused", detail=f"no active MCP server {self.server!r}")
@@ -644,7 +646,7 @@ class McpTool(Tool):
         except SecretUnreadable as exc:
             return CallResult("refused", transient=True, detail=str(exc))
         result = self._send(server, secret, params_text, key)
-        return replace(result, detail=_masked(result.detail, secret))
+        return masked_call(result, secret.reveal()) if secret is not None else result
 
     def _send(
         self, server: McpServer, secret: Secret | None, params_text: str, key: str
@@ -737,7 +739,8 @@ class McpTool(Tool):
         verdict = found_in(self.found_path, content, bare_object_is_none=True)
         if not verdict.found:
             return verdict
-        return replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))
+        found = replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))
+        return masked_found(found, secret.reveal()) if secret is not None else found
 
     def _proof(self, result: CallToolResult, key: str) -> str | None:
         """The upstream's own id for the effect if its structured result has one, else the

@@ -328,8 +328,11 @@ class HttpTool(Tool):
     def classify(self, response: outbound.OutboundResponse, *, secret: str = "") -> CallResult:
         """The outcome the answer proves. `secret`: the credential the request carried,
         masked wherever the answer quotes it back ("invalid token: …"): the answer's text
-        becomes the action's error, which every member of the tenant reads, and goes into
-        the journal and the log."""
+        becomes the action's error, and a success's body its result and its id, which every
+        member of the tenant reads and the journal keeps (`masked_call`)."""
+        return masked_call(self._classify(response, secret), secret)
+
+    def _classify(self, response: outbound.OutboundResponse, secret: str) -> CallResult:
         detail = masked(response.text, secret)[:500]
         status = response.status_code
         if 200 <= status < 300:
@@ -362,6 +365,7 @@ class HttpTool(Tool):
             # send needs them to answer the lookup (without, every lookup failed and each
             # unknown action went to a person).
             headers = self._headers({"Holdpoint-Run": run_id, **self.authorization(run_id)})
+            token = headers.get("Authorization", "").removeprefix("Bearer ")
             response = outbound.send(
                 self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )
@@ -381,7 +385,7 @@ class HttpTool(Tool):
         if not verdict.found:
             return verdict
         first = body[0] if isinstance(body, list) and body else body
-        return replace(verdict, result=first)
+        return masked_found(replace(verdict, result=first), token)
 
 
 def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False) -> LookupResult:
@@ -432,6 +436,50 @@ def masked(text: str, secret: str) -> str:
     for form in (secret, json.dumps(secret)[1:-1]):
         text = text.replace(form, "********")
     return text
+
+
+def masked_value(value: Any, secret: str) -> Any:
+    """A service's JSON answer with `secret` masked (`masked`) in every string of it, names
+    of members included. Only strings change: a value holding no secret comes back equal,
+    so a result, and the JSONPath that read its id, mean what they did."""
+    if not secret:
+        return value
+    if isinstance(value, str):
+        return masked(value, secret)
+    if isinstance(value, list):
+        return [masked_value(item, secret) for item in value]
+    if isinstance(value, dict):
+        return {masked(str(k), secret): masked_value(v, secret) for k, v in value.items()}
+    return value
+
+
+def masked_call(result: CallResult, secret: str) -> CallResult:
+    """A call's answer with the credential the request carried masked in all that is kept of
+    what the service said: its error, its result (the action's `result`: the action page,
+    `GET …/actions/`, the step's `ctx.act` and what the step stores from it) and the id read
+    from it (the action's `external_id`, journalled). Masked once, here, before anything
+    stores it — for every tool Holdpoint sends (runtime.mcp too)."""
+    if not secret:
+        return result
+    return replace(
+        result,
+        detail=masked(result.detail, secret),
+        external_id=masked(result.external_id, secret),
+        result=masked_value(result.result, secret),
+    )
+
+
+def masked_found(found: LookupResult, secret: str) -> LookupResult:
+    """A lookup's verdict with the credential it carried masked, as `masked_call`'s: a found
+    effect's answer becomes the action's result and its id."""
+    if not secret:
+        return found
+    return replace(
+        found,
+        detail=masked(found.detail, secret),
+        external_id=masked(found.external_id, secret),
+        result=masked_value(found.result, secret),
+    )
 
 
 def usable_id(value: Any) -> bool:

@@ -13,9 +13,11 @@ applies the call — a request still in flight, whose effect a lookup cannot fin
 in its text block), over either transport: what the SDK's own encoder never writes — NaN,
 Infinity, a lone surrogate escape — or what PostgreSQL's JSON refuses (`\u0000`).
 A ticket titled "quote my token" is refused with an error that quotes the request's
-Authorization header (as written and JSON-escaped). `{"legacy": true}` makes it a server of
-the 2025 protocol (sessions), `{"hold_initialized": SECONDS}` then holds a session's
-`notifications/initialized` that long (Legacy).
+Authorization header (as written and JSON-escaped); one titled "echo my token" is opened and
+its answer echoes that header (`seen`), as `{"echo_token": true}` makes the finder's do.
+`{"legacy": true}` makes it a server of the 2025 protocol (sessions),
+`{"hold_initialized": SECONDS}` then holds a session's `notifications/initialized` that long
+(Legacy).
 
 With `--keyed` it also serves a help desk that stores a client's request id with each ticket
 and finds a ticket by it (`tickets_open`, `tickets_find`; `tickets_find_text` answers in plain
@@ -214,7 +216,13 @@ async def tickets_create(title: str, ctx: Context) -> dict[str, Any]:
         raise ToolError(f"not a valid token: {sent} ({json.dumps(sent)})")
     number = _record("tickets_create", {"title": title})
     await _misbehave()
-    return {**_ticket(number, title), **_padding()}
+    echo = {"seen": _authorization(ctx)} if title == "echo my token" else {}
+    return {**_ticket(number, title), **_padding(), **echo}
+
+
+def _authorization(ctx: Context) -> str:
+    """The Authorization header the request carried (a careless service echoes it)."""
+    return str((ctx.headers or {}).get("authorization", ""))
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
@@ -239,16 +247,17 @@ async def tickets_open(title: str, request_id: str) -> dict[str, Any]:
     return _ticket(number, title)
 
 
-async def tickets_find(request_id: str) -> dict[str, Any]:
+async def tickets_find(request_id: str, ctx: Context) -> dict[str, Any]:
     """The ticket opened with this request id, or `{"found": false}` (a read)."""
     _found_by("tickets_find", request_id)
     if _faults().get("find_fails"):
         raise ToolError("the finder is down")
+    echo = {"seen": _authorization(ctx)} if _faults().get("echo_token") else {}
     calls = DATA / "calls.jsonl"
     lines = calls.read_text(encoding="utf-8").splitlines() if calls.exists() else []
     for number, line in enumerate(lines, 1):
         if json.loads(line)["arguments"].get("request_id") == request_id:
-            return {"id": f"T-{number}"}
+            return {"id": f"T-{number}", **echo}
     return {"found": False}
 
 

@@ -19,7 +19,16 @@ from approvals.models import ApprovalPolicy
 from runtime import tooldefs
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant, ToolDefinition
+from runtime.models import (
+    Action,
+    ActionStatus,
+    McpServer,
+    Run,
+    RunStatus,
+    Tenant,
+    ToolCredential,
+    ToolDefinition,
+)
 from tests.core.readme import blocks
 from tests.mcp_fixture import Upstream
 
@@ -81,6 +90,32 @@ def test_a_lost_answer_is_found_by_its_key_and_not_sent_again(
     assert action.status == S.CONFIRMED, (action.status, action.last_error)
     assert action.external_id == "T-1"
     assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+    assert len(upstream.calls("tickets_open")) == 1
+
+
+def test_a_found_effect_whose_answer_echoes_the_credential_is_stored_masked(
+    tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
+) -> None:
+    """The finder's answer becomes the action's result: a token it echoes is masked there,
+    as in a call's answer (runtime.tools.masked_found), with the lookup's own secret."""
+    secret = "mcp-s3cret/4711"
+    credential = ToolCredential(tenant=tenant_a, service="helpdesk")
+    credential.set_secret(secret, actor="user:admin")
+    credential.save()
+    upstream = mcp_upstream(keyed=True)
+    McpServer.objects.create(tenant=tenant_a, name="helpdesk", url=upstream.url, timeout_seconds=2)
+    tooldefs.define(tenant_a, _definition(credential="helpdesk"), "user:admin")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="opens go", tool=OPEN, required=False)
+    upstream.faults(hang=30, echo_token=True)  # the answer is lost; the finder echoes
+    run = _run(tenant_a)
+    for _ in range(5):
+        if Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED:
+            break
+        advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
+    assert action.result["structuredContent"] == {"id": "T-1", "seen": "Bearer ********"}
+    assert "s3cret" not in json.dumps(action.result)
     assert len(upstream.calls("tickets_open")) == 1
 
 

@@ -334,6 +334,37 @@ def test_an_upstream_quoting_the_credential_in_its_error_never_shows_it(
     assert shown.status_code == 200 and "s3cret" not in shown.content.decode()
 
 
+def test_an_upstream_echoing_the_credential_in_its_result_never_stores_it(
+    tenant_a: Tenant, mcp_upstream: Callable[[], Upstream], agent_a: Persona
+) -> None:
+    """An applied call's result is the action's `result` (`GET …/actions/`, the MCP
+    gateway's answer): a token the upstream echoes in it — in the structured result and in
+    its text block, JSON-escaped there — is masked as in an error; the id is still read."""
+    secret = "mcp-s3cret/4711"
+    credential = ToolCredential(tenant=tenant_a, service="helpdesk")
+    credential.set_secret(secret, actor="user:admin")
+    credential.save()
+    upstream = mcp_upstream()
+    _imported(tenant_a, upstream, credential="helpdesk")
+    _exempt(tenant_a)
+    run = _run(tenant_a, title="echo my token")
+    advance_run(run.run_id, "w1")
+    action = Action.objects.get(run=run)
+    assert action.status == S.CONFIRMED and action.external_id == "T-1", action.last_error
+    assert action.result["structuredContent"] == {
+        "id": "T-1",
+        "title": "echo my token",
+        "seen": "Bearer ********",
+    }
+    assert "Bearer ********" in action.result["content"][0]["text"]
+    assert "s3cret" not in json.dumps(action.result)
+    for entry in JournalEntry.objects.all():
+        assert "s3cret" not in json.dumps(entry.payload), entry.type
+    for url in (f"/api/v1/actions/{action.action_id}/", f"/api/v1/runs/{run.run_id}/actions/"):
+        shown = agent_a.api().get(url)
+        assert shown.status_code == 200 and "s3cret" not in shown.content.decode(), url
+
+
 def test_an_upstream_that_cannot_be_reached_leaves_the_action_unsent(
     tenant_a: Tenant, mcp_upstream: Callable[[], Upstream]
 ) -> None:
