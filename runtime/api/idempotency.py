@@ -5,6 +5,11 @@ in flight: 409), the response is stored with the request's fingerprint after the
 (same key + same body → the first response again; a different body → 422), and a request
 that failed validation gives its key back, so the client can fix the body and retry.
 
+A key is one caller's: the record names who claimed it (`principal`: the user behind the
+token or session), and the same key from another caller of the tenant is 422 key reuse even
+with the same body — a replay hands over the first caller's response (and, past a dead
+claim, its effect), which the second caller's own rights were never checked for.
+
 A request can die holding its claim (SIGKILL, OOM, a deploy, its database connection lost
 so that it cannot give the key back). So a claim is a lease with a fence: it holds until
 `claimed_until` (database time, HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS, longer than any of
@@ -120,10 +125,10 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
                 "Idempotency-Key must be 1-255 printable characters",
                 errors={"Idempotency-Key": ["invalid"]},
             )
-        tenant = self.principal(request).tenant
+        principal = self.principal(request)
         scope = f"{request.method} {request.path}"
         fingerprint = digest({"scope": scope, "body": request.data})
-        record = _claim(tenant, key, scope, fingerprint)
+        record = _claim(principal.tenant, principal.user.pk, key, scope, fingerprint)
         if record.status is not None:
             return _replay(record.status, record.content)
         claim = Claim(record.pk, record.claim)
@@ -169,7 +174,11 @@ def expire_keys(*, dry_run: bool = False) -> int:
     return old.delete()[0]
 
 
-def _claim(tenant: Tenant, key: str, scope: str, fingerprint: str) -> IdempotencyRecord:
+def _claim(
+    tenant: Tenant, principal: int, key: str, scope: str, fingerprint: str
+) -> IdempotencyRecord:
+    """The record of this key: claimed now for this request, or the earlier request's —
+    only if it was the same caller's (`principal`: a user's pk) and the same request."""
     window = timedelta(hours=settings.HOLDPOINT_IDEMPOTENCY_HOURS)
     IdempotencyRecord.objects.filter(
         tenant=tenant, key=key, created_at__lt=timezone.now() - window
@@ -178,10 +187,19 @@ def _claim(tenant: Tenant, key: str, scope: str, fingerprint: str) -> Idempotenc
     try:
         with transaction.atomic():
             return IdempotencyRecord.objects.create(
-                tenant=tenant, key=key, scope=scope, fingerprint=fingerprint, claimed_until=lease
+                tenant=tenant,
+                principal_id=principal,
+                key=key,
+                scope=scope,
+                fingerprint=fingerprint,
+                claimed_until=lease,
             )
     except IntegrityError:
         existing = IdempotencyRecord.objects.get(tenant=tenant, key=key)
+    if existing.principal_id is not None and existing.principal_id != principal:
+        # Checked before anything of the first request is looked at or taken over; a null
+        # principal is a record from before the column, replayed as it was then.
+        raise KeyReused("this Idempotency-Key was used by another caller of the tenant")
     if existing.fingerprint != fingerprint:
         raise KeyReused("same Idempotency-Key, different request")
     if existing.status is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 from runtime.models.tenancy import Tenant
@@ -10,6 +11,20 @@ from runtime.models.tenancy import Tenant
 class IdempotencyRecord(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE)
     key = models.CharField(max_length=255)
+    # Who made the request (the agent account of a token — any of its tokens, so a rotated
+    # one still replays —, or the person of a session): the same key from anyone else of the
+    # tenant is another request, refused as key reuse, never answered with this one's
+    # response. Null: a record from before this column, replayed as it was then (to any
+    # caller of the tenant) until HOLDPOINT_IDEMPOTENCY_HOURS forgets it. Only ever compared
+    # on the row found by (tenant, key): no index of its own.
+    principal = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="+",
+        db_index=False,
+    )
     scope = models.CharField(max_length=300)  # method + path: a key is per endpoint
     fingerprint = models.CharField(max_length=64)
     status = models.PositiveSmallIntegerField(null=True, blank=True)  # null while in flight

@@ -8,6 +8,7 @@ answer either the first response or 409 idempotency_key_in_flight.
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import timedelta
 from io import StringIO
@@ -19,7 +20,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from django.utils import timezone
 
-from runtime.models import Action, Checkpoint, IdempotencyRecord, Run
+from runtime.models import Action, Checkpoint, IdempotencyRecord, Role, Run, Tenant
 from tests.api import (
     fresh_throttle,  # noqa: F401
     new_run,
@@ -29,7 +30,7 @@ from tests.api import (
     row_counts,
     take_lease,
 )
-from tests.conftest import Persona
+from tests.conftest import Persona, issue_token_for, make_persona
 
 pytestmark = pytest.mark.django_db
 
@@ -166,6 +167,97 @@ def test_idempotent_checkpoint_and_prepare(agent_a: Persona) -> None:
     other = {**act, "params": {"title": "u"}}
     problem(post(client, url, other, HTTP_IDEMPOTENCY_KEY="act-1"), 422, "idempotency_key_reused")
     assert Action.objects.filter(run_id=run["run_id"]).count() == 1
+
+
+# --- a key is one caller's ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def agent_a2(tenant_a: Tenant) -> Persona:
+    """A second agent account of tenant A, with its own token."""
+    return make_persona(tenant_a, "agent-a2", Role.AGENT)
+
+
+def test_another_callers_same_key_and_body_is_key_reuse_not_a_replay(
+    agent_a: Persona, agent_a2: Persona, reviewer_a: Persona, viewer_a: Persona
+) -> None:
+    """A replay hands over the first caller's response before any of the second caller's
+    rights are checked (a viewer got the agent's 201, another agent the run bound to the
+    first as its executor). The same key and body from another token's account or a
+    person's session of the same tenant is 422 idempotency_key_reused: nothing is made, and
+    nothing of the first response is shown."""
+    body = {**BODY, "external": True}
+    first = ok(create(agent_a.api(), "mine", body), 201)
+    others = [other.api() for other in (agent_a2, reviewer_a, viewer_a)]  # logins journalled
+    before = row_counts()
+    for other in others:
+        refused = problem(create(other, "mine", body), 422, "idempotency_key_reused")
+        assert "another caller" in refused["detail"]
+        assert first["run_id"] not in json.dumps(refused)
+    assert row_counts() == before
+    again = create(agent_a.api(), "mine", body)  # the first caller's retry still replays
+    assert again.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    assert again.json() == first
+    assert Run.objects.filter(tenant=agent_a.tenant).count() == 1
+
+
+def test_the_same_account_with_a_rotated_token_still_replays(agent_a: Persona) -> None:
+    """The caller is the account, not the token: a fleet that switched to a new token
+    (rotation keeps the old one valid for a window) retries with the same key."""
+    first = ok(create(agent_a.api(), "rotating"), 201)
+    rotated = Persona(agent_a.user, agent_a.tenant, agent_a.role, issue_token_for(agent_a.user))
+    assert rotated.token != agent_a.token
+    again = create(rotated.api(), "rotating")
+    assert again.status_code == 201 and again.json() == first
+    assert Run.objects.filter(tenant=agent_a.tenant).count() == 1
+
+
+def test_another_callers_dead_claim_is_not_taken_over(agent_a: Persona, agent_a2: Persona) -> None:
+    """The first request died after its effect committed (its claim past its lease, no
+    response stored): its own retry answers with the effect; another caller's request with
+    the same key and body is key reuse — not the effect, not a claim taken over."""
+    first = ok(create(agent_a.api(), "died"), 201)
+    record = IdempotencyRecord.objects.get(key="died")
+    IdempotencyRecord.objects.filter(pk=record.pk).update(
+        status=None, content=None, claimed_until=timezone.now() - timedelta(minutes=1)
+    )
+    problem(create(agent_a2.api(), "died"), 422, "idempotency_key_reused")
+    record.refresh_from_db()
+    assert (record.claim, record.status) == (1, None)  # not taken over
+    again = create(agent_a.api(), "died")
+    assert again.status_code == 201 and again.json()["run_id"] == first["run_id"]
+
+
+def test_another_callers_request_in_flight_is_key_reuse(
+    agent_a: Persona, agent_a2: Persona
+) -> None:
+    ok(create(agent_a.api(), "warm"), 201)
+    record = IdempotencyRecord.objects.get(key="warm")
+    IdempotencyRecord.objects.create(
+        tenant=agent_a.tenant,
+        principal=agent_a.user,
+        key="busy-mine",
+        scope=record.scope,
+        fingerprint=record.fingerprint,
+        claimed_until=timezone.now() + timedelta(minutes=1),
+    )
+    problem(create(agent_a2.api(), "busy-mine"), 422, "idempotency_key_reused")
+    problem(create(agent_a.api(), "busy-mine"), 409, "idempotency_key_in_flight")
+
+
+def test_a_record_from_before_principals_replays_as_it_did(
+    agent_a: Persona, agent_a2: Persona
+) -> None:
+    """Records stored before the column have no principal: replayed as they were then, to
+    any caller of the tenant with the same body, until HOLDPOINT_IDEMPOTENCY_HOURS forgets
+    them (no data migration; the window closes by itself)."""
+    first = ok(create(agent_a.api(), "legacy"), 201)
+    assert IdempotencyRecord.objects.get(key="legacy").principal == agent_a.user
+    IdempotencyRecord.objects.filter(key="legacy").update(principal=None)
+    again = create(agent_a2.api(), "legacy")
+    assert again.status_code == 201 and again.json() == first
+    other = {**BODY, "goal": {"steps": 7}}
+    problem(create(agent_a2.api(), "legacy", other), 422, "idempotency_key_reused")
 
 
 # --- B7 on PostgreSQL --------------------------------------------------------------------------
