@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trustme
 
-from runtime import outbound
+from runtime import outbound, wire
 from runtime.outbound import (
     OutboundRefused,
     address_allowed,
@@ -31,8 +31,8 @@ from runtime.outbound import (
     check_url,
     host_allowed,
     parse_networks,
-    send,
 )
+from runtime.wire import send
 from tests.httpservers import Behaviour, Server, answer_json, answer_with, stream_forever
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +228,7 @@ def test_send_delivers_with_the_original_host_header(serve: Any) -> None:
     assert request["headers"]["host"] == f"localhost:{server.port}"
     assert request["headers"]["idempotency-key"] == "k1"
     assert request["headers"]["accept-encoding"] == "identity"
-    assert request["headers"]["user-agent"] == outbound.USER_AGENT
+    assert request["headers"]["user-agent"] == wire.USER_AGENT
     assert "cookie" not in request["headers"]
 
 
@@ -549,7 +549,7 @@ def tls(monkeypatch: pytest.MonkeyPatch) -> tuple[trustme.CA, list[str]]:
     ca = trustme.CA()
     client = ssl.create_default_context()
     ca.configure_trust(client)
-    monkeypatch.setitem(outbound._ssl_contexts, os.getpid(), client)
+    monkeypatch.setitem(wire._ssl_contexts, os.getpid(), client)
     return ca, []
 
 
@@ -605,12 +605,12 @@ def test_a_connection_verified_for_one_name_never_serves_another_on_the_same_add
 
 
 def test_connections_are_pooled_per_process_host_and_address() -> None:
-    pool = outbound.origin("https", "a.example", "192.0.2.1", 443)
-    assert outbound.origin("https", "a.example", "192.0.2.1", 443) is pool
+    pool = wire.origin("https", "a.example", "192.0.2.1", 443)
+    assert wire.origin("https", "a.example", "192.0.2.1", 443) is pool
     # Another name on the same address: a TLS connection verified for a.example only.
-    assert outbound.origin("https", "b.example", "192.0.2.1", 443) is not pool
-    assert outbound.origin("https", "a.example", "192.0.2.2", 443) is not pool
-    assert outbound.origin("http", "a.example", "192.0.2.1", 443) is not pool
+    assert wire.origin("https", "b.example", "192.0.2.1", 443) is not pool
+    assert wire.origin("https", "a.example", "192.0.2.2", 443) is not pool
+    assert wire.origin("http", "a.example", "192.0.2.1", 443) is not pool
 
 
 def test_one_connection_serves_consecutive_requests_to_a_host(serve: Any) -> None:
