@@ -235,8 +235,12 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 # (before 3.11.10 and 3.12.4 all of 192.0.0.0/24 was global — 192.0.0.192 is a cloud's
 # metadata address in SSRF payload lists), no release knows the IPv6 documentation range
 # (RFC 9637), and the deprecated site-local range is still routed inside some networks.
+# 168.63.129.16 is a public address Microsoft owns, answered inside every Azure VM by the host
+# (the WireServer: the VM agent's configuration, extension settings with their secrets, DNS):
+# in SSRF payload lists beside 169.254.169.254, and never a tool's service.
 _NOT_PUBLIC = tuple(
-    ipaddress.ip_network(cidr) for cidr in ("192.0.0.0/24", "3fff::/20", "fec0::/10")
+    ipaddress.ip_network(cidr)
+    for cidr in ("192.0.0.0/24", "3fff::/20", "fec0::/10", "168.63.129.16/32")
 )
 
 

@@ -184,6 +184,8 @@ def test_check_url(settings: Any) -> None:
         "192.0.0.8",  # the IPv4 dummy address
         "3fff::1",  # documentation (RFC 9637)
         "fec0::1",  # site-local (deprecated, still routed inside some networks)
+        "168.63.129.16",  # public, but inside an Azure VM its host's WireServer
+        "::ffff:168.63.129.16",
     ],
 )
 def test_private_addresses_are_refused(address: str) -> None:
@@ -379,10 +381,11 @@ def test_an_address_the_interpreter_calls_global_but_is_not_is_refused_before_co
     """`ipaddress` judges by its Python release's tables: before 3.11.10 and 3.12.4 all of
     192.0.0.0/24 was global (192.0.0.192 is in SSRF payload lists as a cloud's metadata
     address), and no release knows the IPv6 documentation range 3fff::/20 — so whether a
-    tool could reach them depended on the interpreter a worker ran. `vet` (what an MCP
+    tool could reach them depended on the interpreter a worker ran. Azure's WireServer
+    (168.63.129.16) is public to every release. `vet` (what an MCP
     session and `send` check before connecting) refuses them, and so does a webhook's form."""
     settings.HOLDPOINT_TOOL_HOSTS = ["imds.test"]
-    for address in ("192.0.0.192", "3fff::1", "fec0::1"):
+    for address in ("192.0.0.192", "3fff::1", "fec0::1", "168.63.129.16"):
         dns["imds.test"] = [[address]]
         with pytest.raises(OutboundRefused) as refused:
             outbound.vet("http://imds.test/latest/meta-data/")
