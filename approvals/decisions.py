@@ -29,7 +29,7 @@ from approvals.requests import (
     request_approval,
 )
 from audit import journal
-from runtime import ledger, observe
+from runtime import actionkeys, ledger, observe
 from runtime.errors import (
     AlreadyDecided,
     Expired,
@@ -239,7 +239,7 @@ def _same_vote(
         return True
     now = request.edited_params or request.params
     try:
-        return ledger.canonical_params({**_params(now), **edits})[0] == now
+        return actionkeys.canonical_params({**_params(now), **edits})[0] == now
     except InvalidParams:
         return False
 

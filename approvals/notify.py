@@ -41,7 +41,7 @@ from django.utils import timezone
 
 from approvals.models import ApprovalRequest, ApprovalStatus, TenantWebhook, WebhookDelivery
 from approvals.policies import deciders, shaped_by
-from runtime import outbound
+from runtime import outbound, wire
 from runtime.queue import on_commit_task
 
 if TYPE_CHECKING:
@@ -426,7 +426,7 @@ def send_webhook(
     status: int | None = None
     error, retry = "", True
     try:
-        response = outbound.send(
+        response = wire.send(
             "POST",
             hook.url,
             content=body.encode("utf-8"),

@@ -7,7 +7,7 @@ its own process on a free port (mode `key`, its own SQLite file in the child's t
 - act:  a `bench-act` run of N steps, each `ctx.act("tasks.create", {"title": …})` →
         ms per action, step commit included;
 - bare: the same N request bodies (the canonical JSON bytes the ledger stores and sends),
-        each through the connection pool http tools use (`runtime.outbound.origin()`) —
+        each through the connection pool http tools use (`runtime.wire.origin()`) —
         and the headers the tool sends (Idempotency-Key, Content-Type, Holdpoint-Fence/-Run) →
         ms per call;
 - the no-op step of the same round → ms per bare durable step.
@@ -168,7 +168,7 @@ class LedgerBench:
         ]
         from django.conf import settings
 
-        from runtime.outbound import USER_AGENT, origin
+        from runtime.wire import USER_AGENT, origin
 
         url = httpx.URL(built[0].url)
         # What send() puts on the wire beside the tool's own headers.

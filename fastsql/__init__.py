@@ -1,5 +1,6 @@
 """The hand-written SQL fast path, below both apps: cursor (fastsql.cursor), value preparation
-(fastsql.prep) and the statements built from model metadata (fastsql.statements).
+(fastsql.prep) and the statements built from model metadata (fastsql.statements, over
+fastsql.tables: each model's table, and the condition and SET lists, turned into SQL once).
 
 THE RULE — when code uses this package instead of the ORM:
 

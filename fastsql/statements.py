@@ -23,324 +23,62 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
-from decimal import Decimal
-from typing import Any, NamedTuple, TypeVar
-from uuid import UUID
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DataError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import DateTimeField, ExpressionWrapper, F, Value, signals
-from django.db.models.base import ModelState
-from django.db.models.functions import Now
-from django.db.models.lookups import Exact
-from django.db.models.sql import Query
 from django.utils import timezone
 
 from fastsql.cursor import cursor as _cursor
-from fastsql.prep import Prep, save_and_lookup
+from fastsql.prep import Prep
+from fastsql.tables import (
+    NOW,
+    Above,
+    Add,
+    Check,
+    DbNow,
+    Elapsed,
+    Part,
+    Table,
+    assignments,
+    attnames,
+    built,
+    clock_sql,
+    conditions,
+    conditions_sql,
+    db,
+    returns_rows,
+    table_of,
+    tenant_check,
+    update_sql,
+)
 
-_M = TypeVar("_M", bound=models.Model)
-
-
-@dataclass(frozen=True)
-class DbNow:
-    """The database clock plus `seconds`: lease and in-flight times are database time."""
-
-    seconds: float = 0.0
-
-
-NOW = DbNow()
-
-
-@dataclass(frozen=True)
-class Check:
-    """A condition `(column + 0) = value`: the value is checked, but the planner is not offered
-    the column's index (see `tenant_check`)."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class Above:
-    """A condition `column > value`."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class Add:
-    """`column = column + amount`, evaluated by the database (like `F(column) + amount`)."""
-
-    amount: int = 1
-
-
-@dataclass(frozen=True)
-class Elapsed:
-    """A column read as the database clock's verdict on it: `column IS NULL OR column < now`
-    (`inclusive`: `<=`) — True when the time is unset or past. Lease and wake times are
-    database time; comparing them in Python would use the application's clock."""
-
-    name: str
-    inclusive: bool = False
-
-
-class Part(NamedTuple):
-    """One statement of a larger one (`OneStatement`), named so that later parts can be made
-    conditional on it (`after`). `writes`: a data-modifying statement, given `RETURNING 1`
-    there, so that it yields a row per row it wrote; else a SELECT that yields its rows."""
-
-    name: str
-    sql: str
-    params: list[Any]
-    writes: bool = True
-
-
-def tenant_check(tenant_id: int) -> Exact:
-    """A QuerySet filter `tenant_id + 0 = tenant_id`: names the tenant in a query that already
-    has a more selective key (a run, an action, a stream) without offering the planner the
-    tenant's index. SQLite plans without statistics and, given `run_id = ? AND tenant_id = ?`,
-    may walk all of a tenant's rows by its tenant index instead of one run's."""
-    return Exact(F("tenant_id") + Value(0), tenant_id)
-
-
-def _column(field: models.Field[Any, Any]) -> str:
-    assert field.column is not None  # django-stubs: `str | None`; a concrete field has one
-    return field.column
-
-
-class _Table:
-    """What the statements need of one model, computed once."""
-
-    def __init__(self, model: type[models.Model], conn: BaseDatabaseWrapper) -> None:
-        meta = model._meta
-        qn = conn.ops.quote_name
-        self.model = model
-        self.name = qn(meta.db_table)
-        self.fields = {f.attname: f for f in meta.concrete_fields}
-        self.fields.update({f.name: f for f in meta.concrete_fields})
-        self.column = {name: qn(_column(f)) for name, f in self.fields.items()}
-        preps = {name: save_and_lookup(f, conn.vendor) for name, f in self.fields.items()}
-        self.save: dict[str, Prep] = {name: save for name, (save, _) in preps.items()}
-        self.lookup: dict[str, Prep] = {name: lookup for name, (_, lookup) in preps.items()}
-        self.attnames = tuple(f.attname for f in meta.concrete_fields)
-        self.pk_column = qn(_column(meta.pk))
-        self.insert_fields = [
-            f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
-        ]
-        self.inserts = [
-            (
-                f.attname,
-                self.save[f.attname],
-                f,
-                bool(getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)),
-            )
-            for f in self.insert_fields
-        ]
-        self.insert_names = frozenset(f.attname for f in self.insert_fields)
-        self.insert_preps = [(attname, prep) for attname, prep, _, _ in self.inserts]
-        self.insert_columns = ", ".join(self.column[f.attname] for f in self.insert_fields)
-        # In a SELECT the values need their column types spelled out (a NULL would be text).
-        self.typed_slots = tuple(f"%s::{f.db_type(conn)}" for f in self.insert_fields)
-        self.sql: dict[tuple[Any, ...], str] = {}
-        self.converters: dict[tuple[Any, ...], list[tuple[int, list[Any], Any]]] = {}
-
-    def convert(
-        self, conn: BaseDatabaseWrapper, names: tuple[Any, ...], rows: list[list[Any]]
-    ) -> list[list[Any]]:
-        """Run read values through the converters a QuerySet would apply (an `Elapsed`
-        column: to bool, as a boolean expression of the ORM's would be)."""
-        plan = self.converters.get(names)
-        if plan is None:
-            plan = []
-            for position, name in enumerate(names):
-                if isinstance(name, Elapsed):
-                    plan.append((position, [_to_bool], None))
-                    continue
-                column = self.fields[name].get_col(self.model._meta.db_table)
-                convs = conn.ops.get_db_converters(column) + column.get_db_converters(conn)
-                if convs:
-                    plan.append((position, convs, column))
-            self.converters[names] = plan
-        for position, convs, column in plan:
-            for row in rows:
-                for convert in convs:
-                    row[position] = convert(row[position], column, conn)
-        return rows
-
-
-def _to_bool(value: Any, expression: Any, conn: BaseDatabaseWrapper) -> bool:
-    return bool(value)  # SQLite answers 0/1
-
-
-_tables: dict[tuple[type[models.Model], str], _Table] = {}
-_clocks: dict[tuple[str, DbNow], tuple[str, tuple[Any, ...]]] = {}
-
-
-def _db() -> BaseDatabaseWrapper:
-    return connections[DEFAULT_DB_ALIAS]
-
-
-def _table(model: type[models.Model], conn: BaseDatabaseWrapper) -> _Table:
-    found = _tables.get((model, conn.vendor))
-    if found is None:
-        found = _tables[(model, conn.vendor)] = _Table(model, conn)
-    return found
-
-
-def attnames(model: type[models.Model]) -> tuple[str, ...]:
-    """Every concrete column's attname, in the model's order (what `from_db` expects)."""
-    return _table(model, _db()).attnames
-
-
-def built(model: type[_M], values: Mapping[str, Any]) -> _M:
-    """`model(**values)`, the instance a writer builds before it inserts the row — each
-    column not in `values` takes its field's default, as Model.__init__ gives it — without
-    __init__'s pass over the fields (4% of an action's client CPU in a profile: an action
-    builds one Action and five journal entries). A name that is no column is refused, as
-    __init__ refuses it. When something listens to the model's pre_init or post_init signal,
-    its __init__ runs all the same."""
-    if signals.pre_init.has_listeners(model) or signals.post_init.has_listeners(model):
-        return model(**values)
-    instance = model.__new__(model)
-    instance._state = ModelState()
-    data = instance.__dict__
-    given = 0
-    for field in model._meta.concrete_fields:
-        name = field.attname
-        if name in values:
-            data[name] = values[name]
-            given += 1
-        else:
-            data[name] = field.get_default()
-    if given != len(values):
-        unknown = sorted(set(values) - set(data))
-        raise TypeError(f"{model.__name__}: no column named {', '.join(unknown)}")
-    return instance
-
-
-def _clock(model: type[models.Model], value: DbNow, conn: BaseDatabaseWrapper) -> Any:
-    """SQL for `now() [+ seconds]`, compiled once per value by Django's own compiler."""
-    # Django internals: a bare sql.Query and its compiler, the way QuerySet.update compiles
-    # an expression for the SET list — so the clock is exactly the ORM's on each backend.
-    found = _clocks.get((conn.vendor, value))
-    if found is None:
-        expression: Any = Now()
-        if value.seconds:
-            expression = ExpressionWrapper(
-                Now() + Value(timedelta(seconds=value.seconds)), output_field=DateTimeField()
-            )
-        query = Query(model)
-        compiler = query.get_compiler(connection=conn)
-        resolved = expression.resolve_expression(query, allow_joins=False, for_save=True)
-        sql, params = compiler.compile(resolved)
-        found = _clocks[(conn.vendor, value)] = (sql, tuple(params))
-    return found
-
-
-# Values recognised by their class alone as plain values — neither a condition's special form
-# nor an expression — so that the common case costs one set lookup, not three isinstance calls
-# (this runs for every column of every statement of every step).
-_PLAIN = frozenset({str, int, bool, float, Decimal, datetime, date, UUID})
-_COLLECTIONS = (list, tuple, set, frozenset)
-
-
-def _where(
-    table: _Table, where: Mapping[str, Any], conn: BaseDatabaseWrapper
-) -> tuple[tuple[Any, ...], list[Any]]:
-    """(shape, params) of an AND of equality / IN / IS NULL conditions."""
-    shape: list[Any] = []
-    params: list[Any] = []
-    for name, value in where.items():
-        prep = table.lookup[name]
-        if value.__class__ in _PLAIN:
-            shape.append((name, "="))
-            params.append(prep(value, conn))
-        elif value is None:
-            shape.append((name, "null"))
-        elif isinstance(value, Check):
-            shape.append((name, "check"))
-            params.append(prep(value.value, conn))
-        elif isinstance(value, Above):
-            shape.append((name, "above"))
-            params.append(prep(value.value, conn))
-        elif isinstance(value, _COLLECTIONS):
-            shape.append((name, len(value)))
-            params.extend(prep(v, conn) for v in value)
-        else:
-            shape.append((name, "="))
-            params.append(prep(value, conn))
-    return tuple(shape), params
-
-
-def _where_sql(table: _Table, shape: tuple[Any, ...], after: tuple[str, ...] = ()) -> str:
-    """The conditions of `shape`; with `after`, also that each of those parts wrote a row."""
-    parts = []
-    for name, kind in shape:
-        column = table.column[name]
-        if kind == "null":
-            parts.append(f"{column} IS NULL")
-        elif kind == "check":
-            parts.append(f"({column} + 0) = %s")
-        elif kind == "above":
-            parts.append(f"{column} > %s")
-        elif kind == "=":
-            parts.append(f"{column} = %s")
-        else:
-            parts.append(f"{column} IN ({', '.join(['%s'] * kind)})")
-    parts += [f"EXISTS (SELECT 1 FROM {name})" for name in after]
-    return " AND ".join(parts) or "1 = 1"
-
-
-def _set(
-    table: _Table, changes: Mapping[str, Any], conn: BaseDatabaseWrapper
-) -> tuple[tuple[Any, ...], list[Any]]:
-    """(shape, params) of a SET list: plain values, database-clock values, increments."""
-    shape: list[Any] = []
-    params: list[Any] = []
-    for name, value in changes.items():
-        if value is None or value.__class__ in _PLAIN:
-            shape.append((name, ""))
-            params.append(table.save[name](value, conn))
-        elif isinstance(value, DbNow):
-            sql, clock_params = _clock(table.model, value, conn)
-            shape.append((name, sql))
-            params.extend(clock_params)
-        elif isinstance(value, Add):
-            shape.append((name, "+"))
-            params.append(value.amount)
-        elif hasattr(value, "resolve_expression"):
-            raise TypeError(f"{name}: a Django expression; use statements.NOW/DbNow/Add")
-        else:
-            shape.append((name, ""))
-            params.append(table.save[name](value, conn))
-    return tuple(shape), params
-
-
-def _update_sql(
-    table: _Table,
-    set_shape: tuple[Any, ...],
-    where_shape: tuple[Any, ...],
-    after: tuple[str, ...] = (),
-) -> str:
-    assignments = []
-    for name, kind in set_shape:
-        column = table.column[name]
-        if kind == "+":
-            assignments.append(f"{column} = {column} + %s")
-        else:
-            assignments.append(f"{column} = {kind or '%s'}")
-    where = _where_sql(table, where_shape, after)
-    return f"UPDATE {table.name} SET {', '.join(assignments)} WHERE {where}"
-
-
-def _returns_rows(conn: BaseDatabaseWrapper) -> bool:
-    """UPDATE … RETURNING: PostgreSQL; SQLite from 3.35 (Django 5.2 accepts 3.31)."""
-    if conn.vendor == "sqlite":
-        import sqlite3
-
-        return sqlite3.sqlite_version_info >= (3, 35)
-    return conn.vendor == "postgresql"
+# What callers use; the vocabulary of fastsql.tables is named again here, so a caller writes
+# `statements.NOW` or `statements.Check(...)` beside the statements themselves.
+__all__ = [
+    "NOW",
+    "Above",
+    "Add",
+    "Check",
+    "DbNow",
+    "Elapsed",
+    "OneStatement",
+    "Part",
+    "PartsAfter",
+    "Read",
+    "attnames",
+    "built",
+    "insert",
+    "load",
+    "load_all",
+    "select",
+    "sends",
+    "tenant_check",
+    "update",
+    "update_then_insert",
+    "update_then_insert_parts",
+    "update_then_insert_rows",
+]
 
 
 def update(
@@ -352,7 +90,7 @@ def update(
 ) -> Any:
     """`UPDATE table SET … WHERE …`: the number of rows changed (the CAS result), or with
     `returning` (attnames) the changed rows' values, converted as a read converts them."""
-    return _update(_db(), model, changes, where, returning)
+    return _update(db(), model, changes, where, returning)
 
 
 def _update(
@@ -362,14 +100,14 @@ def _update(
     where: Mapping[str, Any],
     returning: tuple[str, ...] = (),
 ) -> Any:
-    table = _table(model, conn)
-    set_shape, params = _set(table, changes, conn)
-    where_shape, where_params = _where(table, where, conn)
-    inline = bool(returning) and _returns_rows(conn)
+    table = table_of(model, conn)
+    set_shape, params = assignments(table, changes, conn)
+    where_shape, where_params = conditions(table, where, conn)
+    inline = bool(returning) and returns_rows(conn)
     key = ("update", set_shape, where_shape, returning, inline)
     sql = table.sql.get(key)
     if sql is None:
-        sql = _update_sql(table, set_shape, where_shape)
+        sql = update_sql(table, set_shape, where_shape)
         if inline:
             sql += f" RETURNING {', '.join(table.column[n] for n in returning)}"
         table.sql[key] = sql
@@ -386,7 +124,7 @@ def _update(
     return select(model, returning, {pk: where[pk]})
 
 
-def _insert_values(table: _Table, row: Mapping[str, Any], conn: BaseDatabaseWrapper) -> list[Any]:
+def _insert_values(table: Table, row: Mapping[str, Any], conn: BaseDatabaseWrapper) -> list[Any]:
     """Every insert column's value: as given (by attname), else what the ORM would use —
     now for auto_now / auto_now_add, else the field's default. A `DbNow` is kept as it is:
     `_insert` writes the database clock in its place."""
@@ -409,7 +147,7 @@ def _prep_or_clock(prep: Prep, value: Any, conn: BaseDatabaseWrapper) -> Any:
 
 
 def _with_clocks(
-    table: _Table, conn: BaseDatabaseWrapper, params: list[Any]
+    table: Table, conn: BaseDatabaseWrapper, params: list[Any]
 ) -> tuple[tuple[tuple[int, DbNow], ...], list[Any]]:
     """The positions of the `DbNow` values among an insert's `params`, and the params with
     each replaced by its clock's own parameters (none, or its interval)."""
@@ -419,27 +157,27 @@ def _with_clocks(
     spliced: list[Any] = []
     for value in params:
         if value.__class__ is DbNow:
-            spliced.extend(_clock(table.model, value, conn)[1])
+            spliced.extend(clock_sql(table.model, value, conn)[1])
         else:
             spliced.append(value)
     return clocks, spliced
 
 
 def _values_sql(
-    table: _Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[tuple[int, DbNow], ...]
+    table: Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[tuple[int, DbNow], ...]
 ) -> str:
     """`(%s, …), (%s, …)` for `count` rows, the clock's SQL where a `DbNow` stands."""
     width = len(table.insert_fields)
     slots = ["%s"] * (width * count)
     for position, value in clocks:
-        slots[position] = _clock(table.model, value, conn)[0]
+        slots[position] = clock_sql(table.model, value, conn)[0]
     return ", ".join(
         f"({', '.join(slots[row * width : (row + 1) * width])})" for row in range(count)
     )
 
 
 def _rows_values(
-    table: _Table, rows: Iterable[Mapping[str, Any]], conn: BaseDatabaseWrapper
+    table: Table, rows: Iterable[Mapping[str, Any]], conn: BaseDatabaseWrapper
 ) -> tuple[int, list[Any]]:
     count, params = 0, []
     for row in rows:
@@ -462,12 +200,12 @@ def insert(
     stored, converted as a read converts them — what a database-clock value became; else
     []."""
     if returning:
-        return _insert_returning(_db(), model, list(rows), returning)
-    return _insert(_db(), model, rows, pks)
+        return _insert_returning(db(), model, list(rows), returning)
+    return _insert(db(), model, rows, pks)
 
 
 def _insert_sql(
-    table: _Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[Any, ...], tail: str
+    table: Table, conn: BaseDatabaseWrapper, count: int, clocks: tuple[Any, ...], tail: str
 ) -> str:
     key = ("insert", count, tail, clocks)
     sql = table.sql.get(key)
@@ -486,10 +224,10 @@ def _insert_returning(
 ) -> list[Any]:
     if len(rows) != 1:
         raise ValueError("insert(returning=…) takes exactly one row")
-    table = _table(model, conn)
+    table = table_of(model, conn)
     _, params = _rows_values(table, rows, conn)
     clocks, params = _with_clocks(table, conn, params)
-    inline = _returns_rows(conn)
+    inline = returns_rows(conn)
     tail = f" RETURNING {', '.join(table.column[n] for n in returning)}" if inline else ""
     cursor = _cursor(conn)
     cursor.execute(_insert_sql(table, conn, 1, clocks, tail), params)
@@ -505,7 +243,7 @@ def _insert(
     rows: Iterable[Mapping[str, Any]],
     pks: bool = False,
 ) -> list[Any]:
-    table = _table(model, conn)
+    table = table_of(model, conn)
     count, params = _rows_values(table, rows, conn)
     if not count:
         return []
@@ -535,7 +273,7 @@ def update_then_insert(
     """`update(model, changes, where)`; only if it changed exactly one row, insert `row`.
     True if both happened. On PostgreSQL one statement (one round trip): the insert selects
     from the update's RETURNING."""
-    conn = _db()
+    conn = db()
     if conn.vendor != "postgresql":
         if _update(conn, model, changes, where) != 1:
             return False
@@ -561,7 +299,7 @@ def update_then_insert_rows(
     """`update_then_insert` of several rows into a table with an auto id: the new rows'
     primary keys in order, or None (nothing inserted) if the update did not change exactly
     one row. On PostgreSQL one statement."""
-    conn = _db()
+    conn = db()
     if conn.vendor != "postgresql":
         if _update(conn, model, changes, where) != 1:
             return None
@@ -570,7 +308,7 @@ def update_then_insert_rows(
     cursor = _cursor(conn)
     cursor.execute(
         f"WITH {changed.name} AS ({changed.sql} RETURNING 1) {added.sql}"
-        f" RETURNING {_table(insert_model, conn).pk_column}",
+        f" RETURNING {table_of(insert_model, conn).pk_column}",
         changed.params + added.params,
     )
     return [row[0] for row in cursor.fetchall()] or None
@@ -586,7 +324,7 @@ def update_then_insert_parts(
     """PostgreSQL: `update_then_insert` as the parts of a larger statement (`OneStatement`) —
     ("changed", "UPDATE … WHERE …", params) and ("inserted", "INSERT … SELECT … FROM changed",
     params)."""
-    return _update_then_insert_parts(_db(), model, changes, where, insert_model, [row])
+    return _update_then_insert_parts(db(), model, changes, where, insert_model, [row])
 
 
 def _update_then_insert_parts(
@@ -613,7 +351,7 @@ class OneStatement:
     snapshot, and a row changed by one part is invisible to the others."""
 
     def __init__(self) -> None:
-        self.conn = _db()  # looked up once: each lookup costs more than building a part
+        self.conn = db()  # looked up once: each lookup costs more than building a part
         if self.conn.vendor != "postgresql" or self.conn.in_atomic_block:
             raise RuntimeError("OneStatement is one autocommit statement on PostgreSQL")
         self.reads: list[Read] = []
@@ -622,14 +360,14 @@ class OneStatement:
         """A value the statement also reads, in its own snapshot, and returns: the `column`
         of the first row of `model` matching `where`. Its `Read` is filled in by `run` when
         the statement wrote (`done`; `value` None without a matching row)."""
-        table = _table(model, self.conn)
-        where_shape, params = _where(table, where, self.conn)
+        table = table_of(model, self.conn)
+        where_shape, params = conditions(table, where, self.conn)
         key = ("read", column, where_shape)
         sql = table.sql.get(key)
         if sql is None:
             sql = table.sql[key] = (
                 f"(SELECT {table.column[column]} FROM {table.name}"
-                f" WHERE {_where_sql(table, where_shape)} LIMIT 1)"
+                f" WHERE {conditions_sql(table, where_shape)} LIMIT 1)"
             )
         found = Read(sql, params)
         self.reads.append(found)
@@ -673,12 +411,12 @@ class OneStatement:
         each row of the part `after` while no row of `model` matches `where` — a guard that
         the parts after it (and the statement's last) write only if nothing matched, read in
         the statement's own snapshot."""
-        table = _table(model, self.conn)
-        where_shape, params = _where(table, where, self.conn)
+        table = table_of(model, self.conn)
+        where_shape, params = conditions(table, where, self.conn)
         key = ("absent_part", where_shape, after)
         sql = table.sql.get(key)
         if sql is None:
-            where_sql = _where_sql(table, where_shape)
+            where_sql = conditions_sql(table, where_shape)
             sql = table.sql[key] = (
                 f"SELECT 1 FROM {after} WHERE NOT EXISTS"
                 f" (SELECT 1 FROM {table.name} WHERE {where_sql})"
@@ -785,13 +523,13 @@ def _update_part(
     where: Mapping[str, Any],
     after: tuple[str, ...],
 ) -> Part:
-    table = _table(model, conn)
-    set_shape, params = _set(table, changes, conn)
-    where_shape, where_params = _where(table, where, conn)
+    table = table_of(model, conn)
+    set_shape, params = assignments(table, changes, conn)
+    where_shape, where_params = conditions(table, where, conn)
     key = ("update_part", set_shape, where_shape, after)
     sql = table.sql.get(key)
     if sql is None:
-        sql = table.sql[key] = _update_sql(table, set_shape, where_shape, after)
+        sql = table.sql[key] = update_sql(table, set_shape, where_shape, after)
     return Part(name, sql, params + where_params)
 
 
@@ -802,12 +540,12 @@ def _lock_part(
     where: Mapping[str, Any],
     after: tuple[str, ...],
 ) -> Part:
-    table = _table(model, conn)
-    where_shape, params = _where(table, where, conn)
+    table = table_of(model, conn)
+    where_shape, params = conditions(table, where, conn)
     key = ("lock_part", where_shape, after)
     sql = table.sql.get(key)
     if sql is None:
-        where_sql = _where_sql(table, where_shape, after)
+        where_sql = conditions_sql(table, where_shape, after)
         sql = table.sql[key] = f"SELECT 1 FROM {table.name} WHERE {where_sql} FOR UPDATE"
     return Part(name, sql, params, writes=False)
 
@@ -819,7 +557,7 @@ def _insert_part(
     rows: Sequence[Mapping[str, Any]],
     after: str,
 ) -> Part:
-    table = _table(model, conn)
+    table = table_of(model, conn)
     count, params = _rows_values(table, rows, conn)
     clocks, params = _with_clocks(table, conn, params)
     if clocks and count != 1:
@@ -830,7 +568,7 @@ def _insert_part(
         if count == 1:
             slots = list(table.typed_slots)
             for position, value in clocks:  # the clock's SQL (and its interval's %s) instead
-                slots[position] = _clock(table.model, value, conn)[0]
+                slots[position] = clock_sql(table.model, value, conn)[0]
             select_sql = f"SELECT {', '.join(slots)} FROM {after}"
         else:
             values = ", ".join([f"({', '.join(table.typed_slots)})"] * count)
@@ -854,15 +592,15 @@ def select(
 
     `for_update` locks them (PostgreSQL `FOR UPDATE`; SQLite's write transaction already
     excludes every other writer)."""
-    conn = _db()
-    table = _table(model, conn)
-    where_shape, params = _where(table, where, conn)
+    conn = db()
+    table = table_of(model, conn)
+    where_shape, params = conditions(table, where, conn)
     lock = for_update and conn.features.has_select_for_update
     key = ("select", names, where_shape, lock, order_by, limit)
     sql = table.sql.get(key)
     if sql is None:
         columns = ", ".join(_read_sql(table, name, conn) for name in names)
-        sql = f"SELECT {columns} FROM {table.name} WHERE {_where_sql(table, where_shape)}"
+        sql = f"SELECT {columns} FROM {table.name} WHERE {conditions_sql(table, where_shape)}"
         if order_by:
             terms = (
                 f"{table.column[n[1:]]} DESC" if n.startswith("-") else table.column[n]
@@ -880,10 +618,10 @@ def select(
     return table.convert(conn, names, rows)
 
 
-def _read_sql(table: _Table, name: str | Elapsed, conn: BaseDatabaseWrapper) -> str:
+def _read_sql(table: Table, name: str | Elapsed, conn: BaseDatabaseWrapper) -> str:
     if not isinstance(name, Elapsed):
         return table.column[name]
-    now, now_params = _clock(table.model, NOW, conn)
+    now, now_params = clock_sql(table.model, NOW, conn)
     if now_params:  # neither SQLite's nor PostgreSQL's clock takes any
         raise NotImplementedError(f"a database clock with parameters ({conn.vendor})")
     column = table.column[name.name]

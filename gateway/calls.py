@@ -47,7 +47,7 @@ from django.urls import reverse
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit import journal
 from audit.models import JournalEntry
-from runtime import ledger, protocol, toolcatalog
+from runtime import actionkeys, ledger, protocol, toolcatalog
 from runtime.agents import mcp_session
 from runtime.agents.mcp_session import NAME as GRAPH
 from runtime.dispatch import reconcile_due
@@ -266,7 +266,7 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
     tool = _tool(caller, name)
     params = {} if arguments is None else arguments
     try:
-        text, fingerprint = ledger.canonical_params(params)
+        text, fingerprint = actionkeys.canonical_params(params)
     except InvalidParams as exc:
         raise CallError(INVALID_PARAMS, f"invalid arguments: {exc.detail}") from None
     limit = settings.HOLDPOINT_MCP_MAX_ARGUMENT_BYTES

@@ -16,7 +16,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models.functions import Now
 
-from runtime import gates, ledger
+from runtime import actionkeys, gates, ledger, unsent
 from runtime.dispatch import perform
 from runtime.errors import (
     ApprovalExpired,
@@ -97,7 +97,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     if "reason" in undo.schema.get("properties", {}):
         params["reason"] = sent_reason(reason, undo.schema["properties"]["reason"])
     undo.validate(params)
-    text, fingerprint = ledger.canonical_params(params)
+    text, fingerprint = actionkeys.canonical_params(params)
     with transaction.atomic(durable=True):
         original = Action.objects.select_for_update().get(pk=action.pk)
         if original.status != S.CONFIRMED:
@@ -123,7 +123,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
         created = Action.objects.create(
             tenant_id=run.tenant_id,
             run=run,
-            idempotency_key=ledger.undo_key(original.idempotency_key, attempt),
+            idempotency_key=actionkeys.undo_key(original.idempotency_key, attempt),
             tool=undo.name,
             tool_version=undo.version,
             params=text,
@@ -184,7 +184,7 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
         # from one still queued, and the sweeper tries again later.
         stuck = Action.objects.get(pk=action_id)
         delay = resend_delay(stuck.send_failures + 1)
-        return ledger.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
+        return unsent.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
     return _finish(action, actor)
 
 
@@ -213,9 +213,9 @@ def send_again(action: Action, *, actor: str) -> Action:
 
 def ring_due_resends(limit: int) -> int:
     """The sweeper's part: ring the dispatcher of each standalone action whose send failed and
-    whose back-off is over (`ledger.claim_resends` claims each first, so a tick does not ring
+    whose back-off is over (`unsent.claim_resends` claims each first, so a tick does not ring
     it again while its ring waits). How many were rung."""
-    claimed = ledger.claim_resends(limit, RESEND_HOLD)
+    claimed = unsent.claim_resends(limit, RESEND_HOLD)
     for action_id, _tenant in claimed:
         enqueue_task(SENDER, action_id)
     return len(claimed)

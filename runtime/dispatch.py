@@ -26,7 +26,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from fastsql.statements import OneStatement, Part, PartsAfter, Read, tenant_check
-from runtime import gates, ledger, observe, outcomes, toolcatalog, tools
+from runtime import actionkeys, gates, ledger, observe, outcomes, toolcatalog, tools
 from runtime.errors import (
     ApprovalExpired,
     ApprovalRequired,
@@ -230,7 +230,7 @@ class ActionRunner:
             tool, guessed = seen
         else:
             tool = self.current_tool(tool_name, params)
-        canonical = ledger.canonical_params(params)
+        canonical = actionkeys.canonical_params(params)
         action = None
         if not ctx.fresh:
             action = ledger.find_action(run, ctx.step, call_index, canonical[1])

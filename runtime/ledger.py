@@ -10,7 +10,6 @@ Network calls live in `runtime.dispatch`; this module only writes.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -22,17 +21,9 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from audit import journal
-from audit.canonical import (
-    MAX_DEPTH,
-    TOO_DEEP,
-    CanonicalError,
-    canonical_bytes,
-    deeper_than,
-    digest,
-    sha256_hex,
-)
 from fastsql import statements
 from runtime import gates, toolcatalog
+from runtime.actionkeys import canonical_params, idempotency_key, journal_params, visit_prefix
 from runtime.errors import (
     ActionCancelled,
     ApprovalExpired,
@@ -46,7 +37,6 @@ from runtime.errors import (
     ToolWithheld,
 )
 from runtime.events import RunEvent, record
-from runtime.leases import db_now_plus
 from runtime.models import SENDABLE, TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
 from runtime.tools import Tool, tool_of
 
@@ -66,68 +56,6 @@ UNSETTLED = (S.SENT, S.UNKNOWN)
 
 def sources(target: str) -> list[str]:
     return [source for source, targets in TRANSITIONS.items() if target in targets]
-
-
-def idempotency_key(run: Run, step: str, call_index: int) -> str:
-    """Stable across retries and processes: the same call of the same step visit gets the same
-    key. The visit is named by the checkpoint rev it began at (`step_rev`), so a step that
-    loops to itself acts anew on each visit, while a re-run after a crash finds its action.
-    The one spelling of a derived key, for a worker's steps and an external executor's alike."""
-    return f"{visit_prefix(run, step)}{call_index}"
-
-
-def visit_prefix(run: Run, step: str) -> str:
-    """What every key of one visit of `step` begins with (the call index follows)."""
-    return f"{run.run_id}:{run.goal_rev}:{step}@{run.step_rev}:"
-
-
-# The keys Holdpoint derives begin with their run's id: a step's (`visit_prefix`), an MCP
-# call's (`mcp:<run id>:…`, gateway.calls); a compensation's is its action's key and UNDO
-# (the first one asked for), or UNDO and `:<n>` (the n-th, asked after earlier ones ended
-# unsent: `runtime.compensation.compensate`).
-UNDO = ":undo"
-_UNDONE = re.compile(re.escape(UNDO) + r"(?::[0-9]+)?\Z")
-_DERIVED = re.compile(r"^(?:mcp:)?([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):")
-
-
-def undo_key(key: str, attempt: int) -> str:
-    """The key of the `attempt`-th compensation of the action keyed `key` (what
-    `reserved_key` keeps clients from spelling)."""
-    return f"{key}{UNDO}" if attempt == 1 else f"{key}{UNDO}:{attempt}"
-
-
-def reserved_key(key: str, run_id: Any) -> str:
-    """Why an executor may not give `key` to an action of run `run_id`; "" when it may.
-
-    Keys are unique per tenant, and every part of a derived key is on the API (run id, goal
-    revision, step, visit): a client's key spelled as another run's next one took it first,
-    and that run's own prepare failed on it, step after step, until the run failed."""
-    if _UNDONE.search(key):
-        return f"keys ending in {UNDO} or {UNDO}:<n> are Holdpoint's, for compensations"
-    derived = _DERIVED.match(key)
-    if derived is not None and derived.group(1) != str(run_id):
-        return "the key is one Holdpoint derives for another run"
-    return ""
-
-
-def canonical_params(params: Any) -> tuple[str, str]:
-    """(canonical text, fingerprint); refuses what cannot be canonicalised unambiguously, and
-    params nested deeper than any JSON Holdpoint takes in (MAX_DEPTH: the API's parser
-    refuses such a body; an MCP host's arguments or a step's params reach here parsed)."""
-    if not isinstance(params, dict):
-        raise InvalidParams("params must be a JSON object", errors={"params": ["not an object"]})
-    if deeper_than(params, MAX_DEPTH):
-        raise InvalidParams(TOO_DEEP, errors={"params": [TOO_DEEP]})
-    try:
-        data = canonical_bytes(params)
-    except CanonicalError as exc:
-        raise InvalidParams(str(exc), errors={"params": [str(exc)]}) from None
-    return data.decode("utf-8"), sha256_hex(data)
-
-
-def journal_params(tool: Tool, params: dict[str, Any]) -> dict[str, Any]:
-    """Params as the journal keeps them: sensitive values as digests only."""
-    return {k: ({"sha256": digest(v)} if k in tool.sensitive else v) for k, v in params.items()}
 
 
 @dataclass(frozen=True)
@@ -154,7 +82,7 @@ def fence_moved(run_id: Any, fence: int) -> bool:
     return not Run.objects.filter(pk=run_id, fence=fence).exists()
 
 
-def _absorb(action: Action, row: list[Any]) -> Action:
+def absorb(action: Action, row: list[Any]) -> Action:
     """The row as the database now holds it, written onto the instance (a refresh)."""
     action.__dict__.update(zip(statements.attnames(Action), row, strict=True))
     return action
@@ -182,7 +110,7 @@ def _move(action: Action, target: str, changes: dict[str, Any], **where: Any) ->
     rows = statements.update(Action, sets, condition, returning=statements.attnames(Action))
     if len(rows) != 1:
         return False
-    _absorb(action, rows[0])
+    absorb(action, rows[0])
     return True
 
 
@@ -670,7 +598,7 @@ def mark_resent(action: Action, fence: int, ttl: float, tool: Tool, actor: str) 
     )
     if len(rows) != 1:
         raise InvalidTransition("only a sent or unknown action is sent again with its key")
-    _absorb(action, rows[0])
+    absorb(action, rows[0])
     _record_outcome(action, S.SENT, actor, changes, {"again": True})
     return action
 
@@ -763,71 +691,7 @@ def reload(action: Action) -> Action:
     )
     if not row:
         raise Action.DoesNotExist(f"action {action.pk} is gone")
-    return _absorb(action, row[0])
-
-
-# What the run page may show of why a send failed (the action's `send_failure` column).
-SEND_FAILURE_MAX = 500
-
-
-def note_unsent(action: Action, reason: str, actor: str, *, retry_in: float | None) -> Action:
-    """A standalone action's send (a compensation's: no step drives it, so no run parks on
-    it) met a tool it could not reach — nothing applied, and for a circuit open or an
-    inactive MCP server nothing else was written: its row keeps when (database time), why,
-    one more such failure, and when the sweeper tries again (`retry_in` seconds from now;
-    None: it does not), journalled, so that it can be told from one still queued and a
-    tenant admin can send it again. A compare-and-swap on its unsent status: one another
-    ring sent meanwhile is left as it is (and returned as it is)."""
-    reason = reason[:SEND_FAILURE_MAX]
-    changes = {
-        "send_failed_at": statements.NOW,
-        "send_failure": reason,
-        "send_failures": statements.Add(1),
-        "send_retry_at": None if retry_in is None else statements.DbNow(retry_in),
-    }
-    where = {
-        "action_id": action.pk,
-        "tenant_id": statements.Check(action.tenant_id),
-        "status": list(SENDABLE),
-    }
-    with transaction.atomic(durable=True):
-        rows = statements.update(Action, changes, where, returning=statements.attnames(Action))
-        if not rows:
-            return reload(action)
-        _absorb(action, rows[0])
-        record(
-            RunRef(action.run_id, action.tenant_id),
-            RunEvent.ACTION_SEND_FAILED,
-            actor,
-            action_id=str(action.action_id),
-            idempotency_key=action.idempotency_key,
-            tool=action.tool,
-            reason=reason,
-            send_failures=action.send_failures,
-            retry_at=action.send_retry_at.isoformat() if action.send_retry_at else None,
-        )
-    return action
-
-
-def claim_resends(limit: int, hold: float) -> list[tuple[str, int]]:
-    """(action id, tenant) of up to `limit` unsent actions whose retry time came (database
-    clock; only `note_unsent` sets one), each claimed by moving that time `hold` seconds on
-    — a compare-and-swap on its being due — so that the next sweep does not ring it again
-    while its ring waits in the queue. A ring that is lost is rung again after `hold`; the
-    send's own failure sets the next time, a send takes it out of the sweeper's index."""
-    due = (
-        Action.objects.filter(status__in=SENDABLE, send_retry_at__lte=Now())
-        .order_by("send_retry_at")
-        .values_list("action_id", "tenant_id")[:limit]
-    )
-    claimed = []
-    for action_id, tenant_id in list(due):
-        moved = Action.objects.filter(
-            pk=action_id, tenant_id=tenant_id, status__in=SENDABLE, send_retry_at__lte=Now()
-        ).update(send_retry_at=db_now_plus(hold))
-        if moved:
-            claimed.append((str(action_id), tenant_id))
-    return claimed
+    return absorb(action, row[0])
 
 
 def may_be_in_flight(action: Action) -> bool:

@@ -67,7 +67,7 @@ def step_done(step: Step, ended: float | None = None) -> None:
 
 class Sending:
     """The request for an action, `with` it around the tool's call: the log lines name the
-    action, the send span is current (runtime.outbound puts *its* traceparent on an HTTP
+    action, the send span is current (runtime.wire puts *its* traceparent on an HTTP
     tool's request), and a call that answered is timed."""
 
     __slots__ = ("action", "began", "_span")

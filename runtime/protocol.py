@@ -21,7 +21,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import gates, leases, ledger, observe, outcomes, stepcommit, toolcatalog
+from runtime import actionkeys, gates, leases, ledger, observe, outcomes, stepcommit, toolcatalog
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -373,7 +373,7 @@ def prepare(
     """Prepare an action for an external executor; (action, created).
 
     The key is the client's `idempotency_key`, or else the step visit's next call
-    (runtime.ledger.idempotency_key). Asked again — a retry, or a second request racing the
+    (runtime.actionkeys.idempotency_key). Asked again — a retry, or a second request racing the
     first — the same request is the same action: the same key with the same params, or
     without a key the same tool and params in the same visit. The same key with other params
     is refused (422); so is a key another run used. All of it runs under the run's row lock.
@@ -387,8 +387,8 @@ def prepare(
     if not isinstance(params, dict):
         raise InvalidParams("params must be a JSON object", errors={"params": ["not an object"]})
     tool.validate(params)
-    canonical = ledger.canonical_params(params)
-    if idempotency_key and (reserved := ledger.reserved_key(idempotency_key, run.run_id)):
+    canonical = actionkeys.canonical_params(params)
+    if idempotency_key and (reserved := actionkeys.reserved_key(idempotency_key, run.run_id)):
         raise IdempotencyKeyReused(f"key {idempotency_key!r}: {reserved}")
     actor = _actor(who, fence)
 
@@ -413,7 +413,7 @@ def prepare(
             return answer(earlier, False)
         toolcatalog.refuse_withheld(tool, current.tenant_id)
         index = max(calls, default=0) + 1
-        key = idempotency_key or ledger.idempotency_key(current, API_STEP, index)
+        key = idempotency_key or actionkeys.idempotency_key(current, API_STEP, index)
         approval = gates.needs_approval(tool, params, current, target)
         try:
             with transaction.atomic():

@@ -1,4 +1,4 @@
-"""A service's JSON answer made storable, for every sender: http tools (runtime.outbound) and
+"""A service's JSON answer made storable, for every sender: http tools (runtime.wire) and
 MCP upstreams (runtime.mcp), over streamable HTTP or stdio.
 
 An answer is the proof of an effect that happened: refusing to store it would leave that

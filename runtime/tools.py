@@ -25,7 +25,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from fastsql import statements
-from runtime import jsonpaths, outbound, urltemplates
+from runtime import jsonpaths, outbound, urltemplates, wire
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import InvalidParams
 from runtime.paramcheck import ParamsSchema
@@ -304,7 +304,7 @@ class HttpTool(Tool):
         except urltemplates.TemplateError as exc:
             return CallResult("refused", detail=f"the URL cannot be built: {exc}", unsent=True)
         try:
-            response = outbound.send(
+            response = wire.send(
                 request.method,
                 request.url,
                 content=request.content or None,
@@ -325,14 +325,14 @@ class HttpTool(Tool):
         token = request.headers.get("Authorization", "").removeprefix("Bearer ")
         return self.classify(response, secret=token)
 
-    def classify(self, response: outbound.OutboundResponse, *, secret: str = "") -> CallResult:
+    def classify(self, response: wire.OutboundResponse, *, secret: str = "") -> CallResult:
         """The outcome the answer proves. `secret`: the credential the request carried,
         masked wherever the answer quotes it back ("invalid token: …"): the answer's text
         becomes the action's error, and a success's body its result and its id, which every
         member of the tenant reads and the journal keeps (`masked_call`)."""
         return masked_call(self._classify(response, secret), secret)
 
-    def _classify(self, response: outbound.OutboundResponse, secret: str) -> CallResult:
+    def _classify(self, response: wire.OutboundResponse, secret: str) -> CallResult:
         detail = masked(response.text, secret)[:500]
         status = response.status_code
         if 200 <= status < 300:
@@ -366,7 +366,7 @@ class HttpTool(Tool):
             # unknown action went to a person).
             headers = self._headers({"Holdpoint-Run": run_id, **self.authorization(run_id)})
             token = headers.get("Authorization", "").removeprefix("Bearer ")
-            response = outbound.send(
+            response = wire.send(
                 self.lookup_method, url, content=None, headers=headers, timeout=self.timeout
             )
         except (outbound.OutboundRefused, urltemplates.TemplateError, SecretUnreadable) as exc:

@@ -11,7 +11,7 @@ objects, not their attributes, so nothing is computed unless a span records.
 One trace per run: the request that creates a run stores its span's `traceparent` on the
 run (`Run.trace_context`); every later advance — in a worker, hours later — and every
 decision on its actions start as children of it, so the agent's trace reaches the tracker
-(`inject` puts the send span's context on the tool's request, `runtime.outbound.send`).
+(`inject` puts the send span's context on the tool's request, `runtime.wire.send`).
 """
 
 from __future__ import annotations

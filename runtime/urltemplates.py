@@ -1,9 +1,10 @@
 """A tool's URL as its definition writes it, `{name}` placeholders filled from the params.
 
-Apart from `runtime.outbound` (which judges where a request may go and sends it) because a
-template is checked where no request is sent: when a definition is saved (`tooldefs`), when
-a reviewer's card shows the action's URL (`approvals.card`). Its rules keep a value from
-moving a request anywhere the definition did not name; `outbound` then judges the host.
+Apart from `runtime.outbound` (which judges where a request may go; `runtime.wire` sends it)
+because a template is checked where no request is sent: when a definition is saved
+(`tooldefs`), when a reviewer's card shows the action's URL (`approvals.card`). Its rules keep
+a value from moving a request anywhere the definition did not name; `outbound` then judges
+the host.
 
 Pure module: knows no model and reads no settings.
 """

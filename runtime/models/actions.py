@@ -75,7 +75,7 @@ class Action(models.Model):
     # it could not reach — the circuit open, the service down, its MCP server inactive — so
     # nothing applied and, for some of those, nothing else was written: when (database time),
     # why, how many such attempts in all, and when the sweeper tries again (None: it does
-    # not). Written only by `ledger.note_unsent`; the run page shows them to a tenant admin.
+    # not). Written only by `runtime.unsent.note_unsent`; the run page shows them to a tenant admin.
     send_failed_at = models.DateTimeField(null=True, blank=True)
     send_failure = models.CharField(max_length=500, blank=True, default="")
     send_failures = models.PositiveIntegerField(default=0)

@@ -488,7 +488,7 @@ def test_an_idempotency_key_of_another_run_is_422(agent_a: Persona) -> None:
 def test_a_client_key_spelled_as_another_runs_step_key_is_refused(agent_a: Persona) -> None:
     """Keys are unique per tenant: a client key of another run spelled like this run's next
     call's key took it first, and this run's prepare was refused (409) for as long as the
-    other action lived. Such a key is refused (ledger.reserved_key); the run keeps its own."""
+    other action lived. Such a key is refused (actionkeys.reserved_key); the run keeps its own."""
     client = agent_a.api()
     run_id, fence = leased(client)
     other_run, other_fence = leased(client)

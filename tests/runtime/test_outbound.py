@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trustme
 
-from runtime import outbound
+from runtime import outbound, wire
 from runtime.outbound import (
     OutboundRefused,
     address_allowed,
@@ -31,8 +31,8 @@ from runtime.outbound import (
     check_url,
     host_allowed,
     parse_networks,
-    send,
 )
+from runtime.wire import send
 from tests.httpservers import Behaviour, Server, answer_json, answer_with, stream_forever
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,6 +184,8 @@ def test_check_url(settings: Any) -> None:
         "192.0.0.8",  # the IPv4 dummy address
         "3fff::1",  # documentation (RFC 9637)
         "fec0::1",  # site-local (deprecated, still routed inside some networks)
+        "168.63.129.16",  # public, but inside an Azure VM its host's WireServer
+        "::ffff:168.63.129.16",
     ],
 )
 def test_private_addresses_are_refused(address: str) -> None:
@@ -228,7 +230,7 @@ def test_send_delivers_with_the_original_host_header(serve: Any) -> None:
     assert request["headers"]["host"] == f"localhost:{server.port}"
     assert request["headers"]["idempotency-key"] == "k1"
     assert request["headers"]["accept-encoding"] == "identity"
-    assert request["headers"]["user-agent"] == outbound.USER_AGENT
+    assert request["headers"]["user-agent"] == wire.USER_AGENT
     assert "cookie" not in request["headers"]
 
 
@@ -379,10 +381,11 @@ def test_an_address_the_interpreter_calls_global_but_is_not_is_refused_before_co
     """`ipaddress` judges by its Python release's tables: before 3.11.10 and 3.12.4 all of
     192.0.0.0/24 was global (192.0.0.192 is in SSRF payload lists as a cloud's metadata
     address), and no release knows the IPv6 documentation range 3fff::/20 — so whether a
-    tool could reach them depended on the interpreter a worker ran. `vet` (what an MCP
+    tool could reach them depended on the interpreter a worker ran. Azure's WireServer
+    (168.63.129.16) is public to every release. `vet` (what an MCP
     session and `send` check before connecting) refuses them, and so does a webhook's form."""
     settings.HOLDPOINT_TOOL_HOSTS = ["imds.test"]
-    for address in ("192.0.0.192", "3fff::1", "fec0::1"):
+    for address in ("192.0.0.192", "3fff::1", "fec0::1", "168.63.129.16"):
         dns["imds.test"] = [[address]]
         with pytest.raises(OutboundRefused) as refused:
             outbound.vet("http://imds.test/latest/meta-data/")
@@ -549,7 +552,7 @@ def tls(monkeypatch: pytest.MonkeyPatch) -> tuple[trustme.CA, list[str]]:
     ca = trustme.CA()
     client = ssl.create_default_context()
     ca.configure_trust(client)
-    monkeypatch.setitem(outbound._ssl_contexts, os.getpid(), client)
+    monkeypatch.setitem(wire._ssl_contexts, os.getpid(), client)
     return ca, []
 
 
@@ -605,12 +608,12 @@ def test_a_connection_verified_for_one_name_never_serves_another_on_the_same_add
 
 
 def test_connections_are_pooled_per_process_host_and_address() -> None:
-    pool = outbound.origin("https", "a.example", "192.0.2.1", 443)
-    assert outbound.origin("https", "a.example", "192.0.2.1", 443) is pool
+    pool = wire.origin("https", "a.example", "192.0.2.1", 443)
+    assert wire.origin("https", "a.example", "192.0.2.1", 443) is pool
     # Another name on the same address: a TLS connection verified for a.example only.
-    assert outbound.origin("https", "b.example", "192.0.2.1", 443) is not pool
-    assert outbound.origin("https", "a.example", "192.0.2.2", 443) is not pool
-    assert outbound.origin("http", "a.example", "192.0.2.1", 443) is not pool
+    assert wire.origin("https", "b.example", "192.0.2.1", 443) is not pool
+    assert wire.origin("https", "a.example", "192.0.2.2", 443) is not pool
+    assert wire.origin("http", "a.example", "192.0.2.1", 443) is not pool
 
 
 def test_one_connection_serves_consecutive_requests_to_a_host(serve: Any) -> None:

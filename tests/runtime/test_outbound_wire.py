@@ -30,8 +30,9 @@ import httpx
 import pytest
 import trustme
 
-from runtime import outbound
-from runtime.outbound import OutboundRefused, OutboundResponse, send
+from runtime import outbound, wire
+from runtime.outbound import OutboundRefused
+from runtime.wire import OutboundResponse, send
 
 # --- A raw server -----------------------------------------------------------------------
 
@@ -185,9 +186,9 @@ def raw() -> Iterator[Callable[..., RawServer]]:
 def fresh_pool() -> Iterator[None]:
     """Each test starts and ends with no kept connection of an earlier one."""
     yield
-    for pool in list(outbound._origins.values()):
+    for pool in list(wire._origins.values()):
         pool.close()
-    outbound._origins.clear()
+    wire._origins.clear()
 
 
 @pytest.fixture
@@ -196,7 +197,7 @@ def tls(monkeypatch: pytest.MonkeyPatch) -> ssl.SSLContext:
     ca = trustme.CA()
     client = ssl.create_default_context()
     ca.configure_trust(client)
-    monkeypatch.setitem(outbound._ssl_contexts, os.getpid(), client)
+    monkeypatch.setitem(wire._ssl_contexts, os.getpid(), client)
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(server)
     return server
@@ -984,14 +985,14 @@ def test_a_busy_origin_keeps_its_connection_while_others_come_and_go(
     """The table of pools is bounded; past its limit the pool used longest ago goes, not
     every pool: a tool sending all the time keeps its kept-alive connection while one-off
     origins (other tenants' webhook receivers) pass through."""
-    monkeypatch.setattr(outbound, "_ORIGIN_LIMIT", 3)
+    monkeypatch.setattr(wire, "_ORIGIN_LIMIT", 3)
     busy = raw(serve_echo)
     passing = [raw(serve_echo) for _ in range(6)]
     assert path_of(get(busy, "/0")) == "/0"
     for n, other in enumerate(passing, start=1):
         assert path_of(get(other, "/once")) == "/once"
         assert path_of(get(busy, f"/{n}")) == f"/{n}"
-        assert len(outbound._origins) <= 3
+        assert len(wire._origins) <= 3
     assert len(busy.ports()) == 7
     assert len(set(busy.ports())) == 1  # one connection for all seven requests
     # The first passing origins were retired, and their kept connections closed with them:

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from runtime.actionkeys import canonical_params
 from runtime.errors import InvalidParams
-from runtime.ledger import canonical_params
 from runtime.paramcheck import (
     FAST_KEYWORDS,
     ParamsSchema,

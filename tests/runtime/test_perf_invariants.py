@@ -34,7 +34,7 @@ from audit import journal
 from audit.canonical import CanonicalError, canonical, canonical_bytes
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import ledger, tools
+from runtime import actionkeys, ledger, tools
 from runtime.artifacts import CHUNK, INLINE_LIMIT, Encoder, resolve
 from runtime.context import StepContext
 from runtime.errors import StaleFence
@@ -511,11 +511,11 @@ def test_an_action_of_this_visit_that_exists_after_all_is_found_not_duplicated(
     anyway, the unique key refuses a second one and the step gets the first one's result —
     and the tool is not called again."""
     run = create_run(tenant_a, "perf-acts", {"steps": 1}, actor="t")
-    text, fingerprint = ledger.canonical_params({"n": 1, "pad": ""})
+    text, fingerprint = actionkeys.canonical_params({"n": 1, "pad": ""})
     Action.objects.create(
         tenant=tenant_a,
         run=run,
-        idempotency_key=ledger.idempotency_key(run, "act_1", 1),
+        idempotency_key=actionkeys.idempotency_key(run, "act_1", 1),
         tool="perf.effect",
         params=text,
         fingerprint=fingerprint,
@@ -746,7 +746,7 @@ def test_a_stale_fence_is_refused_by_mark_sent_itself(tenant_a: Tenant) -> None:
     one does."""
     run = _one_action_run(tenant_a)
     lease = take_lease(run.run_id, "w1", ttl=30)
-    text, fingerprint = ledger.canonical_params({"n": 1})
+    text, fingerprint = actionkeys.canonical_params({"n": 1})
     action = Action.objects.create(
         tenant=tenant_a,
         run=run,

@@ -12,7 +12,7 @@ import pytest
 
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest, ApprovalStatus
-from runtime import ledger, protocol, tooldefs
+from runtime import actionkeys, protocol, tooldefs
 from runtime.compensation import compensate, dispatch_standalone
 from runtime.errors import (
     ApprovalRequired,
@@ -618,7 +618,7 @@ def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
     define_tickets(tenant_a, box.url)
     _exempt(tenant_a)
     victim = _ticket_run(tenant_a)
-    derived = ledger.idempotency_key(victim, "file_ticket", 1)
+    derived = actionkeys.idempotency_key(victim, "file_ticket", 1)
     key = {
         "hosted": derived,
         "mcp": f"mcp:{victim.run_id}:{'0' * 64}:1",
@@ -635,7 +635,7 @@ def test_a_client_key_cannot_take_a_key_holdpoint_derives_for_another_run(
     assert why in problem(refused, 422, "idempotency_key_reused")["detail"]
     assert not Action.objects.filter(run=run).exists()
     # Its own run's spelling is the agent's to use; the victim files its ticket.
-    own = ledger.idempotency_key(run, "api", 9)
+    own = actionkeys.idempotency_key(run, "api", 9)
     assert (
         post(
             agent_a.api(), f"runs/{run.run_id}/actions/", {**body, "idempotency_key": own}
