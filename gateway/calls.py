@@ -413,8 +413,16 @@ def _lease(caller: Caller, run_id: str, ttl: float) -> Iterator[tuple[Run, int]]
 
 def settle_delivery(caller: Caller, call: Call, action: Action) -> None:
     """The client is about to get `action`'s final outcome: the next identical call of the
-    session is a new one. Journalled once per action, in the run's stream."""
+    session is a new one. Journalled once per action, in the run's stream.
+
+    The run's row is locked first, as every writer of a run takes it before the run's
+    stream: two identical calls answered at once (a host that sent the call again while
+    the first waited) both looked, found no entry and both wrote one — the journal told of
+    two deliveries, and the count that keys the next identical call skipped one. The stream
+    head's lock would come too late: it orders the appends, not the looks before them."""
     with transaction.atomic(durable=True):
+        locked = Run.objects.select_for_update().filter(pk=call.run_id, tenant_id=call.tenant_id)
+        locked.values_list("pk", flat=True).first()
         if (
             _delivered(call.run_id, call.tenant_id, call.call_hash)
             .filter(payload__action_id=str(action.action_id))

@@ -470,3 +470,60 @@ def test_a_call_whose_session_ended_after_it_was_let_in_is_told_to_open_a_new_on
     assert "initialize a new session" in refused.value.error.message
     assert not Action.objects.filter(tenant=tenant_a).exists()
     assert service.requests == []
+
+
+@pytest.mark.postgres
+def test_two_deliveries_of_one_outcome_at_once_are_journalled_once(
+    serve: Any, tenant_a: Tenant, agent_a: Persona, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two identical calls of a session answered at once hand out the same final outcome;
+    each records its delivery (settle_delivery). Both looked for a `result_delivered` entry
+    before either wrote one, so both wrote: the journal told of two deliveries. Here each
+    caller is held between its look and its write until the other arrives too (or 2 s
+    passed: with the look guarded, the second caller waits at the lock, not at this seam)."""
+    from runtime.events import record
+    from tests.httpservers import answer_with
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("two connections racing: PostgreSQL")
+    service = serve(answer_with(201, b'{"id": "N-1"}'))
+    define_tickets(tenant_a, service.url, mode="none")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="go", tool="tickets.create", required=False)
+    caller = _caller(agent_a)
+    session = calls.open_session(caller, {})
+    call = calls.parse(caller, session, "tickets.create", {"title": "Milk"})
+    action = calls.drive(caller, call)
+    assert action.status == S.CONFIRMED, action.last_error
+
+    seam = threading.Barrier(2, timeout=2)
+
+    def held_then_record(*args: Any, **kwargs: Any) -> Any:
+        try:
+            seam.wait()
+        except threading.BrokenBarrierError:
+            pass  # the other caller never came this far
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(calls, "record", held_then_record)
+    start = threading.Barrier(2, timeout=10)
+    failures: list[BaseException] = []
+
+    def deliver() -> None:
+        try:
+            start.wait()
+            calls.settle_delivery(caller, call, action)
+        except BaseException as exc:  # noqa: BLE001 (reported in the test's thread)
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=deliver) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert failures == []
+    delivered = calls._delivered(session, tenant_a.pk, call.call_hash)
+    assert delivered.count() == 1
+    # The next identical call is a new one, keyed after exactly one delivery.
+    assert calls.parse(caller, session, "tickets.create", {"title": "Milk"}).key.endswith(":2")
