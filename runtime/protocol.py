@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, OuterRef, Subquery
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
@@ -472,13 +472,16 @@ def _same(action: Action, run: Run, tool: Tool, fingerprint: str) -> bool:
     )
 
 
-def _park(run: Run, fence: int, action: Action, actor: str) -> None:
+def _park(
+    run: Run, fence: int, action: Action, actor: str, statuses: tuple[str, ...] = PARKABLE
+) -> None:
     """A run whose executor is at it (PARKABLE) and whose action waits for a reviewer waits
     with it (inside the prepare), as a worker's run parks: `waiting_approval`, `waiting_for`
-    naming the action."""
+    naming the action. `statuses`: the ones it may be parked from (a dispatch's `_resume`
+    parks it again, for another action)."""
     waiting = {"kind": "approval", "action_id": str(action.action_id), "tool": action.tool}
     parked = Run.objects.filter(
-        pk=run.run_id, tenant_id=run.tenant_id, fence=fence, status__in=PARKABLE
+        pk=run.run_id, tenant_id=run.tenant_id, fence=fence, status__in=statuses
     ).update(status=RunStatus.WAITING_APPROVAL, waiting_for=waiting, updated_at=Now())
     if not parked:
         return
@@ -595,26 +598,43 @@ def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: s
     )
 
 
+WAITING = RunStatus.WAITING_APPROVAL
+# What a dispatch finds a run in that it parks again for another held action (`_resume`).
+REPARKABLE = (*PARKABLE, WAITING)
+
+
 def _resume(action: Action, fence: int, actor: str) -> None:
     """Inside the dispatch: the run this fence holds, parked for an approval (or woken by
-    it), is running again — with its journal entry."""
-    parked = Run.objects.filter(
-        pk=action.run_id,
-        tenant_id=action.tenant_id,
-        fence=fence,
-        status__in=(RunStatus.WAITING_APPROVAL, RunStatus.QUEUED),
+    it), is running again — with its journal entry — unless another of its actions still
+    waits for a reviewer: then it waits for that one (the oldest), as a prepare parks it.
+    Sending one action says nothing of the others: an MCP session's call, sent while an
+    earlier one waited for a reviewer, made the session `running` (`queued` at the lease's
+    release), `waiting_for` gone, while that call still waited."""
+    run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
+    mine = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
+    held = Action.objects.filter(
+        tenant_id=action.tenant_id, run_id=OuterRef("pk"), status=S.AWAITING_APPROVAL
+    ).order_by("created_at", "action_id")
+    found = (
+        mine.filter(status__in=REPARKABLE)
+        .annotate(held=Subquery(held.values("action_id")[:1]))
+        .values_list("status", "waiting_for", "held")
+        .first()
     )
-    previous = parked.values_list("status", flat=True).first()
-    if previous is None:
+    if found is None:
         return
-    parked.update(status=RunStatus.RUNNING, waiting_for=None, updated_at=Now())
-    record(
-        Run(run_id=action.run_id, tenant_id=action.tenant_id),
-        RunEvent.RESUMED,
-        actor,
-        previous_status=previous,
-        status=RunStatus.RUNNING,
+    previous, waiting_for, first = found
+    if first is not None:
+        if (previous, (waiting_for or {}).get("action_id")) != (WAITING, str(first)):
+            waits = Action.objects.get(pk=first, tenant_id=action.tenant_id)
+            _park(run, fence, waits, actor, REPARKABLE)
+        return
+    if previous not in (WAITING, RunStatus.QUEUED):
+        return
+    mine.filter(status=previous).update(
+        status=RunStatus.RUNNING, waiting_for=None, updated_at=Now()
     )
+    record(run, RunEvent.RESUMED, actor, previous_status=previous, status=RunStatus.RUNNING)
 
 
 OUTCOMES = {

@@ -222,6 +222,44 @@ def _status(run_id: Any) -> str:
     return str(Run.objects.get(pk=run_id).status)
 
 
+def _waits_for(run_id: Any) -> tuple[str, str | None]:
+    """The session run's status, and the action its `waiting_for` names."""
+    run = Run.objects.get(pk=run_id)
+    return str(run.status), (run.waiting_for or {}).get("action_id")
+
+
+def test_a_call_sent_while_another_waits_for_a_reviewer_leaves_the_session_waiting_for_it(
+    web: str, upstream: Upstream, tenant_a: Tenant, agent_a: Persona, reviewer_a: Persona
+) -> None:
+    """Hosts make calls while an earlier one waits for a reviewer. Sending one (a read here)
+    moved the session run from `waiting_approval` to `running` — `queued` once the call's
+    lease was released — with `waiting_for` gone, though the first call still waited: the
+    Runs pages and the metrics showed nothing waiting. Sending a call whose approval came
+    made it `running` too while a second held call still waited."""
+    _setup(tenant_a, upstream)
+    url, key = _endpoint(web, tenant_a), str(agent_a.token)
+    first, second = _title(), _title()
+
+    async def held_then_read(client: Any) -> Any:
+        await client.call_tool(CREATE, {"title": first})
+        await client.call_tool(CREATE, {"title": second})
+        return await client.call_tool("helpdesk.tickets_list", {})
+
+    listed = session(url, key, held_then_read)
+    assert not listed.is_error, text(listed)
+    held = {t: Action.objects.get(tool=CREATE, params__contains=t) for t in (first, second)}
+    run_id = held[first].run_id
+    assert _waits_for(run_id) == ("waiting_approval", str(held[first].action_id))
+
+    request = _request(held[first])
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    done = _in_run(url, key, str(run_id), _call(CREATE, {"title": first}))
+    assert not done.is_error and len(_reached(upstream, first)) == 1, text(done)
+    # The first is sent; the second still waits for its reviewer, and the session with it.
+    assert _waits_for(run_id) == ("waiting_approval", str(held[second].action_id))
+    assert _reached(upstream, second) == []
+
+
 def _last_used(runs: list[Any], ago: timedelta) -> None:
     """The sessions' runs last touched `ago` before now, by the database's clock (the one
     the idle sweep reads)."""
