@@ -119,13 +119,14 @@ class Approvals(streams.StreamingList):
             filters.apply(ApprovalFilter, request, mine)
             start = changes_head(principal) if after is None else after
             status = request.query_params.get("status")
+            standing = Standing.of(request, principal)
             if sse.iterates(request._request):
-                return live.response(approval_events_now(principal, start, status))
+                return live.response(approval_events_now(principal, start, status, standing))
             events = approval_events(
                 principal,
                 start,
                 follow=sse.follows(request._request),
-                standing=Standing.of(request, principal),
+                standing=standing,
                 status=status,
             )
             return live.response(events)
@@ -197,15 +198,18 @@ class _Told:
         return sent
 
 
-def approval_events_now(principal: Principal, after: int, status: str | None) -> Iterator[bytes]:
+def approval_events_now(
+    principal: Principal, after: int, status: str | None, standing: Standing | None = None
+) -> Iterator[bytes]:
     """approval_events without `follow`, read batch by batch in the calling thread: a
     stream whose body is iterated synchronously (runtime.api.sse.iterates). A database
-    error ends the stream; the client resumes from its last id."""
+    error ends the stream; the client resumes from its last id. It ends between two
+    batches once `standing` no longer stands (runtime.api.streams.still_stands)."""
     told = _Told(after)
     while True:
         events, more = _changed(principal, told.last, status)
         yield from told.chunks(events)
-        if not more:
+        if not more or not streams.still_stands(standing):
             return
 
 
@@ -247,6 +251,8 @@ async def approval_events(
             for chunk in told.chunks(events):
                 yield chunk
             if more:
+                if not await recheck.between():
+                    return
                 continue
             if not follow:
                 return

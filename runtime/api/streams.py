@@ -130,9 +130,10 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 class Recheck:
     """Asks, while a stream lives, whether what opened it still stands (runtime.auth.Standing):
-    at every keep-alive, and after a wake-up once a keep-alive interval has passed since the
-    last look — so a stream ends within one interval (HOLDPOINT_SSE_KEEPALIVE, 15 s) of its
-    token's revocation, its session's logout or expiry, or its principal's change. A read
+    at every keep-alive, after a wake-up once a keep-alive interval has passed since the
+    last look, and between two batches of a backlog (`between`) — so a stream ends within
+    one interval (HOLDPOINT_SSE_KEEPALIVE, 15 s), or one batch, of its token's revocation,
+    its session's logout or expiry, or its principal's change. A read
     that fails (the database away) keeps the stream: the next look judges again."""
 
     def __init__(self, standing: Standing | None) -> None:
@@ -152,6 +153,14 @@ class Recheck:
         if live.doorbell.closing or not await self.holds(quiet=not woken):
             return None
         return self._due()
+
+    async def between(self) -> bool:
+        """Between two batches of a backlog: whether to read the next. A stream far behind
+        (a client resuming a long journal) reads batch after batch without waiting, so the
+        looks `wait` makes never came: a revoked token kept its stream until it had caught
+        up — tens of thousands of entries — and a stopping server waited for it. Asked at
+        every batch: one indexed read per BATCH entries sent."""
+        return not live.doorbell.closing and await self.holds(quiet=True)
 
     async def pause(self) -> bytes:
         """After a failed read (the database away), the pause before the next try, then a
@@ -201,18 +210,27 @@ def _after(principal: Principal, run_id: Any, last: int) -> tuple[list[tuple[int
     return _encode(batch), finished and len(batch) < BATCH
 
 
-def run_events_now(principal: Principal, run_id: Any, after: int) -> Iterator[bytes]:
+def run_events_now(
+    principal: Principal, run_id: Any, after: int, standing: Standing | None = None
+) -> Iterator[bytes]:
     """The run's entries after `after` there are now, then the end, read batch by batch in
     the calling thread: a stream whose body is iterated synchronously (runtime.api.sse
-    .iterates). A database error ends the stream; the client resumes from its last id."""
+    .iterates). A database error ends the stream; the client resumes from its last id. It
+    also ends between two batches once what opened it (`standing`) no longer stands, as a
+    followed stream does (`Recheck.between`)."""
     last = after
     while True:
         events, _ = _after(principal, run_id, last)
         for seq, chunk in events:
             yield chunk
             last = seq
-        if len(events) < BATCH:
+        if len(events) < BATCH or not still_stands(standing):
             return
+
+
+def still_stands(standing: Standing | None) -> bool:
+    """Between two batches of a synchronously read stream: `Recheck.between`'s look."""
+    return standing is None or standing.holds()
 
 
 async def run_events(
@@ -247,6 +265,8 @@ async def run_events(
                 yield chunk
                 last = seq
             if len(events) == BATCH:
+                if not await recheck.between():
+                    return
                 continue
             if finished or not follow:
                 return

@@ -240,10 +240,10 @@ class Events(streams.StreamingList):
         after = streams.after(request, 0)
         if streams.requested(request):
             after = streams.resume_after(request, after)
-            if sse.iterates(request._request):
-                return live.response(streams.run_events_now(principal, run.pk, after))
-            follow = sse.follows(request._request)
             standing = Standing.of(request, principal)
+            if sse.iterates(request._request):
+                return live.response(streams.run_events_now(principal, run.pk, after, standing))
+            follow = sse.follows(request._request)
             events = streams.run_events(principal, run.pk, after, follow=follow, standing=standing)
             return live.response(events)
         entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)

@@ -827,6 +827,93 @@ def test_a_stream_of_a_run_purged_while_it_is_read_ends(agent_a: Persona, settin
     assert ended, got[-2:]
 
 
+@pytest.mark.parametrize("kind", ["run", "approvals"])
+def test_a_stream_far_behind_ends_soon_after_its_token_is_revoked(
+    agent_a: Persona, kind: str
+) -> None:
+    """A stream looked at its credentials only while it waited for news: one resuming far
+    behind (here five batches of backlog) read batch after batch without waiting, so a
+    revoked token kept it — every entry of the backlog sent after the revocation — until it
+    had caught up, and a keep-alive interval (15 s) more. It now looks between batches."""
+    from approvals.api import CHANGED, approval_events
+    from audit import journal
+    from runtime.api import streams
+    from runtime.auth import Standing, revoke_token
+    from runtime.lifecycle import create_run
+    from runtime.models import AgentToken, Role
+    from runtime.tenancy import Principal
+
+    tenant = agent_a.tenant
+    run = create_run(tenant, "chain", {}, actor="t")  # queued: its stream follows, no end
+    name = journal.run_stream(run.pk) if kind == "run" else journal.tenant_stream(tenant.pk)
+    # The approvals stream reads changes of approvals gone since: it sends only where it is.
+    gone = {"approval_id": str(uuid.uuid4()), "status": "pending"} if kind != "run" else {}
+    with transaction.atomic():
+        for i in range(streams.BATCH * 5):
+            last = journal.append(
+                name,
+                "note" if kind == "run" else CHANGED,
+                tenant_id=tenant.pk,
+                actor="t",
+                payload={"i": i, **gone},
+            )
+    token = AgentToken.objects.get(user=agent_a.user)
+    principal = Principal(user=agent_a.user, tenant=tenant, role=Role.AGENT)
+    standing = Standing(agent_a.user.pk, tenant.pk, Role.AGENT, token_id=token.pk)
+    if kind == "run":
+        events = streams.run_events(principal, run.pk, 0, standing=standing)
+    else:
+        events = approval_events(principal, 0, standing=standing)
+    got: list[bytes] = []
+
+    async def revoked_after_the_first_batch() -> bool:
+        try:
+            got.append(await anext(events))  # the first batch is read
+            await off_loop(lambda: revoke_token(token, actor="test"))
+            async with asyncio.timeout(5):
+                async for chunk in events:
+                    got.append(chunk)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            await events.aclose()
+            await live.doorbell.stop()
+
+    ended = asyncio.run(revoked_after_the_first_batch())
+    told = [int(line[4:]) for c in got for line in c.split(b"\n") if line.startswith(b"id: ")]
+    assert ended and told, got[-2:]
+    assert max(told) < last.seq - streams.BATCH * 3, (max(told), last.seq)  # one batch, no more
+
+
+def test_a_stream_read_in_the_requests_thread_ends_between_batches_once_revoked(
+    agent_a: Persona,
+) -> None:
+    """Under a WSGI server (here Django's test client) a stream sends the backlog there is
+    and ends; a long one stops between two batches once its token is revoked, as a stream
+    on the event loop does."""
+    from audit import journal
+    from runtime.api import streams
+    from runtime.auth import revoke_token
+    from runtime.lifecycle import create_run
+    from runtime.models import AgentToken
+
+    run = create_run(agent_a.tenant, "chain", {}, actor="t")
+    with transaction.atomic():
+        for _ in range(streams.BATCH * 3):
+            last = journal.append(
+                journal.run_stream(run.pk), "note", tenant_id=agent_a.tenant.pk, actor="t"
+            )
+    answer = agent_a.api().get(f"/api/v1/runs/{run.pk}/events/", {**STREAM, "after": "0"})
+    assert answer.status_code == 200
+    body = iter(answer.streaming_content)  # type: ignore[attr-defined]
+    sent = [next(body), next(body)]  # the stream's first line, the first entry
+    revoke_token(AgentToken.objects.get(user=agent_a.user), actor="test")
+    sent.extend(body)
+    told = [int(c.split(b"\n")[0][4:]) for c in sent if c.startswith(b"id: ")]
+    assert told[0] == 1 and max(told) == streams.BATCH, (max(told), last.seq)
+
+
 def test_a_stream_woken_often_with_nothing_to_send_still_sends_a_comment_line(
     agent_a: Persona, settings: Any
 ) -> None:
