@@ -121,15 +121,13 @@ class Approvals(streams.StreamingList):
             status = request.query_params.get("status")
             standing = Standing.of(request, principal)
             if sse.iterates(request._request):
-                return live.response(approval_events_now(principal, start, status, standing))
+                events_now = approval_events_now(principal, start, status, standing)
+                return streams.opened(principal, events_now, follow=False)
+            follow = sse.follows(request._request)
             events = approval_events(
-                principal,
-                start,
-                follow=sse.follows(request._request),
-                standing=standing,
-                status=status,
+                principal, start, follow=follow, standing=standing, status=status
             )
-            return live.response(events)
+            return streams.opened(principal, events, follow=follow)
         approvals = filters.apply(ApprovalFilter, request, mine).select_related("run", "decided_by")
         paginator = Cursor()
         page = paginator.paginate_queryset(approvals, request, view=self)

@@ -393,6 +393,10 @@ if HOLDPOINT_SSE_KEEPALIVE > 15:
         f"HOLDPOINT_SSE_KEEPALIVE must be <= 15 (API.md: a comment line at least every 15 s), "
         f"got {HOLDPOINT_SSE_KEEPALIVE}"
     )
+# Live event streams one account (an agent's token, a reviewer) may hold open at once in one
+# web process (runtime.live.Slots): each holds a file descriptor while it lives. Beyond it a
+# new one is 429 `throttled`.
+HOLDPOINT_STREAMS_PER_TOKEN = env_int("HOLDPOINT_STREAMS_PER_TOKEN", 10, minimum=1)
 HOLDPOINT_SWEEP_BATCH = env_int("HOLDPOINT_SWEEP_BATCH", 200, minimum=1)
 HOLDPOINT_SWEEP_PER_TENANT = env_int("HOLDPOINT_SWEEP_PER_TENANT", 50, minimum=1)
 # The scheduled sweep task ticks every INTERVAL seconds for WINDOW seconds each minute.

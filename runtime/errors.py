@@ -16,6 +16,7 @@ class HoldpointError(Exception):
     status = 400
     title = "Request refused"
     transient = False
+    retry_after: int | None = None  # seconds: answered as a Retry-After header
 
     def __init__(self, detail: str = "", **extra: Any) -> None:
         super().__init__(detail or self.title)
@@ -187,6 +188,20 @@ class FieldNotEditable(HoldpointError):
     code = "field_not_editable"
     status = 422
     title = "This field may not be edited"
+
+
+class TooManyStreams(HoldpointError):
+    """The caller has as many live event streams open in this process as it may
+    (HOLDPOINT_STREAMS_PER_TOKEN): a new one may open once one of them ends."""
+
+    code = "throttled"
+    status = 429
+    title = "Too many requests"
+    transient = True
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
 
 
 class Park(Exception):

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import queue
+import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -286,26 +290,99 @@ def position(id: int) -> bytes:
     return f"id: {id}\n\n".encode()
 
 
+class Slot:
+    """One open stream's place among its holder's (`Slots.take`). `release` may come more
+    than once and from any thread — the body's end, the response's garbage collection — and
+    frees the place once: it only queues the place (queue.SimpleQueue.put is safe even in
+    a weakref callback that interrupts the thread holding the slots' lock)."""
+
+    def __init__(self, freed: queue.SimpleQueue[tuple[Hashable, int]], holder: Hashable) -> None:
+        self.freed, self.holder, self.id = freed, holder, next(_slot_ids)
+
+    def release(self) -> None:
+        self.freed.put((self.holder, self.id))
+
+
+_slot_ids = itertools.count(1)
+
+
+class Slots:
+    """The live event streams open in this process, per holder (an account): each holds a
+    file descriptor and a coroutine for as long as it lives, so one token opening hundreds
+    would exhaust the process (HOLDPOINT_STREAMS_PER_TOKEN). Counted here, not in the
+    database: a process's own descriptors are what runs out, and a count in a table would
+    outlive a process killed with its streams open."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[Hashable, set[int]] = {}
+        self.freed: queue.SimpleQueue[tuple[Hashable, int]] = queue.SimpleQueue()
+
+    def take(self, holder: Hashable, limit: int) -> Slot | None:
+        """A place for one more stream of `holder`, or None if it has `limit` open."""
+        with self.lock:
+            self._drain()
+            held = self.open.setdefault(holder, set())
+            if len(held) >= limit:
+                return None
+            slot = Slot(self.freed, holder)
+            held.add(slot.id)
+            return slot
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                holder, id = self.freed.get_nowait()
+            except queue.Empty:
+                return
+            held = self.open.get(holder)
+            if held is not None:
+                held.discard(id)
+                if not held:
+                    del self.open[holder]
+
+
+slots = Slots()
+
+
 OPEN = b": stream open\n\n"  # headers and a first byte go out at once
 
 
-async def _framed(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield OPEN
-    async for chunk in events:
-        yield chunk
+async def _framed(events: AsyncIterator[bytes], slot: Slot | None) -> AsyncIterator[bytes]:
+    try:
+        yield OPEN
+        async for chunk in events:
+            yield chunk
+    finally:
+        if slot is not None:  # ended, its client gone (cancelled), or the server stopping
+            slot.release()
 
 
-def _framed_sync(events: Iterator[bytes]) -> Iterator[bytes]:
-    yield OPEN
-    yield from events
+def _framed_sync(events: Iterator[bytes], slot: Slot | None) -> Iterator[bytes]:
+    try:
+        yield OPEN
+        yield from events
+    finally:
+        if slot is not None:
+            slot.release()
 
 
-def response(events: AsyncIterator[bytes] | Iterator[bytes]) -> StreamingHttpResponse:
+def response(
+    events: AsyncIterator[bytes] | Iterator[bytes], slot: Slot | None = None
+) -> StreamingHttpResponse:
     """`text/event-stream`: an async body is consumed on the event loop by runtime.api.sse
     (config.asgi routes `?stream=1` there); under WSGI the body is a plain iterator
-    (runtime.api.sse.iterates), which the server sends as it is read."""
-    body = _framed(events) if isinstance(events, AsyncIterator) else _framed_sync(events)
+    (runtime.api.sse.iterates), which the server sends as it is read. `slot` (Slots.take)
+    is released when the body ends however it ends — or, for a response never sent (its
+    client left while the view ran, a middleware answered instead), once the response is
+    collected: a body that never started runs no `finally`."""
+    if isinstance(events, AsyncIterator):
+        body: AsyncIterator[bytes] | Iterator[bytes] = _framed(events, slot)
+    else:
+        body = _framed_sync(events, slot)
     answer = StreamingHttpResponse(body, content_type="text/event-stream")
+    if slot is not None:
+        weakref.finalize(answer, slot.release)
     answer["Cache-Control"] = "no-cache"
     answer["X-Accel-Buffering"] = "no"  # a fronting nginx must not buffer the stream
     return answer

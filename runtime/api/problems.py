@@ -122,6 +122,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
     headers: dict[str, str] = {}
     if isinstance(exc, HoldpointError):
         body = problem(exc.status, exc.code, exc.title, exc.detail, errors=exc.extra.get("errors"))
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(exc.retry_after)
     elif isinstance(exc, Http404):
         body = problem(404, "not_found", "Not found")
     elif isinstance(exc, PermissionDenied):

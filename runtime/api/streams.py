@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError
+from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
@@ -29,7 +30,7 @@ from runtime import live
 from runtime.api.base import ApiView
 from runtime.api.serializers import JournalEntrySerializer
 from runtime.auth import Standing
-from runtime.errors import InvalidParams
+from runtime.errors import InvalidParams, TooManyStreams
 from runtime.models import TERMINAL, Run
 from runtime.tenancy import Principal, journal_for
 
@@ -93,6 +94,28 @@ class StreamingList(ApiView):
 
     def perform_content_negotiation(self, request: Request, force: bool = False) -> Any:
         return super().perform_content_negotiation(request, force or requested(request))
+
+
+def opened(
+    principal: Principal, events: AsyncIterator[bytes] | Iterator[bytes], *, follow: bool
+) -> StreamingHttpResponse:
+    """The stream's response. One that `follow`s (runtime.api.sse.follows) lives as long as
+    its client stays, holding a file descriptor of the web process: it opens only if the
+    principal's account has fewer than HOLDPOINT_STREAMS_PER_TOKEN open in this process
+    (live.Slots), and gives its place back when it ends, however it ends — else 429
+    `throttled`, Retry-After one keep-alive interval (within which a stream whose
+    credentials lapsed ends). One that sends what is there and ends takes no place."""
+    if not follow:
+        return live.response(events)
+    limit = settings.HOLDPOINT_STREAMS_PER_TOKEN
+    slot = live.slots.take(principal.user.pk, limit)
+    if slot is None:
+        raise TooManyStreams(
+            f"at most {limit} live event streams of one account may be open at once here: "
+            "close one (the run page and the inbox poll instead meanwhile)",
+            retry_after=settings.HOLDPOINT_SSE_KEEPALIVE,
+        )
+    return live.response(events, slot)
 
 
 def after(request: Request, default: T) -> int | T:

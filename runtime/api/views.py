@@ -15,7 +15,7 @@ from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from runtime import ledger, lifecycle, live, protocol
+from runtime import ledger, lifecycle, protocol
 from runtime.api import examples as ex
 from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
@@ -242,10 +242,11 @@ class Events(streams.StreamingList):
             after = streams.resume_after(request, after)
             standing = Standing.of(request, principal)
             if sse.iterates(request._request):
-                return live.response(streams.run_events_now(principal, run.pk, after, standing))
+                events_now = streams.run_events_now(principal, run.pk, after, standing)
+                return streams.opened(principal, events_now, follow=False)
             follow = sse.follows(request._request)
             events = streams.run_events(principal, run.pk, after, follow=follow, standing=standing)
-            return live.response(events)
+            return streams.opened(principal, events, follow=follow)
         entries = journal_for(principal).filter(stream=f"run:{run.pk}", seq__gt=after)
         entries = entries.order_by("seq")[:500]
         return Response({"results": s.JournalEntrySerializer(entries, many=True).data})

@@ -2,8 +2,9 @@
    "live" among its hx-triggers is re-fetched by htmx as soon as its stream sends an event,
    instead of on its polling interval. While the stream is open the element's polls are held
    back to one per HOLD_MS (for what no stream carries, e.g. the reconciliation queue); while
-   it is down (a server without streams, a proxy that cuts them) polling goes on as before,
-   and without JavaScript nothing here runs at all.
+   it is down (a server without streams, a proxy that cuts them, the account's streams all
+   open in other tabs: 429) polling goes on as before, and without JavaScript nothing here
+   runs at all.
 
    The stream is read with fetch, not EventSource: EventSource delivers a named event
    ("event: lease_taken") only to a listener for that very name, and a page needs to know of
@@ -13,7 +14,7 @@
   "use strict";
   const RETRY_MS = 3000;
   const HOLD_MS = 30000;
-  const streams = new Map(); // url -> {open, last, refreshed}
+  const streams = new Map(); // url -> {open, last, refreshed, wait}
 
   function targets(url) {
     return Array.from(document.querySelectorAll("[data-live-stream]")).filter(
@@ -34,6 +35,11 @@
     const headers = { Accept: "text/event-stream", "HX-Request": "true" };
     if (state.last !== null) headers["Last-Event-ID"] = state.last;
     const response = await fetch(url, { headers: headers, credentials: "same-origin" });
+    if (response.status === 429) {
+      // As many streams open as this account may (other tabs): polling meanwhile, the next
+      // attempt when the server says (Retry-After), not every RETRY_MS.
+      state.wait = (parseInt(response.headers.get("Retry-After"), 10) || 0) * 1000;
+    }
     const type = response.headers.get("Content-Type") || "";
     if (!response.ok || !response.body || type.indexOf("text/event-stream") !== 0) return;
     state.open = true;
@@ -66,7 +72,8 @@
         // a lost connection: polling covers the gap, the next attempt resumes
       }
       state.open = false;
-      await pause(RETRY_MS);
+      await pause(Math.max(RETRY_MS, state.wait));
+      state.wait = 0;
     }
     streams.delete(url);
   }
@@ -75,7 +82,7 @@
     document.querySelectorAll("[data-live-stream]").forEach(function (el) {
       const url = el.getAttribute("data-live-stream");
       if (!streams.has(url)) {
-        streams.set(url, { open: false, last: null, refreshed: Date.now() });
+        streams.set(url, { open: false, last: null, refreshed: Date.now(), wait: 0 });
         follow(url);
       }
     });

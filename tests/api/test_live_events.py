@@ -54,6 +54,9 @@ pytest_plugins = ("tests.browser",)
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 STREAM = {"stream": "1"}
+# The clients of test_200_stream_clients_hold_on_postgresql (more for a figure: above 600 also
+# raise HOLDPOINT_API_RATE, one token opens them all).
+LIVE_CLIENTS = int(os.environ.get("HOLDPOINT_LIVE_CLIENTS", "200"))
 TERMINAL = {"completed", "failed", "cancelled"}
 T = TypeVar("T")
 
@@ -85,8 +88,11 @@ def server(
     django_db_setup: None, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """One real web server for the module (the database is emptied between tests, the server
-    keeps no state of its own): its process and base URL."""
-    with web_server(django_db_blocker, tmp_path_factory.mktemp("web") / "web.log") as found:
+    keeps no state of its own): its process and base URL. One token opens all of
+    test_200_stream_clients_hold_on_postgresql's streams: it may hold that many open."""
+    log = tmp_path_factory.mktemp("web") / "web.log"
+    streams = {"HOLDPOINT_STREAMS_PER_TOKEN": str(LIVE_CLIENTS + 10)}
+    with web_server(django_db_blocker, log, **streams) as found:
         yield found
 
 
@@ -1166,8 +1172,7 @@ def test_200_stream_clients_hold_on_postgresql(
     if connection.vendor != "postgresql":
         pytest.skip("the connection count is a PostgreSQL figure")
     proc, web = server
-    # More for a figure (above 600 also raise HOLDPOINT_API_RATE: one token opens them all).
-    clients = int(os.environ.get("HOLDPOINT_LIVE_CLIENTS", "200"))
+    clients = LIVE_CLIENTS
     run_id = new_run(agent_a.api())["run_id"]
     fence = take_lease(agent_a.api(), run_id)
     database = connection.settings_dict["NAME"]
