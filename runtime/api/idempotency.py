@@ -59,8 +59,13 @@ class KeyReused(InvalidParams):
 
 
 class KeyInFlight(Conflict):
+    """The one 409 a client should retry (API.md): `Retry-After` says when, as a 429 or a
+    503 does — the first request is usually done within a second, and a claim it died
+    holding is taken over after HOLDPOINT_IDEMPOTENCY_CLAIM_SECONDS."""
+
     code = "idempotency_key_in_flight"
     title = "A request with this Idempotency-Key is still being processed"
+    retry_after = 1
 
 
 @dataclass(frozen=True)

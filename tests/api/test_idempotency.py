@@ -147,7 +147,9 @@ def test_a_request_while_the_first_is_in_flight_is_409(agent_a: Persona) -> None
         claimed_until=timezone.now() + timedelta(minutes=1),  # its claim still holds
     )
     # Same scope and body as "warm-up" had, so the fingerprint matches: in flight, not reuse.
-    problem(create(client, "busy"), 409, "idempotency_key_in_flight")
+    busy = create(client, "busy")
+    problem(busy, 409, "idempotency_key_in_flight")
+    assert busy["Retry-After"] == "1"  # the one 409 to retry, and when
     assert Run.objects.filter(tenant=agent_a.tenant).count() == 1
 
 
