@@ -295,11 +295,20 @@ def next_words(found: ApprovalRequest, action: Action, run: Run) -> str:
         )
     elif status == A.EXPIRED:
         head = "the request expired undecided"
-    elif status == A.SUPERSEDED and found.closed_reason and found.decided_at:
-        head = f"the approval no longer counts: it {found.closed_reason}"
+    elif lapsed(found):
+        head = f"the approval no longer counts: {found.closed_reason}"
     else:
         head = f"the request is {status}"
     return f"{head}. The run is now {_run_words(run)}."
+
+
+def lapsed(found: ApprovalRequest) -> bool:
+    """An approval that stopped counting before its action was sent (superseded at dispatch,
+    or withdrawn with its action: `approvals.requests.supersede_approval`): it keeps its
+    decision, and its `closed_reason` says why it no longer counts."""
+    return found.status in (A.SUPERSEDED, A.CANCELLED) and bool(
+        found.closed_reason and found.decided_at
+    )
 
 
 def _undo_next(found: ApprovalRequest, action: Action, undo: dict[str, str]) -> str:
@@ -319,8 +328,8 @@ def _undo_next(found: ApprovalRequest, action: Action, undo: dict[str, str]) -> 
         ActionStatus.PREPARED,
     ):
         return f"the compensation is being sent; {original} stays confirmed until it is"
-    if found.status == A.SUPERSEDED and found.closed_reason and found.decided_at:
-        return f"the approval no longer counts: it {found.closed_reason}"
+    if lapsed(found):
+        return f"the approval no longer counts: {found.closed_reason}"
     if found.status == A.APPROVED:
         return f"the compensation is {action.status}"
     return f"the request is {found.status}"

@@ -102,9 +102,22 @@ class HoldPoints:
         supersede_approval(approval, action, actor, reason)
 
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
+        """The actions were cancelled unsent: a request still open is closed, and one
+        already approved ends the same way — nothing is left for it to approve, and left
+        `approved` it read as a usable approval (inbox, request page, `GET approvals/`)."""
         status = A.SUPERSEDED if reason == "goal revised" else A.CANCELLED
-        for request in ApprovalRequest.objects.filter(action_id__in=action_ids, status=A.PENDING):
-            close_request(request, status, actor, reason)
+        requests = ApprovalRequest.objects.filter(
+            action_id__in=action_ids, status__in=(A.PENDING, A.APPROVED)
+        )
+        for request in requests:
+            if request.status == A.PENDING:
+                close_request(request, status, actor, reason)
+                continue
+            action = Action(
+                action_id=request.action_id, tenant_id=request.tenant_id, run_id=request.run_id
+            )
+            words = f"its action was withdrawn before it was sent ({reason})"
+            supersede_approval(request.pk, action, actor, words, status=status)
 
     def sweep(self) -> int:
         return sweep_approvals()

@@ -237,20 +237,28 @@ def close_request(request: ApprovalRequest, status: str, actor: str, reason: str
     return moved == 1
 
 
-def supersede_approval(approval_id: Any, action: Action, actor: str, reason: str) -> bool:
-    """An approval stopped binding its action at dispatch (changed hash, expired, a decider
-    lost the permission): approved → superseded, with its journal entry. `reason`: why, in
-    words (the hold point's verdict), kept as the row's `closed_reason`.
+def supersede_approval(
+    approval_id: Any, action: Action, actor: str, reason: str, *, status: str = A.SUPERSEDED
+) -> bool:
+    """An approval stopped counting before its action was sent: approved → `status`, with
+    its journal entry. `reason`: why, in words, kept as the row's `closed_reason`.
+
+    At dispatch it no longer binds its action (changed hash, expired, a decider lost the
+    permission, a policy in force asks for more): `superseded`, and the hold point's verdict
+    says why. At a withdrawal its action was cancelled unsent (`approvals.holdpoints`
+    `withdrawn`): it ends as the action's pending request would have — `superseded` by a
+    goal revision, `cancelled` by a run's cancel or an external run's last checkpoint — so
+    no page or client reads an approval of something that will never be sent.
 
     A compare-and-swap on `approved`: a request something else already moved (superseded by
     another dispatch, closed) is left as it is, and journaled once, by whoever moved it. The
-    reviewer's reason stays on the row. True if this call superseded it."""
+    reviewer's reason stays on the row. True if this call moved it."""
     approved = ApprovalRequest.objects.filter(
         tenant_check(action.tenant_id), pk=approval_id, action=action, status=A.APPROVED
     )
-    moved = approved.update(status=A.SUPERSEDED, closed_reason=reason[:2000], updated_at=Now())
+    moved = approved.update(status=status, closed_reason=reason[:2000], updated_at=Now())
     if moved:
-        _record_closed(approval_id, action.run_id, action.tenant_id, A.SUPERSEDED, actor, reason)
+        _record_closed(approval_id, action.run_id, action.tenant_id, status, actor, reason)
     return moved == 1
 
 

@@ -76,7 +76,9 @@ class HoldPoints(Protocol):
         `check_dispatch` would certainly say go."""
 
     def withdrawn(self, action_ids: list[str], reason: str, actor: str) -> None:
-        """Actions were cancelled (goal revised, run cancelled): close their requests."""
+        """Actions were cancelled unsent (goal revised, run cancelled, an external run
+        finished): close their requests, open or approved — none of them approves anything
+        now."""
 
     def tools_named(self, tenant_id: int) -> set[str]:
         """Names of tools an active policy of the tenant names: for those the policy
