@@ -18,7 +18,7 @@ from django.db.models.functions import Now
 
 from approvals.hashing import action_hash, same_hash
 from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote, Decision
-from approvals.policies import may_decide, policy_for, shaped_by
+from approvals.policies import counted_approvals, may_decide, policy_for, shaped_by
 from approvals.requests import (
     after_decision,
     announce_status,
@@ -178,7 +178,7 @@ def _vote(
         reason=reason[:2000],
     )
     approvers = request.votes.filter(decision=Decision.APPROVE).select_related("user")
-    approvals = sum(1 for v in approvers if f"user:{v.user.get_username()}" not in shapers)
+    approvals = counted_approvals(approvers, shapers)
     final = decision == Decision.REJECT or approvals >= request.quorum
     payload: dict[str, Any] = {
         "approval_id": str(request.id),

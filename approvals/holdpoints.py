@@ -21,10 +21,18 @@ from approvals.models import (
     ApprovalPolicy,
     ApprovalRequest,
     ApprovalStatus,
+    ApprovalVote,
     Decision,
     OnExpiry,
 )
-from approvals.policies import held_by_default, may_decide, may_hold, policy_for
+from approvals.policies import (
+    counted_approvals,
+    held_by_default,
+    may_decide,
+    may_hold,
+    policy_for,
+    shaped_by,
+)
 from approvals.requests import close_request, request_approval, supersede_approval
 from fastsql.statements import OneStatement, Part, tenant_check
 from runtime.gates import GO, Verdict
@@ -154,29 +162,68 @@ def _no_longer_binds(
         return "approval_required", f"the action changed after it was approved; {THEN}"
     if expired:
         return "approval_expired", f"expired at {_when(approved)} before it was sent; {THEN}"
-    votes = approved.votes.filter(
-        decision=Decision.APPROVE, request__tenant_id=action.tenant_id
-    ).select_related("user")
+    votes = list(
+        approved.votes.filter(
+            decision=Decision.APPROVE, request__tenant_id=action.tenant_id
+        ).select_related("user")
+    )
     if not all(may_decide(v.user, approved.policy, escalated=approved.escalated) for v in votes):
         return "approval_required", f"an approver no longer holds the permission; {THEN}"
-    now = _held_now_by_another(approved, action)
-    if now is not None and (
-        len(votes) < now.quorum or not all(may_decide(v.user, now) for v in votes)
-    ):
-        return (
-            "approval_required",
-            f"the policy {now.name} holds the action now, and its approvers may not decide "
-            f"under it; {THEN}",
-        )
+    policy = _in_force(approved, action)
+    if policy is None:
+        return "", ""
+    if policy.pk != approved.policy_id:
+        short = _falls_short(policy, approved, action, votes, deciders=True)
+        if short:
+            return "approval_required", f"the policy {policy.name} holds the action now, {short}"
+    elif approved.decided_by_id is not None:  # at expiry, the policy approved it itself
+        short = _falls_short(policy, approved, action, votes, deciders=False)
+        if short:
+            return (
+                "approval_required",
+                f"the policy {policy.name} changed since the approval: {short}",
+            )
     return "", ""
 
 
-def _held_now_by_another(approved: ApprovalRequest, action: Action) -> ApprovalPolicy | None:
-    """The policy that holds the action now, when it is neither the one it was approved
-    under nor the one its request was raised under (an admin's reassignment stands): a
-    policy added, re-ordered or turned off since. Its deciders must be the approvers, or a
-    reviewer of a lenient policy would send what a stricter one holds by then."""
+def _in_force(approved: ApprovalRequest, action: Action) -> ApprovalPolicy | None:
+    """The policy the approval answers to at the send: the one that holds the action now —
+    a policy added, re-ordered or turned off since — or else the one it was approved under
+    as that row stands now (policies are edited in place: a quorum raised, separation of
+    duties turned on). The approved one also when the policy that holds the action is still
+    the one its request was raised under and an admin reassigned the request: the admin's
+    choice of other deciders stands. None: no policy holds the action now."""
     now = policy_for(action.tenant_id, action.tool, json.loads(action.params), action.target)
-    if now is None or now.pk == approved.policy_id:
+    if now is None:
         return None
-    return None if now.name == (approved.shown or {}).get("policy") else now
+    if now.pk == approved.policy_id or now.name == (approved.shown or {}).get("policy"):
+        return approved.policy  # read with the request, in this transaction
+    return now
+
+
+def _falls_short(
+    policy: ApprovalPolicy,
+    approved: ApprovalRequest,
+    action: Action,
+    votes: list[ApprovalVote],
+    *,
+    deciders: bool,
+) -> str:
+    """What the approval lacks under `policy` as it stands (and what follows), or "".
+
+    Its approvers must be the policy's deciders (`deciders`: asked of a policy other than
+    the one they approved under) and as many as its quorum — counted as the decision
+    counted them (`counted_approvals`), without whoever shaped the action by the time of
+    the decision if the policy separates duties now. Without it a reviewer of a lenient
+    policy, or a lenient version of this one, would send what the policy holds by then."""
+    if deciders and not all(may_decide(v.user, policy) for v in votes):
+        return f"and its approvers may not decide under it; {THEN}"
+    shapers: set[str] = set()
+    if policy.separation_of_duties and len(votes) >= policy.quorum:
+        run = Run(run_id=action.run_id, tenant_id=action.tenant_id, goal_rev=action.goal_rev)
+        shapers = shaped_by(approved, run, until=approved.decided_at)
+    counted = counted_approvals(votes, shapers)
+    if counted >= policy.quorum:
+        return ""
+    whose = " from people who did not shape the action" if policy.separation_of_duties else ""
+    return f"it has {counted} of the {policy.quorum} approvals it asks for{whose}; {THEN}"

@@ -8,6 +8,8 @@ with a deciding role. Global perms and superusers would leak across tenants.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -18,6 +20,8 @@ from approvals.conditions import exempts, holds
 from approvals.models import (
     ApprovalPolicy,
     ApprovalRequest,
+    ApprovalVote,
+    Decision,
     PolicyGroupPermission,
     PolicyUserPermission,
 )
@@ -95,17 +99,32 @@ def may_hold(tenant_id: int, tool: str, action_id: Any) -> bool:
     return cur.fetchone() is not None
 
 
-def shaped_by(request: ApprovalRequest, run: Run) -> set[str]:
+def shaped_by(request: ApprovalRequest, run: Run, *, until: datetime | None = None) -> set[str]:
     """The actor labels of whoever shaped the request's action (separation of duties): the
     run's starter, the author of the goal revision the action was prepared under, and
     whoever revised the goal or gave the run input since its last decision (an earlier
-    request of the run decided by a person or by its policy at expiry)."""
+    request of the run decided by a person or by its policy at expiry). `until`: as they
+    stood at that time — the request's own decision, which the send re-check counts again
+    (`approvals.holdpoints`) as the decision counted it."""
     earlier = ApprovalRequest.objects.filter(
         tenant_check(run.tenant_id), run_id=run.pk, decided_at__isnull=False
     ).exclude(pk=request.pk)
+    if until is not None:
+        earlier = earlier.filter(decided_at__lt=until)
     last = earlier.aggregate(last=Max("decided_at"))["last"]
     goal_rev = (request.shown or {}).get("goal_rev") or run.goal_rev
-    return shapers_of(run, int(goal_rev), last)
+    return shapers_of(run, int(goal_rev), last, until=until)
+
+
+def counted_approvals(votes: Iterable[ApprovalVote], shapers: set[str]) -> int:
+    """The approvals a quorum counts: each approving vote but those of whoever shaped the
+    action (`shapers`; empty when the policy does not separate duties). One count for the
+    decision and for the re-check before sending."""
+    return sum(
+        1
+        for vote in votes
+        if vote.decision == Decision.APPROVE and f"user:{vote.user.get_username()}" not in shapers
+    )
 
 
 def may_decide(user: User, policy: ApprovalPolicy, *, escalated: bool = False) -> bool:

@@ -28,11 +28,17 @@ def record_shaper(run: Run, actor: str, kind: ShaperKind, goal_rev: int) -> None
     )
 
 
-def shapers_of(run: Run, goal_rev: int, since: datetime | None) -> set[str]:
+def shapers_of(
+    run: Run, goal_rev: int, since: datetime | None, *, until: datetime | None = None
+) -> set[str]:
     """The actors who shaped an action of `run` prepared under `goal_rev`: whoever started
     the run, whoever wrote that goal revision, and whoever revised the goal or gave input
-    since `since` (the run's last decision; None: since the start)."""
+    since `since` (the run's last decision; None: since the start). `until`: as they stood
+    then (a decision's time: who shaped the run only after it did not shape what it
+    decided)."""
     rows = RunShaper.objects.filter(tenant_check(run.tenant_id), run_id=run.pk)
+    if until is not None:
+        rows = rows.filter(created_at__lte=until)
     actors = set()
     for actor, kind, rev, at in rows.values_list("actor", "kind", "goal_rev", "created_at"):
         if (
