@@ -39,7 +39,7 @@ from approvals.models import (
 )
 from approvals.notify import reach, redeliver, renotify
 from approvals.policies import DECIDE, grant
-from approvals.requests import reassign_request
+from approvals.requests import reassign_request, wrong_tool
 from audit import journal
 from runtime import outbound
 from runtime.admin import OperationsAdmin, ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
@@ -282,16 +282,36 @@ class ApprovalPolicyAdmin(TenantScopedAdmin):
 
 
 class ReassignForm(forms.Form):
-    """The reassign action's page: a policy of the selected requests' tenant."""
+    """The reassign action's page: a policy of the selected requests' tenant and tool."""
 
     policy = forms.ModelChoiceField(queryset=ApprovalPolicy.objects.none())
     reason = forms.CharField(max_length=2000, required=False, widget=forms.Textarea)
 
-    def __init__(self, *args: Any, policies: QuerySet[ApprovalPolicy], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        policies: QuerySet[ApprovalPolicy],
+        selected: QuerySet[ApprovalRequest],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         choice = self.fields["policy"]
         assert isinstance(choice, forms.ModelChoiceField)  # declared above
         choice.queryset = policies  # a per-instance field: never shared between requests
+        self.selected = selected
+
+    def clean_policy(self) -> ApprovalPolicy:
+        """The writer's own rule (`wrong_tool`), asked of the whole selection first: a form
+        error on the page, not a refusal per row after the others were reassigned."""
+        policy: ApprovalPolicy = self.cleaned_data["policy"]
+        tools = sorted(set(self.selected.values_list("action__tool", flat=True)))
+        one = self.selected.count() == 1
+        whose = "this request's action" if one else "a selected request's action"
+        for tool in tools:
+            problem = wrong_tool(policy, tool, whose=whose)
+            if problem:
+                raise forms.ValidationError(problem)
+        return policy
 
 
 @admin.register(ApprovalRequest)
@@ -340,7 +360,11 @@ class ApprovalRequestAdmin(ReadOnlyAdmin, OperationsAdmin, TenantScopedAdmin):
             self.message_user(request, "Select requests of one tenant.", messages.ERROR)
             return None
         policies = ApprovalPolicy.objects.filter(tenant_id__in=tenants, active=True)
-        form = ReassignForm(request.POST if "apply" in request.POST else None, policies=policies)
+        form = ReassignForm(
+            request.POST if "apply" in request.POST else None,
+            policies=policies,
+            selected=queryset,
+        )
         if form.is_valid():
             policy, reason = form.cleaned_data["policy"], form.cleaned_data["reason"]
             self.operate(

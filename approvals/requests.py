@@ -22,7 +22,7 @@ from audit import journal
 from fastsql import statements
 from fastsql.statements import tenant_check
 from runtime import compensation
-from runtime.errors import AlreadyDecided, NotPermitted
+from runtime.errors import AlreadyDecided, InvalidParams, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, ActionStatus, Run
@@ -307,17 +307,37 @@ def after_decision(action: Action, run: Run, actor: str) -> None:
         compensation.ring(action)
 
 
+def wrong_tool(policy: ApprovalPolicy, tool: str, *, whose: str = "this request's action") -> str:
+    """Why `policy` may not decide a request whose action is of `tool` ("" if it may). A
+    policy's deciders, quorum and condition are chosen for its own tool: handed a request of
+    another, it would be decided by people picked for another kind of action (and the send
+    re-check would then ask the tool's own policy, not the one chosen)."""
+    if policy.tool == tool:
+        return ""
+    return (
+        f"The policy {policy.name!r} is written for {policy.tool}; {whose} is {tool}. "
+        f"Choose a policy of {tool}."
+    )
+
+
 def reassign_request(
     request: ApprovalRequest, policy: ApprovalPolicy, actor: str, reason: str = ""
 ) -> ApprovalRequest:
-    """Hand a pending request to another policy of its tenant: that policy's deciders (and
-    its quorum, separation of duties, escalation group) decide it from now on, and they are
-    told. A compare-and-swap on `pending`, journalled in the tenant's stream; votes already
-    cast stay and count under the new quorum."""
+    """Hand a pending request to another policy of its tenant and of its action's tool: that
+    policy's deciders (and its quorum, separation of duties, escalation group) decide it from
+    now on, and they are told. A compare-and-swap on `pending`, journalled in the tenant's
+    stream; votes already cast stay and count under the new quorum. A policy of another
+    tool is refused (InvalidParams, naming `policy`), whichever path asks."""
     from approvals.notify import notify_requested
 
     if policy.tenant_id != request.tenant_id:
         raise NotPermitted("a request is reassigned only to a policy of its own tenant")
+    tool = Action.objects.filter(pk=request.action_id, tenant_id=request.tenant_id).values_list(
+        "tool", flat=True
+    )
+    problem = wrong_tool(policy, tool.get())
+    if problem:
+        raise InvalidParams(problem, errors={"policy": [problem]})
     with transaction.atomic():
         previous = ApprovalPolicy.objects.get(pk=request.policy_id)
         moved = ApprovalRequest.objects.filter(

@@ -24,9 +24,10 @@ from approvals.models import (
 from approvals.notify import deliver, send_webhook
 from approvals.requests import reassign_request
 from audit.models import JournalEntry
-from runtime.errors import NotPermitted
+from runtime.errors import InvalidParams, NotPermitted
 from runtime.lifecycle import create_run
 from runtime.models import Run, RunStatus, Tenant
+from tests.api import grant_policy, new_run, ok, prepare, take_lease
 from tests.approvals import test_admin, test_notify
 from tests.approvals.conftest import GOAL
 from tests.approvals.test_notify import Receiver
@@ -176,6 +177,7 @@ def test_reassign_a_pending_request(
     page = act(ada, REQUESTS, "reassign_selected", request.pk)
     assert page.status_code == 200  # the page that asks for the policy
     assert b"on-call decides" in page.content and b"globex rule" not in page.content
+    assert b"<code>tasks.create</code>, tasks need review" in page.content
 
     # A forged foreign policy is not a choice: the page comes back, nothing changes.
     since = last_entry()
@@ -223,6 +225,82 @@ def test_reassign_refuses_another_tenants_policy(held: Any, foreign: dict[str, A
         reassign_request(request, foreign["policy"], "user:root")
     request.refresh_from_db()
     assert request.policy.name == "tasks need review" and new_entries(since) == []
+
+
+def test_reassign_refuses_a_policy_written_for_another_tool(
+    ada: Client, held: Any, tenant_a: Tenant
+) -> None:
+    """A policy's deciders, quorum and condition are chosen for its tool: a request of
+    tasks.create handed to a policy of tickets.create would be decided by people picked for
+    another kind of action. The admin's page says so and nothing changes."""
+    _, request, _ = held
+    tickets = ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="ticket triage", tool="tickets.create"
+    )
+    since = last_entry()
+    refused = act(ada, REQUESTS, "reassign_selected", request.pk, apply="1", policy=tickets.pk)
+    assert refused.status_code == 200  # the page again, with the error on the policy field
+    assert refused.context["form"].errors == {
+        "policy": [
+            "The policy 'ticket triage' is written for tickets.create; this request's action "
+            "is tasks.create. Choose a policy of tasks.create."
+        ]
+    }
+    assert b"is written for tickets.create" in refused.content
+    request.refresh_from_db()
+    assert (request.policy.name, request.status) == ("tasks need review", "pending")
+    assert new_entries(since) == []
+
+
+def test_reassign_of_requests_of_two_tools_to_one_tools_policy_changes_neither(
+    ada: Client, held: Any, tenant_a: Tenant, agent_a: Persona
+) -> None:
+    _, request, _ = held
+    other = _client_tool_request(tenant_a, agent_a)
+    oncall = ApprovalPolicy.objects.create(tenant=tenant_a, name="on-call", tool="tasks.create")
+    since = last_entry()
+    refused = act(
+        ada, REQUESTS, "reassign_selected", request.pk, other.pk, apply="1", policy=oncall.pk
+    )
+    assert refused.status_code == 200
+    assert refused.context["form"].errors == {
+        "policy": [
+            "The policy 'on-call' is written for tasks.create; a selected request's action "
+            "is agent.tasks.create. Choose a policy of agent.tasks.create."
+        ]
+    }
+    assert set(ApprovalRequest.objects.values_list("policy__name", flat=True)) == {
+        "tasks need review",
+        "agent.tasks.create needs review",
+    }
+    assert new_entries(since) == []
+
+
+def test_the_writer_refuses_a_policy_for_another_tool_as_invalid_params(
+    held: Any, tenant_a: Tenant
+) -> None:
+    """Every path that reassigns goes through `reassign_request`: 422 invalid_params."""
+    _, request, _ = held
+    tickets = ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="ticket triage", tool="tickets.create"
+    )
+    since = last_entry()
+    with pytest.raises(InvalidParams) as refused:
+        reassign_request(request, tickets, "user:root")
+    assert (refused.value.code, refused.value.status) == ("invalid_params", 422)
+    assert refused.value.extra["errors"] == {"policy": [str(refused.value)]}
+    request.refresh_from_db()
+    assert request.policy.name == "tasks need review" and new_entries(since) == []
+
+
+def _client_tool_request(tenant: Tenant, agent: Persona) -> ApprovalRequest:
+    """A pending request of another tool: agent.tasks.create, an external run's action."""
+    grant_policy(tenant)
+    client = agent.api()
+    run_id = new_run(client)["run_id"]
+    fence = take_lease(client, run_id)
+    held = ok(prepare(client, run_id, fence), 201)
+    return ApprovalRequest.objects.get(pk=held["approval"])
 
 
 def test_redeliver_a_webhook_message(
