@@ -32,7 +32,16 @@ from approvals.requests import reassign_request
 from runtime.errors import NotPermitted
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
-from runtime.models import Action, ActionStatus, Role, Run, RunStatus, ShaperKind, Tenant
+from runtime.models import (
+    Action,
+    ActionStatus,
+    Role,
+    Run,
+    RunShaper,
+    RunStatus,
+    ShaperKind,
+    Tenant,
+)
 from runtime.shapers import record_shaper
 from tests.approvals.conftest import GOAL
 from tests.conftest import Persona, make_persona
@@ -182,8 +191,13 @@ def test_a_shaper_since_the_approval_is_not_counted_against_it(
     """The count at the send is the decision's, under the policy's rules now: someone who
     shaped the run only after approving did not shape the action they approved."""
     run, request, box = held
-    decide(request.id, reviewer_a.user, "approve", request.action_hash)
+    decided = decide(request.id, reviewer_a.user, "approve", request.action_hash).decided_at
+    assert decided is not None
     record_shaper(run, "user:alice", ShaperKind.INPUT, run.goal_rev)
+    # A second after the decision, whatever the database clock's resolution.
+    RunShaper.objects.filter(run=run, kind=ShaperKind.INPUT).update(
+        created_at=decided + timedelta(seconds=1)
+    )
     assert advance_run(run.run_id, "w1").outcome == "completed"
     assert len(box.tasks()) == 1
 
