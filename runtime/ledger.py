@@ -518,8 +518,10 @@ def _take_version(action: Action, fence: int, tool: Tool, actor: str) -> Action:
     with transaction.atomic(durable=True):
         action = check_dispatchable(action.action_id, fence, action.tenant_id)
         refused = _restamp(action, tool, actor) if action.tool_version != tool.version else ""
-        if refused:  # never sent: withdrawn, as an action of an old goal revision is
+        if refused:  # never sent: withdrawn, as an action of an old goal revision is —
+            # and so is an approval given for it (gates.withdrawn, as withdraw_unsent does)
             transition(action, S.CANCELLED, actor, last_error=refused[:2000])
+            gates.withdrawn([str(action.action_id)], refused, actor)
     if refused:
         raise ToolChanged(refused)
     return action

@@ -280,6 +280,43 @@ def test_a_redefinition_that_refuses_the_params_fails_the_action_unsent(
     assert box.tasks() == []
 
 
+def test_an_approved_action_a_redefinition_refuses_leaves_no_approval_standing(
+    tenant_a: Tenant,
+    agent_a: Persona,
+    reviewer_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+) -> None:
+    """Approved under version 1, then the tool redefined with a schema its params fail: the
+    action is cancelled unsent — and its approval no longer reads as a usable one (the
+    inbox's history, the request page, `GET approvals/`), as when a cancel or a revision
+    withdraws an approved action. Before, it stayed `approved` for an action never sent."""
+    box = sandbox_factory("key")
+    define_tickets(tenant_a, box.url)
+    ApprovalPolicy.objects.create(
+        tenant=tenant_a, name="tickets held", tool="tickets.create", any_reviewer=True
+    )
+    run, fence = _external_run(tenant_a, agent_a)
+    action, _ = protocol.prepare(
+        run, fence, "tickets.create", {"title": "A long title"}, reason="r", who="agent:a"
+    )
+    request = ApprovalRequest.objects.get(run=run)
+    decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="fine")
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 5}},
+        "required": ["title"],
+    }
+    define_tickets(tenant_a, box.url, schema=schema)
+
+    with pytest.raises(ToolChanged):
+        protocol.dispatch(Action.objects.get(pk=action.pk), fence, "agent:a")
+    assert Action.objects.get(pk=action.pk).status == S.CANCELLED and box.tasks() == []
+    request.refresh_from_db()
+    assert request.status == ApprovalStatus.CANCELLED
+    assert "withdrawn before it was sent" in request.closed_reason
+    assert "version 2" in request.closed_reason
+
+
 def test_the_api_answers_409_tool_changed_for_a_redefinition_that_refuses_the_params(
     tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
 ) -> None:
