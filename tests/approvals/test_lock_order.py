@@ -107,7 +107,9 @@ def test_a_decision_racing_a_goal_revision_is_applied_or_refused_not_a_database_
         pytest.skip("concurrency tests run on PostgreSQL")
     run, request, box = held
     seams = _Seams()
-    may_decide = decisions.may_decide  # called with the request locked, before the run
+    # Called with the run and the request locked (lock_run_of: the run first, since 8b83443);
+    # the seam pauses the decision there while the revision waits for the run.
+    may_decide = decisions.may_decide
 
     def paused(*args: Any, **kwargs: Any) -> bool:
         seams.before_run()
