@@ -22,7 +22,15 @@ from typing import Any
 
 from django.core import signing
 from django.db import DataError, IntegrityError, transaction
-from django.db.models import DateTimeField, Exists, ExpressionWrapper, OuterRef, Q, Value
+from django.db.models import (
+    DateTimeField,
+    Exists,
+    ExpressionWrapper,
+    OuterRef,
+    Q,
+    QuerySet,
+    Value,
+)
 from django.db.models.expressions import Combinable
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -45,26 +53,40 @@ class Break:
     problem: str
 
 
-def verify_entries(
-    stream: str, entries: Iterable[JournalEntry], tenant_id: int | None = None
-) -> Break | None:
-    """The first broken link of a stream's entries (in seq order), or None if intact.
+class ChainWalk:
+    """A stream's chain, checked entry by entry in seq order; resumable, so entries that a
+    reader finds appended after it walked the stream are checked as the same chain's.
 
     `tenant_id` is the stream's owner by its head; without it, a tenant stream's owner is
     the one its name gives, a run stream's the first entry's. Every entry must belong to it:
     the hash of entries written under rule 1 does not cover their tenant (audit.chain).
     """
-    prev, expected_seq, newer_rule_seen = GENESIS, 1, False
-    owner = tenant_id if tenant_id is not None else _named_owner(stream)
-    for entry in entries:
-        if entry.seq != expected_seq:
+
+    def __init__(self, stream: str, tenant_id: int | None = None) -> None:
+        self.stream = stream
+        self.owner = tenant_id if tenant_id is not None else _named_owner(stream)
+        self.prev, self.expected_seq, self.newer_rule_seen = GENESIS, 1, False
+        self.last: JournalEntry | None = None
+
+    def over(self, entries: Iterable[JournalEntry]) -> Break | None:
+        """The first broken link among `entries` (the ones after those walked so far)."""
+        for entry in entries:
+            found = self._link(entry)
+            if found is not None:
+                return found
+            self.prev, self.expected_seq, self.last = entry.hash, entry.seq + 1, entry
+        return None
+
+    def _link(self, entry: JournalEntry) -> Break | None:
+        stream, prev = self.stream, self.prev
+        if entry.seq != self.expected_seq:
             return Break(
-                stream, expected_seq, f"missing or reordered entry (found seq {entry.seq})"
+                stream, self.expected_seq, f"missing or reordered entry (found seq {entry.seq})"
             )
         if entry.prev_hash != prev:
             return Break(stream, entry.seq, "prev_hash does not match the previous entry")
-        owner = entry.tenant_id if owner is None else owner
-        if entry.tenant_id != owner:
+        self.owner = entry.tenant_id if self.owner is None else self.owner
+        if entry.tenant_id != self.owner:
             return Break(stream, entry.seq, "tenant_id is not its stream's tenant")
         if entry.created_at is None:  # 'infinity' and the like: no writer stores one
             return Break(stream, entry.seq, "time cannot be read: no datetime holds it")
@@ -79,11 +101,36 @@ def verify_entries(
             return Break(stream, entry.seq, "redacted, but only purged runs' entries are")
         if rule is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
-        if rule < RULE and newer_rule_seen:
+        if rule < RULE and self.newer_rule_seen:
             return Break(stream, entry.seq, "entry hashed under an older rule than earlier ones")
-        newer_rule_seen = newer_rule_seen or rule == RULE
-        prev, expected_seq = entry.hash, expected_seq + 1
-    return None
+        self.newer_rule_seen = self.newer_rule_seen or rule == RULE
+        return None
+
+    def ended(self, entries: QuerySet[JournalEntry]) -> Break | None:
+        """After the walk: the stream head, read now, must be the last entry walked.
+
+        The walk and the head are two reads, and an append commits its entries and the head
+        together: one committed between them moved the head past the last entry walked,
+        which is no break. Those entries (`entries` of the stream up to the head read, all
+        committed with it) are walked on, and the head compared with the last of them. A
+        head behind the last entry walked cannot be an append's (a head read after the walk
+        is at least as new): entries past the head, or a head moved back, are a break."""
+        head = StreamHead.objects.filter(stream=self.stream).first()
+        walked = self.last.seq if self.last is not None else 0
+        if head is not None and head.seq > walked:
+            appended = entries.filter(stream=self.stream, seq__gt=walked, seq__lte=head.seq)
+            found = self.over(appended.order_by("seq").iterator())
+            if found is not None:
+                return found
+        return _head_break(self.stream, head, self.last)
+
+
+def verify_entries(
+    stream: str, entries: Iterable[JournalEntry], tenant_id: int | None = None
+) -> Break | None:
+    """The first broken link of a stream's entries (in seq order), or None if intact (the
+    stream head is not compared: `verify_stream` does, `ChainWalk.ended`)."""
+    return ChainWalk(stream, tenant_id).over(entries)
 
 
 def _rule_of(prev: str, entry: JournalEntry, digest: str) -> int | None:
@@ -109,18 +156,10 @@ def verify_stream(stream: str) -> Break | None:
     named = _named_owner(stream)
     if head is not None and named is not None and head.tenant_id != named:
         return Break(stream, head.seq, "the stream head names another tenant")
-    owner = head.tenant_id if head is not None else named
-    entries = JournalEntry.objects.filter(stream=stream).order_by("seq").iterator()
-    found = verify_entries(stream, entries, owner)
-    if found is not None:
-        return found
-    last = JournalEntry.objects.filter(stream=stream).order_by("-seq").first()
-    return _head_break(stream, head, last)
-
-
-def head_break(stream: str, last: JournalEntry | None) -> Break | None:
-    """Entries cut off at the end leave an intact chain; the stream head still knows."""
-    return _head_break(stream, StreamHead.objects.filter(stream=stream).first(), last)
+    walk = ChainWalk(stream, head.tenant_id if head is not None else named)
+    entries = JournalEntry.objects.filter(stream=stream)
+    found = walk.over(entries.order_by("seq").iterator())
+    return found if found is not None else walk.ended(entries)
 
 
 def _head_break(stream: str, head: StreamHead | None, last: JournalEntry | None) -> Break | None:

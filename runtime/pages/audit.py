@@ -42,7 +42,7 @@ from django.utils import timezone
 from audit import journal
 from audit.journal import run_stream
 from audit.models import JournalEntry, stored_time
-from audit.verification import Break, head_break, verify_entries
+from audit.verification import Break, ChainWalk
 from runtime.events import RunEvent
 from runtime.pages.access import reviewer_page
 from runtime.pages.display import pretty, summarise
@@ -593,29 +593,31 @@ def _verdict(seq: int, found: Break | None) -> str:
 def walk_trail(principal: Principal, run_id: UUID, after: int = 0) -> Trail:
     """Verify the run's whole stream in one pass, keeping only the entries shown.
 
-    verify_entries stops at the first break; the walk goes on past it so the entries after
-    a break are still shown (marked as such) and counted.
+    The chain's check stops at the first break; the walk goes on past it so the entries
+    after a break are still shown (marked as such) and counted.
     """
     stream = run_stream(run_id)
     entries = journal_for(principal).filter(stream=stream).order_by("seq")
     shown: list[JournalEntry] = []
-    last: JournalEntry | None = None
     total = 0
 
     def walk() -> Iterator[JournalEntry]:
-        nonlocal last, total
+        nonlocal total
         for entry in entries.iterator(chunk_size=TRAIL_PAGE):
-            last, total = entry, total + 1
+            total += 1
             if entry.seq > after and len(shown) <= TRAIL_PAGE:
                 shown.append(entry)
             yield entry
 
     steps = walk()
-    found = verify_entries(stream, steps)
+    chain = ChainWalk(stream)
+    found = chain.over(steps)
     for _ in steps:
         pass
     if found is None:
-        found = head_break(stream, last)  # the stream is the principal's run's
+        # The head, read now, against the last entry (or entries the run appended since the
+        # walk: checked, not shown). The stream is the principal's run's.
+        found = chain.ended(entries)
     rows = [
         TrailRow(e, summarise(e.payload), pretty(e.payload), _verdict(e.seq, found))
         for e in shown[:TRAIL_PAGE]
