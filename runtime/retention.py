@@ -3,7 +3,8 @@
 Runs past their tenant's retention lose their checkpoints, recorded calls, actions,
 approvals and unreferenced artifacts; their journal entries stay, with payloads replaced by
 digests (the chain hashes cover digests, so it verifies as before). Never purged: a run that
-is not finished, has an open approval, or has an action whose outcome is not settled. Kept
+is not finished, has an open approval, an action whose outcome is not settled, or a
+compensation not sent yet. Kept
 and named (`PurgeReport.held`), the rest purged: a due run with a journal entry that cannot
 be redacted — edited into a payload no writer stores — so its evidence stays for
 audit_verify, and one such run does not stop the purge of the others, or of other tenants.
@@ -22,14 +23,24 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 
 from audit import journal
 from audit.models import JournalEntry, PurgeGate
 from runtime import gates, metrics
 from runtime.artifacts import collect_refs
 from runtime.leases import db_now
-from runtime.models import TERMINAL, Action, ActionStatus, Artifact, Checkpoint, Run, Tenant
+from runtime.models import (
+    STANDALONE,
+    TERMINAL,
+    UNSENT,
+    Action,
+    ActionStatus,
+    Artifact,
+    Checkpoint,
+    Run,
+    Tenant,
+)
 
 log = logging.getLogger("holdpoint.retention")
 KEEP_ACTIONS = (ActionStatus.SENT, ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW)
@@ -48,9 +59,17 @@ class PurgeReport:
 
 
 def purgeable(runs: QuerySet[Run]) -> QuerySet[Run]:
-    """Finished runs with nothing open: no pending approval, no unsettled action."""
+    """Finished runs with nothing open: no pending approval, no unsettled action, no
+    compensation still to be sent.
+
+    A compensation (a standalone action) follows a finished run and does not touch it, so
+    its run can be due while a person's undo waits for its sender, a decision, or the
+    sweeper's next try: purged with the run, the undo was gone and the effect stayed."""
     open_actions = Action.objects.filter(status__in=KEEP_ACTIONS).values("run_id")
-    runs = runs.filter(status__in=TERMINAL).exclude(run_id__in=open_actions)
+    # Per run, by the action table's run index: no index holds unsent compensations, and a
+    # list of them all would read every action of every tenant at each batch.
+    undo = Action.objects.filter(run_id=OuterRef("pk"), step=STANDALONE, status__in=UNSENT)
+    runs = runs.filter(status__in=TERMINAL).exclude(run_id__in=open_actions).exclude(Exists(undo))
     return gates.purgeable(runs)  # hold points keep a run with an open request
 
 
