@@ -16,8 +16,9 @@ tenant is checked against its stream head as well, which covers rule-1 entries t
 The redaction flag is not hashed (the purge sets it long after the hash was made), but it
 cannot be flipped unnoticed: it says where the payload's digest comes from, and no payload
 can both be hashed as itself and carry its own digest, so the flipped entry never matches.
-And the purge redacts only purged runs' streams: a redacted entry of a tenant's stream (its
-human acts) is a payload wiped by someone else, and verification names it.
+And the purge redacts only purged runs' streams, and journals those runs in their tenant's
+stream: a redacted entry of a tenant's stream (its human acts), or of a run no purge names,
+is a payload wiped by someone else, and verification names it (audit.verification).
 """
 
 from __future__ import annotations

@@ -53,6 +53,46 @@ class Break:
     problem: str
 
 
+# What the retention purge (runtime.retention) journals in the tenant's stream for each batch
+# of runs it purged, in the transaction that redacted their streams: payload {"runs": [id…]}.
+PURGE_RECORD = "retention_purged"
+
+
+class PurgedRuns:
+    """The run streams a retention purge journalled as purged, by tenant: the only streams
+    whose payloads may be redacted.
+
+    A redacted entry verifies exactly as the original did (its hash covers the digest), so
+    without this a payload wiped to its digest in a live run's stream passed every check.
+    Each tenant's `retention_purged` entries (its own stream, chained and checked like the
+    rest) are read once per check that meets a redacted entry of one of its runs, and kept
+    for the streams after it: a full `audit_verify` holds a set of the purged runs' stream
+    names — one string per purged run.
+    """
+
+    def __init__(self) -> None:
+        self._by_tenant: dict[int, frozenset[str]] = {}
+
+    def named(self, stream: str, tenant_id: int | None) -> bool:
+        if tenant_id is None:
+            return False
+        if tenant_id not in self._by_tenant:
+            self._by_tenant[tenant_id] = self._read(tenant_id)
+        return stream in self._by_tenant[tenant_id]
+
+    @staticmethod
+    def _read(tenant_id: int) -> frozenset[str]:
+        records = JournalEntry.objects.filter(
+            tenant_id=tenant_id, type=PURGE_RECORD, stream=journal.tenant_stream(tenant_id)
+        )
+        streams: set[str] = set()
+        for payload in records.values_list("payload", flat=True).iterator():
+            runs = payload.get("runs") if isinstance(payload, dict) else None
+            if isinstance(runs, list):
+                streams.update(journal.run_stream(r) for r in runs if isinstance(r, str))
+        return frozenset(streams)
+
+
 class ChainWalk:
     """A stream's chain, checked entry by entry in seq order; resumable, so entries that a
     reader finds appended after it walked the stream are checked as the same chain's.
@@ -62,9 +102,12 @@ class ChainWalk:
     the hash of entries written under rule 1 does not cover their tenant (audit.chain).
     """
 
-    def __init__(self, stream: str, tenant_id: int | None = None) -> None:
+    def __init__(
+        self, stream: str, tenant_id: int | None = None, purged: PurgedRuns | None = None
+    ) -> None:
         self.stream = stream
         self.owner = tenant_id if tenant_id is not None else _named_owner(stream)
+        self.purged = purged if purged is not None else PurgedRuns()
         self.prev, self.expected_seq, self.newer_rule_seen = GENESIS, 1, False
         self.last: JournalEntry | None = None
 
@@ -99,6 +142,8 @@ class ChainWalk:
             return Break(stream, entry.seq, "redaction flag does not match the payload")
         if entry.redacted and not stream.startswith("run:"):
             return Break(stream, entry.seq, "redacted, but only purged runs' entries are")
+        if entry.redacted and not self.purged.named(stream, self.owner):
+            return Break(stream, entry.seq, "redacted, but no purge of its run is journalled")
         if rule is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
         if rule < RULE and self.newer_rule_seen:
@@ -151,12 +196,14 @@ def _named_owner(stream: str) -> int | None:
     return int(rest) if kind == "tenant" and rest.isascii() and rest.isdigit() else None
 
 
-def verify_stream(stream: str) -> Break | None:
+def verify_stream(stream: str, purged: PurgedRuns | None = None) -> Break | None:
+    """The first break of a stream, its head included. `purged`: what the purges journalled,
+    shared by the streams of one check (`verify_all`)."""
     head = StreamHead.objects.filter(stream=stream).first()
     named = _named_owner(stream)
     if head is not None and named is not None and head.tenant_id != named:
         return Break(stream, head.seq, "the stream head names another tenant")
-    walk = ChainWalk(stream, head.tenant_id if head is not None else named)
+    walk = ChainWalk(stream, head.tenant_id if head is not None else named, purged)
     entries = JournalEntry.objects.filter(stream=stream)
     found = walk.over(entries.order_by("seq").iterator())
     return found if found is not None else walk.ended(entries)
@@ -213,10 +260,11 @@ def verify_all(
     since: datetime | Combinable | None = None,
 ) -> tuple[int, list[Break]]:
     checked, breaks = 0, []
+    purged = PurgedRuns()
     for name in streams(tenant_id, stream, since):
         checked += 1
         try:
-            found = verify_stream(name)
+            found = verify_stream(name, purged)
         except DataError as exc:  # a value no writer stores and no guard foresaw: edited
             found = Break(name, 0, f"an entry cannot be read ({exc})")
         if found is not None:

@@ -22,6 +22,7 @@ from audit import journal
 from audit.chain import entry_hash_from_digest, stored_payload_digest
 from audit.models import JournalEntry, StreamHead
 from audit.verification import verify_stream
+from runtime import retention
 from runtime.accounts import record_tenant_act
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
@@ -164,8 +165,8 @@ def test_flipping_the_flag_back_on_a_redacted_entry_is_a_break(tenant_a: Tenant)
     run = make_run(tenant_a)
     stream = journal.run_stream(run.run_id)
     victim = JournalEntry.objects.get(stream=stream, seq=2)
-    with tampering():
-        JournalEntry.objects.filter(pk=victim.pk).redact()
+    assert retention.purge_tenant(tenant_a, thread_id=run.thread_id).runs == [str(run.run_id)]
+    assert JournalEntry.objects.get(pk=victim.pk).redacted
     assert verify_stream(stream) is None  # the purge's redaction verifies
     with tampering() as cursor:
         cursor.execute(
