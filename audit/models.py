@@ -12,7 +12,7 @@ to by id only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import date, datetime
 from itertools import groupby
@@ -46,6 +46,13 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
 
     def delete(self) -> tuple[int, dict[str, int]]:
         raise AppendOnly("journal entries are never deleted (the purge redacts payloads)")
+
+    def bulk_create(self, objs: Iterable[JournalEntry], *args: Any, **kwargs: Any) -> Any:
+        """Inserts only: with update_conflicts it is an upsert, an UPDATE of the entry that
+        holds the id or (stream, seq) already."""
+        if kwargs.get("update_conflicts"):
+            raise AppendOnly("journal entries are never updated")
+        return super().bulk_create(objs, *args, **kwargs)
 
     def redact(self) -> Redaction:
         """Replace payloads by their digests (the retention purge, inside its open gate).
@@ -194,9 +201,12 @@ class JournalEntry(models.Model):
         return f"{self.stream}#{self.seq} {self.type}"
 
     def save(self, *args: object, **kwargs: object) -> None:
-        if not self._state.adding:
+        """Only ever an INSERT. An instance new to the ORM that carries an existing entry's
+        id is an UPDATE of that entry in Django's save (or with force_update / update_fields):
+        SQLite, whose history has no trigger, rewrote the entry."""
+        if not self._state.adding or kwargs.get("force_update") or kwargs.get("update_fields"):
             raise AppendOnly("journal entries are never updated")
-        super().save(*args, **kwargs)  # type: ignore[arg-type]
+        super().save(*args, **{**kwargs, "force_insert": True})  # type: ignore[arg-type]
 
     def delete(self, *args: object, **kwargs: object) -> tuple[int, dict[str, int]]:
         raise AppendOnly("journal entries are never deleted")

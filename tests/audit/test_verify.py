@@ -350,3 +350,32 @@ def test_an_empty_tenant_or_stream_is_refused_not_taken_for_the_whole_journal(
         for empty in ("", "  "):
             with pytest.raises(CommandError, match=f"{option} needs a"):
                 call_command("audit_verify", option, empty, stdout=StringIO())
+
+
+def _forged_over(entry: JournalEntry) -> JournalEntry:
+    """A new instance carrying an existing entry's id, another actor, and the rest as it is."""
+    fields = {f.attname: getattr(entry, f.attname) for f in JournalEntry._meta.concrete_fields}
+    return JournalEntry(**{**fields, "actor": "user:mallory"})
+
+
+@pytest.mark.parametrize("path", ["save", "force_update", "update_fields", "bulk_create"])
+def test_the_orm_cannot_overwrite_an_entry_through_its_id(tenant_a: Tenant, path: str) -> None:
+    """`save()` on an instance that is new to the ORM but carries an existing entry's id is
+    an UPDATE in Django (and so is `bulk_create(update_conflicts=True)`, an upsert): the
+    model's "never updated" let it through — SQLite, whose history has no trigger, rewrote
+    the entry; PostgreSQL's trigger refused it. Refused by the model on both."""
+    run = _run(tenant_a, steps=1)
+    entry = JournalEntry.objects.filter(stream=journal.run_stream(run.run_id), seq=2).get()
+    forged = _forged_over(entry)
+    with pytest.raises((AppendOnly, DatabaseError)), transaction.atomic():
+        if path == "save":
+            forged.save()
+        elif path == "force_update":
+            forged.save(force_update=True)
+        elif path == "update_fields":
+            forged.save(update_fields=["actor"])
+        else:
+            JournalEntry.objects.bulk_create(
+                [forged], update_conflicts=True, unique_fields=["id"], update_fields=["actor"]
+            )
+    assert JournalEntry.objects.get(pk=entry.pk).actor == entry.actor
