@@ -75,14 +75,43 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def check_database() -> Result:
+    """The database answers, and takes writes: a PostgreSQL standby, read-only transactions
+    or an SQLite connection that is query-only answer `SELECT 1` too — and refuse every
+    run, decision and step commit."""
     try:
         with _db().cursor() as cursor:
             cursor.execute("SELECT 1")
             cursor.fetchone()
+            why = _read_only(cursor)
     except Exception as exc:  # any driver error means "not reachable" to a probe
         detail = f"{type(exc).__name__}: {exc}".strip()[:200]
         return _fail([_unreachable(detail)], detail=detail, kind=type(exc).__name__)
+    if why:
+        fix = "point DATABASE_URL at the primary, or turn read-only off"
+        problem = _line(f"the database takes no writes ({why})", "nothing can run", fix)
+        return _fail([problem], detail=why, kind=READ_ONLY)
     return _ok()
+
+
+READ_ONLY = "read_only"
+
+
+def _read_only(cursor: Any) -> str:
+    """Why the database takes no writes on this connection, or "" (one statement). Said
+    without the database's name, address or file: /readyz shows it to anyone."""
+    if _engine() == POSTGRES:
+        # transaction_read_only: a standby's, and this transaction's; the default: the next
+        # transactions' (ALTER DATABASE/ROLE … SET default_transaction_read_only).
+        cursor.execute(
+            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'),"
+            " current_setting('default_transaction_read_only')"
+        )
+        standby, now, default = cursor.fetchone()
+        if standby:
+            return "a standby in recovery"
+        return "read-only transactions" if "on" in (now, default) else ""
+    cursor.execute("PRAGMA query_only")
+    return "the connection is query-only" if cursor.fetchone()[0] else ""
 
 
 def _unreachable(detail: str) -> str:
@@ -562,7 +591,7 @@ DEPLOYMENT_CHECKS = {
 
 
 def _public(name: str, result: dict[str, Any]) -> dict[str, Any]:
-    if name == "database" and not result["ok"]:
+    if name == "database" and not result["ok"] and result.get("kind") != READ_ONLY:
         # The driver's message names the database's host, port, user and database (and why
         # the login failed): the class of the error is all a probe is told; doctor says more.
         kind = str(result.get("kind", "error"))
