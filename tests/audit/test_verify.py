@@ -173,6 +173,31 @@ def test_postgresql_refuses_update_and_delete_of_history(tenant_a: Tenant, table
     assert Checkpoint.objects.exists() and JournalEntry.objects.exists()
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("table", ["audit_journalentry", "runtime_checkpoint"])
+def test_a_temporary_table_named_like_the_purge_gate_does_not_open_it(
+    tenant_a: Tenant, table: str
+) -> None:
+    """The trigger asked `audit_purgegate` by its bare name, and PostgreSQL looks a bare
+    name up in the session's temporary schema first: any role that may create a temporary
+    table (every role, by default) made one of that name, put a row in it and rewrote
+    history — no grant on the real gate needed. The trigger now asks the gate beside its
+    table, by schema."""
+    if connection.vendor != "postgresql":
+        pytest.skip("database triggers are PostgreSQL's")
+    _run(tenant_a, steps=1)
+    for sql in (f"UPDATE {table} SET created_at = created_at", f"DELETE FROM {table}"):
+        with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("CREATE TEMPORARY TABLE audit_purgegate (id int) ON COMMIT DROP")
+                cursor.execute("INSERT INTO audit_purgegate VALUES (1)")
+                cursor.execute(sql)
+    assert Checkpoint.objects.exists() and JournalEntry.objects.exists()
+    # The real gate, opened by the purge in its transaction, still opens it.
+    with tampering() as cursor:
+        cursor.execute(f"UPDATE {table} SET created_at = created_at")
+
+
 def test_periodic_verification_alerts_into_the_tenant_stream(tenant_a: Tenant) -> None:
     run = _run(tenant_a)
     entry = JournalEntry.objects.filter(stream=journal.run_stream(run.run_id), seq=2).get()
