@@ -38,19 +38,22 @@ by agents that use LangGraph: `import holdpoint_client` never imports it.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from types import UnionType
+from typing import Any, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.messages import ToolCall as LangChainToolCall
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
+from langgraph.errors import GraphBubbleUp
 from langgraph.prebuilt import ToolNode
-from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE, ToolCallRequest
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
 from pydantic import BaseModel, ValidationError
 
@@ -155,7 +158,15 @@ class HoldpointGraph:
         return register
 
     def tool_node(self, tools: Sequence[BaseTool | Callable[..., Any]], **options: Any) -> ToolNode:
-        """A `ToolNode` running `tools`, the ledgered ones through Holdpoint."""
+        """A `ToolNode` running `tools`, the ledgered ones through Holdpoint.
+
+        `handle_tool_errors` applies to the tools' own errors only. What the ledger raises
+        for a ledgered call (OutcomeUnknown, LeaseLost, Holdpoint unreachable, ...) stops
+        the graph whatever it says: the ToolNode would tell it to the model as an error,
+        and the model would ask again under a new call id — a new action, and the effect
+        twice."""
+        flag = options.get("handle_tool_errors", _TOOL_NODE_DEFAULT)
+        options["handle_tool_errors"] = _sparing_the_ledger(flag)
         return ToolNode(tools, wrap_tool_call=self, **options)
 
     def middleware(self) -> Any:
@@ -184,7 +195,23 @@ class HoldpointGraph:
         if spec is None or not _valid(request):
             return execute(request)  # not ledgered, or the node reports the bad arguments
         config = request.runtime.config if request.runtime is not None else None
-        thread = thread_of(config)
+        try:
+            return self._ledgered(request, execute, spec, thread_of(config), tool_call)
+        except GraphBubbleUp:
+            raise  # an interrupt: the graph pauses at the hold point
+        except Exception as exc:
+            setattr(exc, _STOP, True)  # not the tool's error: see `tool_node`
+            raise
+
+    def _ledgered(
+        self,
+        request: ToolCallRequest,
+        execute: Execute,
+        spec: Spec,
+        thread: str,
+        tool_call: LangChainToolCall,
+    ) -> ToolMessage:
+        """One ledgered tool call, settled by the ledger or paused at its hold point."""
         params = dict(tool_call["args"])
 
         def perform(call: ToolCall) -> Any:
@@ -444,6 +471,50 @@ def _not_of_an_older_goal(run: RunHandle, label: str) -> None:
                 f"{goal_rev}, now {run.ex.goal_rev}); {fate}",
                 action=action,
             )
+
+
+# The attribute marking an exception the ledger raised for a ledgered call, and what a
+# ToolNode does with a tool's error when not told otherwise.
+_STOP = "_holdpoint_stops_the_graph"
+_TOOL_NODE_DEFAULT = inspect.signature(ToolNode).parameters["handle_tool_errors"].default
+Handling = bool | str | Callable[..., str] | type[Exception] | tuple[type[Exception], ...]
+
+
+def _sparing_the_ledger(flag: Handling) -> Handling:
+    """`handle_tool_errors` as asked, for the tools' own errors; an exception the ledger
+    raised (marked by `HoldpointGraph.__call__`) is raised on, as LangGraph's default
+    handler raises what it does not handle. False handles nothing: nothing to spare."""
+    if not flag:
+        return flag
+    handled = _handled_types(flag)
+
+    def handle(error: Exception) -> str:
+        if getattr(error, _STOP, False) or not isinstance(error, handled):
+            raise error
+        if isinstance(flag, str):
+            return flag
+        if callable(flag) and not isinstance(flag, type):
+            return str(flag(error))
+        return TOOL_CALL_ERROR_TEMPLATE.format(error=repr(error))
+
+    return handle
+
+
+def _handled_types(flag: Handling) -> tuple[type[Exception], ...]:
+    """The exceptions a `handle_tool_errors` value handles (ToolNode's reading: a handler
+    function's by the annotation of its first parameter)."""
+    if isinstance(flag, type):
+        return (flag,)
+    if isinstance(flag, tuple):
+        return flag
+    if not callable(flag):
+        return (Exception,)
+    first = next(iter(inspect.signature(flag).parameters.values()), None)
+    hint = get_type_hints(flag).get(first.name) if first is not None else None
+    kinds = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    if all(isinstance(k, type) and issubclass(k, Exception) for k in kinds):
+        return tuple(kinds)
+    return (Exception,)
 
 
 def _valid(request: ToolCallRequest) -> bool:
