@@ -50,7 +50,7 @@ from holdpoint_client.errors import (
 )
 from holdpoint_client.executor import Executor, ExecutorCore, ToolCall
 from holdpoint_client.faults import fault
-from holdpoint_client.flow import Flow, adrive, ask, drive, invoke
+from holdpoint_client.flow import Flow, adrive, ask, call_agent, drive
 from holdpoint_client.models import Action, Run
 
 P = ParamSpec("P")
@@ -112,6 +112,12 @@ def _proving(
     executor's, returning (external_id, result); an async one stays async."""
     if fn is None:
         return None
+    if inspect.iscoroutinefunction(fn):  # stays one: the asyncio driver awaits it on its loop
+
+        async def acall(tool_call: ToolCall) -> tuple[str, Any] | None:
+            return await _later(fn(tool_call), proof)
+
+        return acall
 
     def call(tool_call: ToolCall) -> Any:
         answer = fn(tool_call)
@@ -325,7 +331,7 @@ class RunCore(Generic[C]):
             return records[slot]
         if self.finished:
             raise NotRecorded(f"run {self.run_id} is finished; {slot!r} was never recorded")
-        value = yield from invoke(fn)
+        value = yield from call_agent(fn)
         value = json.loads(dumps(value))  # what storage gives back, the first time too
         for _ in range(3):
             state = {**self.state, RESERVED: {**(self.state.get(RESERVED) or {}), slot: value}}

@@ -3,7 +3,7 @@
 Same calls, same retry policy, same executor logic as the blocking ones — built from
 `holdpoint_client.calls` (what each request is) and `holdpoint_client.flow` (what an
 executor does), so only the waiting differs. A `perform`, `lookup` or recorded function may
-be an `async def`.
+be an `async def`; a plain one runs on a thread, so the heartbeat task goes on meanwhile.
 """
 
 from __future__ import annotations

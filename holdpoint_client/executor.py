@@ -59,7 +59,7 @@ from holdpoint_client.errors import (
     VersionConflict,
 )
 from holdpoint_client.faults import fault
-from holdpoint_client.flow import Flow, ask, drive, invoke, pause
+from holdpoint_client.flow import Flow, ask, call_agent, drive, invoke, pause
 from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
 
 log = logging.getLogger("holdpoint_client.executor")
@@ -528,7 +528,7 @@ class ExecutorCore(Generic[C]):
         call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=replay)
         fault("after_sent_mark")
         try:
-            effect = yield from invoke(perform, call)
+            effect = yield from call_agent(perform, call)
         except ToolRefused as exc:
             return (yield from self._record(action, "failed", result={"error": str(exc)}))
         except Exception as exc:  # the request may have applied: never a clean failure
@@ -562,7 +562,7 @@ class ExecutorCore(Generic[C]):
                     action=action,
                 )
             call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
-            found = yield from invoke(lookup, call)
+            found = yield from call_agent(lookup, call)
             if found is not None:
                 return (yield from self._confirm(action, found))
             return (yield from self._not_found(action))

@@ -43,11 +43,14 @@ class Sleep:
 
 @dataclass(frozen=True)
 class Invoke:
-    """Call the agent's function (or a driver hook); an awaitable result is awaited by the
-    asyncio driver."""
+    """Call a driver hook, or (`agents`) the agent's own function; an awaitable result is
+    awaited by the asyncio driver."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...] = ()
+    # The agent's function (perform, lookup, a recorded call): it may block for as long as
+    # a model or a service takes, so the asyncio driver runs a plain one on a thread.
+    agents: bool = False
 
 
 Op = Call[Any] | Sleep | Invoke
@@ -61,7 +64,13 @@ def ask(call: Call[T]) -> Flow[T]:
 
 
 def invoke(fn: Callable[..., Any], *args: Any) -> Flow[Any]:
+    """A driver hook (heartbeats on, off): called where the driver runs."""
     return (yield Invoke(fn, args))
+
+
+def call_agent(fn: Callable[..., Any], *args: Any) -> Flow[Any]:
+    """The agent's own function (`perform`, `lookup`, a recorded call), which may block."""
+    return (yield Invoke(fn, args, agents=True))
 
 
 def pause(seconds: float) -> Flow[None]:
@@ -106,9 +115,26 @@ async def adrive(flow: Flow[T], client: AsyncClient) -> T:
                 value = await client.send(op)
             elif isinstance(op, Sleep):
                 await asyncio.sleep(op.seconds)
+            elif op.agents and not inspect.iscoroutinefunction(op.fn):
+                value = await _on_a_thread(op.fn, op.args)
+                if inspect.isawaitable(value):
+                    value = await value
             else:
                 value = op.fn(*op.args)
                 if inspect.isawaitable(value):
                     value = await value
         except Exception as exc:
             error = exc
+
+
+async def _on_a_thread(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """A plain function of the agent, off the event loop: on the loop it would stop the
+    heartbeat task for as long as it runs (a model call longer than the lease, and the lease
+    lapses), where the blocking driver's heartbeat thread goes on. Cancelled, it still waits
+    for the call to end, as a call on the loop would: the lease is not given up under it."""
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise

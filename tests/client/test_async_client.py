@@ -25,11 +25,13 @@ from holdpoint_client import (
     AsyncHoldpoint,
     Client,
     Executor,
+    Holdpoint,
     Run,
     ToolCall,
 )
 from runtime.models import Action, RunStatus
 from runtime.models import Run as RunRow
+from runtime.sweeper import flag_lost_executors
 from tests.api import get, ok, post, session
 from tests.client import hold_point  # noqa: F401  (a fixture)
 from tests.conftest import Persona
@@ -227,3 +229,54 @@ def test_an_async_agent_runs_the_executor_protocol_by_hand(
     assert revs == [1] and [r.run_id for r in page.results] == [run.run_id]
     assert goal == {"pr": 9} and refreshed.run_id == run.run_id
     assert Action.objects.get(pk=done.action_id).status == "confirmed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.django_db(transaction=True)
+def test_a_blocking_call_longer_than_the_lease_keeps_the_lease(
+    live_server: Any, agent_a: Persona, settings: Any, flavour: str
+) -> None:
+    """A plain (not async) model call that takes longer than the lease: the blocking client
+    heartbeats from a thread meanwhile; the asyncio one ran it on its event loop, where its
+    heartbeat task could not run — the lease lapsed, the sweeper took it (`executor_lost`)
+    and the answer, paid for, could not be recorded (LeaseLost). Now it runs on a thread
+    there too, and both keep the lease."""
+    settings.HOLDPOINT_EXECUTOR_GRACE = 0
+    assert agent_a.token is not None
+    thread = f"t-slow-{flavour}"
+    flagged: list[int] = []
+
+    def sweep_meanwhile() -> None:  # the sweeper's turn comes while the call runs
+        time.sleep(2.5)
+        try:
+            flagged.append(flag_lost_executors(10))
+        finally:
+            connections.close_all()
+
+    def slow_model() -> str:
+        sweeper = threading.Thread(target=sweep_meanwhile)
+        sweeper.start()
+        time.sleep(4)  # twice the ttl
+        sweeper.join()
+        return "two breaking changes"
+
+    if flavour == "sync":
+        with (
+            Holdpoint(live_server.url, agent_a.token, ttl=2, backoff=0.01) as hp,
+            hp.run(thread, graph="api-review") as run,
+        ):
+            answer = run.model("summary", slow_model)
+    else:
+
+        async def agent() -> Any:
+            hp = AsyncHoldpoint(live_server.url, agent_a.token or "", ttl=2, backoff=0.01)
+            async with hp, hp.run(thread, graph="api-review") as run:
+                return await run.model("summary", slow_model)
+
+        answer = asyncio.run(agent())
+
+    assert answer == "two breaking changes" and flagged == [0]
+    run_row = RunRow.objects.get(thread_id=thread)
+    assert run_row.status == RunStatus.COMPLETED
+    assert run_row.checkpoints.get(rev=1).state["_holdpoint"] == {"model:summary": answer}
