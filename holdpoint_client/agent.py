@@ -456,9 +456,10 @@ class _Actions:
         """Make `fn` the `perform` of the client tool `tool`.
 
         Called inside `with hp.run(...)`, `fn(title=..., body=...)` goes through `run.act`:
-        the arguments are the params; `fn` itself runs with the *approved* params as keyword
-        arguments (a reviewer may have edited them), plus `call=` (the ToolCall: its
-        `headers()` carry the Idempotency-Key) if it declares a parameter `call`. What `fn`
+        the arguments are the params (`params_of`: defaults included); `fn` itself runs
+        with the *approved* params as keyword arguments (a reviewer may have edited them),
+        plus `call=` (the ToolCall: its `headers()` carry the Idempotency-Key) if it
+        declares a parameter `call`. What `fn`
         returns is recorded and returned; after a crash, the recorded result is returned
         and `fn` is not called again. `reason` defaults to the docstring's first line.
         """
@@ -473,8 +474,7 @@ class _Actions:
                 return fn(**call.params, **extra)  # type: ignore[arg-type, call-arg]
 
             def act(run: RunCore[Any], args: Any, kwargs: Any) -> Flow[Any]:
-                bound = signature.bind_partial(*args, **kwargs).arguments
-                bound.pop("call", None)
+                bound = params_of(signature, args, kwargs)
                 return run._act(
                     tool,
                     bound,
@@ -508,6 +508,31 @@ class _Actions:
             return run_sync
 
         return decorate
+
+
+def params_of(signature: inspect.Signature, args: Any, kwargs: Any) -> dict[str, Any]:
+    """The params of a call of an `@hp.action` function: every argument it will run with —
+    its defaults too, and each `**keyword` as a param of its own — for the ledger's params
+    are what the reviewer approves, what the action hash binds and what `perform` passes
+    back to it; a default left out would be sent unapproved (and changed by a deploy). A
+    default of None stands for "absent" (a tool's schema may refuse null): left out, the
+    function gets it all the same."""
+    bound = signature.bind_partial(*args, **kwargs)
+    given = set(bound.arguments)
+    bound.apply_defaults()
+    params: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if name == "call" or (value is None and name not in given):
+            continue
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            params.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise ExecutorError(f"*{name}: an action's params are named; pass keywords")
+        else:
+            params[name] = value
+    return params
 
 
 class _Entry(_Actions, Generic[C, H]):
