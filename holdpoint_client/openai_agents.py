@@ -70,6 +70,7 @@ from holdpoint_client.errors import (
     ExecutorError,
     InvalidParams,
     Rejected,
+    ToolRefused,
     VersionConflict,
 )
 from holdpoint_client.executor import ToolCall
@@ -132,9 +133,10 @@ def holdpoint_tool(
     """Make `fn` an SDK `FunctionTool` whose calls are the Holdpoint tool `tool`'s actions.
 
     The model sees `fn`'s signature and docstring, as with `@function_tool` (minus `call`).
-    `fn` runs with the *approved* params as keyword arguments, plus `call=` (the ToolCall:
-    `call.headers()` carry the ledger's Idempotency-Key) if it declares `call`; what it
-    returns (JSON) is recorded and given to the model. `reason` (text, or a function of the
+    `fn` runs with the *approved* params, validated by its signature as `@function_tool`
+    does (the action's params are those arguments, defaults included), plus `call=` (the
+    ToolCall: `call.headers()` carry the ledger's Idempotency-Key) if it declares `call`;
+    what it returns (JSON) is recorded and given to the model. `reason` (text, or a function of the
     params; default the docstring's first line) is what the reviewer reads; `lookup` and
     `external_id` are `run.act`'s. Exceptions propagate and stop the run (nothing is sent to
     the model as if it were an answer): a Holdpoint error means the ledger must decide.
@@ -166,11 +168,42 @@ def holdpoint_tool(
         def reason_for(params: Mapping[str, Any]) -> str:
             return why(**params) if callable(why) else why
 
+        shown = inspect.signature(visible).parameters.values()
+        by_name = all(p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in shown)
+        positional = [p.name for p in shown if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+        def ledgered(params: dict[str, Any]) -> dict[str, Any]:
+            """The params the ledger holds: `fn`'s arguments as `@function_tool` makes them
+            (validated, defaults filled in), as JSON — what a reviewer approves and the hash
+            binds is what `fn` runs with. A default of None ("absent") the model left out
+            stays out: a tool's schema may refuse null, and `fn` gets None all the same."""
+            model = schema.params_pydantic_model.model_validate(params)
+            return {
+                k: v
+                for k, v in model.model_dump(mode="json").items()
+                if v is not None or k in params
+            }
+
+        def arguments(params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+            """`fn`'s arguments from the approved params, as `@function_tool` calls it (an
+            enum a member, a date a date), by name where the signature allows (`call` may
+            stand anywhere in it)."""
+            try:
+                parsed = schema.params_pydantic_model.model_validate(dict(params))
+            except ValidationError as exc:  # a reviewer's edit `fn` cannot take: not sent
+                raise ToolRefused(f"the approved params do not fit {schema.name}: {exc}") from exc
+            args, kwargs = schema.to_call_args(parsed)
+            if by_name:
+                return [], {**dict(zip(positional, args, strict=True)), **kwargs}
+            return args, kwargs
+
         async def perform(call: ToolCall) -> Any:
-            extra = {"call": call} if takes_call else {}
+            args, kwargs = arguments(call.params)
+            if takes_call:
+                kwargs["call"] = call
             if inspect.iscoroutinefunction(fn):
-                return await fn(**call.params, **extra)
-            return await asyncio.to_thread(fn, **call.params, **extra)
+                return await fn(*args, **kwargs)
+            return await asyncio.to_thread(fn, *args, **kwargs)
 
         def misfit(params: Any) -> str:
             """What is wrong with the model's arguments for `fn` ("" if nothing): told to
@@ -189,6 +222,7 @@ def holdpoint_tool(
         ) -> bool:
             if misfit(params):
                 return False  # invoke tells the model; nothing is prepared for a reviewer
+            params = ledgered(params)
             run = _run()
             flow = _prepared(run, tool, params, label_of(call_id), reason_for(params), target)
             try:
@@ -208,6 +242,7 @@ def holdpoint_tool(
             wrong = misfit(params)
             if wrong:
                 return _retry_with(wrong)
+            params = ledgered(params)
             try:
                 result = await run.act(
                     tool,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from enum import Enum
 from typing import Any
 
+import httpx
 import pytest
 from agents import (
     Agent,
@@ -28,9 +30,11 @@ from openai.types.responses import (
     ResponseOutputText,
 )
 
+from approvals.models import ApprovalPolicy
 from holdpoint_client import AsyncHoldpoint, ToolCall
 from holdpoint_client.openai_agents import holdpoint_tool, run_agent
-from runtime.models import Action, Run
+from runtime.models import Action, Run, Tenant
+from tests.client import TOOL
 from tests.conftest import Persona
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -133,3 +137,49 @@ def test_arguments_that_are_not_a_json_object_are_told_to_the_model(
     attempts = ['{"title": "Review", "body": ', "[1, 2]", '{"title": NaN, "body": "b"}']
     for told in run_scripted(live_server.url, agent_a, "args-2", attempts):
         assert "Invalid JSON input for tool create_task" in told
+
+
+class Team(Enum):
+    ON_CALL = "on-call"
+    API = "api-team"
+
+
+def test_the_function_gets_the_arguments_function_tool_gives_and_the_ledger_holds_them(
+    live_server: Any, agent_a: Persona, tenant_a: Tenant, sandbox_factory: Any
+) -> None:
+    """`@function_tool` validates the model's arguments against the function's signature
+    and calls it with the result: an enum as its member, a default filled in. The adapter
+    called the function with the raw JSON (`assignee` a str: the function failed after the
+    action was sent — an outcome nobody could tell, replayed, then handed to a person) and
+    prepared the action without the defaults (a reviewer would approve params the tracker
+    did not receive). Now the function gets what `@function_tool` would give it, and the
+    ledger holds those arguments."""
+    set_tracing_disabled(True)
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="free", tool=TOOL, required=False)
+    box = sandbox_factory("key")
+
+    @holdpoint_tool(TOOL, strict=False)
+    def create_task(
+        title: str, assignee: Team, body: str = "GET /orders: removed", *, call: ToolCall
+    ) -> Any:
+        """Open a task in the tracker."""
+        sent = {"title": title, "assignee": assignee.value, "body": body}
+        return httpx.post(box.url + "/tasks", json=sent, headers=call.headers()).json()
+
+    model = Scripted([json.dumps({"title": "Review", "assignee": "api-team"})])
+    agent = Agent(name="reviewer", instructions="-", tools=[create_task], model=model)
+    token = agent_a.token or ""
+    hp = AsyncHoldpoint(live_server.url, token, ttl=5, backoff=0.01, resolution_timeout=1)
+
+    async def go() -> Any:
+        async with hp:
+            return await run_agent(hp, "args-typed", agent, "go", graph="api-review")
+
+    assert asyncio.run(go()) == "finished"
+    action = Action.objects.get(run__thread_id="args-typed")
+    (task,) = box.tasks()
+    params = {"title": "Review", "assignee": "api-team", "body": "GET /orders: removed"}
+    assert (action.status, json.loads(action.params)) == ("confirmed", params)
+    assert task["body"] == params
+    (told,) = model.outputs
+    assert json.loads(told)["id"] == task["id"]
