@@ -49,7 +49,16 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agents import Agent, FunctionTool, RunConfig, RunContextWrapper, Runner, RunState
+from agents import (
+    Agent,
+    FunctionTool,
+    RunConfig,
+    RunContextWrapper,
+    Runner,
+    RunResult,
+    RunState,
+    UserError,
+)
 from agents.function_schema import function_schema
 from agents.items import ToolApprovalItem
 from agents.tool_context import ToolContext
@@ -68,6 +77,7 @@ from holdpoint_client.errors import (
     ActionWithdrawn,
     ApprovalTimeout,
     ExecutorError,
+    HoldpointError,
     InvalidParams,
     Rejected,
     ToolRefused,
@@ -422,6 +432,18 @@ async def _never() -> Any:
     raise ExecutorError("the run finished without recording the agent's final output")
 
 
+async def _run_agent(agent: Agent[Any], start: Any, runner: dict[str, Any]) -> RunResult:
+    """`Runner.run`, raising what a tool's call raised as itself: the SDK wraps a tool's
+    exception in `UserError("Error running tool …")`, and a caller must be able to tell an
+    OutcomeUnknown ("do not do it again yourself") or a LeaseLost ("stop") from a bug."""
+    try:
+        return await Runner.run(agent, start, **runner)
+    except UserError as wrapped:
+        if isinstance(wrapped.__cause__, HoldpointError):
+            raise wrapped.__cause__ from None
+        raise
+
+
 async def run_agent(
     hp: AsyncHoldpoint,
     thread_id: str,
@@ -462,7 +484,7 @@ async def run_agent(
             start = input
         while True:
             under = run.ex.goal_rev  # what the calls Runner.run prepares are keyed under
-            result = await Runner.run(recorded, start, **runner)
+            result = await _run_agent(recorded, start, runner)
             if not result.interruptions:
                 break
             paused = result.to_state()
