@@ -50,7 +50,7 @@ from holdpoint_client.errors import (
 )
 from holdpoint_client.executor import Executor, ExecutorCore, ToolCall
 from holdpoint_client.faults import fault
-from holdpoint_client.flow import Flow, adrive, ask, call_agent, drive
+from holdpoint_client.flow import Flow, adrive, ask, call_agent, drive, refuse_async
 from holdpoint_client.models import Action, Run
 
 P = ParamSpec("P")
@@ -385,16 +385,19 @@ class RunHandle(RunCore[Client]):
         ApprovalTimeout (after `approval_timeout` s; everything stays durable: run again to
         go on waiting), ActionFailed, ActionWithdrawn, OutcomeUnknown, LeaseLost.
         """
+        refuse_async(options.get("perform"), options.get("lookup"))
         return drive(self._act(tool, params, reason=reason, **options), self.client)
 
     def record(self, key: str, fn: Callable[[], R]) -> R:
         """`fn()` once per run: its (JSON) result is stored before it is returned, and
         returned from storage ever after — a restarted agent does not pay for it again."""
+        refuse_async(fn)
         return cast(R, drive(self._record("record", key, fn), self.client))
 
     def model(self, key: str, fn: Callable[[], R]) -> R:
         """`record` for a model call, stored as `model:<key>` (apart from other records, as
         hosted graphs keep them): the prompt's answer is reused, never asked again."""
+        refuse_async(fn)
         return cast(R, drive(self._record("model", key, fn), self.client))
 
 
@@ -503,6 +506,7 @@ class _Actions:
                 run = current_run()
                 if not isinstance(run, RunHandle):
                     raise ExecutorError(f"{tool} needs `with hp.run(...)` (not async)")
+                refuse_async(lookup)
                 return cast(R, drive(act(run, args, kwargs), run.client))
 
             return run_sync

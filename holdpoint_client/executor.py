@@ -59,7 +59,7 @@ from holdpoint_client.errors import (
     VersionConflict,
 )
 from holdpoint_client.faults import fault
-from holdpoint_client.flow import Flow, ask, call_agent, drive, invoke, pause
+from holdpoint_client.flow import Flow, ask, call_agent, drive, invoke, pause, refuse_async
 from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
 
 log = logging.getLogger("holdpoint_client.executor")
@@ -767,6 +767,7 @@ class Executor(ExecutorCore[Client]):
         action; raises Rejected (an ActionRejected), ApprovalTimeout, ActionWithdrawn,
         ActionFailed, OutcomeUnknown or LeaseLost.
         """
+        refuse_async(perform, options.get("lookup"))
         flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return drive(flow, self.client)
 

@@ -73,6 +73,18 @@ def call_agent(fn: Callable[..., Any], *args: Any) -> Flow[Any]:
     return (yield Invoke(fn, args, agents=True))
 
 
+def refuse_async(*fns: Callable[..., Any] | None) -> None:
+    """At a blocking entry point, before any request: an `async def` function of the agent
+    (or an object whose `__call__` is one) cannot be awaited there. Found only when called
+    — after the action was marked `sent` — its TypeError read as an outcome nobody knows,
+    and the server had a never-attempted effect replayed, then handed to a person."""
+    for fn in fns:
+        if fn is not None and (
+            inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+        ):
+            raise TypeError(f"{fn!r} is async: use AsyncHoldpoint / AsyncExecutor")
+
+
 def pause(seconds: float) -> Flow[None]:
     yield Sleep(seconds)
 
