@@ -69,8 +69,7 @@ from runtime.tools import (
     credential_for_run,
     found_in,
     masked,
-    masked_call,
-    masked_found,
+    masked_answer,
     tenant_of_run,
     usable_id,
 )
@@ -629,7 +628,7 @@ class McpTool(Tool):
         """Send the call. What the upstream says goes into the action's error or, applied,
         its result and id (every member of the tenant reads them) and the journal: the
         credential the session carried is masked wherever it quotes it back, as an http
-        tool's answer is (`runtime.tools.masked_call`) — the one read for this call, not a
+        tool's answer is (`runtime.tools.masked_answer`) — the one read for this call, not a
         read after it (a secret replaced meanwhile is not the one quoted)."""
         server = self._server(run_id)
         if server is None:
@@ -646,7 +645,7 @@ class McpTool(Tool):
         except SecretUnreadable as exc:
             return CallResult("refused", transient=True, detail=str(exc))
         result = self._send(server, secret, params_text, key)
-        return masked_call(result, secret.reveal()) if secret is not None else result
+        return masked_answer(result, secret.reveal()) if secret is not None else result
 
     def _send(
         self, server: McpServer, secret: Secret | None, params_text: str, key: str
@@ -740,7 +739,7 @@ class McpTool(Tool):
         if not verdict.found:
             return verdict
         found = replace(verdict, external_id=verdict.external_id[:200], result=_dump(result))
-        return masked_found(found, secret.reveal()) if secret is not None else found
+        return masked_answer(found, secret.reveal()) if secret is not None else found
 
     def _proof(self, result: CallToolResult, key: str) -> str | None:
         """The upstream's own id for the effect if its structured result has one, else the

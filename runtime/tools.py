@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from django.conf import settings
@@ -329,8 +329,8 @@ class HttpTool(Tool):
         """The outcome the answer proves. `secret`: the credential the request carried,
         masked wherever the answer quotes it back ("invalid token: …"): the answer's text
         becomes the action's error, and a success's body its result and its id, which every
-        member of the tenant reads and the journal keeps (`masked_call`)."""
-        return masked_call(self._classify(response, secret), secret)
+        member of the tenant reads and the journal keeps (`masked_answer`)."""
+        return masked_answer(self._classify(response, secret), secret)
 
     def _classify(self, response: wire.OutboundResponse, secret: str) -> CallResult:
         detail = masked(response.text, secret)[:500]
@@ -385,7 +385,7 @@ class HttpTool(Tool):
         if not verdict.found:
             return verdict
         first = body[0] if isinstance(body, list) and body else body
-        return masked_found(replace(verdict, result=first), token)
+        return masked_answer(replace(verdict, result=first), token)
 
 
 def found_in(found_path: str, answer: Any, *, bare_object_is_none: bool = False) -> LookupResult:
@@ -453,32 +453,22 @@ def masked_value(value: Any, secret: str) -> Any:
     return value
 
 
-def masked_call(result: CallResult, secret: str) -> CallResult:
-    """A call's answer with the credential the request carried masked in all that is kept of
-    what the service said: its error, its result (the action's `result`: the action page,
-    `GET …/actions/`, the step's `ctx.act` and what the step stores from it) and the id read
-    from it (the action's `external_id`, journalled). Masked once, here, before anything
-    stores it — for every tool Holdpoint sends (runtime.mcp too)."""
-    if not secret:
-        return result
-    return replace(
-        result,
-        detail=masked(result.detail, secret),
-        external_id=masked(result.external_id, secret),
-        result=masked_value(result.result, secret),
-    )
+Answer = TypeVar("Answer", CallResult, LookupResult)
 
 
-def masked_found(found: LookupResult, secret: str) -> LookupResult:
-    """A lookup's verdict with the credential it carried masked, as `masked_call`'s: a found
-    effect's answer becomes the action's result and its id."""
+def masked_answer(answer: Answer, secret: str) -> Answer:
+    """A call's answer or a lookup's verdict with the credential the request carried masked
+    in all that is kept of what the service said: its error, its result (the action's
+    `result`: the action page, `GET …/actions/`, the step's `ctx.act` and what the step
+    stores from it) and the id read from it (the action's `external_id`, journalled). Masked
+    once, here, before anything stores it — for every tool Holdpoint sends (runtime.mcp too)."""
     if not secret:
-        return found
+        return answer
     return replace(
-        found,
-        detail=masked(found.detail, secret),
-        external_id=masked(found.external_id, secret),
-        result=masked_value(found.result, secret),
+        answer,
+        detail=masked(answer.detail, secret),
+        external_id=masked(answer.external_id, secret),
+        result=masked_value(answer.result, secret),
     )
 
 

@@ -97,7 +97,7 @@ def test_a_found_effect_whose_answer_echoes_the_credential_is_stored_masked(
     tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]
 ) -> None:
     """The finder's answer becomes the action's result: a token it echoes is masked there,
-    as in a call's answer (runtime.tools.masked_found), with the lookup's own secret."""
+    as in a call's answer (runtime.tools.masked_answer), with the lookup's own secret."""
     secret = "mcp-s3cret/4711"
     credential = ToolCredential(tenant=tenant_a, service="helpdesk")
     credential.set_secret(secret, actor="user:admin")
