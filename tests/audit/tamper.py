@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from io import StringIO
 from typing import Any
 
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from audit.models import PurgeGate
@@ -24,3 +26,13 @@ def tampering() -> Iterator[Any]:
         with connection.cursor() as cursor:
             yield cursor
         gate.delete()
+
+
+def audit_verify(*args: str) -> tuple[bool, str]:
+    """`manage.py audit_verify` as an operator runs it: (passed, what it printed)."""
+    out = StringIO()
+    try:
+        call_command("audit_verify", *args, stdout=out)
+    except CommandError:
+        return False, out.getvalue()
+    return True, out.getvalue()

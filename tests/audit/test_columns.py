@@ -10,11 +10,8 @@ has pages that render and say so.
 from __future__ import annotations
 
 from datetime import timedelta
-from io import StringIO
 
 import pytest
-from django.core.management import call_command
-from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 
@@ -27,19 +24,10 @@ from runtime.accounts import record_tenant_act
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, Tenant
-from tests.audit.tamper import tampering
+from tests.audit.tamper import audit_verify, tampering
 from tests.conftest import Persona
 
 pytestmark = pytest.mark.tampers_journal
-
-
-def verify(*args: str) -> tuple[bool, str]:
-    out = StringIO()
-    try:
-        call_command("audit_verify", *args, stdout=out)
-    except CommandError:
-        return False, out.getvalue()
-    return True, out.getvalue()
 
 
 def make_run(tenant: Tenant) -> Run:
@@ -90,19 +78,19 @@ def test_changing_any_one_column_of_an_entry_is_named_by_verify(
     tenant_acts(tenant_a)
     stream = journal.run_stream(run.run_id) if kind == "run" else journal.tenant_stream(tenant_a.pk)
     victim = JournalEntry.objects.get(stream=stream, seq=2)
-    assert verify()[0] and verify("--tenant", tenant_a.slug)[0]
+    assert audit_verify()[0] and audit_verify("--tenant", tenant_a.slug)[0]
 
     change_column(column, victim, tenant_b)
 
     named = f"BROKEN {stream} at seq 2:"
     for args in [(), ("--tenant", tenant_a.slug)]:
-        ok, text = verify(*args)
+        ok, text = audit_verify(*args)
         assert not ok and named in text, (args, text)
     if column == "tenant":  # the tenant the row was moved into is told too
-        ok, text = verify("--tenant", tenant_b.slug)
+        ok, text = audit_verify("--tenant", tenant_b.slug)
         assert not ok and named in text, text
     else:
-        assert verify("--tenant", tenant_b.slug)[0]
+        assert audit_verify("--tenant", tenant_b.slug)[0]
 
 
 def test_a_stream_head_moved_to_another_tenant_is_named(tenant_a: Tenant, tenant_b: Tenant) -> None:
@@ -117,7 +105,7 @@ def test_a_stream_head_moved_to_another_tenant_is_named(tenant_a: Tenant, tenant
             "UPDATE audit_streamhead SET tenant_id = %s WHERE stream = %s", [tenant_b.pk, stream]
         )
     for args in [(), ("--tenant", tenant_b.slug)]:
-        ok, text = verify(*args)
+        ok, text = audit_verify(*args)
         assert not ok and f"BROKEN {stream} at seq 1: entry content does not match" in text, text
 
 
@@ -126,7 +114,7 @@ def test_a_deleted_stream_head_is_named(tenant_a: Tenant) -> None:
     stream = journal.run_stream(run.run_id)
     with tampering() as cursor:
         cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [stream])
-    ok, text = verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream}" in text and "without a stream head" in text
 
 
@@ -145,7 +133,7 @@ def test_a_flipped_redaction_flag_is_a_break_and_the_other_streams_are_still_che
         cursor.execute(
             "UPDATE audit_journalentry SET actor = 'user:mallory' WHERE id = %s", [second.pk]
         )
-    ok, text = verify()
+    ok, text = audit_verify()
     assert not ok
     assert (
         f"BROKEN {journal.run_stream(flipped.run_id)} at seq 2: "
@@ -201,7 +189,7 @@ def test_entries_written_under_the_old_rule_still_verify_and_new_ones_follow_the
     tenant_acts(tenant_a, 3)
     stream = journal.tenant_stream(tenant_a.pk)
     rehash_under_rule_1(stream)
-    assert verify()[0] and verify("--tenant", tenant_a.slug)[0]
+    assert audit_verify()[0] and audit_verify("--tenant", tenant_a.slug)[0]
 
     tenant_acts(tenant_a, 2)  # written after the upgrade: rule 2
     assert verify_stream(stream) is None
@@ -210,7 +198,7 @@ def test_entries_written_under_the_old_rule_still_verify_and_new_ones_follow_the
     # An old entry's tenant is not in its hash, but the stream head still names it.
     old = JournalEntry.objects.get(stream=stream, seq=2)
     change_column("tenant", old, tenant_b)
-    ok, text = verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq 2: tenant_id is not its stream's tenant" in text
 
 
@@ -259,5 +247,5 @@ def test_a_redacted_entry_in_a_tenant_stream_is_a_break(tenant_a: Tenant) -> Non
         JournalEntry.objects.filter(pk=victim.pk).redact()
     found = verify_stream(stream)
     assert found is not None and found.seq == 2 and "redact" in found.problem
-    ok, text = verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq 2" in text

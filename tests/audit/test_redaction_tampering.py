@@ -12,11 +12,8 @@ entry of a run that no purge names is wiped by someone else.
 from __future__ import annotations
 
 from datetime import timedelta
-from io import StringIO
 
 import pytest
-from django.core.management import call_command
-from django.core.management.base import CommandError
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -28,19 +25,10 @@ from runtime import retention
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Run, Tenant
-from tests.audit.tamper import tampering
+from tests.audit.tamper import audit_verify, tampering
 from tests.conftest import Persona
 
 pytestmark = pytest.mark.tampers_journal
-
-
-def _verify(*args: str) -> tuple[bool, str]:
-    out = StringIO()
-    try:
-        call_command("audit_verify", *args, stdout=out)
-    except CommandError:
-        return False, out.getvalue()
-    return True, out.getvalue()
 
 
 def _run(tenant: Tenant) -> Run:
@@ -70,7 +58,7 @@ def test_a_live_runs_entries_wiped_to_their_digests_are_a_break(
     found = verify_stream(stream)
     assert found is not None and found.seq == min(seqs), found
     assert "redacted" in found.problem
-    ok, text = _verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq {min(seqs)}" in text, text
 
 
@@ -125,4 +113,4 @@ def test_the_purges_own_redactions_still_verify(tenant_a: Tenant, tenant_b: Tena
     checked, breaks = verify_all()
     assert breaks == [] and checked >= 9
     for tenant in (tenant_a, tenant_b):
-        assert _verify("--tenant", tenant.slug)[0]
+        assert audit_verify("--tenant", tenant.slug)[0]

@@ -23,17 +23,8 @@ from audit.verification import anchor, check_anchor, verify_recent
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Checkpoint, Run, Tenant
-from tests.audit.tamper import tampering
+from tests.audit.tamper import audit_verify, tampering
 from tests.conftest import Persona
-
-
-def _verify(*args: str) -> tuple[bool, str]:
-    out = StringIO()
-    try:
-        call_command("audit_verify", *args, stdout=out)
-    except CommandError:
-        return False, out.getvalue()
-    return True, out.getvalue()
 
 
 def _run(tenant: Tenant, steps: int = 4) -> Run:
@@ -44,7 +35,7 @@ def _run(tenant: Tenant, steps: int = 4) -> Run:
 
 def test_an_untouched_journal_verifies(tenant_a: Tenant) -> None:
     _run(tenant_a)
-    ok, text = _verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert ok and "0 broken" in text
 
 
@@ -104,7 +95,7 @@ def test_raw_sql_tampering_is_caught_naming_the_entry(tenant_a: Tenant, attack: 
                     False,
                 ],
             )
-    ok, text = _verify("--stream", stream)
+    ok, text = audit_verify("--stream", stream)
     assert not ok
     expected_seq = {"forge": rows[-1].seq + 1}.get(attack, victim.seq)
     assert f"BROKEN {stream} at seq {expected_seq}" in text or (
@@ -129,8 +120,8 @@ def test_rewritten_or_truncated_tail_is_caught_only_with_an_anchor(
             "UPDATE audit_streamhead SET seq = %s, hash = %s WHERE stream = %s",
             [last.seq - 1, last.prev_hash, stream],
         )
-    assert _verify("--stream", stream)[0]  # without the anchor: undetectable
-    ok, text = _verify("--stream", stream, "--anchor", str(anchor_file))
+    assert audit_verify("--stream", stream)[0]  # without the anchor: undetectable
+    ok, text = audit_verify("--stream", stream, "--anchor", str(anchor_file))
     assert not ok and f"ANCHOR {stream} seq {last.seq}: anchored entry is gone" in text
     assert check_anchor(anchor_file)
 
@@ -254,7 +245,7 @@ def test_a_payload_no_append_could_write_is_a_break_not_a_crash(
         cursor.execute(
             "UPDATE audit_journalentry SET payload = %s WHERE id = %s", [payload, victim.pk]
         )
-    ok, text = _verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq 3" in text, text
     assert verify_recent() == 1
     alert = JournalEntry.objects.get(
@@ -292,11 +283,11 @@ def test_verifying_a_stream_that_is_not_there_is_not_a_success(tenant_a: Tenant)
     nothing and exited 0 as if it verified — as `--tenant` with an unknown slug does not."""
     run = _run(tenant_a)
     stream = journal.run_stream(run.run_id)
-    assert _verify("--stream", stream)[0]
+    assert audit_verify("--stream", stream)[0]
     with tampering() as cursor:
         cursor.execute("DELETE FROM audit_journalentry WHERE stream = %s", [stream])
         cursor.execute("DELETE FROM audit_streamhead WHERE stream = %s", [stream])
-    ok, text = _verify("--stream", stream)
+    ok, text = audit_verify("--stream", stream)
     assert not ok and "0 stream(s) checked" in text, text
 
 
@@ -311,7 +302,7 @@ def test_a_hash_with_a_non_ascii_character_is_a_break_not_a_crash(tenant_a: Tena
         cursor.execute(
             "UPDATE audit_journalentry SET hash = %s WHERE id = %s", ["é" * 64, victim.pk]
         )
-    ok, text = _verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream} at seq 3" in text, text
 
 
@@ -335,7 +326,7 @@ def test_an_entry_the_database_cannot_hand_back_is_a_break_not_a_crash(
             "UPDATE audit_journalentry SET actor = 'user:mallory' WHERE stream = %s AND seq = 2",
             [edited],
         )
-    ok, text = _verify("--tenant", tenant_a.slug)
+    ok, text = audit_verify("--tenant", tenant_a.slug)
     assert not ok and f"BROKEN {stream}" in text and f"BROKEN {edited} at seq 2" in text, text
     assert verify_recent() == 2
 
@@ -355,7 +346,7 @@ def test_periodic_verification_catches_a_stream_whose_recent_entries_were_delete
     assert JournalEntry.objects.filter(stream=stream).count() > 1
     with tampering() as cursor:
         cursor.execute("DELETE FROM audit_journalentry WHERE stream = %s AND seq > 1", [stream])
-    ok, text = _verify()
+    ok, text = audit_verify()
     assert not ok and f"BROKEN {stream} at seq 2: entries missing" in text, text
     assert verify_recent() == 1
     alert = JournalEntry.objects.get(
