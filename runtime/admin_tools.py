@@ -349,11 +349,11 @@ class McpServerAdmin(TenantScopedAdmin):
 
     @admin.action(description="Import tools (stores new versions of changed tools)")
     def import_tools(self, request: HttpRequest, queryset: QuerySet[McpServer]) -> None:
-        from runtime import mcp
+        from runtime import mcpimport
 
         for server in queryset.select_related("tenant"):
             try:
-                imported = mcp.import_tools(server, _actor(request))
+                imported = mcpimport.import_tools(server, _actor(request))
             except HoldpointError as exc:
                 errors = exc.extra.get("errors") or {}
                 lines = "".join(f"; {k}: {', '.join(v)}" for k, v in errors.items())

@@ -410,7 +410,7 @@ def _mcp(value: Any, tenant_id: int | None, errors: _Errors) -> dict[str, Any]:
         named["key_argument"] = key_argument
     imported = value.get("imported")
     if imported is not None:
-        # What the upstream said at the last import (runtime.mcp.reimported): kept as given.
+        # What the upstream said at the last import (runtime.mcpimport.reimported): kept as given.
         if not isinstance(imported, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and len(v) <= 64 for k, v in imported.items()
         ):

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from approvals.models import ApprovalPolicy
 from gateway import calls
-from runtime import mcp, protocol, tooldefs
+from runtime import mcpimport, protocol, tooldefs
 from runtime.agents import mcp_session
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from runtime.sweeper import flag_lost_executors
@@ -44,7 +44,7 @@ def _caller(agent: Persona) -> calls.Caller:
 
 def _plain(tenant: Tenant, upstream: Upstream) -> None:
     McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, timeout_seconds=1.5)
-    mcp.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
+    mcpimport.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
     ApprovalPolicy.objects.create(tenant=tenant, name="creates go", tool=CREATE, required=False)
 
 

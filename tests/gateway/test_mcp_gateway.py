@@ -29,7 +29,7 @@ from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit.journal import run_stream
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import mcp, toolcatalog
+from runtime import mcpimport, toolcatalog
 from runtime.agents import mcp_session
 from runtime.artifacts import resolve
 from runtime.auth import revoke_token
@@ -91,7 +91,7 @@ def web(django_db_setup: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def _setup(tenant: Tenant, upstream: Upstream, **server: Any) -> None:
     McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, **server)
-    mcp.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
+    mcpimport.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
 
 
 def _title() -> str:

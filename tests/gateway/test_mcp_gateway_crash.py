@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from approvals.models import ApprovalPolicy, ApprovalRequest
-from runtime import mcp, tooldefs
+from runtime import mcpimport, tooldefs
 from runtime.models import Action, ActionStatus, McpServer, Run, RunStatus, Tenant
 from tests import procs
 from tests.conftest import Persona
@@ -97,7 +97,7 @@ def _plain(tenant: Tenant, upstream: Upstream) -> None:
     """The upstream's tools imported as they are (no dedup): a lost answer goes to a person.
     A policy lets the create go without a reviewer (the crash is what is under test)."""
     McpServer.objects.create(tenant=tenant, name="helpdesk", url=upstream.url, timeout_seconds=2)
-    mcp.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
+    mcpimport.import_tools(McpServer.objects.get(tenant=tenant), "user:admin")
     ApprovalPolicy.objects.create(tenant=tenant, name="creates go", tool=CREATE, required=False)
 
 

@@ -27,7 +27,7 @@ from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
 from audit import journal
 from audit.models import JournalEntry
-from runtime import dispatch, mcp
+from runtime import dispatch, mcpimport
 from runtime.events import RunEvent
 from runtime.executor import advance_run
 from runtime.faults import FaultPoint
@@ -64,7 +64,7 @@ def _set_active(server: McpServer, active: bool) -> None:
 def helpdesk(tenant_a: Tenant, mcp_upstream: Callable[..., Upstream]) -> tuple[McpServer, Upstream]:
     upstream = mcp_upstream()
     server = McpServer.objects.create(tenant=tenant_a, name="helpdesk", url=upstream.url)
-    mcp.import_tools(server, "user:admin")  # tickets_create: a write no policy names (held)
+    mcpimport.import_tools(server, "user:admin")  # tickets_create: a write no policy names (held)
     return server, upstream
 
 

@@ -23,7 +23,7 @@ from django.test import Client
 from approvals.decisions import decide
 from approvals.models import ApprovalPolicy, ApprovalRequest
 from audit.models import JournalEntry
-from runtime import mcp, tooldefs
+from runtime import mcpimport, tooldefs
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import (
@@ -51,7 +51,7 @@ def _server(tenant: Tenant, url: str, **fields: Any) -> McpServer:
 
 def _imported(tenant: Tenant, upstream: Upstream, **fields: Any) -> McpServer:
     server = _server(tenant, upstream.url, **fields)
-    mcp.import_tools(server, "user:admin")
+    mcpimport.import_tools(server, "user:admin")
     return server
 
 
@@ -74,7 +74,7 @@ def test_a_key_in_an_upstreams_url_is_not_written_to_the_log(
     upstream = mcp_upstream()
     server = _server(tenant_a, upstream.url + "?api_key=sekrit-in-the-url")
     with caplog.at_level(logging.INFO):  # LOG_LEVEL's default
-        assert mcp.import_tools(server, "user:admin").tools
+        assert mcpimport.import_tools(server, "user:admin").tools
     assert "sekrit-in-the-url" not in caplog.text
 
 
@@ -90,7 +90,7 @@ def test_the_mcp_clients_own_lines_keep_keys_and_sessions_out_of_a_debug_log(
     upstream = mcp_upstream()
     server = _server(tenant_a, upstream.url + "?api_key=sekrit-in-the-url")
     with caplog.at_level(logging.DEBUG):
-        assert mcp.import_tools(server, "user:admin").tools
+        assert mcpimport.import_tools(server, "user:admin").tools
     assert "sekrit-in-the-url" not in caplog.text
     assert "session ID" not in caplog.text and "SSE message" not in caplog.text
     assert not [r for r in caplog.records if r.name.startswith("mcp.client")]
@@ -101,7 +101,7 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
 ) -> None:
     upstream = mcp_upstream()
     server = _server(tenant_a, upstream.url, credential="helpdesk", timeout_seconds=4)
-    first = mcp.import_tools(server, "user:admin").tools
+    first = mcpimport.import_tools(server, "user:admin").tools
     specs = {item.definition.name: item.definition.spec for item in first}
     assert sorted(specs) == [
         "helpdesk.tickets_create",
@@ -114,7 +114,8 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
     assert create["mcp"] == {
         "server": "helpdesk",
         "tool": "tickets_create",
-        "imported": mcp.said_by_upstream(create),  # what the upstream said, for the next import
+        # what the upstream said, for the next import
+        "imported": mcpimport.said_by_upstream(create),
     }
     assert create["dedup"]["mode"] == "none" and create["credential"] == "helpdesk"
     assert create["timeout_seconds"] == 4 and create["title"] == "Open a ticket"
@@ -126,7 +127,7 @@ def test_an_upstreams_tools_become_mcp_definitions_and_an_unchanged_import_is_no
         "helpdesk.tickets_list": "read",
         "helpdesk.tickets_purge": "irreversible",
     }
-    again = mcp.import_tools(server, "user:admin")
+    again = mcpimport.import_tools(server, "user:admin")
     assert not any(item.created for item in again.tools) and again.unlisted == []
     assert ToolDefinition.objects.filter(tenant=tenant_a).count() == 3
     assert upstream.calls() == []  # listing tools calls none of them
@@ -167,14 +168,14 @@ def test_a_reimport_keeps_what_a_person_corrected_and_takes_what_the_upstream_ch
     toolcatalog.revise(tenant_a, name, {**corrected, "expected_version": 1}, "user:admin")
     kept = toolcatalog.entry(tenant_a.pk, name).spec  # type: ignore[union-attr]
 
-    again = {d.definition.name: d for d in mcp.import_tools(server, "user:admin").tools}
+    again = {d.definition.name: d for d in mcpimport.import_tools(server, "user:admin").tools}
     assert not again[name].created and again[name].definition.version == 2
     assert toolcatalog.entry(tenant_a.pk, name).spec == kept  # type: ignore[union-attr]
 
     # The server's timeout changes: the next import takes it, and keeps the rest.
     McpServer.objects.filter(pk=server.pk).update(timeout_seconds=7)
     server.refresh_from_db()
-    third = {d.definition.name: d for d in mcp.import_tools(server, "user:admin").tools}
+    third = {d.definition.name: d for d in mcpimport.import_tools(server, "user:admin").tools}
     assert third[name].created and third[name].definition.version == 3
     spec = third[name].definition.spec
     assert spec["timeout_seconds"] == 7
@@ -217,7 +218,7 @@ def test_a_reimport_names_the_tools_the_upstream_no_longer_lists(
     upstream.args.remove("--keyed")
     upstream.restart()
 
-    again = mcp.import_tools(server, "user:admin")
+    again = mcpimport.import_tools(server, "user:admin")
     assert sorted(d.definition.name for d in again.tools) == [
         CREATE,
         "helpdesk.tickets_list",
@@ -456,7 +457,7 @@ def test_a_host_not_allowed_is_refused_and_nothing_is_stored(
     server = _server(tenant_a, upstream.url)
     settings.HOLDPOINT_TOOL_HOSTS = ["tools.example.com"]
     with pytest.raises(tooldefs.HostNotAllowed):
-        mcp.import_tools(server, "user:admin")
+        mcpimport.import_tools(server, "user:admin")
     assert not ToolDefinition.objects.exists()
 
 
@@ -468,7 +469,7 @@ def test_a_private_address_is_not_connected_to(
     _exempt(tenant_a)
     settings.HOLDPOINT_TOOL_PRIVATE_NETWORKS = []  # 127.0.0.1 is no longer allowed
     with pytest.raises(tooldefs.HostNotAllowed):
-        mcp.import_tools(server, "user:admin")
+        mcpimport.import_tools(server, "user:admin")
     run = _run(tenant_a)
     advance_run(run.run_id, "w1")
     action = Action.objects.get(run=run)
@@ -494,7 +495,7 @@ def test_stdio_servers_are_refused_unless_the_operator_turns_them_on(
     server = McpServer.objects.create(
         tenant=tenant_a, name="local", transport="stdio", command=sys.executable, args=args
     )
-    names = sorted(d.definition.name for d in mcp.import_tools(server, "user:admin").tools)
+    names = sorted(d.definition.name for d in mcpimport.import_tools(server, "user:admin").tools)
     assert names == ["local.tickets_create", "local.tickets_list", "local.tickets_purge"]
 
 
@@ -518,7 +519,7 @@ def test_a_stdio_upstreams_answer_holding_what_no_column_takes_is_confirmed_and_
         command=sys.executable,
         args=_stdio_args(tmp_path),
     )
-    mcp.import_tools(server, "user:admin")
+    mcpimport.import_tools(server, "user:admin")
     _exempt(tenant_a)
     (tmp_path / "faults.json").write_text(json.dumps({"raw": raw}), "utf-8")
     run = _run(tenant_a)
@@ -548,7 +549,7 @@ def test_a_stdio_upstreams_answer_past_the_response_cap_is_not_read_whole_nor_st
         args=_stdio_args(tmp_path),
         timeout_seconds=60,
     )
-    mcp.import_tools(server, "user:admin")
+    mcpimport.import_tools(server, "user:admin")
     _exempt(tenant_a)
     (tmp_path / "faults.json").write_text(json.dumps({"huge": 4 * 1024 * 1024}), "utf-8")
     run = _run(tenant_a)
@@ -563,9 +564,9 @@ def test_a_stdio_upstreams_answer_past_the_response_cap_is_not_read_whole_nor_st
 
 
 def test_names_are_normalised_to_the_definition_rules() -> None:
-    assert mcp.definition_name("hd", "Tickets.Create") == "hd.tickets_create"
-    assert mcp.definition_name("hd", "9lives") == "hd.t_9lives"
-    assert tooldefs.NAME.match(mcp.definition_name("hd", "ünïcode/tool name"))
+    assert mcpimport.definition_name("hd", "Tickets.Create") == "hd.tickets_create"
+    assert mcpimport.definition_name("hd", "9lives") == "hd.t_9lives"
+    assert tooldefs.NAME.match(mcpimport.definition_name("hd", "ünïcode/tool name"))
 
 
 @pytest.mark.parametrize(
@@ -662,7 +663,7 @@ def test_an_import_does_not_take_over_a_tool_it_did_not_import(
     define_tickets(tenant_a, "http://127.0.0.1:9", name=CREATE)
     server = _server(tenant_a, upstream.url)
     with pytest.raises(tooldefs.InvalidTool) as refused:
-        mcp.import_tools(server, "user:admin")
+        mcpimport.import_tools(server, "user:admin")
     assert CREATE in refused.value.extra["errors"], refused.value.extra
     kept = toolcatalog.entry(tenant_a.pk, CREATE)
     assert kept is not None and kept.spec["executor"] == "http"

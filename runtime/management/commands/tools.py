@@ -8,7 +8,7 @@ export  the current definitions as a JSON list (stdout, or --output FILE): impor
         again changes nothing.
 import-mcp --server NAME: the tools the tenant's upstream MCP server lists, each stored as
         an `executor: mcp` definition (`unchanged vN` when it did not change); a person's
-        corrections of an imported tool are kept (runtime.mcp.reimported). A tool of the
+        corrections of an imported tool are kept (runtime.mcpimport.reimported). A tool of the
         tenant's sent to that server whose upstream tool it no longer lists is named too
         (`no longer listed by NAME`): it stays defined (nothing retires one tool).
 list    name, version, effect, executor, dedup and approval note of every tool the tenant
@@ -83,7 +83,7 @@ class Command(BaseCommand):
             self.stdout.write(f"{row.name}: {state} v{row.version}")
 
     def do_import_mcp(self, tenant: Tenant, options: dict[str, Any]) -> None:
-        from runtime import mcp
+        from runtime import mcpimport
         from runtime.errors import HoldpointError
         from runtime.models import McpServer
 
@@ -91,7 +91,7 @@ class Command(BaseCommand):
         if server is None:
             raise CommandError(f"no MCP server {options['server']!r} for tenant {tenant.slug}")
         try:
-            imported = mcp.import_tools(server, f"system:tools import-mcp ({_os_user()})")
+            imported = mcpimport.import_tools(server, f"system:tools import-mcp ({_os_user()})")
         except HoldpointError as exc:
             for where, messages in (exc.extra.get("errors") or {}).items():
                 for message in messages:
