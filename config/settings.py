@@ -521,6 +521,9 @@ HOLDPOINT_METRICS_TOKEN = env_token("HOLDPOINT_METRICS_TOKEN")
 PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "metrics"))
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = PROMETHEUS_MULTIPROC_DIR
 Path(PROMETHEUS_MULTIPROC_DIR).mkdir(parents=True, exist_ok=True)
+# Distinct `tool` values of holdpoint_action_duration_seconds per host (tenants define
+# tools: each value is a series in every process and in Prometheus); the rest are `_other`.
+HOLDPOINT_METRICS_TOOL_LABELS = env_int("HOLDPOINT_METRICS_TOOL_LABELS", 100, minimum=0)
 # One line per record: JSON (production: a file, a pipe, a collector) or a readable line —
 # the default when nothing says and the log goes to a terminal (a person typing manage.py).
 HOLDPOINT_LOG_FORMAT = env_str(

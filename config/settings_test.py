@@ -13,6 +13,10 @@ os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
 # Tools may call the sandbox tracker and the tests' own servers on this machine.
 os.environ.setdefault("HOLDPOINT_TOOL_HOSTS", "127.0.0.1,localhost")
 os.environ.setdefault("HOLDPOINT_TOOL_PRIVATE_NETWORKS", "127.0.0.0/8,::1/128")
+# A test session's metrics directory meets every tool the suite names: a test that reads one
+# tool's series must not find it under `_other` because others ran first. The tests of the
+# bound set their own (tests/ops/test_metrics_tool_label.py).
+os.environ.setdefault("HOLDPOINT_METRICS_TOOL_LABELS", "10000")
 # Tests keep their SQLite files and worker heartbeats apart from a running `make run`.
 # One directory per test session (its worker processes are told to use the same one), so
 # concurrent test runs on a machine never see each other's files or worker heartbeats.

@@ -19,20 +19,28 @@ archive already includes them.
 "Gone" is judged by process id on this machine, so one directory serves the processes of
 one host (one PID namespace, in containers), never several. Gauges' files are read as they
 are: how they combine depends on their mode, and summing is not it.
+
+A label whose values come from tenants' data (a tool's name) is bounded for the whole host
+here too (`BoundedLabel`): a bound per process alone would let every process, and every
+worker that replaces a recycled one, add its own values to the files a scrape sums.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 from prometheus_client.core import Metric
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 KINDS = ("counter", "histogram")  # what sums across processes, and so may be folded
 _GAUGE = re.compile(r"gauge_\w+_\d+\.db")
@@ -105,12 +113,81 @@ def _fold(path: Path, kind: str) -> int:
     return len(todo)
 
 
+class BoundedLabel:
+    """One label of one metric that takes at most `limit` values on a host: the first that
+    come, each cut to `length` characters; any other is `other`. The values admitted are a
+    file of the directory (one JSON string a line), appended under an exclusive lock, so
+    that every process of the host admits the same ones, and a value once admitted keeps its
+    series for good: moved into `other` later, its counts and `other`'s would go down, which
+    Prometheus reads as counter resets. A process reads the file again only for a value it
+    has not met while fewer than `limit` were admitted when it last read it."""
+
+    def __init__(self, metric: str, label: str, *, other: str, length: int) -> None:
+        self.metric, self.label, self.other, self.length = metric, label, other, length
+        self._path: Path | None = None
+        self._known: dict[str, int] = {}  # value -> its line in the file, as last read
+
+    def file(self, path: Path) -> Path:
+        return path / f".{self.metric}.{self.label}.values"
+
+    def value(self, path: Path, raw: str, limit: int) -> str:
+        """What to label an observation of `raw` with, admitting it if there is room."""
+        value = raw[: self.length]
+        if path != self._path:
+            self._path, self._known = path, {}
+        if self._known.get(value, limit) < limit:
+            return value
+        if len(self._known) >= limit:
+            return self.other
+        with open(self.file(path), "a+", encoding="utf-8") as values:
+            fcntl.flock(values, fcntl.LOCK_EX)
+            self._known = _lines(values)
+            if value not in self._known and len(self._known) < limit:
+                values.write(json.dumps(value) + "\n")
+                self._known[value] = len(self._known)
+        return value if self._known.get(value, limit) < limit else self.other
+
+    def admitted(self, path: Path, limit: int) -> set[str]:
+        try:
+            with open(self.file(path), encoding="utf-8") as values:
+                fcntl.flock(values, fcntl.LOCK_SH)
+                return {value for value, line in _lines(values).items() if line < limit}
+        except FileNotFoundError:
+            return set()
+
+    def bounded(self, metric: Metric, admitted: set[str]) -> Metric:
+        """`metric` with every series whose value is not `admitted` summed into `other`'s:
+        those a process wrote past the bound (one from a release without it, or admitted
+        before `limit` was lowered)."""
+        sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for sample in metric.samples:
+            labels = dict(sample.labels)
+            if labels.get(self.label) not in admitted:
+                labels[self.label] = self.other
+            key = (sample.name, tuple(labels.items()))
+            sums[key] = sums.get(key, 0.0) + sample.value
+        metric.samples = [Sample(name, dict(labels), n) for (name, labels), n in sums.items()]
+        return metric
+
+
+def _lines(values: IO[str]) -> dict[str, int]:
+    """The values a BoundedLabel's file admits, each with its place among them."""
+    values.seek(0)
+    known: dict[str, int] = {}
+    for line in values:
+        with contextlib.suppress(ValueError):  # a line a crash cut short: no value
+            known.setdefault(str(json.loads(line)), len(known))
+    return known
+
+
 class HostMetrics(Collector):
     """Every metric observed by a process of this host, read under the directory's lock
-    after folding what the processes that are gone left."""
+    after folding what the processes that are gone left; `bounds`: labels held to their
+    limits (`BoundedLabel`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, bounds: Sequence[tuple[BoundedLabel, int]] = ()) -> None:
         self.path = Path(path)
+        self.bounds = bounds
 
     def collect(self) -> Iterator[Metric]:
         with open(self.path / LOCK, "a") as lock:
@@ -125,4 +202,10 @@ class HostMetrics(Collector):
             for kind in KINDS:
                 files += [n for n in names if _live(kind).fullmatch(n)]
                 files += [name for _, name in _archives(kind, names)[-1:]]
-            yield from MultiProcessCollector.merge([str(self.path / n) for n in files])
+            merged = MultiProcessCollector.merge([str(self.path / n) for n in files])
+        bounds = {bound.metric: (bound, bound.admitted(self.path, n)) for bound, n in self.bounds}
+        for metric in merged:
+            if metric.name in bounds:
+                bound, admitted = bounds[metric.name]
+                metric = bound.bounded(metric, admitted)
+            yield metric

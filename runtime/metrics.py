@@ -17,6 +17,9 @@ Two sources, chosen per metric for exactness:
 
 No `tenant` label: tenants are rows that grow without bound, and a label per tenant
 multiplies every series by their number. Per-tenant counts are in the admin and the API.
+The `tool` label is kept (API.md names it) but bounded: tenants define tools, so its values
+are the first HOLDPOINT_METRICS_TOOL_LABELS tools a host met, each cut to 100 characters
+(the longest an action's tool is), and `_other` (no tool name begins with `_`) for the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -41,7 +45,7 @@ from prometheus_client.registry import Collector
 
 from audit.models import JournalEntry
 from runtime.events import RunEvent
-from runtime.metricfiles import HostMetrics
+from runtime.metricfiles import BoundedLabel, HostMetrics
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tally
 
 log = logging.getLogger("holdpoint.metrics")
@@ -54,12 +58,16 @@ STEP_SECONDS = Histogram(
     "Wall time of one step a worker executed and committed, its commit included.",
     buckets=_BUCKETS,
 )
+ACTION_METRIC = "holdpoint_action_duration_seconds"
 ACTION_SECONDS = Histogram(
-    "holdpoint_action_duration_seconds",
+    ACTION_METRIC,
     "Wall time of one request to a tool's service (from `sent` to its answer).",
     ["tool"],
     buckets=_BUCKETS,
 )
+# Each value is a series in every process's memory and file, in every scrape and in the
+# operator's Prometheus: a tenant defining tools by the thousand must not make them so many.
+TOOL = BoundedLabel(ACTION_METRIC, "tool", other="_other", length=100)
 # Waiting for reconciliation: the outcome is not known, by the reconciler or by a human.
 BACKLOG = (ActionStatus.UNKNOWN, ActionStatus.MANUAL_REVIEW)
 
@@ -84,12 +92,21 @@ def observe_step(began: float, ended: float | None = None) -> None:
 
 
 def observe_action(tool: str, began: float) -> None:
-    ACTION_SECONDS.labels(tool=tool).observe(time.perf_counter() - began)
+    ACTION_SECONDS.labels(tool=_tool_label(tool)).observe(time.perf_counter() - began)
 
 
 def observe_action_seconds(tool: str, seconds: float) -> None:
     """A request timed elsewhere: a `client` tool's, by the database's times."""
-    ACTION_SECONDS.labels(tool=tool).observe(max(seconds, 0.0))
+    ACTION_SECONDS.labels(tool=_tool_label(tool)).observe(max(seconds, 0.0))
+
+
+def _tool_label(tool: str) -> str:
+    return TOOL.value(_directory(), tool, settings.HOLDPOINT_METRICS_TOOL_LABELS)
+
+
+def _directory() -> Path:
+    """Where this process's histograms go (prometheus-client reads the same variable)."""
+    return Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
 
 def takeovers_sql(vendor: str) -> str:
@@ -160,7 +177,8 @@ def add_collector(collector: Collector) -> None:
 def registry() -> CollectorRegistry:
     """What one scrape reports: every process's histograms, then the database's counts."""
     scrape = CollectorRegistry(auto_describe=False)
-    scrape.register(HostMetrics(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
+    bounds = [(TOOL, settings.HOLDPOINT_METRICS_TOOL_LABELS)]
+    scrape.register(HostMetrics(str(_directory()), bounds))
     for collector in _collectors:
         scrape.register(collector)
     return scrape
