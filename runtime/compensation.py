@@ -23,6 +23,7 @@ from runtime.errors import (
     ApprovalRequired,
     InvalidParams,
     InvalidTransition,
+    NotFound,
     ToolUnavailable,
 )
 from runtime.events import RunEvent, record
@@ -85,8 +86,18 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     tool) leaves the effect in place, so the undo may be asked for again — a new action with
     a key of its own (`<original key>:undo:<n>`, the n-th asked for; the first is
     `<original key>:undo`), under the tenant's hold points like the first, its reason a new
-    one. The original's row lock makes two concurrent asks one."""
-    action.refresh_from_db()
+    one. The original's row lock makes two concurrent asks one.
+
+    The run is locked before the original, the order of every writer of a run and its
+    actions — the retention purge above all, which locks due runs and then deletes their
+    actions: in the opposite order each waited for the other's row and PostgreSQL aborted
+    one ("deadlock detected"). Holding the run while the undo is created is also what lets
+    the purge see it: it re-reads under the runs' locks which of them still qualify
+    (`retention._purge_batch`). A run purged meanwhile took the action with it: NotFound."""
+    try:
+        action.refresh_from_db()
+    except Action.DoesNotExist:
+        raise _purged() from None
     if action.status != S.CONFIRMED:
         raise InvalidTransition(f"only a confirmed action can be compensated ({action.status})")
     tool = tool_of(action)
@@ -99,12 +110,15 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     undo.validate(params)
     text, fingerprint = actionkeys.canonical_params(params)
     with transaction.atomic(durable=True):
-        original = Action.objects.select_for_update().get(pk=action.pk)
+        scope = {"tenant_id": action.tenant_id}
+        run = Run.objects.select_for_update().filter(pk=action.run_id, **scope).first()
+        original = Action.objects.select_for_update().filter(pk=action.pk, **scope).first()
+        if run is None or original is None:
+            raise _purged()
         if original.status != S.CONFIRMED:
             raise InvalidTransition(
                 f"only a confirmed action can be compensated ({original.status})"
             )
-        run = Run.objects.select_for_update().get(pk=original.run_id)
         earlier = Action.objects.filter(compensates=original)
         existing = earlier.exclude(status__in=ENDED_UNSENT).first()
         if existing is not None:
@@ -221,12 +235,21 @@ def ring_due_resends(limit: int) -> int:
     return len(claimed)
 
 
+def _purged() -> NotFound:
+    return NotFound("the action is gone: its run was purged by retention")
+
+
 def _finish(action: Action, actor: str) -> Action:
+    """The compensation is confirmed: its original becomes `compensated`. The run is locked
+    first, as `compensate` does (see there); a run purged meanwhile has nothing to mark."""
     if action.status != S.CONFIRMED or action.compensates_id is None:
         return action
     with transaction.atomic(durable=True):
-        original = Action.objects.select_for_update().get(pk=action.compensates_id)
-        if original.status == S.CONFIRMED:
+        scope = {"tenant_id": action.tenant_id}
+        run = Run.objects.select_for_update().filter(pk=action.run_id, **scope).first()
+        originals = Action.objects.select_for_update().filter(pk=action.compensates_id, **scope)
+        original = originals.first()
+        if run is not None and original is not None and original.status == S.CONFIRMED:
             ledger.transition(original, S.COMPENSATED, actor)
             Action.objects.filter(pk=original.pk).update(updated_at=Now())
     return action

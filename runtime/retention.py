@@ -132,16 +132,7 @@ def _purge_batch(
 ) -> None:
     """One batch's purge, in its own transaction; adds what it did to `report`."""
     with transaction.atomic(durable=True):
-        # Read again under the rows' locks: a purge beside this one (two operators, a
-        # scheduled one and a deletion request) may have taken some of them meanwhile; it
-        # is waited for and what it took is not reported, nor journalled, a second time.
-        # Locked in primary-key order, whatever plan the database picks: two purges of one
-        # tenant (different batch sizes, a thread's deletion request) then take the rows
-        # they share in the same order and one waits for the other, never each for the
-        # other (a deadlock). The model's default ordering (-created_at) is not a total
-        # order — runs created in the same microsecond tie — and is not this code's to rely on.
-        locked = runs.filter(run_id__in=batch).order_by("pk").select_for_update()
-        purged = [str(r) for r in locked.values_list("run_id", flat=True)]
+        purged = _still_due(tenant, runs, batch)
         if not purged:
             return
         gate = PurgeGate.objects.create(reason=f"retention purge of {tenant.slug}")
@@ -182,6 +173,31 @@ def _purge_batch(
     report.artifacts += artifacts
     report.entries_redacted += redaction.done
     report.held.update(held)
+
+
+def _still_due(tenant: Tenant, runs: QuerySet[Run], batch: list[str]) -> list[str]:
+    """The batch's runs, locked, that still qualify now that they are: each run first, then
+    its actions and the rest — the lock order of every writer of a run and its actions
+    (`compensation.compensate` above all, whose undo is an action of a finished run).
+
+    Locked in primary-key order, whatever plan the database picks: two purges of one tenant
+    (different batch sizes, a thread's deletion request) then take the rows they share in
+    the same order and one waits for the other, never each for the other (a deadlock). The
+    model's default ordering (-created_at) is not a total order — runs created in the same
+    microsecond tie — and is not this code's to rely on.
+
+    Then read again, as a statement of its own: under READ COMMITTED a locking read that
+    waited for a writer answers from the snapshot it began with, so a compensation committed
+    while the purge waited for the run was not seen — the run was purged, and the undo a
+    person had just asked for deleted with it. A read begun after the locks are held sees
+    every commit before them; and whoever can make a finished run stay (asking for a
+    compensation, raising or deciding its hold point) locks the run first, so nobody can
+    until the batch ends. A run another purge took meanwhile is simply gone. (SQLite: the
+    batch's IMMEDIATE transaction holds the one write lock from its start.)"""
+    locked = Run.objects.filter(tenant=tenant, run_id__in=batch).order_by("pk")
+    held = list(locked.select_for_update().values_list("run_id", flat=True))
+    due = runs.filter(run_id__in=held).order_by("pk").values_list("run_id", flat=True)
+    return [str(r) for r in due]
 
 
 def _delete_orphans(tenant: Tenant, doomed_refs: set[str], kept: _Kept) -> int:
