@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from itertools import groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import models
 from django.db.models.expressions import Combinable
@@ -40,19 +40,74 @@ class AppendOnly(Exception):
     """History is never updated or deleted, except by the retention purge."""
 
 
-class JournalQuerySet(models.QuerySet["JournalEntry"]):
+def gate_open() -> bool:
+    """Whether the retention purge's gate is open in this transaction (`PurgeGate`): the one
+    state in which history may change. Another transaction's gate is never seen (PostgreSQL:
+    not committed; SQLite: one writer at a time)."""
+    return PurgeGate.objects.exists()
+
+
+_History = TypeVar("_History", bound=models.Model)
+
+
+class HistoryQuerySet(models.QuerySet[_History]):
+    """Rows of history (journal entries, checkpoints): inserted, never updated, deleted only
+    by the retention purge inside its gate.
+
+    PostgreSQL's triggers refuse the rest in the database; SQLite has none, so these are
+    all that stand between the ORM and a rewritten history there."""
+
+    def _refuse(self, what: str) -> AppendOnly:
+        return AppendOnly(f"{self.model._meta.verbose_name_plural} are never {what}")
+
     def update(self, **kwargs: object) -> int:
-        raise AppendOnly("journal entries are never updated")
+        raise self._refuse("updated")  # bulk_update too: it updates through this
+
+    def bulk_create(self, objs: Iterable[_History], *args: Any, **kwargs: Any) -> Any:
+        """Inserts only: with update_conflicts it is an upsert, an UPDATE of the row that
+        holds the id (or another unique key) already."""
+        if kwargs.get("update_conflicts"):
+            raise self._refuse("updated")
+        return super().bulk_create(objs, *args, **kwargs)
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        raise AppendOnly("journal entries are never deleted (the purge redacts payloads)")
+        if not gate_open():
+            raise self._refuse("deleted outside the retention purge")
+        return super().delete()
 
-    def bulk_create(self, objs: Iterable[JournalEntry], *args: Any, **kwargs: Any) -> Any:
-        """Inserts only: with update_conflicts it is an upsert, an UPDATE of the entry that
-        holds the id or (stream, seq) already."""
-        if kwargs.get("update_conflicts"):
-            raise AppendOnly("journal entries are never updated")
-        return super().bulk_create(objs, *args, **kwargs)
+    def _raw_delete(self, using: str | None) -> int:
+        """What Django's deletion collector runs for rows that go with a deleted parent (a
+        run's checkpoints when the run is deleted) and for `delete()`, past the method
+        above: the models' base manager is this queryset's, so it passes here. A parent
+        with no such rows is deleted as before."""
+        if not gate_open() and self.exists():
+            raise self._refuse("deleted outside the retention purge")
+        return super()._raw_delete(using)
+
+
+class InsertOnly(models.Model):
+    """A history row's own writes: `save()` only ever INSERTs, `delete()` only inside the
+    purge's gate. An instance new to the ORM that carries a stored row's id is an UPDATE in
+    Django's save (and so are force_update and update_fields): SQLite, whose history has no
+    trigger, rewrote the row."""
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding or kwargs.get("force_update") or kwargs.get("update_fields"):
+            raise AppendOnly(f"{self._meta.verbose_name_plural} are never updated")
+        super().save(*args, **{**kwargs, "force_insert": True})
+
+    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
+        if not gate_open():
+            raise AppendOnly(f"{self._meta.verbose_name_plural} are never deleted")
+        return super().delete(*args, **kwargs)
+
+
+class JournalQuerySet(HistoryQuerySet["JournalEntry"]):
+    def delete(self) -> tuple[int, dict[str, int]]:
+        raise AppendOnly("journal entries are never deleted (the purge redacts payloads)")
 
     def redact(self) -> Redaction:
         """Replace payloads by their digests (the retention purge, inside its open gate).
@@ -65,7 +120,7 @@ class JournalQuerySet(models.QuerySet["JournalEntry"]):
         digest over the evidence. Done a stream at a time, so memory holds one stream's
         digests, never the whole purge's.
         """
-        if not PurgeGate.objects.exists():
+        if not gate_open():
             raise AppendOnly("redaction needs the purge gate open in this transaction")
         return self._redaction(_redact)
 
@@ -153,7 +208,7 @@ def stored_time() -> models.ExpressionWrapper[models.F]:
     return models.ExpressionWrapper(models.F("created_at"), output_field=models.DateTimeField())
 
 
-class JournalEntry(models.Model):
+class JournalEntry(InsertOnly):
     stream = models.CharField(max_length=80)
     seq = models.BigIntegerField()
     tenant_id = models.BigIntegerField()
@@ -200,15 +255,7 @@ class JournalEntry(models.Model):
     def __str__(self) -> str:
         return f"{self.stream}#{self.seq} {self.type}"
 
-    def save(self, *args: object, **kwargs: object) -> None:
-        """Only ever an INSERT. An instance new to the ORM that carries an existing entry's
-        id is an UPDATE of that entry in Django's save (or with force_update / update_fields):
-        SQLite, whose history has no trigger, rewrote the entry."""
-        if not self._state.adding or kwargs.get("force_update") or kwargs.get("update_fields"):
-            raise AppendOnly("journal entries are never updated")
-        super().save(*args, **{**kwargs, "force_insert": True})  # type: ignore[arg-type]
-
-    def delete(self, *args: object, **kwargs: object) -> tuple[int, dict[str, int]]:
+    def delete(self, *args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
         raise AppendOnly("journal entries are never deleted")
 
 

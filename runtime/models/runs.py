@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from audit.models import HistoryQuerySet, InsertOnly
 from runtime.models.tenancy import Tenant
 
 
@@ -181,8 +182,17 @@ class Artifact(models.Model):
         return f"artifact {self.digest[:12]} ({self.size} B)"
 
 
-class Checkpoint(models.Model):
-    """Append-only: what the next step needs, and who wrote it under which fence."""
+class CheckpointQuerySet(HistoryQuerySet["Checkpoint"]):
+    pass
+
+
+class Checkpoint(InsertOnly):
+    """Append-only: what the next step needs, and who wrote it under which fence.
+
+    Written by the step commit (one INSERT, runtime.stepcommit); never updated; deleted only
+    with its run by the retention purge, inside its gate. PostgreSQL's trigger refuses the
+    rest; on SQLite the model does (InsertOnly, HistoryQuerySet — also as the base manager,
+    through which a deleted run's checkpoints are deleted)."""
 
     # No index of its own: runtime_checkpoint_one_rev (run, rev) starts with the run, and an
     # index fewer is one page fewer written by every step's commit.
@@ -203,7 +213,10 @@ class Checkpoint(models.Model):
     digest = models.CharField(max_length=64)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    objects = CheckpointQuerySet.as_manager()
+
     class Meta:
+        base_manager_name = "objects"
         ordering = ["run", "rev"]
         constraints = [
             models.UniqueConstraint(fields=["run", "rev"], name="runtime_checkpoint_one_rev"),

@@ -395,3 +395,85 @@ def test_the_orm_cannot_overwrite_an_entry_through_its_id(tenant_a: Tenant, path
                 [forged], update_conflicts=True, unique_fields=["id"], update_fields=["actor"]
             )
     assert JournalEntry.objects.get(pk=entry.pk).actor == entry.actor
+
+
+CHECKPOINT_PATHS = [
+    "save",
+    "forged_save",
+    "force_update",
+    "update_fields",
+    "bulk_create",
+    "bulk_update",
+    "update",
+    "delete",
+    "queryset_delete",
+    "run_delete",
+]
+
+
+def _overwrite_checkpoint(checkpoint: Checkpoint, path: str) -> None:
+    """One way the ORM writes over (or removes) a stored checkpoint."""
+    checkpoint.state = {"forged": True}
+    fields = {f.attname: getattr(checkpoint, f.attname) for f in Checkpoint._meta.concrete_fields}
+    forged = Checkpoint(**fields)  # new to the ORM, carrying the stored one's id
+    rows = Checkpoint.objects.filter(pk=checkpoint.pk)
+    if path == "save":
+        checkpoint.save()
+    elif path == "forged_save":
+        forged.save()
+    elif path == "force_update":
+        checkpoint.save(force_update=True)
+    elif path == "update_fields":
+        checkpoint.save(update_fields=["state"])
+    elif path == "bulk_create":
+        Checkpoint.objects.bulk_create(
+            [forged], update_conflicts=True, unique_fields=["id"], update_fields=["state"]
+        )
+    elif path == "bulk_update":
+        Checkpoint.objects.bulk_update([checkpoint], ["state"])
+    elif path == "update":
+        rows.update(state={"forged": True})
+    elif path == "delete":
+        checkpoint.delete()
+    elif path == "queryset_delete":
+        rows.delete()
+    else:  # its run deleted outside the retention purge: the rows cascade
+        Run.objects.filter(pk=checkpoint.run_id).delete()
+
+
+@pytest.mark.parametrize("path", CHECKPOINT_PATHS)
+def test_the_orm_cannot_overwrite_or_delete_a_checkpoint(tenant_a: Tenant, path: str) -> None:
+    """Checkpoints are history too (invariant 8: append-only, changed only by the retention
+    purge). PostgreSQL's trigger refused every one of these writes; SQLite, which has no
+    trigger, took them all — a checkpoint's state rewritten through save(), update(), an
+    upsert or bulk_update, or deleted with its run — and the run resumed from the forgery.
+    Refused by the model on both."""
+    run = _run(tenant_a, steps=1)
+    checkpoint = Checkpoint.objects.filter(run=run).order_by("rev").last()
+    assert checkpoint is not None
+    stored = (checkpoint.rev, checkpoint.state, checkpoint.digest)
+    with pytest.raises((AppendOnly, DatabaseError)), transaction.atomic():
+        _overwrite_checkpoint(checkpoint, path)
+    again = Checkpoint.objects.get(pk=checkpoint.pk)
+    assert (again.rev, again.state, again.digest) == stored
+    assert Run.objects.filter(pk=run.pk).exists()
+
+
+def test_a_new_checkpoint_is_still_inserted_and_the_purge_still_deletes_them(
+    tenant_a: Tenant,
+) -> None:
+    """What the guard leaves: inserting a checkpoint through the ORM, and the retention
+    purge deleting a run's checkpoints with the run, inside its gate."""
+    from runtime import retention
+
+    run = _run(tenant_a, steps=1)
+    last = Checkpoint.objects.filter(run=run).order_by("rev").last()
+    assert last is not None
+    fields = {f.attname: getattr(last, f.attname) for f in Checkpoint._meta.concrete_fields}
+    Checkpoint.objects.create(**{**fields, "id": None, "rev": last.rev + 1})
+    assert Checkpoint.objects.filter(run=run).count() == last.rev + 1
+    Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(days=400))
+    Tenant.objects.filter(pk=tenant_a.pk).update(retention_days=30)
+    report = retention.purge_tenant(Tenant.objects.get(pk=tenant_a.pk))
+    assert report.runs == [str(run.run_id)] and report.checkpoints == last.rev + 1
+    assert not Checkpoint.objects.filter(run_id=run.pk).exists()
