@@ -461,11 +461,19 @@ async def run_agent(
     The run is found again by `thread_id` (or created, external, with `goal`). A paused
     RunState stored in it is resumed — `input` is then ignored — after the reviewers'
     decisions are applied; each new pause is stored, then waited for. `approval_timeout`:
-    seconds to wait for a decision (None: as long as it takes; 0: not at all — a service
-    calls again on the `approval.decided` webhook); ApprovalTimeout keeps everything.
+    seconds to wait for a decision (None: the AsyncHoldpoint's `approval_timeout` — as long
+    as it takes if that is None too; 0: not at all — a service calls again on the
+    `approval.decided` webhook); ApprovalTimeout keeps everything. It bounds every wait for a
+    reviewer: a stored pause's, and a call's that the server holds again when it is sent.
     A completed run returns its recorded output without running anything.
     """
     async with hp.run(thread_id, graph=graph, goal=goal) as run:
+        # A tool's `run.act` waits with the run's timeout for a hold point met at the
+        # dispatch (a policy tightened after the SDK asked, an approval that stopped
+        # binding): it must be this one, or a service that asked not to be held is held.
+        if approval_timeout is not None:
+            run.approval_timeout = approval_timeout
+        approval_timeout = run.approval_timeout
         if run.finished:
             return await run.record(FINAL, _never)
         saved = run.state.get(STATE_KEY)
