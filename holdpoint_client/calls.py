@@ -388,8 +388,12 @@ def get_checkpoint(run_id: str, rev: int, *, inline: bool = False) -> Call[Check
 
 
 def lease(run_id: str, owner: str, ttl_seconds: int) -> Call[LeaseGrant]:
+    """Take the lease. Safe to repeat, so repeated as reads are (Holdpoint's own 500 and 503
+    too, with backoff or after Retry-After): a second attempt cannot take a second lease —
+    if the first one applied, its lease is live and the repeat is refused `lease_held`, which
+    the executor waits out (the lease is ours, its fence unknown) as it waits out anyone's."""
     body = {"owner": owner, "ttl_seconds": ttl_seconds}
-    return post(at("runs", run_id, "lease"), body, LeaseGrant.from_json)
+    return post(at("runs", run_id, "lease"), body, LeaseGrant.from_json, replay_safe=True)
 
 
 def heartbeat(run_id: str, fence: int, ttl_seconds: float | None = None) -> Call[datetime | None]:

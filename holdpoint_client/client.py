@@ -8,10 +8,11 @@ What it adds over raw HTTP, and why:
 - Bounded retries with exponential backoff and jitter on 429 (Retry-After honoured), 5xx,
   connection failures and 409 `idempotency_key_in_flight`. Every other 409 is an answer
   about the server's state (a stale fence, a lost compare-and-swap) and is raised at once.
-- A call that is not idempotent (taking a lease, dispatching, recording an outcome) is not
+- A call that is not idempotent (dispatching, recording an outcome, revising a goal) is not
   repeated after an ambiguous failure — a lost connection, a gateway's 502/503/504: the
   request may have been applied — and raises
   `TransportError(may_have_applied=True)` so the caller re-reads before acting again.
+  Taking a lease is repeated: a repeat cannot take a second one (`calls.lease`).
 - List calls return iterators that follow the cursors to the end.
 """
 
@@ -180,8 +181,9 @@ class Client(Configured):
     # --- executor protocol ---------------------------------------------------------------
 
     def lease(self, run_id: str, owner: str, ttl_seconds: int) -> LeaseGrant:
-        """Take the run's lease (fence + 1). Not repeated after an ambiguous failure: a
-        second attempt would find our own first lease and answer lease_held."""
+        """Take the run's lease (fence + 1). Repeated after a failure as reads are (5xx and
+        lost answers included): a repeat whose first attempt applied finds that lease — ours,
+        its fence unknown — and is refused LeaseHeld; `Executor` waits it out."""
         return self.send(calls.lease(run_id, owner, ttl_seconds))
 
     def heartbeat(

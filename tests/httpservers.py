@@ -176,12 +176,13 @@ class Gateway:
     reached the upstream) or after it (applied there, the answer lost, as nginx answers 502
     on an upstream reset and 504 on its timeout) — or, with `status` 0, by hanging up.
     Planned with a `code`, the answer is Holdpoint's own problem+json instead (a 500
-    `server_error` after a fault, a 503 `service_unavailable` while it refuses work)."""
+    `server_error` after a fault, a 503 `service_unavailable` while it refuses work), with
+    a `Retry-After` header when planned with `retry_after`."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.http = httpx.Client(timeout=60)
-        self.plan: list[tuple[str, str, int, bool, str]] = []
+        self.plan: list[tuple[str, str, int, bool, str, str]] = []
         self.answered: list[tuple[str, str, int]] = []  # (method, path, status sent back)
         self.stalling: tuple[str, str] | None = None
         self.stalled = 0
@@ -204,20 +205,21 @@ class Gateway:
         forwarded: bool,
         times: int = 1,
         code: str = "",
+        retry_after: str = "",
     ) -> None:
         with self._lock:
-            self.plan.extend([(method, path_end, status, forwarded, code)] * times)
+            self.plan.extend([(method, path_end, status, forwarded, code, retry_after)] * times)
 
     def count(self, method: str, path_end: str) -> int:
         """Requests of `method` whose path ends with `path_end` that reached the gateway."""
         return sum(1 for m, p, _ in self.answered if m == method and p.endswith(path_end))
 
-    def _planned(self, method: str, path: str) -> tuple[int, bool, str] | None:
+    def _planned(self, method: str, path: str) -> tuple[int, bool, str, str] | None:
         with self._lock:
-            for index, (m, end, status, forwarded, code) in enumerate(self.plan):
+            for index, (m, end, status, forwarded, code, retry_after) in enumerate(self.plan):
                 if m == method and path.endswith(end):
                     del self.plan[index]
-                    return status, forwarded, code
+                    return status, forwarded, code, retry_after
         return None
 
     def __call__(self, handler: BaseHTTPRequestHandler, server: Server) -> None:
@@ -246,6 +248,8 @@ class Gateway:
                 return
             kind, page = _error_page(status, fault[2])
             handler.send_response(status)
+            if fault[3]:
+                handler.send_header("Retry-After", fault[3])
             handler.send_header("Content-Type", kind)
             handler.send_header("Content-Length", str(len(page)))
             handler.end_headers()

@@ -393,3 +393,82 @@ def test_a_release_repeated_after_its_lost_answer_answers_as_the_first(
     with pytest.raises(errors.StaleFence):
         api.release(run.run_id, fence)
     api.release(run.run_id, successor)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "retry_after", "forwarded"),
+    [
+        (503, "service_unavailable", "2", False),
+        (500, "server_error", "", False),
+        (500, "server_error", "", True),
+    ],
+    ids=["503-retry-after", "500-before-the-commit", "500-after-it"],
+)
+def test_holdpoints_own_5xx_to_a_lease_is_retried(
+    gateway: tuple[Gateway, str],
+    agent_a: Persona,
+    status: int,
+    code: str,
+    retry_after: str,
+    forwarded: bool,
+) -> None:
+    """Holdpoint answered its own 503 `service_unavailable` (its database away a moment,
+    Retry-After 2) or 500 `server_error` to the lease POST. A lost connection was tried
+    again, but these escaped `with Executor(...)` as ServerError: the agent did not start.
+    Now the POST is repeated as any call that cannot apply twice (a second lease cannot be
+    taken: one the first attempt took is held, by us, and waited out), after Retry-After
+    when given, else after a backoff pause."""
+    proxy, url = gateway
+    pauses: list[float] = []
+    client = Client(url, agent_a.token or "", backoff=0.01, sleep=pauses.append)
+    run = client.create_run("api-review", {}, external=True)
+    proxy.fail("POST", "/lease/", status, forwarded=forwarded, code=code, retry_after=retry_after)
+
+    try:
+        with Executor(client, run.run_id, "agent-1", ttl=2, lease_timeout=30) as ex:
+            ex.checkpoint({"n": 1}, "next")
+            fence = ex.fence
+    finally:
+        client.close()
+
+    assert proxy.count("POST", "/lease/") >= 2
+    assert fence == (2 if forwarded else 1)  # a lease the 500 hid is waited out
+    if retry_after:
+        assert pauses[0] == 2.0
+    else:
+        assert 0 < pauses[0] <= 0.01  # the client's backoff, not the executor's wait
+    assert RunRow.objects.get(pk=run.run_id).checkpoint_rev == 1
+
+
+def test_holdpoints_503_to_a_lease_is_retried_async(
+    gateway: tuple[Gateway, str], agent_a: Persona
+) -> None:
+    """The same for AsyncExecutor: one retry policy for both faces."""
+    proxy, url = gateway
+    proxy.fail("POST", "/lease/", 503, forwarded=False, code="service_unavailable")
+
+    async def story() -> int:
+        async with AsyncClient(url, agent_a.token or "", backoff=0.01) as client:
+            run = await client.create_run("api-review", {}, external=True)
+            async with AsyncExecutor(client, run.run_id, "agent-1", ttl=10) as ex:
+                return ex.fence
+
+    assert asyncio.run(story()) == 1
+    assert proxy.count("POST", "/lease/") == 2
+
+
+@pytest.mark.parametrize(("status", "code"), [(409, "lease_held"), (404, "not_found")])
+def test_a_4xx_to_a_lease_is_not_repeated_by_the_client(
+    api: Client, gateway: tuple[Gateway, str], status: int, code: str
+) -> None:
+    """Only 429 of the 4xx is repeated by the client: a lease held by another executor is
+    the executor's to wait out, a missing run is an answer."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    proxy.fail("POST", "/lease/", status, forwarded=False, code=code)
+
+    with pytest.raises(errors.HoldpointAPIError) as refused:
+        api.lease(run.run_id, "agent-1", 10)
+
+    assert (refused.value.status, refused.value.code) == (status, code)
+    assert proxy.count("POST", "/lease/") == 1
