@@ -340,7 +340,13 @@ class ActionWithdrawn(ExecutorError):
 
 
 class ActionFailed(ExecutorError):
-    """The tool refused the action; it certainly did not apply."""
+    """The tool refused the action; it certainly did not apply. `reason` is the refusal as
+    the ledger holds it: the server's `last_error` (a tool Holdpoint sends), else what the
+    agent's `perform` reported (its ToolRefused's words)."""
+
+    def __init__(self, message: str, *, action: Any = None, reason: str = "") -> None:
+        super().__init__(message, action=action)
+        self.reason = reason
 
 
 class OutcomeUnknown(ExecutorError):

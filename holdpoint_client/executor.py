@@ -373,7 +373,8 @@ class ExecutorCore(Generic[C]):
                 action = yield from self._reconcile(action, perform, lookup, attempt=performed)
                 performed += 1
             elif status == "failed":
-                raise ActionFailed(f"{tool} failed: {action.last_error}", action=action)
+                reason = refusal_of(action)
+                raise ActionFailed(f"{tool} failed: {reason}", action=action, reason=reason)
             elif status == "cancelled":
                 raise (yield from self._cancelled(action))
             elif status == "manual_review":
@@ -530,7 +531,8 @@ class ExecutorCore(Generic[C]):
         try:
             effect = yield from call_agent(perform, call)
         except ToolRefused as exc:
-            return (yield from self._record(action, "failed", result={"error": str(exc)}))
+            refusal = str(exc) or type(exc).__name__  # never an empty reason (ActionFailed)
+            return (yield from self._record(action, "failed", result={"error": refusal}))
         except Exception as exc:  # the request may have applied: never a clean failure
             log.warning("run %s: %s: %r", self.run_id, action.tool, exc)
             error = {"error": repr(exc)[:2000]}
@@ -770,6 +772,18 @@ class Executor(ExecutorCore[Client]):
         refuse_async(perform, options.get("lookup"))
         flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return drive(flow, self.client)
+
+
+def refusal_of(action: Action) -> str:
+    """Why a failed action failed: the server's word (`last_error`, set when Holdpoint sent
+    the tool itself), else the refusal the agent reported with the outcome (the ledger's
+    `result.error`, from `perform`'s ToolRefused) — found again after a restart too."""
+    if action.last_error:
+        return action.last_error
+    result = action.result
+    if isinstance(result, Mapping) and result.get("error"):
+        return str(result["error"])
+    return "the tool refused it"
 
 
 def _deadline(timeout: float | None) -> float | None:
