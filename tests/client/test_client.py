@@ -277,14 +277,14 @@ def test_a_call_that_is_not_idempotent_is_not_repeated_after_an_ambiguous_failur
     api: Client, transport: Faulty
 ) -> None:
     run = api.create_run("api-review", GOAL, external=True)
-    transport.fail("POST", "/lease/", "drop")
+    transport.fail("POST", "/revisions/", "drop")
 
     with pytest.raises(errors.TransportError) as lost:
-        api.lease(run.run_id, "me", 30)
+        api.revise(run.run_id, {**GOAL, "scope": ["/orders"]}, expected_goal_rev=1)
 
     assert lost.value.may_have_applied
-    assert len(transport.sent("POST", "/lease/")) == 1
-    assert RunRow.objects.get(pk=run.run_id).fence == 1  # it did apply: re-read, not repeat
+    assert len(transport.sent("POST", "/revisions/")) == 1
+    assert RunRow.objects.get(pk=run.run_id).goal_rev == 2  # it did apply: re-read, not repeat
 
 
 def test_a_refused_connection_is_retried_even_for_a_lease(

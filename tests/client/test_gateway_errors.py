@@ -219,14 +219,16 @@ def test_holdpoints_503_for_its_database_is_repeated_only_where_repeating_is_saf
     assert RunRow.objects.get(pk=run.run_id).goal_rev == 2
 
 
+@pytest.mark.parametrize("status", [502, 0], ids=["502", "hang-up"])
 def test_a_lease_taken_behind_a_gateway_error_is_waited_out_and_taken_again(
-    api: Client, gateway: tuple[Gateway, str]
+    api: Client, gateway: tuple[Gateway, str], status: int
 ) -> None:
-    """The lease applied and the gateway answered 502: its fence is unknown, so the lease
-    it took is waited out (it expires after ttl) and taken again, with the next fence."""
+    """The lease applied and the gateway answered 502 (or hung up): its fence is unknown.
+    The POST is asked again (it cannot take a second lease): refused lease_held by the
+    lease the first took, which is waited out (it expires after ttl) and taken again."""
     proxy, _ = gateway
     run = api.create_run("api-review", {}, external=True)
-    proxy.fail("POST", "/lease/", 502, forwarded=True)
+    proxy.fail("POST", "/lease/", status, forwarded=True)
 
     with Executor(api, run.run_id, "agent-1", ttl=2, lease_timeout=30) as ex:
         assert ex.fence == 2
