@@ -563,29 +563,43 @@ class ExecutorCore(Generic[C]):
                     f"{action.tool} is reconciled by looking it up: pass lookup= to act",
                     action=action,
                 )
-            call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
-            found = yield from call_agent(lookup, call)
-            if found is not None:
-                return (yield from self._confirm(action, found))
-            return (yield from self._not_found(action))
+            return (yield from self._look_up(action, lookup))
         # manual_review (or a server that names no way): say we cannot tell; the server
         # hands it to a person.
         error = {"error": "the outcome is not known"}
         return (yield from self._record(action, "unknown", result=error))
 
-    def _not_found(self, action: Action) -> Flow[Action]:
-        """Report a lookup that found nothing; the server accepts it only once the first
-        request can no longer be in flight — until then, wait and look again."""
-        try:
-            return (yield from self._record(action, "not_found"))
-        except InvalidTransition:
-            reread = yield from ask(calls.get_action(action.action_id))
-            if reread.status not in ("sent", "unknown"):
-                return reread
+    def _look_up(self, action: Action, lookup: Lookup) -> Flow[Action]:
+        """Ask the service by key: found, confirmed; not found, reported — which the server
+        accepts only once the first request can no longer be in flight
+        (`reconcile.not_found_after`). A refusal before then concludes nothing, so it is no
+        attempt (`replay_attempts` counts what could settle the action): wait for that
+        moment and look again — the late request may have landed meanwhile. Only a window
+        that keeps moving (its sender's lease renewed) is handed back to the caller's
+        count, as any other refusal is."""
+        first_after: datetime | None = None
+        while True:
+            self._check()
+            call = ToolCall(action=action, run_id=self.run_id, fence=self.fence, replay=True)
+            found = yield from call_agent(lookup, call)
+            if found is not None:
+                return (yield from self._confirm(action, found))
+            try:
+                return (yield from self._record(action, "not_found"))
+            except InvalidTransition:
+                reread = yield from ask(calls.get_action(action.action_id))
             after = reread.not_found_after
-            wait = 0.5 if after is None else (after - datetime.now(UTC)).total_seconds() + 0.2
+            if (
+                reread.status not in ("sent", "unknown")
+                or reread.reconcile != "lookup"
+                or after is None
+                or (first_after is not None and after > first_after)
+            ):
+                return reread  # settled, or not a matter of waiting: the caller's loop decides
+            first_after, action = after, reread
+            log.info("run %s: %s: not found; too early until %s", self.run_id, action.tool, after)
+            wait = (after - datetime.now(UTC)).total_seconds() + 0.2
             yield from pause(min(max(wait, 0.2), float(self.ttl)))
-            return reread
 
     def _await_resolution(self, action: Action, deadline: float | None) -> Flow[Action]:
         """A person resolves the action (API `resolve`, the Reconcile page): applied makes
