@@ -56,9 +56,10 @@ from langgraph.prebuilt import ToolNode
 from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE, ToolCallRequest
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from holdpoint_client import calls
-from holdpoint_client.agent import Holdpoint, Proof, RunHandle
+from holdpoint_client.agent import Holdpoint, Proof, RunHandle, proved
 from holdpoint_client.calls import API_PREFIX
 from holdpoint_client.errors import (
     ActionFailed,
@@ -213,6 +214,7 @@ class HoldpointGraph:
     ) -> ToolMessage:
         """One ledgered tool call, settled by the ledger or paused at its hold point."""
         params = dict(tool_call["args"])
+        paired = _with_artifact(request)
 
         def perform(call: ToolCall) -> Any:
             token = _call.set(call)
@@ -220,7 +222,7 @@ class HoldpointGraph:
                 approved = LangChainToolCall(
                     name=tool_call["name"], args=dict(call.params), id=tool_call["id"]
                 )
-                return _answer(execute(request.override(tool_call=approved)))
+                return _answer(execute(request.override(tool_call=approved)), paired)
             finally:
                 _call.reset(token)
 
@@ -239,7 +241,7 @@ class HoldpointGraph:
                     perform=perform,
                     lookup=spec.lookup,
                     label=label,
-                    external_id=spec.external_id,
+                    external_id=_in_artifact(spec.external_id) if paired else spec.external_id,
                     approval_timeout=approval_timeout,
                 )
 
@@ -258,6 +260,8 @@ class HoldpointGraph:
             return _message(request, f"{spec.tool} was not run{again}: {older}", "error")
         except (ActionWithdrawn, ActionFailed) as gone:
             return _message(request, f"{spec.tool} did not run: {gone}", "error")
+        if paired and isinstance(result, Mapping) and "content" in result:
+            return _message(request, result["content"], artifact=result.get("artifact"))
         return _message(request, result if isinstance(result, str) else _dumps(result))
 
     def _lock(self, thread: str) -> threading.Lock:
@@ -545,14 +549,28 @@ def _reason(spec: Spec, request: ToolCallRequest, params: dict[str, Any]) -> str
     return (description or spec.tool).strip().splitlines()[0]
 
 
-def _answer(message: ToolMessage | Command[Any]) -> Any:
-    """The service's answer in what the tool node made of the tool's return value."""
+def _with_artifact(request: ToolCallRequest) -> bool:
+    """Whether the tool returns `(content, artifact)` (`response_format=
+    "content_and_artifact"`): the ToolMessage's content is what the model reads, the
+    artifact the raw answer kept beside it for the program — never shown to the model."""
+    return getattr(request.tool, "response_format", "content") == "content_and_artifact"
+
+
+def _answer(message: ToolMessage | Command[Any], paired: bool = False) -> Any:
+    """What the ledger records of the tool node's message: the service's answer (the
+    content, as JSON where it is JSON) — or, for a tool with an artifact (`paired`), both
+    halves, `{"content", "artifact"}`: what the model was told and what the service
+    answered, for a reviewer or auditor, and for the message rebuilt from the record after
+    a restart. An artifact holding what JSON has no word for (a datetime, a model object)
+    is recorded as JSON: refused, the outcome of a call that happened could not be
+    recorded at all."""
     if not isinstance(message, ToolMessage):
         raise ToolErrored("a ledgered tool must return data, not a Command")
     if message.status == "error":
         raise ToolErrored(str(message.content))
-    if message.artifact is not None:
-        return message.artifact
+    if paired:
+        artifact = to_jsonable_python(message.artifact, fallback=str)
+        return {"content": message.content, "artifact": artifact}
     content = message.content
     if isinstance(content, str):
         try:
@@ -562,9 +580,28 @@ def _answer(message: ToolMessage | Command[Any]) -> Any:
     return content
 
 
-def _message(request: ToolCallRequest, content: str, status: str = "success") -> ToolMessage:
+def _in_artifact(proof: Proof) -> Proof:
+    """The proof of a tool with an artifact is found in the artifact (the service's answer),
+    not in the content the model reads."""
+
+    def find(answer: Any) -> str | None:
+        found, _ = proved(answer.get("artifact") if isinstance(answer, Mapping) else None, proof)
+        return found or None
+
+    return find
+
+
+def _message(
+    request: ToolCallRequest, content: Any, status: str = "success", artifact: Any = None
+) -> ToolMessage:
     call = request.tool_call
-    return ToolMessage(content=content, name=call["name"], tool_call_id=call["id"], status=status)
+    return ToolMessage(
+        content=content,
+        artifact=artifact,
+        name=call["name"],
+        tool_call_id=call["id"],
+        status=status,
+    )
 
 
 def _dumps(value: Any) -> str:
