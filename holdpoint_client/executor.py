@@ -333,18 +333,7 @@ class ExecutorCore(Generic[C]):
         `perform` None: the server sends the tool itself (executor `http`) and the
         dispatched action's status is its outcome; this flow waits for it to settle.
         """
-        self._check()
-        goal_rev = self.goal_rev
-        key = self.key_for(call, goal_rev)
-        found = yield from ask(calls.actions_page(idempotency_key=key))
-        if found.results and found.results[0].params == dict(params):
-            action = found.results[0]
-            log.info("run %s: %s found as %s (%s)", self.run_id, call, action.status, key)
-        else:
-            # New, or found with other params: a reviewer's edit (the server matches the
-            # params first asked for and returns the action) or an agent that changed its
-            # mind under the same label (refused: IdempotencyKeyReused).
-            action = yield from self._prepare(key, tool, params, reason, target, goal_rev=goal_rev)
+        action = yield from self._find_or_prepare(tool, params, call, reason, target)
         approval_deadline = _deadline(approval_timeout)
         resolution_deadline = _deadline(resolution_timeout)
         performed = 0
@@ -381,6 +370,25 @@ class ExecutorCore(Generic[C]):
                 action = yield from self._await_resolution(action, resolution_deadline)
             else:
                 raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
+
+    def _find_or_prepare(
+        self, tool: str, params: Mapping[str, Any], call: str, reason: str = "", target: str = ""
+    ) -> Flow[Action]:
+        """The call's action, found by its ledger key or prepared now — nothing is sent:
+        the hold point (if any) is raised with the prepare, so its status says whether a
+        reviewer must decide first."""
+        self._check()
+        goal_rev = self.goal_rev
+        key = self.key_for(call, goal_rev)
+        found = yield from ask(calls.actions_page(idempotency_key=key))
+        if found.results and found.results[0].params == dict(params):
+            action = found.results[0]
+            log.info("run %s: %s found as %s (%s)", self.run_id, call, action.status, key)
+            return action
+        # New, or found with other params: a reviewer's edit (the server matches the params
+        # first asked for and returns the action) or an agent that changed its mind under
+        # the same label (refused: IdempotencyKeyReused).
+        return (yield from self._prepare(key, tool, params, reason, target, goal_rev=goal_rev))
 
     def _prepare(
         self,

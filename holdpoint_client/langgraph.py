@@ -23,7 +23,9 @@ Why it is shaped so:
   on resume the node asks Holdpoint again, and what runs is the *approved* params (a
   reviewer's edits included); a rejection becomes the tool's message with the reviewer's
   reason, so the model sees it. A forged `Command(resume={"approved": True})` approves
-  nothing: a still pending approval is waited for (long-poll) instead.
+  nothing: a still pending approval is waited for (long-poll) instead. The held calls of
+  one model message are asked in one interrupt listing them all (`calls`): ToolNode runs
+  them in one LangGraph task, which can show only one interrupt at a time.
 - The Holdpoint run's lease is held only while a call is being settled, so several
   processes may resume one thread at once: the lease's fence lets one of them act, the
   other finds the recorded outcome. LangGraph's checkpointer is untouched — any saver works.
@@ -43,7 +45,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import UnionType
 from typing import Any, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
@@ -51,7 +53,7 @@ from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.messages import ToolCall as LangChainToolCall
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
-from langgraph.errors import GraphBubbleUp
+from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.prebuilt import ToolNode
 from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE, ToolCallRequest
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
@@ -70,7 +72,8 @@ from holdpoint_client.errors import (
 )
 from holdpoint_client.executor import ToolCall
 from holdpoint_client.faults import fault
-from holdpoint_client.models import Approval
+from holdpoint_client.flow import drive
+from holdpoint_client.models import Action, Approval
 
 KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
 TURN = "holdpoint_turn"  # the checkpoint metadata key naming the turn of `invoke(turn=...)`
@@ -104,6 +107,29 @@ class Spec:
     external_id: Proof
 
 
+# A task LangGraph started for one `Send` (`create_agent` sends each tool call so) has this
+# trigger in its metadata (`langgraph_triggers`): its calls are the Send's, not the message's.
+SENT = "__pregel_push"
+MAX_BATCHES = 256  # batches kept for tool node runs some call of which never finished
+
+
+@dataclass
+class Batch:
+    """The ledgered calls one run of a tool node settles together — a model message's, in
+    one LangGraph task, each on a thread of its own — and what asking their hold points
+    came to: an interrupt to pause with, or the calls whose hold points the caller saw (an
+    answered interrupt listed them: a still pending decision is waited for)."""
+
+    key: tuple[str, int]  # (its task's checkpoint_ns, id(state)): where `_batches` has it
+    state: Any  # the node's input: kept, so that its id names this run while it lasts
+    left: int  # calls that have not finished with it yet
+    members: tuple[LangChainToolCall, ...] = ()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    asked: bool = False
+    interrupted: tuple[Interrupt, ...] = ()
+    surfaced: set[str] = field(default_factory=set)  # tool_call ids
+
+
 class ToolErrored(Exception):
     """The tool node turned an exception of the tool into an error message: whether the
     effect happened cannot be told from it, so the server's reconcile decides."""
@@ -132,6 +158,7 @@ class HoldpointGraph:
         self.specs: dict[str, Spec] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._batches: dict[tuple[str, int], Batch] = {}
 
     # --- declaring -------------------------------------------------------------------------
 
@@ -193,7 +220,7 @@ class HoldpointGraph:
         """The `wrap_tool_call` of a ToolNode: a ledgered tool's call becomes an action."""
         tool_call = request.tool_call
         spec = self.specs.get(tool_call["name"])
-        if spec is None or not _valid(request):
+        if spec is None or not _fits(request.tool, tool_call):
             return execute(request)  # not ledgered, or the node reports the bad arguments
         config = request.runtime.config if request.runtime is not None else None
         try:
@@ -237,7 +264,7 @@ class HoldpointGraph:
                 return run.act(
                     spec.tool,
                     params,
-                    reason=_reason(spec, request, params),
+                    reason=_reason(spec, request.state, request.tool, params),
                     perform=perform,
                     lookup=spec.lookup,
                     label=label,
@@ -245,13 +272,18 @@ class HoldpointGraph:
                     approval_timeout=approval_timeout,
                 )
 
+        batch = self._batch(request, tool_call)
         try:
+            # Every hold point of the node's calls, asked together before any is settled:
+            # raises GraphInterrupt (the graph pauses, the checkpointer keeps it) unless
+            # this is a resume; then each decision is read from Holdpoint, not from it.
+            self._ask(batch, request, thread)
             try:
                 result = act(0)  # settled, or held: never blocks on a reviewer here
             except ApprovalTimeout as held:
-                # Raises GraphInterrupt (the graph pauses, the checkpointer keeps it) unless
-                # this is a resume; then the decision is read from Holdpoint, not from it.
-                interrupt(self._pending(held, thread, tool_call))
+                if str(tool_call["id"]) not in batch.surfaced:  # held anew, at its dispatch
+                    with batch.lock:
+                        interrupt(self._pending(held.action, thread, str(tool_call["id"])))
                 result = act(self.approval_timeout)
         except Rejected as no:
             return _message(request, f"A reviewer rejected {spec.tool}: {no.reason}", "error")
@@ -260,6 +292,8 @@ class HoldpointGraph:
             return _message(request, f"{spec.tool} was not run{again}: {older}", "error")
         except (ActionWithdrawn, ActionFailed) as gone:
             return _message(request, f"{spec.tool} did not run: {gone}", "error")
+        finally:
+            self._leave(batch)
         if paired and isinstance(result, Mapping) and "content" in result:
             return _message(request, result["content"], artifact=result.get("artifact"))
         return _message(request, result if isinstance(result, str) else _dumps(result))
@@ -270,10 +304,105 @@ class HoldpointGraph:
         with self._guard:
             return self._locks.setdefault(thread, threading.Lock())
 
-    def _pending(self, held: ApprovalTimeout, thread: str, tool_call: Any) -> dict[str, Any]:
+    # --- the hold points of the calls one tool node runs together ----------------------------
+
+    def _batch(self, request: ToolCallRequest, tool_call: LangChainToolCall) -> Batch:
+        """The batch of this run of the tool node, shared by the threads of its calls: the
+        node's input (`request.state`, the same object for each call of one run, a new one
+        for the next run) in its LangGraph task (`checkpoint_ns`)."""
+        members = self._members(request, tool_call)
+        config = request.runtime.config if request.runtime is not None else {}
+        key = (str((config.get("configurable") or {}).get("checkpoint_ns", "")), id(request.state))
+        with self._guard:
+            found = self._batches.get(key)
+            if found is None or found.state is not request.state:
+                found = self._batches[key] = Batch(key, request.state, len(members))
+                while len(self._batches) > MAX_BATCHES:  # a run some call never finished
+                    del self._batches[next(iter(self._batches))]
+            found.members = found.members or members
+            return found
+
+    def _leave(self, batch: Batch) -> None:
+        with self._guard:
+            batch.left -= 1
+            if batch.left <= 0 and self._batches.get(batch.key) is batch:
+                del self._batches[batch.key]
+
+    def _members(
+        self, request: ToolCallRequest, tool_call: LangChainToolCall
+    ) -> tuple[LangChainToolCall, ...]:
+        """The ledgered calls this run of the node settles with this one: those of the
+        model's latest message, as ToolNode runs them in one task — or only this one in a
+        task LangGraph started for it alone (a `Send`, as `create_agent` makes one per
+        call), whose interrupt LangGraph shows beside the others' anyway."""
+        own = (tool_call,)
+        config = request.runtime.config if request.runtime is not None else {}
+        triggers = (config.get("metadata") or {}).get("langgraph_triggers") or ()
+        if any(str(t).startswith(SENT) for t in triggers):
+            return own
+        message = _latest_ai_message(request.state)
+        calls = tuple(message.tool_calls) if message is not None else ()
+        if tool_call["id"] not in {c["id"] for c in calls}:
+            return own
+        tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
+        return tuple(c for c in calls if c["name"] in self.specs and _fits(tools.get(c["name"]), c))
+
+    def _ask(self, batch: Batch, request: ToolCallRequest, thread: str) -> None:
+        """Ask the hold points of the batch's calls, once per run of the node, before any
+        is settled — in one interrupt listing every held call (LangChain's
+        HumanInTheLoopMiddleware asks a message's calls so). LangGraph shows one interrupt
+        of a task at a time and hands the task's answers out in the order its interrupts
+        are asked: asked from each call's thread, the others would surface only after the
+        first was answered, and its answer could go to another call's thread. So one thread
+        asks for all; every thread of the batch pauses with that interrupt."""
+        with batch.lock:
+            if not batch.asked:
+                pending = self._held(batch, request, thread)
+                batch.asked = True
+                if pending:
+                    fault("awaiting_approval")  # held durably; the graph is about to pause
+                try:
+                    while pending:
+                        answer = interrupt({**pending[0], "calls": pending})
+                        batch.surfaced |= {p["tool_call_id"] for p in pending}
+                        named = answered(answer)
+                        pending = [p for p in pending if named and p["approval_id"] not in named]
+                except GraphInterrupt as paused:
+                    batch.interrupted = tuple(paused.args[0])
+        if batch.interrupted:
+            raise GraphInterrupt(batch.interrupted)
+
+    def _held(self, batch: Batch, request: ToolCallRequest, thread: str) -> list[dict[str, Any]]:
+        """The interrupt values of the batch's calls held for a reviewer: each call's action
+        found or prepared (nothing is sent), in the model's order. A call of an older goal
+        revision is left to its own thread, which tells the model."""
+        tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
+        held: list[tuple[Action, str]] = []
+        with (
+            self._lock(thread),
+            self.hp.run(thread, graph=self.graph, goal=self.goal, complete=False) as run,
+        ):
+            if run.finished:
+                return []  # every call is answered from the record
+            for call in batch.members:
+                label = f"lc:{call['id']}"
+                try:
+                    _not_of_an_older_goal(run, label)
+                except OlderGoal:
+                    continue
+                spec, params = self.specs[call["name"]], dict(call["args"])
+                why = _reason(spec, request.state, tools.get(call["name"]), params)
+                flow = run.ex._find_or_prepare(spec.tool, params, label, why)
+                action = drive(flow, run.client)
+                if action.status == "awaiting_approval":
+                    held.append((action, str(call["id"])))
+        return [self._pending(action, thread, call_id) for action, call_id in held]
+
+    def _pending(self, action: Action, thread: str, tool_call_id: str) -> dict[str, Any]:
         """The interrupt's value: what a person or a resumer needs to find the decision."""
-        action = held.action
-        approval = self.hp.client.get_approval(action.approval)
+        if action.approval is None:  # raised with the hold, so read again it is there
+            action = self.hp.client.get_action(action.action_id)
+        approval = self.hp.client.get_approval(str(action.approval))
         return {
             "type": KIND,
             "approval_id": approval.id,
@@ -285,7 +414,7 @@ class HoldpointGraph:
             "params": action.params,
             "run_id": action.run_id,
             "thread_id": thread,
-            "tool_call_id": tool_call["id"],
+            "tool_call_id": tool_call_id,
         }
 
     # --- driving a thread ------------------------------------------------------------------
@@ -384,18 +513,34 @@ def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = No
     for found in _interrupts(pending):
         if not _ours(found):
             continue
-        approval = hp.client.get_approval(found.value["approval_id"])
-        while approval.pending:
-            wait = 30.0
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ApprovalTimeout(f"no decision yet on approval {approval.id}")
-                wait = max(1.0, min(wait, left))
-            approval = hp.client.get_approval(approval.id, wait=wait)
+        decided = []
+        for call in found.value.get("calls") or [found.value]:  # every held call it lists
+            approval = hp.client.get_approval(call["approval_id"])
+            while approval.pending:
+                wait = 30.0
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ApprovalTimeout(f"no decision yet on approval {approval.id}")
+                    wait = max(1.0, min(wait, left))
+                approval = hp.client.get_approval(approval.id, wait=wait)
+            decided.append(decision(approval))
         fault("after_decision")  # decided; the graph has not resumed with it yet
-        resume[found.id] = decision(approval)
+        resume[found.id] = {**decided[0], "decisions": decided}
     return Command(resume=resume)
+
+
+def answered(resume: Any) -> set[str]:
+    """The approvals a resume value says it answers (`wait_for_decision`'s name them);
+    empty for a value that names none — then it answers whatever its interrupt listed.
+    Only which hold points the caller was shown is read from it, never a decision."""
+    if not isinstance(resume, Mapping):
+        return set()
+    listed = resume.get("decisions")
+    decided = listed if isinstance(listed, list) else [resume]
+    return {
+        str(d["approval_id"]) for d in decided if isinstance(d, Mapping) and d.get("approval_id")
+    }
 
 
 def decision(approval: Approval) -> dict[str, Any]:
@@ -521,31 +666,44 @@ def _handled_types(flag: Handling) -> tuple[type[Exception], ...]:
     return (Exception,)
 
 
-def _valid(request: ToolCallRequest) -> bool:
+def _fits(tool: BaseTool | None, call: LangChainToolCall) -> bool:
     """Whether the model's arguments fit the tool: a call that cannot run is reported by
     the tool node as usual and never shown to a reviewer."""
-    schema = request.tool.tool_call_schema if request.tool is not None else None
+    schema = tool.tool_call_schema if tool is not None else None
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         try:
-            schema.model_validate(request.tool_call["args"])
+            schema.model_validate(call["args"])
         except ValidationError:
             return False
     return True
 
 
-def _reason(spec: Spec, request: ToolCallRequest, params: dict[str, Any]) -> str:
+def _messages(state: Any) -> list[Any]:
+    """The messages of a tool node's input state (a dict, a list, or an object with
+    `messages`), as ToolNode reads them."""
+    if isinstance(state, Mapping):
+        found = state.get("messages", ())
+    elif isinstance(state, list):
+        found = state
+    else:
+        found = getattr(state, "messages", ())
+    return list(found or ())
+
+
+def _latest_ai_message(state: Any) -> AIMessage | None:
+    """The model message whose calls the tool node runs: the latest, as ToolNode takes it."""
+    return next((m for m in reversed(_messages(state)) if isinstance(m, AIMessage)), None)
+
+
+def _reason(spec: Spec, state: Any, tool: BaseTool | None, params: dict[str, Any]) -> str:
     if callable(spec.reason):
         return spec.reason(params)
     if spec.reason:
         return spec.reason
-    state = request.state
-    messages = state.get("messages", ()) if isinstance(state, Mapping) else state
-    for message in reversed(list(messages or ())):
-        if isinstance(message, AIMessage):
-            if isinstance(message.content, str) and message.content.strip():
-                return message.content.strip()
-            break
-    description = request.tool.description if request.tool is not None else ""
+    message = _latest_ai_message(state)
+    if message is not None and isinstance(message.content, str) and message.content.strip():
+        return message.content.strip()
+    description = tool.description if tool is not None else ""
     return (description or spec.tool).strip().splitlines()[0]
 
 
@@ -612,6 +770,7 @@ __all__ = [
     "HoldpointGraph",
     "KIND",
     "current_call",
+    "answered",
     "decision",
     "request_page",
     "thread_of",
