@@ -99,7 +99,7 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_transport_error(
     TransportError, so neither retried nor wrapped: a caller catching HoldpointError was not
     told, and a write did not say it may have been applied. The server answered but what it
     said cannot be read: a read or a call safe to repeat is asked again, then raised as a
-    TransportError; a call that is not safe to repeat (taking a lease, dispatching) is not
+    TransportError; a call that is not safe to repeat (revising a goal, dispatching) is not
     repeated and may have been applied."""
     server = serve(garbled())
     retries = 2
@@ -108,9 +108,11 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_transport_error(
     assert read.value.may_have_applied is False
     assert len(server.requests) == retries + 1
 
-    with pytest.raises(TransportError, match=r"POST runs/.*/lease/") as leased:
-        Client(server.url, "token", retries=retries, backoff=0.01).lease(RUN, "me", 30)
-    assert leased.value.may_have_applied is True
+    with pytest.raises(TransportError, match=r"POST runs/.*/revisions/") as revised:
+        Client(server.url, "token", retries=retries, backoff=0.01).revise(
+            RUN, {}, expected_goal_rev=1
+        )
+    assert revised.value.may_have_applied is True
     assert len(server.requests) == retries + 2  # not repeated
 
     async def dispatch() -> Any:
