@@ -474,3 +474,22 @@ def test_a_4xx_to_a_lease_is_not_repeated_by_the_client(
 
     assert (refused.value.status, refused.value.code) == (status, code)
     assert proxy.count("POST", "/lease/") == 1
+
+
+@pytest.mark.parametrize(("status", "code"), [(503, "service_unavailable"), (500, "server_error")])
+def test_holdpoints_own_5xx_to_a_heartbeat_is_retried_within_the_lease(
+    gateway: tuple[Gateway, str], agent_a: Persona, status: int, code: str
+) -> None:
+    """Renewing is bounded by the lease, not by the client's policy: Holdpoint's own 5xx
+    to a heartbeat is repeated once, after a Retry-After within ttl/4 (one longer would be
+    raised: the next beat, ttl/3 later, tries again)."""
+    proxy, url = gateway
+    pauses: list[float] = []
+    with Client(url, agent_a.token or "", backoff=0.01, sleep=pauses.append) as client:
+        run = client.create_run("api-review", {}, external=True)
+        fence = client.lease(run.run_id, "agent-1", 10).fence
+        proxy.fail("POST", "/lease/heartbeat/", status, forwarded=False, code=code, retry_after="1")
+
+        assert client.heartbeat(run.run_id, fence, ttl_seconds=10) is not None
+
+    assert proxy.count("POST", "/lease/heartbeat/") == 2 and pauses == [1.0]
