@@ -333,7 +333,7 @@ class ExecutorCore(Generic[C]):
         `perform` None: the server sends the tool itself (executor `http`) and the
         dispatched action's status is its outcome; this flow waits for it to settle.
         """
-        action = yield from self._find_or_prepare(tool, params, call, reason, target)
+        action = yield from self.find_or_prepare(tool, params, call, reason, target)
         approval_deadline = _deadline(approval_timeout)
         resolution_deadline = _deadline(resolution_timeout)
         performed = 0
@@ -371,7 +371,7 @@ class ExecutorCore(Generic[C]):
             else:
                 raise ExecutorError(f"{tool}: unexpected action status {status!r}", action=action)
 
-    def _find_or_prepare(
+    def find_or_prepare(
         self, tool: str, params: Mapping[str, Any], call: str, reason: str = "", target: str = ""
     ) -> Flow[Action]:
         """The call's action, found by its ledger key or prepared now — nothing is sent:

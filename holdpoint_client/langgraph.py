@@ -392,7 +392,7 @@ class HoldpointGraph:
                     continue
                 spec, params = self.specs[call["name"]], dict(call["args"])
                 why = _reason(spec, request.state, tools.get(call["name"]), params)
-                flow = run.ex._find_or_prepare(spec.tool, params, label, why)
+                flow = run.ex.find_or_prepare(spec.tool, params, label, why)
                 action = drive(flow, run.client)
                 if action.status == "awaiting_approval":
                     held.append((action, str(call["id"])))
