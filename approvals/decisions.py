@@ -239,7 +239,8 @@ def _same_vote(
         return True
     now = request.edited_params or request.params
     try:
-        return actionkeys.canonical_params({**_params(now), **edits})[0] == now
+        # `now` may be in the form before RFC 8785 (a request made before): either matches.
+        return now in actionkeys.canonical_params({**_params(now), **edits}).texts()
     except InvalidParams:
         return False
 

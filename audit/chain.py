@@ -19,15 +19,26 @@ can both be hashed as itself and carry its own digest, so the flipped entry neve
 And the purge redacts only purged runs' streams, and journals those runs in their tenant's
 stream: a redacted entry of a tenant's stream (its human acts), or of a run no purge names,
 is a payload wiped by someone else, and verification names it (audit.verification).
+
+The payload's digest is of its canonical bytes, RFC 8785's (audit.canonical). An entry
+written before Holdpoint wrote RFC 8785 was digested in the form it wrote then, which differs
+only for a payload holding a float below 1e-4 or a key beyond U+FFFF. Such an entry
+verifies as it was written: its payload's digest is tried in both forms (RFC 8785's first).
+Nothing stored says which form an entry used, nor needs to: both forms parse back to the
+very same value, so whichever the hash matches, it proves the same payload — an attacker
+gains nothing by a form, and a writer of the earlier version still appending during a
+rolling deploy breaks nothing. The hash rules and their order are not concerned: every
+other field hashed is a string or an integer, written alike in both forms.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 from datetime import datetime
 from typing import Any, Protocol
 
-from audit.canonical import CanonicalError, canonical, sha256_hex
+from audit.canonical import CanonicalError, canonical, digests, sha256_hex
 
 # The previous hash of a stream's first entry, and the hash of a stream with none.
 GENESIS = "0" * 64
@@ -48,6 +59,8 @@ class Linked(Protocol):
     payload: Any
     created_at: datetime | None  # None: stored, but no datetime holds it (audit.models)
     redacted: bool
+    prev_hash: str
+    hash: str
 
 
 def entry_hash(
@@ -103,6 +116,7 @@ def _link(prev_hash: str, fields: dict[str, Any], payload_sha256: str) -> str:
 
 
 def payload_digest(payload: Any) -> str:
+    """The digest a new entry's hash covers: of the payload's RFC 8785 bytes."""
     return sha256_hex(canonical(payload))
 
 
@@ -111,16 +125,50 @@ def redacted_payload(digest: str) -> dict[str, Any]:
     return {"redacted": True, "sha256": digest}
 
 
-def stored_payload_digest(entry: Linked) -> str | None:
-    """The digest the hash covers: recomputed, or kept by the purge when it redacted. None
-    when the redaction flag and the payload disagree (a flag flipped on an intact payload):
-    there is then no digest to check, and the caller reports the entry as broken."""
+def stored_payload_digests(entry: Linked) -> tuple[str, ...]:
+    """The digests the hash may cover: the payload's, in each form it may have been hashed
+    in (RFC 8785's first: see the module docstring), or the one the purge kept when it
+    redacted. Empty when the redaction flag and the payload disagree (a flag flipped on an
+    intact payload): there is then no digest to check, and the caller reports the entry as
+    broken."""
     if not entry.redacted:
-        return payload_digest(entry.payload)
+        return digests(entry.payload)
     payload = entry.payload
     if not isinstance(payload, dict) or set(payload) != {"redacted", "sha256"}:
-        return None
+        return ()
     digest = payload["sha256"]
     if payload["redacted"] is not True or not isinstance(digest, str) or not _DIGEST.match(digest):
+        return ()
+    return (digest,)
+
+
+def hashed_under(
+    prev_hash: str, entry: Linked, candidates: tuple[str, ...]
+) -> tuple[int, str] | None:
+    """The (rule, payload digest) the entry's stored hash was made under, given the digests
+    it may cover (`stored_payload_digests`); the current rule and form are tried first. None:
+    it matches none (nor can it, if its time cannot be read). Compared as bytes:
+    compare_digest refuses a str with a non-ASCII character, which an edited hash column may
+    hold."""
+    if entry.created_at is None:
         return None
-    return digest
+    stored = entry.hash.encode("utf-8")
+    for digest in candidates:
+        for rule in range(RULE, 0, -1):
+            computed = entry_hash_from_digest(prev_hash, entry, digest, rule=rule)
+            if hmac.compare_digest(computed.encode("ascii"), stored):
+                return rule, digest
+    return None
+
+
+def stored_payload_digest(entry: Linked) -> str | None:
+    """The one digest the entry's stored hash covers (what the purge keeps in place of the
+    payload): of the form its hash was made of, RFC 8785's if it matches none (the entry is
+    broken either way, and verification says so). None when `stored_payload_digests` is
+    empty."""
+    found = stored_payload_digests(entry)
+    if len(found) > 1:
+        hashed = hashed_under(entry.prev_hash, entry, found)
+        if hashed is not None:
+            return hashed[1]
+    return found[0] if found else None

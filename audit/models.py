@@ -23,7 +23,7 @@ from django.db import models
 from django.db.models.expressions import Combinable
 
 from audit.canonical import CanonicalError
-from audit.chain import GENESIS, payload_digest, redacted_payload
+from audit.chain import GENESIS, redacted_payload, stored_payload_digest
 
 
 class StreamHead(models.Model):
@@ -142,13 +142,18 @@ class JournalQuerySet(HistoryQuerySet["JournalEntry"]):
         """Each stream's unredacted entries with their payload digests, or why the stream
         cannot be redacted (the first entry whose payload has no digest)."""
         entries = self.filter(redacted=False).order_by("stream", "seq")
-        rows = entries.only("pk", "stream", "seq", "payload").iterator()
+        # The payload and what its hash covers besides: an entry written before RFC 8785 may
+        # have hashed its payload in the earlier form, which its hash tells (audit.chain).
+        hashed = ("tenant_id", "type", "actor", "object_ref", "created_at", "prev_hash", "hash")
+        rows = entries.only("pk", "stream", "seq", "payload", "redacted", *hashed).iterator()
         for stream, group in groupby(rows, key=attrgetter("stream")):
             digests: list[tuple[int, str]] = []
             why = ""
             for entry in group:
                 try:
-                    digests.append((entry.pk, payload_digest(entry.payload)))
+                    digest = stored_payload_digest(entry)
+                    assert digest is not None  # an unredacted payload has its own
+                    digests.append((entry.pk, digest))
                 except CanonicalError as exc:
                     why = f"seq {entry.seq}: payload is not canonical JSON ({exc})"
                     break

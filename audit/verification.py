@@ -11,7 +11,6 @@ verification checks that every anchored head is still in its chain (Crosby–Wal
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Iterable, Iterator
@@ -38,7 +37,7 @@ from django.utils import timezone
 
 from audit import journal
 from audit.canonical import CanonicalError
-from audit.chain import GENESIS, RULE, entry_hash_from_digest, stored_payload_digest
+from audit.chain import GENESIS, RULE, hashed_under, stored_payload_digests
 from audit.models import JournalEntry, StreamHead
 
 log = logging.getLogger("holdpoint.audit")
@@ -135,18 +134,19 @@ class ChainWalk:
         if entry.created_at is None:  # 'infinity' and the like: no writer stores one
             return Break(stream, entry.seq, "time cannot be read: no datetime holds it")
         try:
-            digest = stored_payload_digest(entry)
-            rule = None if digest is None else _rule_of(prev, entry, digest)
+            digests = stored_payload_digests(entry)
+            hashed = hashed_under(prev, entry, digests)
         except CanonicalError as exc:  # a value append refuses: it can only be tampering
             return Break(stream, entry.seq, f"entry content cannot have been appended ({exc})")
-        if digest is None:
+        if not digests:
             return Break(stream, entry.seq, "redaction flag does not match the payload")
         if entry.redacted and not stream.startswith("run:"):
             return Break(stream, entry.seq, "redacted, but only purged runs' entries are")
         if entry.redacted and not self.purged.named(stream, self.owner):
             return Break(stream, entry.seq, "redacted, but no purge of its run is journalled")
-        if rule is None:
+        if hashed is None:
             return Break(stream, entry.seq, "entry content does not match its hash")
+        rule = hashed[0]
         if rule < RULE and self.newer_rule_seen:
             return Break(stream, entry.seq, "entry hashed under an older rule than earlier ones")
         self.newer_rule_seen = self.newer_rule_seen or rule == RULE
@@ -177,18 +177,6 @@ def verify_entries(
     """The first broken link of a stream's entries (in seq order), or None if intact (the
     stream head is not compared: `verify_stream` does, `ChainWalk.ended`)."""
     return ChainWalk(stream, tenant_id).over(entries)
-
-
-def _rule_of(prev: str, entry: JournalEntry, digest: str) -> int | None:
-    """The hash rule the stored hash matches (the current one first), or None. Compared as
-    bytes: compare_digest refuses a str with a non-ASCII character, which an edited hash
-    column may hold."""
-    stored = entry.hash.encode("utf-8")
-    for rule in range(RULE, 0, -1):
-        computed = entry_hash_from_digest(prev, entry, digest, rule=rule).encode("ascii")
-        if hmac.compare_digest(computed, stored):
-            return rule
-    return None
 
 
 def _named_owner(stream: str) -> int | None:

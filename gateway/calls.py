@@ -266,11 +266,11 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
     tool = _tool(caller, name)
     params = {} if arguments is None else arguments
     try:
-        text, fingerprint = actionkeys.canonical_params(params)
+        canonical = actionkeys.canonical_params(params)
     except InvalidParams as exc:
         raise CallError(INVALID_PARAMS, f"invalid arguments: {exc.detail}") from None
     limit = settings.HOLDPOINT_MCP_MAX_ARGUMENT_BYTES
-    if len(text.encode("utf-8")) > limit:
+    if len(canonical.text.encode("utf-8")) > limit:
         raise CallError(INVALID_PARAMS, f"arguments larger than {limit} bytes (canonical JSON)")
     try:
         tool.validate(params)
@@ -278,9 +278,7 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
         raise CallError(
             INVALID_PARAMS, f"invalid arguments for {name}: {exc.detail}", exc.extra.get("errors")
         ) from None
-    call_hash = hashlib.sha256(f"{tool.name}\n{fingerprint}".encode()).hexdigest()[:32]
-    delivered = _delivered(run_id, caller.tenant_id, call_hash).count()
-    key = f"mcp:{run_id}:{call_hash}:{delivered + 1}"
+    call_hash, key = _named(run_id, caller.tenant_id, tool.name, canonical)
     server = toolcatalog.withheld(tool, caller.tenant_id)
     if server and ledger.by_key(caller.tenant_id, key) is None:  # a call made before: its answer
         raise CallError(
@@ -288,6 +286,24 @@ def parse(caller: Caller, run_id: str, name: str, arguments: Any) -> Call:
             f"{name} is not available: its MCP server {server!r} is inactive (nothing was sent)",
         )
     return Call(run_id, caller.tenant_id, tool.name, params, call_hash, key)
+
+
+def _named(
+    run_id: str, tenant_id: int, tool: str, canonical: actionkeys.Canonical
+) -> tuple[str, str]:
+    """The call's hash and its action's key (see "the same call"), by its arguments'
+    fingerprint — or by their fingerprint in the form before RFC 8785 (actionkeys.Canonical)
+    while an action of this session holds them in it unanswered: the call was made before
+    the upgrade, and its retry after it must find that action, not prepare a second one."""
+    named = []
+    for fingerprint in canonical.fingerprints():
+        call_hash = hashlib.sha256(f"{tool}\n{fingerprint}".encode()).hexdigest()[:32]
+        delivered = _delivered(run_id, tenant_id, call_hash).count()
+        named.append((call_hash, f"mcp:{run_id}:{call_hash}:{delivered + 1}"))
+    for earlier in named[1:]:
+        if ledger.by_key(tenant_id, earlier[1]) is not None:
+            return earlier
+    return named[0]
 
 
 def _tool(caller: Caller, name: str) -> Tool:

@@ -10,13 +10,14 @@ written; the ledger (runtime.ledger) is what writes.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from audit.canonical import (
     MAX_DEPTH,
     TOO_DEEP,
     CanonicalError,
-    canonical_bytes,
+    canonical_forms,
     deeper_than,
     digest,
     sha256_hex,
@@ -68,8 +69,28 @@ def reserved_key(key: str, run_id: Any) -> str:
     return ""
 
 
-def canonical_params(params: Any) -> tuple[str, str]:
-    """(canonical text, fingerprint); refuses what cannot be canonicalised unambiguously, and
+@dataclass(frozen=True)
+class Canonical:
+    """Params as an action stores them — canonical text (RFC 8785) and its fingerprint — and
+    as an action stored before Holdpoint wrote RFC 8785 may hold the same params (`earlier`,
+    the form audit.canonical describes: only a float below 1e-4 or a key beyond U+FFFF
+    differs). A step re-executed or a client's request retried across that upgrade asks for
+    the action it prepared before it, with the fingerprint that action stores: matching
+    either form keeps that the same request, not a "different params" refusal."""
+
+    text: str
+    fingerprint: str
+    earlier: tuple[str, str] | None = None  # (text, fingerprint) in the earlier form
+
+    def texts(self) -> tuple[str, ...]:
+        return (self.text,) if self.earlier is None else (self.text, self.earlier[0])
+
+    def fingerprints(self) -> tuple[str, ...]:
+        return (self.fingerprint,) if self.earlier is None else (self.fingerprint, self.earlier[1])
+
+
+def canonical_params(params: Any) -> Canonical:
+    """The params' canonical forms; refuses what cannot be canonicalised unambiguously, and
     params nested deeper than any JSON Holdpoint takes in (MAX_DEPTH: the API's parser
     refuses such a body; an MCP host's arguments or a step's params reach here parsed)."""
     if not isinstance(params, dict):
@@ -77,10 +98,11 @@ def canonical_params(params: Any) -> tuple[str, str]:
     if deeper_than(params, MAX_DEPTH):
         raise InvalidParams(TOO_DEEP, errors={"params": [TOO_DEEP]})
     try:
-        data = canonical_bytes(params)
+        current, *earlier = canonical_forms(params)
     except CanonicalError as exc:
         raise InvalidParams(str(exc), errors={"params": [str(exc)]}) from None
-    return data.decode("utf-8"), sha256_hex(data)
+    before = (earlier[0].decode("utf-8"), sha256_hex(earlier[0])) if earlier else None
+    return Canonical(current.decode("utf-8"), sha256_hex(current), before)
 
 
 def journal_params(tool: Tool, params: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,11 @@ is stored as their list. The list of two or more chunks' references is stored on
 (it changes once every CHUNK items), so the object holding the list stays a few references
 long. Identical values — unchanged keys, earlier chunks, earlier links — hash to the same
 artifact and are never stored twice. (Checkpoints written in earlier forms — a partial last
-chunk, tails whose links referred to items stored beside them — read as they were written.)
+chunk, tails whose links referred to items stored beside them — read as they were written.
+So do artifacts stored before Holdpoint wrote RFC 8785, under the address of the form of
+then, audit.canonical: a value holding a float below 1e-4 or a key beyond U+FFFF is stored
+once more under its RFC 8785 address when a later step writes it, and the purge removes the
+old copy once no checkpoint names it.)
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
     if "reason" in undo.schema.get("properties", {}):
         params["reason"] = sent_reason(reason, undo.schema["properties"]["reason"])
     undo.validate(params)
-    text, fingerprint = actionkeys.canonical_params(params)
+    forms = actionkeys.canonical_params(params)
+    text, fingerprint = forms.text, forms.fingerprint
     with transaction.atomic(durable=True):
         scope = {"tenant_id": action.tenant_id}
         run = Run.objects.select_for_update().filter(pk=action.run_id, **scope).first()

@@ -233,7 +233,7 @@ class ActionRunner:
         canonical = actionkeys.canonical_params(params)
         action = None
         if not ctx.fresh:
-            action = ledger.find_action(run, ctx.step, call_index, canonical[1])
+            action = ledger.find_action(run, ctx.step, call_index, canonical)
         if action is None:
             # A new action of an inactive MCP server's tool: refused as an unknown tool is,
             # by the rule the API and the gateway follow — prepared, it would ask a reviewer
@@ -248,7 +248,7 @@ class ActionRunner:
                     tool = self.current_tool(tool_name, params)
                     action = self.prepare(ctx, tool, *prepared)
             except IntegrityError:
-                action = ledger.find_action(run, ctx.step, call_index, canonical[1])
+                action = ledger.find_action(run, ctx.step, call_index, canonical)
                 if action is None:
                     raise
             else:
@@ -298,7 +298,7 @@ class ActionRunner:
         reason: str,
         target: str,
         call_index: int,
-        canonical: tuple[str, str],
+        canonical: actionkeys.Canonical,
         *,
         guessed: int | None = None,
     ) -> Action:

@@ -23,7 +23,13 @@ from django.utils import timezone
 from audit import journal
 from fastsql import statements
 from runtime import gates, toolcatalog
-from runtime.actionkeys import canonical_params, idempotency_key, journal_params, visit_prefix
+from runtime.actionkeys import (
+    Canonical,
+    canonical_params,
+    idempotency_key,
+    journal_params,
+    visit_prefix,
+)
 from runtime.errors import (
     ActionCancelled,
     ApprovalExpired,
@@ -192,7 +198,7 @@ def create_action(
     target: str,
     actor: str,
     needs_approval: bool,
-    canonical: tuple[str, str] | None = None,
+    canonical: Canonical | None = None,
     key: str | None = None,
     send_ttl: float | None = None,
 ) -> Action:
@@ -200,7 +206,7 @@ def create_action(
     checkpoint, an external executor's prepare) — the one Action constructor, with
     `create_action_part` (the same row as a part of a one-statement commit).
 
-    `canonical`: the (text, fingerprint) the caller already computed from `params`. `key`: an
+    `canonical`: the canonical forms the caller already computed from `params`. `key`: an
     idempotency key the client chose; else the one derived from the step visit's call.
 
     `send_ttl` (the sender's lease TTL): an action that needs no approval is marked `sent` in
@@ -241,7 +247,7 @@ def create_action_part(
     reason: str,
     target: str,
     actor: str,
-    canonical: tuple[str, str],
+    canonical: Canonical,
     send_ttl: float | None,
     after: str,
 ) -> tuple[Action, statements.Part]:
@@ -278,11 +284,12 @@ def _new_action(
     reason: str,
     target: str,
     needs_approval: bool,
-    canonical: tuple[str, str] | None,
+    canonical: Canonical | None,
     key: str | None,
 ) -> tuple[Action, dict[str, Any]]:
     """The prepared action (or awaiting approval) and its row to insert (attname → value)."""
-    text, fingerprint = canonical or canonical_params(params)
+    forms = canonical or canonical_params(params)
+    text, fingerprint = forms.text, forms.fingerprint
     now = timezone.now()
     action = statements.built(
         Action,
@@ -339,10 +346,12 @@ def _journal_prepared(
         _record_outcome(action, S.SENT, actor, {})  # the journal as a prepare, then a mark
 
 
-def same_request(action: Action, fingerprint: str) -> bool:
-    """Whether `fingerprint` is what the action was asked for — before any reviewer edit, so
-    a retried or re-executed call still matches an action whose params a reviewer changed."""
-    return (action.requested_fingerprint or action.fingerprint) == fingerprint
+def same_request(action: Action, canonical: Canonical) -> bool:
+    """Whether params of these canonical forms are what the action was asked for — before any
+    reviewer edit, so a retried or re-executed call still matches an action whose params a
+    reviewer changed; and in the form it was stored in, so an action prepared before
+    Holdpoint wrote RFC 8785 is still the one its step asks for (actionkeys.Canonical)."""
+    return (action.requested_fingerprint or action.fingerprint) in canonical.fingerprints()
 
 
 def by_key(tenant_id: int, key: str) -> Action | None:
@@ -350,10 +359,10 @@ def by_key(tenant_id: int, key: str) -> Action | None:
     return Action.objects.filter(tenant_id=tenant_id, idempotency_key=key).first()
 
 
-def find_action(run: Run, step: str, call_index: int, fingerprint: str) -> Action | None:
+def find_action(run: Run, step: str, call_index: int, canonical: Canonical) -> Action | None:
     """The action this call of this step prepared before, if any; refuses different params."""
     action = by_key(run.tenant_id, idempotency_key(run, step, call_index))
-    if action is not None and not same_request(action, fingerprint):
+    if action is not None and not same_request(action, canonical):
         raise InvalidParams(
             f"step {step} asked for call {call_index} with different params under the same "
             "idempotency key; refusing to send something other than what was prepared",
@@ -629,8 +638,16 @@ def reject_lapsed(action: Action, actor: str, verdict: gates.Verdict) -> Action:
 
 def edit_params(action: Action, params: dict[str, Any], actor: str) -> Action:
     """A reviewer's edit of a held action: new canonical params, new fingerprint (so a new
-    action hash); the step's original request stays matched via requested_fingerprint."""
-    text, fingerprint = canonical_params(params)
+    action hash); the step's original request stays matched via requested_fingerprint.
+
+    Params the edit leaves as they were keep the text they are stored in — its form too, for
+    an action prepared before Holdpoint wrote RFC 8785 (actionkeys.Canonical) — so such an
+    edit changes no hash, as it did not before that upgrade: a quorum's votes still stand."""
+    forms = canonical_params(params)
+    if action.params in forms.texts():
+        text, fingerprint = action.params, action.fingerprint
+    else:
+        text, fingerprint = forms.text, forms.fingerprint
     moved = Action.objects.filter(pk=action.pk, status=S.AWAITING_APPROVAL).update(
         params=text, fingerprint=fingerprint, updated_at=Now()
     )

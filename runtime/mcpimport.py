@@ -18,7 +18,7 @@ import httpx
 from mcp import Client
 from mcp_types import Tool as UpstreamTool
 
-from audit.canonical import digest
+from audit.canonical import digests
 from runtime import outbound
 from runtime.crypto import Secret, SecretUnreadable
 from runtime.errors import HoldpointError
@@ -137,11 +137,22 @@ BY_A_PERSON = (
 )
 
 
-def said_by_upstream(spec: Mapping[str, Any]) -> dict[str, str]:
+def said_by_upstream(
+    spec: Mapping[str, Any], before: Mapping[str, Any] | None = None
+) -> dict[str, str]:
     """A short digest of each FROM_UPSTREAM field of a definition as the upstream gave it:
     recorded in `mcp.imported`, so the next import can tell what the upstream changed since
-    from what a person changed."""
-    return {f: digest(spec.get(f, ""))[:16] for f in FROM_UPSTREAM}
+    from what a person changed. The digest recorded `before` (the last import's) of a field
+    the upstream did not change is kept as it was: recorded before Holdpoint wrote RFC 8785,
+    it may be of the earlier form (audit.canonical.digests), and the same field must not
+    pass for a changed one — nor its record, rewritten, make the same definition a new
+    version."""
+    said = {}
+    for f in FROM_UPSTREAM:
+        forms = [d[:16] for d in digests(spec.get(f, ""))]
+        kept = (before or {}).get(f)
+        said[f] = kept if isinstance(kept, str) and kept in forms else forms[0]
+    return said
 
 
 def reimported(fresh: dict[str, Any], current: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -153,10 +164,10 @@ def reimported(fresh: dict[str, Any], current: Mapping[str, Any] | None) -> dict
     `mcp.key_argument` is the current definition's — the key argument taken out of the
     upstream's schema, as the definition rules require, and `editable`/`sensitive` kept to
     the properties the schema still has."""
-    said = said_by_upstream(fresh)
     if current is None or current.get("executor") != "mcp":
-        return {**fresh, "mcp": {**fresh["mcp"], "imported": said}}
+        return {**fresh, "mcp": {**fresh["mcp"], "imported": said_by_upstream(fresh)}}
     before = (current.get("mcp") or {}).get("imported") or {}
+    said = said_by_upstream(fresh, before)
     merged = {f: current[f] for f in BY_A_PERSON if f in current}
     for f in FROM_UPSTREAM:
         changed = before.get(f) != said[f]

@@ -408,7 +408,7 @@ def prepare(
                 f"goal_rev is {current.goal_rev}, not {expected_goal_rev}: read the run again"
             )
         calls = ledger.visit_actions(current, API_STEP)
-        earlier = _asked_before(current, tool, canonical[1], idempotency_key, calls)
+        earlier = _asked_before(current, tool, canonical, idempotency_key, calls)
         if earlier is not None:
             return answer(earlier, False)
         toolcatalog.refuse_withheld(tool, current.tenant_id)
@@ -435,7 +435,7 @@ def prepare(
             # The key was taken meanwhile by another run (a client key), or a client key
             # spelled like this visit's next call: the same request or a refusal.
             taken = ledger.by_key(current.tenant_id, key)
-            if taken is not None and _same(taken, current, tool, canonical[1]):
+            if taken is not None and _same(taken, current, tool, canonical):
                 return answer(taken, False)
             if idempotency_key:
                 raise IdempotencyKeyReused(f"key {key!r} is taken") from None
@@ -448,27 +448,27 @@ def prepare(
 def _asked_before(
     run: Run,
     tool: Tool,
-    fingerprint: str,
+    canonical: actionkeys.Canonical,
     idempotency_key: str | None,
     calls: dict[int, Action],
 ) -> Action | None:
     """The action this request made before, if any (see `prepare`); `calls`: the visit's."""
     if not idempotency_key:
-        same = (calls[i] for i in sorted(calls) if _same(calls[i], run, tool, fingerprint))
+        same = (calls[i] for i in sorted(calls) if _same(calls[i], run, tool, canonical))
         return next(same, None)
     existing = ledger.by_key(run.tenant_id, idempotency_key)
-    if existing is not None and not _same(existing, run, tool, fingerprint):
+    if existing is not None and not _same(existing, run, tool, canonical):
         raise IdempotencyKeyReused(
             f"key {idempotency_key!r} was prepared with other params or for another run"
         )
     return existing
 
 
-def _same(action: Action, run: Run, tool: Tool, fingerprint: str) -> bool:
+def _same(action: Action, run: Run, tool: Tool, canonical: actionkeys.Canonical) -> bool:
     return (
         action.run_id == run.run_id
         and action.tool == tool.name
-        and ledger.same_request(action, fingerprint)
+        and ledger.same_request(action, canonical)
     )
 
 

@@ -106,7 +106,9 @@ def checkpoint_fields(commit: StepCommit) -> dict[str, Any]:
 
 
 def checkpoint_digest(run_id: Any, fields: Mapping[str, Any]) -> str:
-    """sha256 of the canonical form of the run's id and the checkpoint's fields."""
+    """sha256 of the canonical form (RFC 8785) of the run's id and the checkpoint's fields.
+    A checkpoint written before Holdpoint wrote RFC 8785 keeps the digest it was given: one
+    who recomputes it checks it against each of `audit.canonical.digests` of those fields."""
     return sha256_hex(canonical({"run": str(run_id), **fields}))
 
 

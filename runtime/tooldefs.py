@@ -36,7 +36,7 @@ from django.db import transaction
 from django.db.models import Max
 
 from audit import journal
-from audit.canonical import canonical_bytes, sha256_hex
+from audit.canonical import canonical_bytes, digests, sha256_hex
 from runtime import jsonpaths, outbound, paramcheck, urltemplates
 from runtime.errors import HoldpointError
 from runtime.models import McpServer, McpTransport, Tenant, ToolDefinition
@@ -509,7 +509,7 @@ def define(
     the same transaction."""
     known = set(known_tools) | set(tenant_tool_names(tenant.pk)) | set(builtin_names())
     spec = parse(data, known_tools=known, tenant_id=tenant.pk)
-    name, fingerprint = spec["name"], digest(spec)
+    name, (fingerprint, *earlier) = spec["name"], digests(dict(spec))
     with transaction.atomic():
         # One writer per tenant at a time: the tenant row is the lock (versions are
         # numbered in order, and a concurrent second "create" sees the first).
@@ -517,7 +517,10 @@ def define(
         latest = current(tenant.pk, name)
         if latest is not None and create_only:
             raise ToolExists(f"{name} exists (version {latest.version}); change it to version it")
-        if latest is not None and latest.digest == fingerprint:
+        # A definition stored before Holdpoint wrote RFC 8785 may hold its digest in the
+        # earlier form (audit.canonical.digests): the same spec again is no new version,
+        # which would re-stamp its held actions and supersede their approvals.
+        if latest is not None and latest.digest in (fingerprint, *earlier):
             return Defined(latest, created=False)
         row = ToolDefinition.objects.create(
             tenant=tenant,

@@ -41,7 +41,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from audit.canonical import digest
+from audit.canonical import digests
 from runtime.errors import Conflict, InvalidParams
 from runtime.faults import FaultPoint, fault
 from runtime.leases import db_now_plus
@@ -132,8 +132,8 @@ def idempotent(view: Callable[..., Response]) -> Callable[..., HttpResponse]:
             )
         principal = self.principal(request)
         scope = f"{request.method} {request.path}"
-        fingerprint = digest({"scope": scope, "body": request.data})
-        record = _claim(principal.tenant, principal.user.pk, key, scope, fingerprint)
+        fingerprints = digests({"scope": scope, "body": request.data})
+        record = _claim(principal.tenant, principal.user.pk, key, scope, fingerprints)
         if record.status is not None:
             return _replay(record.status, record.content)
         claim = Claim(record.pk, record.claim)
@@ -180,10 +180,13 @@ def expire_keys(*, dry_run: bool = False) -> int:
 
 
 def _claim(
-    tenant: Tenant, principal: int, key: str, scope: str, fingerprint: str
+    tenant: Tenant, principal: int, key: str, scope: str, fingerprints: tuple[str, ...]
 ) -> IdempotencyRecord:
     """The record of this key: claimed now for this request, or the earlier request's —
-    only if it was the same caller's (`principal`: a user's pk) and the same request."""
+    only if it was the same caller's (`principal`: a user's pk) and the same request.
+    `fingerprints`: the request's, RFC 8785's first (stored), then the one a record made
+    before Holdpoint wrote RFC 8785 holds for the same request where that differs
+    (audit.canonical.digests): a retry across that upgrade is the same request."""
     window = timedelta(hours=settings.HOLDPOINT_IDEMPOTENCY_HOURS)
     IdempotencyRecord.objects.filter(
         tenant=tenant, key=key, created_at__lt=timezone.now() - window
@@ -196,7 +199,7 @@ def _claim(
                 principal_id=principal,
                 key=key,
                 scope=scope,
-                fingerprint=fingerprint,
+                fingerprint=fingerprints[0],
                 claimed_until=lease,
             )
     except IntegrityError:
@@ -205,7 +208,7 @@ def _claim(
         # Checked before anything of the first request is looked at or taken over; a null
         # principal is a record from before the column, replayed as it was then.
         raise KeyReused("this Idempotency-Key was used by another caller of the tenant")
-    if existing.fingerprint != fingerprint:
+    if existing.fingerprint not in fingerprints:
         raise KeyReused("same Idempotency-Key, different request")
     if existing.status is None:
         return _take_over(existing)

@@ -46,7 +46,8 @@ class Action(models.Model):
     idempotency_key = models.CharField(max_length=255)
     tool = models.CharField(max_length=100)
     tool_version = models.CharField(max_length=40, default="1")
-    # Canonical JSON text (RFC 8785 style): hashes cover exactly these stored bytes and the
+    # Canonical JSON text (RFC 8785; an action prepared before Holdpoint wrote RFC 8785 keeps
+    # the earlier form, audit.canonical): hashes cover exactly these stored bytes and the
     # executor sends only them.
     params = models.TextField()
     fingerprint = models.CharField(max_length=64)

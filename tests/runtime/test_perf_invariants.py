@@ -511,7 +511,8 @@ def test_an_action_of_this_visit_that_exists_after_all_is_found_not_duplicated(
     anyway, the unique key refuses a second one and the step gets the first one's result —
     and the tool is not called again."""
     run = create_run(tenant_a, "perf-acts", {"steps": 1}, actor="t")
-    text, fingerprint = actionkeys.canonical_params({"n": 1, "pad": ""})
+    forms = actionkeys.canonical_params({"n": 1, "pad": ""})
+    text, fingerprint = forms.text, forms.fingerprint
     Action.objects.create(
         tenant=tenant_a,
         run=run,
@@ -746,7 +747,8 @@ def test_a_stale_fence_is_refused_by_mark_sent_itself(tenant_a: Tenant) -> None:
     one does."""
     run = _one_action_run(tenant_a)
     lease = take_lease(run.run_id, "w1", ttl=30)
-    text, fingerprint = actionkeys.canonical_params({"n": 1})
+    forms = actionkeys.canonical_params({"n": 1})
+    text, fingerprint = forms.text, forms.fingerprint
     action = Action.objects.create(
         tenant=tenant_a,
         run=run,
