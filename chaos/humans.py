@@ -19,8 +19,8 @@ from approvals.models import ApprovalRequest, ApprovalStatus
 from approvals.policies import deciders
 from chaos.config import HUMAN
 from runtime.errors import HoldpointError, InvalidTransition
-from runtime.ledger import resolve
 from runtime.models import Action, ActionStatus, RunStatus
+from runtime.outcomes import resolve
 
 
 class Humans:

@@ -16,11 +16,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import BooleanField, ExpressionWrapper, Q, QuerySet
+from django.db.models import QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from audit import journal
 from fastsql import statements
 from runtime import gates, toolcatalog
 from runtime.actionkeys import (
@@ -744,80 +743,3 @@ def withdraw_if_moved_on(run: Run, action: Action, actor: str) -> Action:
     if gone:
         transition(action, S.CANCELLED, actor, last_error=gone)
     return action
-
-
-def resolve(
-    action: Action, outcome: str, *, actor: str, external_id: str = "", note: str = ""
-) -> Action:
-    """A human settles an action nothing could prove: applied (with the id) or not applied.
-
-    Not applied puts it back to `prepared`: the step sends it again with the same key — or,
-    when no step will (`moved_on`), withdraws it (`cancelled`). The run leaves
-    `needs_reconciliation` when no other action of it waits for a human.
-    """
-    if outcome not in ("applied", "not_applied"):
-        raise InvalidParams(
-            "outcome must be applied or not_applied", errors={"outcome": ["applied or not_applied"]}
-        )
-    if outcome == "applied" and not external_id.strip():
-        raise InvalidParams(
-            "applied needs the external id that proves it",
-            errors={"external_id": ["required when applied"]},
-        )
-    with transaction.atomic(durable=True):
-        # Lock order run → action, as every writer of a run's actions (a revision,
-        # check_dispatchable, a fenced outcome): the opposite order deadlocks with them.
-        run = Run.objects.select_for_update().get(pk=action.run_id, tenant_id=action.tenant_id)
-        # The window is the database clock's verdict (in_flight_until is database time), as
-        # for an executor's not_found (protocol._not_found): not this host's clock.
-        locked = (
-            Action.objects.select_for_update()
-            .annotate(in_flight=ExpressionWrapper(Q(in_flight_until__gt=Now()), BooleanField()))
-            .get(pk=action.pk, tenant_id=action.tenant_id)
-        )
-        if locked.status != S.MANUAL_REVIEW:
-            raise InvalidTransition(f"action is {locked.status}, not manual_review")
-        in_flight = locked.in_flight_until
-        if outcome == "not_applied" and in_flight and locked.in_flight:
-            # Saying "not applied" while the sender may still land its request is how a
-            # human causes a duplicate; wait until it cannot.
-            raise InvalidTransition(
-                f"the sender may still be in flight until {in_flight.isoformat()}; "
-                "check again after that"
-            )
-        target = S.CONFIRMED if outcome == "applied" else S.PREPARED
-        changes: dict[str, Any] = (
-            {"external_id": external_id.strip()} if target == S.CONFIRMED else {}
-        )
-        transition(locked, target, actor, **changes)
-        resolution: dict[str, Any] = {
-            "action_id": str(locked.action_id),
-            "run_id": str(run.run_id),
-            "outcome": outcome,
-            "external_id": external_id.strip(),
-            "note": note[:2000],
-        }
-        record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
-        if target == S.PREPARED:
-            withdraw_if_moved_on(run, locked, actor)
-        # A human act: the tenant's stream records it too (DESIGN.md, "Journal").
-        journal.append(
-            journal.tenant_stream(run.tenant_id),
-            RunEvent.ACTION_RESOLVED.value,
-            tenant_id=run.tenant_id,
-            actor=actor,
-            payload=resolution,
-        )
-        still_open = Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists()
-        if run.status == RunStatus.NEEDS_RECONCILIATION and not still_open:
-            Run.objects.filter(pk=run.pk).update(
-                status=RunStatus.QUEUED, waiting_for=None, updated_at=Now()
-            )
-            record(
-                run, RunEvent.RESUMED, actor, previous_status=run.status, status=RunStatus.QUEUED
-            )
-            from runtime.queue import ring
-
-            ring(run.run_id)
-    locked.refresh_from_db()
-    return locked

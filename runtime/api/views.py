@@ -15,7 +15,7 @@ from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from runtime import ledger, lifecycle, protocol
+from runtime import lifecycle, outcomes, protocol
 from runtime.api import examples as ex
 from runtime.api import filters, sse, streams
 from runtime.api import serializers as s
@@ -405,7 +405,7 @@ class Resolve(ActionLever):
         if not self.principal(request).may_act:
             raise NotPermitted("only a reviewer or admin resolves an action")
         data = _valid(s.ResolveIn, request.data)
-        action = ledger.resolve(
+        action = outcomes.resolve(
             action,
             data["outcome"],
             actor=self.actor(request),

@@ -3,7 +3,7 @@
 An action lands in `manual_review` when its tool can neither deduplicate nor be looked up
 (or reconciling failed too often): only a human who checked the service can say whether the
 effect happened (DESIGN.md, invariants 2–3). These pages show everything the ledger knows,
-so that human decides on facts, and hand the answer to `runtime.ledger.resolve`. They never
+so that human decides on facts, and hand the answer to `runtime.outcomes.resolve`. They never
 decide themselves: whether "not applied" is allowed yet (the sender may still be in flight),
 whether the action is still open, whether "applied" has its proof — all of that is
 `resolve`'s call, and its refusal becomes a message on the page. Every read goes through the
@@ -25,8 +25,8 @@ from django.utils import timezone
 from audit.journal import run_stream
 from runtime.api.serializers import ResolveIn
 from runtime.errors import HoldpointError
-from runtime.ledger import resolve
 from runtime.models import Action, ActionStatus
+from runtime.outcomes import resolve
 from runtime.pages.access import page_input, require_may_act, reviewer_page, scoped_or_404
 from runtime.pages.display import TimelineRow, pretty, timeline_row
 from runtime.tenancy import Principal, actions_for, journal_for

@@ -20,9 +20,9 @@ from django.utils import timezone
 
 from approvals.models import ApprovalPolicy
 from runtime.faults import WORKER_POINTS, FaultPoint
-from runtime.ledger import resolve
 from runtime.lifecycle import create_run
 from runtime.models import Action, ActionStatus, Run, RunStatus, Tenant
+from runtime.outcomes import resolve
 from runtime.sweeper import sweep_once
 from tests import procs
 from tests.sandbox import Sandbox

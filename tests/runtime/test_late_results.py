@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from runtime import ledger
+from runtime import outcomes
 from runtime.artifacts import resolve
 from runtime.context import StepContext
 from runtime.executor import advance_run
@@ -158,7 +158,7 @@ def test_a_reconcile_at_start_never_skips_a_pending_revision(tenant_a: Tenant) -
     assert FLAKY[str(run.run_id)] == sent_before  # never replayed after the revision
     old = Action.objects.get(run=run, goal_rev=1)
     assert old.status == ActionStatus.MANUAL_REVIEW
-    ledger.resolve(old, "applied", actor="user:u", external_id="T-1")
+    outcomes.resolve(old, "applied", actor="user:u", external_id="T-1")
     assert Action.objects.get(pk=old.pk).status == ActionStatus.CONFIRMED
     register(graph)
     try:

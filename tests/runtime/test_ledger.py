@@ -15,9 +15,9 @@ from runtime.errors import InvalidParams, InvalidTransition
 from runtime.executor import advance_run
 from runtime.gates import _approval_checks, register_approval_check
 from runtime.graphs import Complete, Graph, register, registry
-from runtime.ledger import resolve
 from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Action, ActionStatus, Checkpoint, Run, RunStatus, Tenant
+from runtime.outcomes import resolve
 from runtime.tools import get_tool
 from tests.runtime.helpers import events, make_due
 from tests.sandbox import Sandbox
