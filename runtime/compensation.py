@@ -2,7 +2,10 @@
 
 A compensation is a new ledger action of its own — its own idempotency key, its own hold
 point under the tenant's policy — linked to the original. The original becomes `compensated`
-only once the compensation is confirmed; until then it stays what it was: confirmed.
+only once the compensation is confirmed, and by the same commit, whichever path confirms it
+(its sender, a reconciliation, a person's resolution, an executor's report: all through
+`ledger.transition`); until then it stays what it was: confirmed. One that ends without
+effect (ENDED_UNSENT) leaves it confirmed, and another may be asked for.
 
 No step drives a compensation and no run waits for it, so its sender is rung here (when it is
 asked for, sent again, or due again) and by the decision that approves it when a policy held
@@ -14,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.db.models.functions import Now
 
 from runtime import actionkeys, gates, ledger, unsent
 from runtime.dispatch import perform
@@ -200,7 +202,7 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
         stuck = Action.objects.get(pk=action_id)
         delay = resend_delay(stuck.send_failures + 1)
         return unsent.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
-    return _finish(action, actor)
+    return action  # if confirmed, its original became `compensated` in that same commit
 
 
 def resend_delay(failures: int) -> float:
@@ -238,19 +240,3 @@ def ring_due_resends(limit: int) -> int:
 
 def _purged() -> NotFound:
     return NotFound("the action is gone: its run was purged by retention")
-
-
-def _finish(action: Action, actor: str) -> Action:
-    """The compensation is confirmed: its original becomes `compensated`. The run is locked
-    first, as `compensate` does (see there); a run purged meanwhile has nothing to mark."""
-    if action.status != S.CONFIRMED or action.compensates_id is None:
-        return action
-    with transaction.atomic(durable=True):
-        scope = {"tenant_id": action.tenant_id}
-        run = Run.objects.select_for_update().filter(pk=action.run_id, **scope).first()
-        originals = Action.objects.select_for_update().filter(pk=action.compensates_id, **scope)
-        original = originals.first()
-        if run is not None and original is not None and original.status == S.CONFIRMED:
-            ledger.transition(original, S.COMPENSATED, actor)
-            Action.objects.filter(pk=original.pk).update(updated_at=Now())
-    return action

@@ -151,7 +151,13 @@ def transition(
 
     Database-time values are `statements.NOW` / `statements.DbNow(seconds)`. The instance is
     refreshed from the updated row itself (no second read). `journal_extra`: more for the
-    outcome's journal entry (an external executor's outcome names who reported it)."""
+    outcome's journal entry (an external executor's outcome names who reported it).
+
+    An undo confirmed (`action.compensates`) makes its original `compensated` in the same
+    commit, by whichever path it is confirmed (`_undone`)."""
+    undoes = target == S.CONFIRMED and action.compensates_id is not None
+    if undoes:
+        _hold_run(action)
     if not _move(action, target, changes):
         current = (
             Action.objects.filter(pk=action.pk, tenant_id=action.tenant_id)
@@ -160,7 +166,33 @@ def transition(
         )
         raise InvalidTransition(f"action is {current}, cannot become {target}")
     _record_outcome(action, target, actor, changes, journal_extra)
+    if undoes:
+        _undone(action, actor)
     return action
+
+
+def _hold_run(action: Action) -> None:
+    """Inside the caller's transaction, before an undo's confirmation: the run's row lock,
+    which every path confirming one already holds (a fenced outcome, a person's resolution),
+    so that the undo and its original are written in the order of every writer of a run's
+    actions — the run, then its actions (`compensation.compensate`, the retention purge)."""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("an undo is confirmed inside a transaction, with its original")
+    where = {"run_id": action.run_id, "tenant_id": statements.Check(action.tenant_id)}
+    statements.select(Run, ("fence",), where, for_update=True)
+
+
+def _undone(undo: Action, actor: str) -> None:
+    """The undo is confirmed: its original becomes `compensated` in the same commit. As two
+    commits (the sender's, then a second), a sender that died between them left the original
+    `confirmed` for good — the undo was settled, so nothing looked at it again — and only
+    the sender's path wrote the second (not a reconciliation, a person's resolution, an
+    executor's report). An original no longer `confirmed` is left as it is: its undo is
+    settled either way (one live undo per action: `compensation.compensate`)."""
+    original = Action(action_id=undo.compensates_id, tenant_id=undo.tenant_id)
+    if _move(original, S.COMPENSATED, {}):
+        extra = {"compensated_by": str(undo.action_id)}
+        _record_outcome(original, S.COMPENSATED, actor, {}, extra)
 
 
 def transition_part(
@@ -178,7 +210,10 @@ def transition_part(
     caller's batch of the run stream. The part writes no row if the action is no longer in
     a status that may reach `target` — the statement then fails whole, and the caller's
     transaction path raises InvalidTransition as `transition` does. The instance is not
-    refreshed (no row comes back from a part)."""
+    refreshed (no row comes back from a part). No step drives an undo, so none is confirmed
+    here: `transition` confirms one, with its original."""
+    if target == S.CONFIRMED and action.compensates_id is not None:
+        raise InvalidTransition("an undo is confirmed with its original, by `transition`")
     sets, condition = _swap(action, target, changes)
     part = one.update(name, Action, sets, condition, after=after)
     _record_outcome(action, target, actor, changes)

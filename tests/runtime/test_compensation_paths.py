@@ -1,0 +1,203 @@
+"""Every path that confirms an undo makes its original `compensated`, in the same commit.
+
+Only the undo's sender marked the original, in a commit after the one that confirmed the
+undo (`compensation._finish`), and no other path that confirms an undo did it at all: an undo
+whose answer was lost and that a person then said had applied was `confirmed`, the tracker's
+task was closed, and its original still read `confirmed` — on the run page, over the API —
+with nothing left that would ever change it. The confirmation now writes both
+(`ledger.transition`), whichever path it comes by: the send, a reconciliation, a person.
+
+And the reverse: an undo that ends without effect (refused by the tracker, or said by a
+person not to have applied) leaves the original `confirmed`, its effect in place, and the
+undo may be asked for again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from runtime.compensation import compensate, dispatch_standalone
+from runtime.errors import InvalidTransition
+from runtime.executor import advance_run
+from runtime.lifecycle import create_run
+from runtime.models import Action, ActionStatus, Tenant
+from tests.approvals.conftest import GOAL
+from tests.conftest import Persona
+from tests.httpservers import Behaviour, Server, answer_with
+from tests.runtime.helpers import payloads
+from tests.sandbox import Sandbox
+
+S = ActionStatus
+PASSED_ON = ("authorization", "content-type", "idempotency-key", "holdpoint-fence", "holdpoint-run")
+
+
+def applied_then_error(box: Sandbox) -> Behaviour:
+    """A tracker whose answers are lost: each request is passed on to `box`, which applies
+    it, and answered 500 — what the sandbox's `error_after` does to a create, for a close."""
+
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        seen = server.requests[-1]
+        headers = {k: v for k, v in seen["headers"].items() if k in PASSED_ON}
+        httpx.request(
+            seen["method"], box.url + seen["path"], content=seen["body"], headers=headers
+        ).raise_for_status()
+        answer_with(500, b'{"error": "internal error (after applying)"}')(handler, server)
+
+    return behaviour
+
+
+def confirmed_task(tenant: Tenant) -> Action:
+    """A completed api-review run's confirmed tasks.create, sent to the current tracker."""
+    run = create_run(tenant, "api-review", GOAL, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "completed"
+    original = Action.objects.get(run=run)
+    assert original.status == S.CONFIRMED
+    return original
+
+
+def undo_answer_lost(
+    original: Action, box: Sandbox, serve: Callable[[Behaviour], Server], settings: Any
+) -> Action:
+    """The undo is asked for and sent through a tracker that loses the answer: it closed the
+    task, the undo is `unknown`, and its original — nothing proves it undone — `confirmed`."""
+    settings.HOLDPOINT_TASKS_URL = serve(applied_then_error(box)).url
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").action_id)
+    assert undo.status == S.UNKNOWN
+    assert [t["status"] for t in box.tasks()] == ["closed"]
+    original.refresh_from_db()
+    assert original.status == S.CONFIRMED
+    assert compensate(original, "again", actor="user:ada") == undo  # the one under way
+    return undo
+
+
+def compensated_by(original: Action, undo: Action) -> None:
+    """What a user checks: the original reads `compensated`, the journal says by which undo,
+    and no further undo can be asked for."""
+    original.refresh_from_db()
+    assert original.status == S.COMPENSATED
+    marked = [
+        p
+        for p in payloads(original.run_id, "action_outcome")
+        if p["action_status"] == S.COMPENSATED
+    ]
+    assert [(p["action_id"], p["compensated_by"]) for p in marked] == [
+        (str(original.action_id), str(undo.action_id))
+    ]
+    with pytest.raises(InvalidTransition):
+        compensate(original, "once more", actor="user:ada")
+    assert Action.objects.filter(compensates=original).count() == 1
+
+
+def test_the_undos_send_compensates_the_original(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    box = sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").action_id)
+    assert undo.status == S.CONFIRMED
+    assert [t["status"] for t in box.tasks()] == ["closed"]
+    compensated_by(original, undo)
+
+
+def test_an_undo_whose_answer_was_lost_is_reconciled_and_compensates_the_original(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+    settings: Any,
+) -> None:
+    """The next ring of its sender (the tracker answering again) reconciles the `unknown`
+    undo by its contract — a replay with its key — and that confirmation is the original's."""
+    box = sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    undo = undo_answer_lost(original, box, serve, settings)
+
+    settings.HOLDPOINT_TASKS_URL = box.url  # the tracker answers again
+    undo = dispatch_standalone(undo.action_id)
+    assert undo.status == S.CONFIRMED and undo.reconcile_attempts == 1
+    closes = [r for r in box.requests() if r["path"].endswith("/close")]
+    assert {r["idempotency_key"] for r in closes} == {undo.idempotency_key}
+    compensated_by(original, undo)
+
+
+@pytest.fixture
+def for_a_person(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+    settings: Any,
+) -> tuple[Sandbox, Action, Action]:
+    """The tracker, a confirmed task and its undo whose answer was lost, then lost again when
+    reconciled, with no attempt left: the undo is a person's to settle."""
+    box = sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    undo = undo_answer_lost(original, box, serve, settings)
+    settings.HOLDPOINT_RECONCILE_ATTEMPTS = 1
+    undo = dispatch_standalone(undo.action_id)
+    assert undo.status == S.MANUAL_REVIEW
+    return box, original, undo
+
+
+def test_a_person_saying_the_undo_applied_compensates_the_original(
+    reviewer_a: Persona, for_a_person: tuple[Sandbox, Action, Action]
+) -> None:
+    """The reviewer sees the task closed in the tracker and says so over the API; before,
+    the undo became `confirmed` and the original stayed `confirmed` for good."""
+    box, original, undo = for_a_person
+
+    task = box.tasks()[0]
+    answer = reviewer_a.api().post(
+        f"/api/v1/actions/{undo.action_id}/resolve/",
+        {"outcome": "applied", "external_id": task["id"], "note": "closed in the tracker"},
+        format="json",
+    )
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["status"] == "confirmed"
+    compensated_by(original, undo)
+    seen = reviewer_a.api().get(f"/api/v1/actions/{original.action_id}/")
+    assert seen.json()["status"] == "compensated"
+
+
+def test_a_person_saying_the_undo_did_not_apply_leaves_the_effect_and_another_may_be_asked(
+    reviewer_a: Persona, for_a_person: tuple[Sandbox, Action, Action]
+) -> None:
+    """(A person who says so wrongly — the task is closed here — is the person's call; what
+    follows from the word is what is checked.) The undo's run is finished, so no step would
+    send it again: withdrawn, and the effect stays for a new undo."""
+    _, original, undo = for_a_person
+    past = timezone.now() - timedelta(seconds=1)
+    Action.objects.filter(pk=undo.pk).update(in_flight_until=past)  # its sender is done
+
+    answer = reviewer_a.api().post(
+        f"/api/v1/actions/{undo.action_id}/resolve/", {"outcome": "not_applied"}, format="json"
+    )
+    assert answer.status_code == 200, answer.content
+    assert answer.json()["status"] == "cancelled"
+    original.refresh_from_db()
+    assert original.status == S.CONFIRMED
+    again = compensate(original, "try again", actor="user:ada")
+    assert again.pk != undo.pk and again.idempotency_key == f"{original.idempotency_key}:undo:2"
+
+
+def test_an_undo_the_tracker_refused_leaves_the_effect_and_another_may_be_asked(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The tracker no longer has the task (someone deleted it there: 404, refused for good):
+    the undo is `failed`, the original `confirmed`, and a new undo may be asked for."""
+    box = sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    assert box.reset()  # the tracker forgets its tasks
+    failed = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").action_id)
+    assert failed.status == S.FAILED and "404" in failed.last_error
+    original.refresh_from_db()
+    assert original.status == S.CONFIRMED
+
+    again = compensate(original, "try again", actor="user:ada")
+    assert again.pk != failed.pk and again.status == S.PREPARED
+    assert again.idempotency_key == f"{original.idempotency_key}:undo:2"
