@@ -201,3 +201,42 @@ def test_an_undo_the_tracker_refused_leaves_the_effect_and_another_may_be_asked(
     again = compensate(original, "try again", actor="user:ada")
     assert again.pk != failed.pk and again.status == S.PREPARED
     assert again.idempotency_key == f"{original.idempotency_key}:undo:2"
+
+
+def test_the_migration_mends_an_original_older_code_left_confirmed_under_its_undo(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """What a sender killed between the two commits, or a person's resolution of the undo,
+    left behind (made here by moving the row back): runtime 0034 marks the original
+    compensated and journals it in the run's stream, whose chain still verifies; run again,
+    it finds nothing more to do."""
+    from importlib import import_module
+    from types import SimpleNamespace
+
+    from django.apps import apps
+    from django.db import connection
+
+    from audit.journal import run_stream
+    from audit.models import JournalEntry
+    from audit.verification import verify_stream
+
+    migration = import_module("runtime.migrations.0034_compensated_originals")
+    sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").action_id)
+    assert undo.status == S.CONFIRMED
+    Action.objects.filter(pk=original.pk).update(status=S.CONFIRMED)  # as older code left it
+    untouched = confirmed_task(tenant_a)  # confirmed, never undone: not the migration's
+
+    stream = run_stream(original.run_id)
+    mended = JournalEntry.objects.filter(stream=stream, actor=migration.ACTOR)
+    for _ in range(2):  # again: nothing more
+        migration.mend(apps, SimpleNamespace(connection=connection))
+        original.refresh_from_db()
+        assert original.status == S.COMPENSATED
+        assert [
+            (e.type, e.payload["action_status"], e.payload["compensated_by"]) for e in mended
+        ] == [("action_outcome", "compensated", str(undo.action_id))]
+    assert verify_stream(stream) is None
+    untouched.refresh_from_db()
+    assert untouched.status == S.CONFIRMED
