@@ -4,8 +4,10 @@ Only the undo's sender marked the original, in a commit after the one that confi
 undo (`compensation._finish`), and no other path that confirms an undo did it at all: an undo
 whose answer was lost and that a person then said had applied was `confirmed`, the tracker's
 task was closed, and its original still read `confirmed` — on the run page, over the API —
-with nothing left that would ever change it. The confirmation now writes both
-(`ledger.transition`), whichever path it comes by: the send, a reconciliation, a person.
+with nothing left that would ever change it; so did a run executor's reconciliation of an
+undo of a run still going, and an external executor's report of one it performed. The
+confirmation now writes both (`ledger.transition`), whichever path it comes by: the send, a
+reconciliation (the sender's or the run's executor's), a person, an external executor.
 
 And the reverse: an undo that ends without effect (refused by the tracker, or said by a
 person not to have applied) leaves the original `confirmed`, its effect in place, and the
@@ -142,6 +144,118 @@ def for_a_person(
     undo = dispatch_standalone(undo.action_id)
     assert undo.status == S.MANUAL_REVIEW
     return box, original, undo
+
+
+def _lossy(box: Sandbox, lose: list[bool]) -> Behaviour:
+    """`box` behind a proxy that loses its answers (500, the request applied) while
+    `lose[0]`, and passes them on after."""
+
+    def behaviour(handler: BaseHTTPRequestHandler, server: Server) -> None:
+        if lose[0]:
+            applied_then_error(box)(handler, server)
+            return
+        seen = server.requests[-1]
+        headers = {k: v for k, v in seen["headers"].items() if k in PASSED_ON}
+        sent = httpx.request(
+            seen["method"], box.url + seen["path"], content=seen["body"], headers=headers
+        )
+        answer_with(sent.status_code, sent.content)(handler, server)
+
+    return behaviour
+
+
+def test_the_runs_executor_reconciling_the_undo_compensates_the_original(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+) -> None:
+    """An action of a run still going (waiting for input) is undone; the undo's answer is
+    lost. The run's next execution reconciles every unsettled action of the run first —
+    the undo with them, replayed with its key — and that confirmation is the original's:
+    before, the executor's reconciliation left the original `confirmed`."""
+    from approvals.models import ApprovalPolicy
+    from runtime.graphs import Complete, Graph, Wait, register, registry
+    from runtime.lifecycle import provide_input
+    from runtime.tooldefs import define_many
+    from tests.tooldefs import tickets
+
+    box, lose = sandbox_factory("key"), [True]
+    close, create = tickets(box.url, "key")
+    close["request"]["url"] = serve(_lossy(box, lose)).url + "/tasks/{ticket}/close"
+    define_many(tenant_a, [close, create], "user:admin")
+    for tool in ("tickets.create", "tickets.close"):
+        ApprovalPolicy.objects.create(tenant=tenant_a, name=tool, tool=tool, required=False)
+    graph = Graph("ticket-then-ask", version="1")
+
+    @graph.step(start=True)
+    def file(ctx: Any) -> Any:
+        ctx.act("tickets.create", {"title": ctx.goal["title"]}, reason="the goal")
+        return Wait("input", then="finish", prompt="Anything else?")
+
+    @graph.step
+    def finish(ctx: Any) -> Any:
+        return Complete()
+
+    register(graph)
+    try:
+        run = create_run(tenant_a, graph.name, {"title": "probe"}, actor="t")
+        assert advance_run(run.run_id, "w1").outcome == "waiting"
+        original = Action.objects.get(run=run)
+        undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
+        assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
+
+        lose[0] = False  # the tracker's answers arrive again
+        run.refresh_from_db()
+        provide_input(run, {"more": "no"}, run.checkpoint_rev, actor="user:t")
+        assert advance_run(run.run_id, "w2").outcome == "completed"
+    finally:
+        registry.unregister(graph.name, "1")
+    undo.refresh_from_db()
+    assert undo.status == S.CONFIRMED and undo.reconcile_attempts == 1
+    compensated_by(original, undo)
+
+
+def _agent_tickets() -> list[dict[str, Any]]:
+    """A tracker the agent performs itself (executor `client`), with its own undo."""
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}}
+    create = {"name": "agent.tickets.create", "effect": "write", "schema": schema}
+    close = {"name": "agent.tickets.close", "effect": "write"}
+    close["schema"] = {"type": "object", "properties": {"ticket": {"type": "string"}}}
+    create.update(compensation="agent.tickets.close", compensation_param="ticket")
+    for tool in (close, create):
+        tool.update(executor="client", dedup={"mode": "key"}, timeout_seconds=3)
+    return [close, create]
+
+
+def test_an_external_executor_reporting_the_undo_confirmed_compensates_the_original(
+    tenant_a: Tenant, agent_a: Persona
+) -> None:
+    """The run's external executor performs the undo of a tool it performs itself, and
+    reports it over the API (dispatch, then outcome): that report is the original's too."""
+    from approvals.models import ApprovalPolicy
+    from runtime.tooldefs import define_many
+    from tests.api import new_run, ok, post, take_lease
+
+    define_many(tenant_a, _agent_tickets(), "user:admin")
+    for tool in ("agent.tickets.create", "agent.tickets.close"):
+        ApprovalPolicy.objects.create(tenant=tenant_a, name=tool, tool=tool, required=False)
+    agent = agent_a.api()
+    run_id = new_run(agent)["run_id"]
+    fence = take_lease(agent, run_id)
+
+    def performed(action_id: Any, external_id: str) -> dict[str, Any]:
+        ok(post(agent, f"actions/{action_id}/dispatch/", {"fence": fence}))
+        said = {"fence": fence, "outcome": "confirmed", "external_id": external_id}
+        answer: dict[str, Any] = ok(post(agent, f"actions/{action_id}/outcome/", said))
+        return answer
+
+    body = {"fence": fence, "tool": "agent.tickets.create", "params": {"title": "t"}}
+    created = ok(post(agent, f"runs/{run_id}/actions/", {**body, "reason": "goal"}), 201)
+    assert performed(created["action_id"], "T-9")["status"] == "confirmed"
+    original = Action.objects.get(pk=created["action_id"])
+    undo = compensate(original, "by mistake", actor="user:ada")
+    assert performed(undo.action_id, "T-9")["status"] == "confirmed"
+    compensated_by(original, undo)
 
 
 def test_a_person_saying_the_undo_applied_compensates_the_original(
