@@ -25,8 +25,14 @@ itself never imports the SDK. Why each piece is where it is:
 - The model's answers are recorded in the run (holdpoint_client/openai_answers.py): a
   restart is given the same answers, so the same call ids and keys — a real model asked
   again would name new ones, and the ledger would see new actions.
-- A pause taken under an older goal revision is not resumed: ActionWithdrawn, and the
-  pause is dropped, so the thread starts again under the new goal.
+- The thread's input is stored in the run's checkpoint too, before the agent starts: a
+  hold point may arise only when a call is dispatched (a policy tightened after the SDK
+  asked, an approval that stopped binding), where the SDK has not paused and no RunState
+  exists. Resumed without the input, the thread starts from the stored one, the recorded
+  answers replayed up to the held call, which the SDK now asks about and pauses on (or
+  runs, approved) — the same story as a pause it took itself.
+- A pause (or a start) taken under an older goal revision is not resumed: ActionWithdrawn,
+  and it is dropped, so the thread starts again under the new goal.
 - The final output is recorded in the run, which is completed on return: running the same
   thread again returns it without asking the model or the tools anything.
 
@@ -62,7 +68,7 @@ from agents import (
 from agents.function_schema import function_schema
 from agents.items import ToolApprovalItem
 from agents.tool_context import ToolContext
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from holdpoint_client import calls
 from holdpoint_client.agent import (
@@ -98,6 +104,10 @@ STATE_KEY = "openai_agents"
 PAUSED_UNDER = "openai_agents_goal_rev"
 # And how many model answers the paused run had used: where its answers' numbering goes on.
 ANSWERED = "openai_agents_answers"
+# The thread's input and the goal revision it was started under, stored before the agent
+# starts: a call held only at its dispatch leaves no SDK pause, and the webhook's
+# `run_agent(hp, thread_id, agent)` starts from this input, the recorded answers replayed.
+STARTED = "openai_agents_input"
 FINAL = "openai-agents:final"
 Reason = str | Callable[..., str]
 # The `on_invoke_tool` of every tool holdpoint_tool made: how a paused call is known as ours.
@@ -395,14 +405,17 @@ async def _withdrawn(run: AsyncRunHandle, state: RunState[Any, Any], goal_rev: i
     )
 
 
+_STORED = (STATE_KEY, PAUSED_UNDER, ANSWERED, STARTED)
+
+
 async def _store(
     run: AsyncRunHandle, pause: dict[str, Any] | None = None, *, drop: bool = False
 ) -> None:
     """Write a pause (the RunState, the goal revision its calls were keyed under, the model
-    answers it had used) into the run's checkpoint before anyone waits on it — or `drop`
-    the stored one."""
+    answers it had used) or the thread's input into the run's checkpoint before anyone
+    waits on it — or `drop` what is stored of the thread's start and pause."""
     for _ in range(3):
-        kept = {k: v for k, v in run.state.items() if k not in (STATE_KEY, PAUSED_UNDER, ANSWERED)}
+        kept = {k: v for k, v in run.state.items() if k not in _STORED}
         state = kept if drop else {**run.state, **(pause or {})}
         try:
             await adrive(run.ex._checkpoint_flow(state, STEP), run.client)
@@ -426,6 +439,41 @@ def _answered(run: AsyncRunHandle) -> int:
     it: that client recorded none)."""
     taken = run.state.get(ANSWERED)
     return taken if isinstance(taken, int) else 0
+
+
+async def _started(run: AsyncRunHandle, thread_id: str, input: Any) -> Any:
+    """What a thread with no stored pause starts from: its stored input (a restart, or the
+    webhook's call after a call held at its dispatch — `input` is then ignored, as with a
+    pause: the recorded answers are that input's), else `input`, stored first. An input
+    stored under an older goal revision is not started again: without a new input, the
+    held call it led to is withdrawn (ActionWithdrawn), as an older revision's pause is."""
+    stored = run.state.get(STARTED)
+    if isinstance(stored, Mapping) and "input" in stored:
+        if stored.get("goal_rev") == run.ex.goal_rev:
+            return stored["input"]
+        if input is None:
+            await _store(run, drop=True)
+            raise ActionWithdrawn(
+                f"the goal was revised (revision {stored.get('goal_rev')} to "
+                f"{run.ex.goal_rev}) since thread {thread_id!r} started: its calls are "
+                "withdrawn; run the thread again with an input for the new goal"
+            )
+    if input is None:
+        raise ExecutorError(f"thread {thread_id!r} has no paused agent: pass the input")
+    await _store(run, {STARTED: {"input": _as_json(input), "goal_rev": run.ex.goal_rev}})
+    return input
+
+
+def _as_json(input: Any) -> Any:
+    """The SDK's input (text, or input items: dicts or the SDK's pydantic models) as JSON."""
+    if isinstance(input, list):
+        input = [
+            item.model_dump(mode="json", exclude_unset=True, by_alias=True)
+            if isinstance(item, BaseModel)
+            else item
+            for item in input
+        ]
+    return json.loads(calls.dumps(input))
 
 
 async def _never() -> Any:
@@ -460,7 +508,10 @@ async def run_agent(
 
     The run is found again by `thread_id` (or created, external, with `goal`). A paused
     RunState stored in it is resumed — `input` is then ignored — after the reviewers'
-    decisions are applied; each new pause is stored, then waited for. `approval_timeout`:
+    decisions are applied; each new pause is stored, then waited for. With no pause stored,
+    the thread starts from the input stored when it first started (`input` ignored), or
+    from `input`, stored first — so a call held only at its dispatch resumes without the
+    input, its model answers replayed from the record. `approval_timeout`:
     seconds to wait for a decision (None: the AsyncHoldpoint's `approval_timeout` — as long
     as it takes if that is None too; 0: not at all — a service calls again on the
     `approval.decided` webhook); ApprovalTimeout keeps everything. It bounds every wait for a
@@ -486,10 +537,8 @@ async def run_agent(
             await _decide(run, paused, _paused_under(run), approval_timeout)
             answers.taken = _answered(run)
             start = paused
-        elif input is None:
-            raise ExecutorError(f"thread {thread_id!r} has no paused agent: pass the input")
         else:
-            start = input
+            start = await _started(run, thread_id, input)
         while True:
             under = run.ex.goal_rev  # what the calls Runner.run prepares are keyed under
             result = await _run_agent(recorded, start, runner)
