@@ -11,6 +11,7 @@ them. Every write is conditional on the caller's fence and commits with its jour
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -740,7 +741,9 @@ def _apply_outcome(
             outcome=outcome,
             result=result,
             external_id=external_id,
-            last_error="looked up by key: not found" if outcome == "not_found" else "",
+            last_error="looked up by key: not found"
+            if outcome == "not_found"
+            else _reported_error(outcome, result),
             journal_extra=reported,
         )
     if outcome == "not_found":
@@ -752,7 +755,19 @@ def _apply_outcome(
     changes: dict[str, Any] = {"result": result}
     if outcome == "confirmed":
         changes["external_id"] = external_id.strip()
+    elif outcome == "failed":
+        changes["last_error"] = _reported_error(outcome, result)
     return ledger.transition(action, OUTCOMES[outcome], actor, journal_extra=reported, **changes)
+
+
+def _reported_error(outcome: str, result: Any) -> str:
+    """The error an executor reported with a `failed` outcome (`result.error`), as the
+    action's `last_error` — what the run page, the API and the timeline show of why it
+    failed, as for a tool Holdpoint sends (runtime.dispatch keeps as much)."""
+    error = result.get("error") if outcome == "failed" and isinstance(result, dict) else None
+    if error is None or error == "":
+        return ""
+    return (error if isinstance(error, str) else json.dumps(error))[:2000]
 
 
 def _check_outcome(tool: Tool, outcome: str, external_id: str, result: Any) -> str:

@@ -23,11 +23,6 @@ pytestmark = pytest.mark.django_db
 REFUSAL = "the tracker refused it: a task with this title exists"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/protocol.py _apply_outcome does not set last_error for a reported "
-    "`failed` (the fix is the lead's to apply there; drop this mark with it)",
-)
 @pytest.mark.parametrize("revised", [False, True], ids=["current goal", "goal revised since"])
 def test_a_failed_outcome_keeps_the_reported_error_as_last_error(
     agent_a: Persona, revised: bool
