@@ -16,7 +16,7 @@ undo may be asked for again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -97,6 +97,16 @@ def compensated_by(original: Action, undo: Action) -> None:
     assert Action.objects.filter(compensates=original).count() == 1
 
 
+def resolved(person: Persona, undo: Action, outcome: str, **said: str) -> dict[str, Any]:
+    """A person's resolution of the undo over the API: the action as answered."""
+    answer = person.api().post(
+        f"/api/v1/actions/{undo.action_id}/resolve/", {"outcome": outcome, **said}, format="json"
+    )
+    assert answer.status_code == 200, answer.content
+    action: dict[str, Any] = answer.json()
+    return action
+
+
 def test_the_undos_send_compensates_the_original(
     tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
 ) -> None:
@@ -164,28 +174,35 @@ def _lossy(box: Sandbox, lose: list[bool]) -> Behaviour:
     return behaviour
 
 
-def test_the_runs_executor_reconciling_the_undo_compensates_the_original(
-    tenant_a: Tenant,
-    sandbox_factory: Callable[[str], Sandbox],
-    serve: Callable[[Behaviour], Server],
-) -> None:
-    """An action of a run still going (waiting for input) is undone; the undo's answer is
-    lost. The run's next execution reconciles every unsettled action of the run first —
-    the undo with them, replayed with its key — and that confirmation is the original's:
-    before, the executor's reconciliation left the original `confirmed`."""
+def tickets_with_a_lossy_close(
+    tenant: Tenant, box: Sandbox, serve: Callable[[Behaviour], Server], close_mode: str = "key"
+) -> list[bool]:
+    """tickets.create (key) and its undo tickets.close (`close_mode`), held by no policy, the
+    close sent through a proxy that loses the tracker's answers while the returned flag's
+    first item is True."""
     from approvals.models import ApprovalPolicy
-    from runtime.graphs import Complete, Graph, Wait, register, registry
-    from runtime.lifecycle import provide_input
     from runtime.tooldefs import define_many
     from tests.tooldefs import tickets
 
-    box, lose = sandbox_factory("key"), [True]
+    lose = [True]
     close, create = tickets(box.url, "key")
+    close["dedup"] = {"mode": close_mode}
     close["request"]["url"] = serve(_lossy(box, lose)).url + "/tasks/{ticket}/close"
-    define_many(tenant_a, [close, create], "user:admin")
+    define_many(tenant, [close, create], "user:admin")
     for tool in ("tickets.create", "tickets.close"):
-        ApprovalPolicy.objects.create(tenant=tenant_a, name=tool, tool=tool, required=False)
-    graph = Graph("ticket-then-ask", version="1")
+        ApprovalPolicy.objects.create(tenant=tenant, name=tool, tool=tool, required=False)
+    return lose
+
+
+TICKET_THEN_ASK = "ticket-then-ask"
+
+
+@pytest.fixture
+def ticket_then_ask() -> Iterator[Any]:
+    """A graph that files a ticket and then waits for input: a run still going."""
+    from runtime.graphs import Complete, Graph, Wait, register, registry
+
+    graph = Graph(TICKET_THEN_ASK, version="1")
 
     @graph.step(start=True)
     def file(ctx: Any) -> Any:
@@ -197,19 +214,34 @@ def test_the_runs_executor_reconciling_the_undo_compensates_the_original(
         return Complete()
 
     register(graph)
-    try:
-        run = create_run(tenant_a, graph.name, {"title": "probe"}, actor="t")
-        assert advance_run(run.run_id, "w1").outcome == "waiting"
-        original = Action.objects.get(run=run)
-        undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
-        assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
+    yield graph
+    registry.unregister(graph.name, "1")
 
-        lose[0] = False  # the tracker's answers arrive again
-        run.refresh_from_db()
-        provide_input(run, {"more": "no"}, run.checkpoint_rev, actor="user:t")
-        assert advance_run(run.run_id, "w2").outcome == "completed"
-    finally:
-        registry.unregister(graph.name, "1")
+
+def test_the_runs_executor_reconciling_the_undo_compensates_the_original(
+    tenant_a: Tenant,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+    ticket_then_ask: Any,
+) -> None:
+    """An action of a run still going (waiting for input) is undone; the undo's answer is
+    lost. The run's next execution reconciles every unsettled action of the run first —
+    the undo with them, replayed with its key — and that confirmation is the original's:
+    before, the executor's reconciliation left the original `confirmed`."""
+    from runtime.lifecycle import provide_input
+
+    box = sandbox_factory("key")
+    lose = tickets_with_a_lossy_close(tenant_a, box, serve)
+    run = create_run(tenant_a, ticket_then_ask.name, {"title": "probe"}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    original = Action.objects.get(run=run)
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
+    assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
+
+    lose[0] = False  # the tracker's answers arrive again
+    run.refresh_from_db()
+    provide_input(run, {"more": "no"}, run.checkpoint_rev, actor="user:t")
+    assert advance_run(run.run_id, "w2").outcome == "completed"
     undo.refresh_from_db()
     assert undo.status == S.CONFIRMED and undo.reconcile_attempts == 1
     compensated_by(original, undo)
@@ -266,13 +298,8 @@ def test_a_person_saying_the_undo_applied_compensates_the_original(
     box, original, undo = for_a_person
 
     task = box.tasks()[0]
-    answer = reviewer_a.api().post(
-        f"/api/v1/actions/{undo.action_id}/resolve/",
-        {"outcome": "applied", "external_id": task["id"], "note": "closed in the tracker"},
-        format="json",
-    )
-    assert answer.status_code == 200, answer.content
-    assert answer.json()["status"] == "confirmed"
+    said = {"external_id": task["id"], "note": "closed in the tracker"}
+    assert resolved(reviewer_a, undo, "applied", **said)["status"] == "confirmed"
     compensated_by(original, undo)
     seen = reviewer_a.api().get(f"/api/v1/actions/{original.action_id}/")
     assert seen.json()["status"] == "compensated"
@@ -288,11 +315,7 @@ def test_a_person_saying_the_undo_did_not_apply_leaves_the_effect_and_another_ma
     past = timezone.now() - timedelta(seconds=1)
     Action.objects.filter(pk=undo.pk).update(in_flight_until=past)  # its sender is done
 
-    answer = reviewer_a.api().post(
-        f"/api/v1/actions/{undo.action_id}/resolve/", {"outcome": "not_applied"}, format="json"
-    )
-    assert answer.status_code == 200, answer.content
-    assert answer.json()["status"] == "cancelled"
+    assert resolved(reviewer_a, undo, "not_applied")["status"] == "cancelled"
     original.refresh_from_db()
     assert original.status == S.CONFIRMED
     again = compensate(original, "try again", actor="user:ada")
