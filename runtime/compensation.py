@@ -8,8 +8,18 @@ only once the compensation is confirmed, and by the same commit, whichever path 
 effect (ENDED_UNSENT) leaves it confirmed, and another may be asked for.
 
 No step drives a compensation and no run waits for it, so its sender is rung here (when it is
-asked for, sent again, or due again) and by the decision that approves it when a policy held
-it (`approvals.requests.after_decision`, through `ring`): nothing else would ever send it.
+asked for, sent again, or due again), by the decision that approves it when a policy held
+it (`approvals.requests.after_decision`, through `ring`), and by a person's "not applied"
+(`ledger.withdraw_if_moved_on`): nothing else would ever send it. For the same reason the
+sweeper rings the sender of one whose outcome is not known (`sent`, `unknown`) once its send
+is out of flight (`ring_due_reconciles`): the sender reconciles it by its tool's contract —
+also after its run finished, when no executor of the run ever looks at it again.
+
+An undo whose tool only an external executor performs (a `client` tool) is never sent by a
+worker, which cannot call it: it waits for the run's executor (the executor protocol's
+dispatch and outcome) while the run has a live one, and otherwise — a finished run, which no
+executor may lease again, or a hosted run — goes to a person (`manual_review`), who undoes it
+in the service and resolves it (`_for_a_person`).
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Now
 
 from runtime import actionkeys, gates, ledger, unsent
-from runtime.dispatch import perform
+from runtime.dispatch import perform, reconcile_delay
 from runtime.errors import (
     ApprovalExpired,
     ApprovalRequired,
@@ -29,9 +41,10 @@ from runtime.errors import (
     ToolUnavailable,
 )
 from runtime.events import RunEvent, record
-from runtime.models import SENDABLE, STANDALONE, Action, ActionStatus, Run
+from runtime.leases import db_now_plus
+from runtime.models import SENDABLE, STANDALONE, TERMINAL, Action, ActionStatus, Run
 from runtime.queue import enqueue_task, on_commit_task
-from runtime.tools import get_tool, tool_of
+from runtime.tools import Tool, get_tool, tool_of
 
 S = ActionStatus
 # The longest reason a compensation keeps (on the action, and sent to an undo tool that takes
@@ -46,6 +59,10 @@ RESEND_CAP = 3600.0
 # How long the sweeper's claim on a due resend lasts: a ring lost on the way is rung again
 # after this; a send that fails again sets its own next time.
 RESEND_HOLD = 120.0
+# An undo whose outcome is not known is rung again no sooner than this after its last write
+# (nor sooner than the reconcilers' back-off, `dispatch.reconcile_delay`): the sweeper's claim
+# on it, so a ring waiting in the queue is not rung again at every tick.
+RECONCILE_HOLD = 30.0
 # A standalone action's sender is rung only for one it may send (runtime.models.SENDABLE):
 # one `awaiting_approval` is rung by nobody — not asked again, not sent again, not resent by
 # the sweeper — until its request is decided.
@@ -185,7 +202,14 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
     if action.status not in (*ledger.UNSETTLED, *SENDABLE):
         return action
     tool = get_tool(action.tool, action.tenant_id)
-    fence = Run.objects.values_list("fence", flat=True).get(pk=action.run_id)
+    run = Run.objects.only("fence", "external", "status").get(
+        pk=action.run_id, tenant_id=action.tenant_id
+    )
+    if not (tool_of(action) if action.status in ledger.UNSETTLED else tool).sent_by_holdpoint:
+        if _executor_performs(run):
+            return action  # its executor dispatches it and reports what came back
+        return _for_a_person(action, actor)
+    fence = run.fence
     try:
         action = perform(action, fence, tool, actor)
     except InvalidTransition:
@@ -203,6 +227,38 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
         delay = resend_delay(stuck.send_failures + 1)
         return unsent.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
     return action  # if confirmed, its original became `compensated` in that same commit
+
+
+def _executor_performs(run: Run) -> bool:
+    """Whether an external executor may still perform the run's `client` actions: a run
+    created external and not finished (a finished one can no longer be leased)."""
+    return bool(run.external) and run.status not in TERMINAL
+
+
+def _for_a_person(action: Action, actor: str) -> Action:
+    """An undo of a `client` tool that no executor can perform now: to `manual_review`, for a
+    person to undo in the service and resolve (applied, with the id; or not applied, which
+    withdraws it: `ledger.moved_on`) — instead of `sent` with no request behind it. The run
+    is locked first (run, then its actions) and read again under the lock: an executor that
+    took its lease meanwhile has the undo instead. The run's status is not touched: no run
+    waits for an undo (a run still going parks on it when its executor meets it)."""
+    with transaction.atomic(durable=True):
+        scope = {"tenant_id": action.tenant_id}
+        run = (
+            Run.objects.select_for_update()
+            .only("external", "status")
+            .get(pk=action.run_id, **scope)
+        )
+        current = ledger.reload(action)
+        if _executor_performs(run) or current.status not in (*ledger.UNSETTLED, *SENDABLE):
+            return current
+        reason = (
+            f"{current.tool} is performed by an external executor, and no executor can "
+            f"perform it for this run (it is {run.status}, "
+            f"{'external' if run.external else 'hosted'}): undo it in the service, then "
+            "resolve it applied with the id, or not applied to withdraw it"
+        )
+        return ledger.transition(current, S.MANUAL_REVIEW, actor, last_error=reason)
 
 
 def resend_delay(failures: int) -> float:
@@ -236,6 +292,43 @@ def ring_due_resends(limit: int) -> int:
     for action_id, _tenant in claimed:
         enqueue_task(SENDER, action_id)
     return len(claimed)
+
+
+def ring_due_reconciles(limit: int) -> int:
+    """The sweeper's part for undos whose outcome is not known (`sent`, `unknown`): ring the
+    sender of each whose send can no longer be in flight (its sender's window, by the
+    database clock) and whose last write is RECONCILE_HOLD (or the reconcilers' back-off)
+    past; the sender reconciles it by its tool's contract (`dispatch.perform`). Each is
+    claimed first — a compare-and-swap moving its updated_at to now — so that the next tick
+    does not ring it again while its ring waits. One a `client` tool's executor still
+    performs is claimed and not rung: its executor reconciles it (its `reconcile`). How
+    many were rung. Read through the partial index runtime_action_unsettled."""
+    out_of_flight = Q(in_flight_until__isnull=True) | Q(in_flight_until__lte=Now())
+    due = (
+        Action.objects.filter(step=STANDALONE, status__in=ledger.UNSETTLED)
+        .filter(out_of_flight, updated_at__lte=db_now_plus(-RECONCILE_HOLD))
+        .order_by("updated_at")
+    )
+    fields = ("action_id", "tenant_id", "run", "tool", "tool_version", "reconcile_attempts")
+    rung = 0
+    found = due.select_related("run").only(*fields, "run__external", "run__status")
+    for action in list(found[:limit]):
+        hold = max(RECONCILE_HOLD, reconcile_delay(action.reconcile_attempts))
+        claimed = Action.objects.filter(
+            pk=action.pk,
+            tenant_id=action.tenant_id,
+            status__in=ledger.UNSETTLED,
+            updated_at__lte=db_now_plus(-hold),
+        ).update(updated_at=Now())
+        if claimed and _sent_by_a_worker(tool_of(action), action.run):
+            enqueue_task(SENDER, str(action.action_id))
+            rung += 1
+    return rung
+
+
+def _sent_by_a_worker(tool: Tool, run: Run) -> bool:
+    """Whether a worker's sender settles an undo of `tool` (else its run's executor does)."""
+    return tool.sent_by_holdpoint or not _executor_performs(run)
 
 
 def _purged() -> NotFound:

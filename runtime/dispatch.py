@@ -644,7 +644,7 @@ def _absent(action: Action, fence: int, actor: str) -> Verdict:
     finished: `ledger.withdraw_if_moved_on`), not left `prepared` for a send nobody makes."""
 
     def withdraw_if_moved_on() -> None:
-        run = Run.objects.only("status", "goal_rev").get(
+        run = Run.objects.only("status", "goal_rev", "external").get(
             pk=action.run_id, tenant_id=action.tenant_id
         )
         ledger.withdraw_if_moved_on(run, action, actor)

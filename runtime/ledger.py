@@ -48,9 +48,11 @@ from runtime.tools import Tool, tool_of
 S = ActionStatus
 # The allowed transitions, in one place (DESIGN.md, "Action" state machine).
 TRANSITIONS: dict[str, frozenset[str]] = {
-    S.PREPARED: frozenset({S.AWAITING_APPROVAL, S.SENT, S.CANCELLED}),
+    # prepared/approved → manual_review: an undo only an external executor can send, of a
+    # run none can send it for now — a person undoes it by hand (compensation.dispatch_standalone).
+    S.PREPARED: frozenset({S.AWAITING_APPROVAL, S.SENT, S.CANCELLED, S.MANUAL_REVIEW}),
     S.AWAITING_APPROVAL: frozenset({S.APPROVED, S.CANCELLED}),
-    S.APPROVED: frozenset({S.SENT, S.CANCELLED, S.AWAITING_APPROVAL}),
+    S.APPROVED: frozenset({S.SENT, S.CANCELLED, S.AWAITING_APPROVAL, S.MANUAL_REVIEW}),
     S.SENT: frozenset({S.CONFIRMED, S.UNKNOWN, S.FAILED, S.PREPARED, S.MANUAL_REVIEW}),
     S.UNKNOWN: frozenset({S.CONFIRMED, S.UNKNOWN, S.PREPARED, S.FAILED, S.MANUAL_REVIEW}),
     S.MANUAL_REVIEW: frozenset({S.CONFIRMED, S.PREPARED}),
@@ -759,22 +761,30 @@ def may_be_in_flight(action: Action) -> bool:
 
 
 def moved_on(run: Run, action: Action) -> str:
-    """Why no step will send a not-applied action again ("" if one will): its run finished
+    """Why nobody will send a not-applied action again ("" if someone will): its run finished
     (a cancel withdrew the run's unsent actions; no executor writes to it now), or the goal
     was revised since it was prepared (a revision withdrew the older unsent actions;
-    dispatch refuses it as stale_goal_rev)."""
+    dispatch refuses it as stale_goal_rev), or it is an undo only an external executor
+    performs (a `client` tool) of a run that has none (a hosted run's)."""
     if run.status in TERMINAL:
         return f"not applied, and the run is {run.status}"
     if action.goal_rev < run.goal_rev:
         return f"not applied, and the goal was revised (goal_rev {run.goal_rev})"
+    if action.standalone and not run.external and not tool_of(action).sent_by_holdpoint:
+        return f"not applied, and no executor of this run can perform {action.tool}"
     return ""
 
 
 def withdraw_if_moved_on(run: Run, action: Action, actor: str) -> Action:
     """A not-applied action just put back to `prepared`: withdrawn (`cancelled`, with the
-    reason) when no step will send it again (`moved_on`), as the run's other unsent actions
-    were; else left for its step to send with the same key."""
+    reason) when nobody will send it again (`moved_on`), as the run's other unsent actions
+    were; else sent again with the same key — by its step, or, for an undo (no step drives
+    one), by its sender, rung after the caller's commit: left `prepared`, nothing sent it."""
     gone = moved_on(run, action)
     if gone:
         transition(action, S.CANCELLED, actor, last_error=gone)
+    elif action.standalone:
+        from runtime.compensation import ring  # compensation builds on the ledger
+
+        ring(action)
     return action

@@ -153,7 +153,9 @@ def record_late_result(
     one's status and result are not a late report's to change (InvalidTransition)."""
     if action.status not in ledger.UNSETTLED:
         raise InvalidTransition(f"action is {action.status}; an outcome answers a send")
-    run = Run.objects.only("status", "goal_rev").get(pk=action.run_id, tenant_id=action.tenant_id)
+    run = Run.objects.only("status", "goal_rev", "external").get(
+        pk=action.run_id, tenant_id=action.tenant_id
+    )
     record(
         run,
         RunEvent.LATE_RESULT_IGNORED,
@@ -194,8 +196,9 @@ def resolve(
 ) -> Action:
     """A human settles an action nothing could prove: applied (with the id) or not applied.
 
-    Not applied puts it back to `prepared`: the step sends it again with the same key — or,
-    when no step will (`moved_on`), withdraws it (`cancelled`). The run leaves
+    Not applied puts it back to `prepared`: the step sends it again with the same key (an
+    undo, which no step drives: its sender, rung) — or, when nobody will (`moved_on`),
+    withdraws it (`cancelled`). The run leaves
     `needs_reconciliation` when no other action of it waits for a human.
     """
     if outcome not in ("applied", "not_applied"):

@@ -147,7 +147,8 @@ def sweep_once(
 ) -> SweepResult:
     """One tick: ring the due runs (bounded overall and per tenant), run the hold points'
     timers, flag lost external executors, ring the compensations due another send (their
-    last could not reach the tool: `compensation.ring_due_resends`), close idle MCP
+    last could not reach the tool: `compensation.ring_due_resends`) or a reconciliation
+    (their outcome not known: `compensation.ring_due_reconciles`), close idle MCP
     sessions; with `look_ahead`, also say when the next run becomes due within that many
     seconds (`next_due_in`), for a loop to wake then."""
     batch = batch or settings.HOLDPOINT_SWEEP_BATCH
@@ -167,6 +168,7 @@ def sweep_once(
     gates.sweep()  # hold points: expiry, reminders, escalation
     flag_lost_executors(batch)
     compensation.ring_due_resends(batch)  # compensations whose send could not reach its tool
+    compensation.ring_due_reconciles(batch)  # compensations whose outcome is not known
     mcp_session.close_idle(batch)  # MCP sessions their host left without closing
     next_due = next_due_in(look_ahead) if look_ahead > 0 else None
     return SweepResult(rung=len(chosen), due=len(found), next_due=next_due)
