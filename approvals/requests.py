@@ -21,10 +21,9 @@ from approvals.policies import policy_for
 from audit import journal
 from fastsql import statements
 from fastsql.statements import tenant_check
-from runtime import compensation
+from runtime import compensation, holds
 from runtime.errors import AlreadyDecided, InvalidParams, NotPermitted
 from runtime.events import RunEvent, record
-from runtime.lifecycle import wake_from_approval
 from runtime.models import Action, ActionStatus, Run
 from runtime.tools import tool_of
 
@@ -302,7 +301,7 @@ def after_decision(action: Action, run: Run, actor: str) -> None:
     every send does); rejected, nothing waits for it, and a run that waits for something
     else is left alone."""
     if not action.standalone:
-        wake_from_approval(run, actor)
+        holds.wake(run, actor)
     elif action.status == ActionStatus.APPROVED:
         compensation.ring(action)
 

@@ -28,7 +28,7 @@ from django.db.models.functions import Now
 from audit import journal
 from audit.canonical import canonical
 from fastsql import statements
-from runtime import metrics, observe, revising, stepcommit
+from runtime import holds, metrics, observe, revising, stepcommit
 from runtime.artifacts import Encoder, resolve
 from runtime.context import RecordedCalls, StepContext
 from runtime.dispatch import ActionRunner, Confirmed, RunMoved, for_a_person
@@ -503,14 +503,12 @@ class Executor:
     def wake_if_decided(self, action_id: Any) -> None:
         """The decision may have landed while we were parking (it saw the run `running` and
         woke nobody): look once more, after our commit, and wake the run ourselves."""
-        from runtime.lifecycle import wake_from_approval
-
         still_held = Action.objects.filter(
             pk=action_id, tenant_id=self.run.tenant_id, status=ActionStatus.AWAITING_APPROVAL
         ).exists()
         if not still_held:
             with transaction.atomic(durable=True):
-                wake_from_approval(self.run, self.lease.actor, "decided while parking")
+                holds.wake(self.run, self.lease.actor, "decided while parking")
             self.refetch()
 
     @staticmethod

@@ -255,20 +255,3 @@ def revise_goal(run: Run, goal: Any, expected_goal_rev: int, *, actor: str) -> R
         ring(run.pk)
     run.refresh_from_db()
     return run
-
-
-def wake_from_approval(run: Run, actor: str, reason: str = "approval decided") -> bool:
-    """A decision was made: a run waiting for it goes on (inside the caller's transaction).
-
-    Called by the decision and, after parking, by the executor itself: whichever commits
-    second sees the other's change, so a decision made while the run was still parking can
-    never leave it waiting forever.
-    """
-    waiting = Run.objects.filter(
-        tenant_check(run.tenant_id), pk=run.pk, status=RunStatus.WAITING_APPROVAL
-    )
-    woken = waiting.update(status=RunStatus.QUEUED, waiting_for=None, updated_at=Now())
-    if woken:
-        record(run, RunEvent.WOKEN, actor, reason=reason, status=RunStatus.QUEUED)
-        ring(run.pk)
-    return bool(woken)

@@ -28,7 +28,7 @@ from django.db.models.functions import Now
 from audit import journal
 from audit.journal import run_stream
 from audit.models import JournalEntry
-from runtime import ledger
+from runtime import holds, ledger
 from runtime.errors import InvalidParams, InvalidTransition
 from runtime.events import RunEvent, record
 from runtime.models import TERMINAL, Action, ActionStatus, Run, RunStatus
@@ -48,7 +48,7 @@ def to_person(action: Action, fence: int, actor: str, reason: str, **journal_ext
         last_error=reason[:2000],
         reconcile_attempts=action.reconcile_attempts + 1,
     )
-    waiting = {"kind": "reconciliation", "action_id": str(action.action_id), "tool": action.tool}
+    waiting = holds.reconciliation_for(action)
     moved = (
         Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
         .exclude(status__in=TERMINAL)
@@ -254,16 +254,7 @@ def resolve(
             actor=actor,
             payload=resolution,
         )
-        still_open = Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists()
-        if run.status == RunStatus.NEEDS_RECONCILIATION and not still_open:
-            Run.objects.filter(pk=run.pk).update(
-                status=RunStatus.QUEUED, waiting_for=None, updated_at=Now()
-            )
-            record(
-                run, RunEvent.RESUMED, actor, previous_status=run.status, status=RunStatus.QUEUED
-            )
-            from runtime.queue import ring
-
-            ring(run.run_id)
+        if not Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists():
+            holds.wake(run, actor, waiting=RunStatus.NEEDS_RECONCILIATION)
     locked.refresh_from_db()
     return locked

@@ -18,11 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, OuterRef, Subquery
+from django.db.models import F
 from django.db.models.functions import Now
 
 from audit.canonical import CanonicalError, canonical_bytes
-from runtime import actionkeys, gates, leases, ledger, observe, outcomes, stepcommit, toolcatalog
+from runtime import (
+    actionkeys,
+    gates,
+    holds,
+    leases,
+    ledger,
+    observe,
+    outcomes,
+    stepcommit,
+    toolcatalog,
+)
 from runtime.artifacts import Encoder, collect_refs
 from runtime.dispatch import perform
 from runtime.errors import (
@@ -59,10 +69,6 @@ UNFINISHED = tuple(status for status in RunStatus.values if status not in TERMIN
 API_STEP = "api"
 # A checkpoint's compare-and-swap retried when only the goal revision moved under it.
 _CHECKPOINT_ATTEMPTS = 3
-# The statuses of a leased external run that a held action parks in `waiting_approval`: the
-# executor is at it — running, or `queued` again while it keeps its lease (a goal revision,
-# a decision or a resolve woke it). A run that waits for input or for a person stays as it is.
-PARKABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING)
 
 
 class IdempotencyKeyReused(InvalidParams):
@@ -441,8 +447,8 @@ def prepare(
             if idempotency_key:
                 raise IdempotencyKeyReused(f"key {key!r} is taken") from None
             raise VersionConflict(f"call {index} of this step was taken; try again") from None
-        if approval and current.status in PARKABLE:
-            _park(current, fence, action, actor)
+        if approval and current.status in holds.PARKABLE:
+            holds.park(current, fence, action, actor)
         return answer(action, True)
 
 
@@ -473,28 +479,6 @@ def _same(action: Action, run: Run, tool: Tool, canonical: actionkeys.Canonical)
     )
 
 
-def _park(
-    run: Run, fence: int, action: Action, actor: str, statuses: tuple[str, ...] = PARKABLE
-) -> None:
-    """A run whose executor is at it (PARKABLE) and whose action waits for a reviewer waits
-    with it (inside the prepare), as a worker's run parks: `waiting_approval`, `waiting_for`
-    naming the action. `statuses`: the ones it may be parked from (a dispatch's `_resume`
-    parks it again, for another action)."""
-    waiting = {"kind": "approval", "action_id": str(action.action_id), "tool": action.tool}
-    parked = Run.objects.filter(
-        pk=run.run_id, tenant_id=run.tenant_id, fence=fence, status__in=statuses
-    ).update(status=RunStatus.WAITING_APPROVAL, waiting_for=waiting, updated_at=Now())
-    if not parked:
-        return
-    record(
-        run,
-        RunEvent.PARKED,
-        actor,
-        reason=f"{action.tool} needs approval",
-        status=RunStatus.WAITING_APPROVAL,
-    )
-
-
 def dispatch(action: Action, fence: int, who: str) -> Action:
     """Mark `sent` (runtime.ledger.mark_sent: every check of API.md's dispatch refusals). A
     `client` tool's agent then calls the service itself; a tool Holdpoint sends (`http`) is
@@ -509,7 +493,7 @@ def dispatch(action: Action, fence: int, who: str) -> Action:
     actor = _actor(who, fence)
 
     def resume(sent: Action) -> None:
-        _resume(sent, fence, actor)
+        holds.align(sent, fence, actor)
 
     if tool.sent_by_holdpoint:
         if action.status not in (S.PREPARED, S.APPROVED):
@@ -597,45 +581,6 @@ def _dispatch_again(action: Action, fence: int, ttl: float, tool: Tool, actor: s
     raise StaleGoalRev(
         f"prepared under goal_rev {action.goal_rev}, run is at {goal_rev}: not sent again"
     )
-
-
-WAITING = RunStatus.WAITING_APPROVAL
-# What a dispatch finds a run in that it parks again for another held action (`_resume`).
-REPARKABLE = (*PARKABLE, WAITING)
-
-
-def _resume(action: Action, fence: int, actor: str) -> None:
-    """Inside the dispatch: the run this fence holds, parked for an approval (or woken by
-    it), is running again — with its journal entry — unless another of its actions still
-    waits for a reviewer: then it waits for that one (the oldest), as a prepare parks it.
-    Sending one action says nothing of the others: an MCP session's call, sent while an
-    earlier one waited for a reviewer, made the session `running` (`queued` at the lease's
-    release), `waiting_for` gone, while that call still waited."""
-    run = Run(run_id=action.run_id, tenant_id=action.tenant_id)
-    mine = Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
-    held = Action.objects.filter(
-        tenant_id=action.tenant_id, run_id=OuterRef("pk"), status=S.AWAITING_APPROVAL
-    ).order_by("created_at", "action_id")
-    found = (
-        mine.filter(status__in=REPARKABLE)
-        .annotate(held=Subquery(held.values("action_id")[:1]))
-        .values_list("status", "waiting_for", "held")
-        .first()
-    )
-    if found is None:
-        return
-    previous, waiting_for, first = found
-    if first is not None:
-        if (previous, (waiting_for or {}).get("action_id")) != (WAITING, str(first)):
-            waits = Action.objects.get(pk=first, tenant_id=action.tenant_id)
-            _park(run, fence, waits, actor, REPARKABLE)
-        return
-    if previous not in (WAITING, RunStatus.QUEUED):
-        return
-    mine.filter(status=previous).update(
-        status=RunStatus.RUNNING, waiting_for=None, updated_at=Now()
-    )
-    record(run, RunEvent.RESUMED, actor, previous_status=previous, status=RunStatus.RUNNING)
 
 
 OUTCOMES = {

@@ -253,6 +253,8 @@ def test_a_call_sent_while_another_waits_for_a_reviewer_leaves_the_session_waiti
 
     request = _request(held[first])
     decide(request.id, reviewer_a.user, "approve", request.action_hash, reason="ok")
+    # Deciding the first wakes nothing while the second still waits for its reviewer.
+    assert _waits_for(run_id) == ("waiting_approval", str(held[second].action_id))
     done = _in_run(url, key, str(run_id), _call(CREATE, {"title": first}))
     assert not done.is_error and len(_reached(upstream, first)) == 1, text(done)
     # The first is sent; the second still waits for its reviewer, and the session with it.

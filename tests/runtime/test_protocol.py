@@ -10,7 +10,7 @@ import pytest
 
 from approvals.models import ApprovalRequest
 from audit.models import JournalEntry
-from runtime import protocol
+from runtime import holds, protocol
 from runtime.errors import StaleFence
 from runtime.events import RunEvent, rebuild_status
 from runtime.leases import take_lease
@@ -129,14 +129,14 @@ def test_a_crash_between_the_resume_and_its_journal_entry_leaves_neither(
     and, the resume being part of the dispatch, nothing was marked sent either."""
     run, fence, action = _approved_action(agent_a, reviewer_a)
     parked = Run.objects.get(pk=run.pk).status
-    real = protocol.record
+    real = holds.record  # the resume is written by runtime.holds.align
 
     def crash_at_resumed(run: Any, type: RunEvent, *args: Any, **kwargs: Any) -> Any:
         if type == RunEvent.RESUMED:
             raise RuntimeError("crash: the journal entry of the resume was never written")
         return real(run, type, *args, **kwargs)
 
-    monkeypatch.setattr(protocol, "record", crash_at_resumed)
+    monkeypatch.setattr(holds, "record", crash_at_resumed)
     with pytest.raises(RuntimeError, match="crash"):
         protocol.dispatch(action, fence, "agent:a")
     monkeypatch.undo()
