@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import OuterRef, QuerySet, Subquery
+from django.db.models import OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Now
 
 from fastsql.statements import tenant_check
@@ -127,3 +127,28 @@ def wake(run: Run, actor: str, reason: str = "approval decided", *, waiting: str
         record(run, RunEvent.RESUMED, actor, previous_status=waiting, status=RunStatus.QUEUED)
     ring(run.pk)
     return True
+
+
+def person_wait(run: Run) -> tuple[str, dict[str, Any]] | None:
+    """What the run waits for that only a person can end, as (status, waiting_for), for an
+    executor's `running` checkpoint to keep — it says the executor is at it again, which ends
+    a wait for its input but not these: an action in `manual_review` (`needs_reconciliation`,
+    its current `waiting_for` kept while the action it names still waits), else a held one
+    (`waiting_approval`, the oldest). None: nothing such."""
+    review = Q(status=S.MANUAL_REVIEW)
+    pending = list(
+        Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id)
+        .filter(review | Q(status=S.AWAITING_APPROVAL) & ~Q(step=STANDALONE))
+        .only("action_id", "tool", "status")
+        .order_by("created_at", "action_id")
+    )
+    for_person = [a for a in pending if a.status == S.MANUAL_REVIEW]
+    if for_person:
+        waits = run.waiting_for or {}
+        named = {str(a.action_id) for a in for_person}
+        if waits.get("kind") == "reconciliation" and waits.get("action_id") in named:
+            return RunStatus.NEEDS_RECONCILIATION, waits
+        return RunStatus.NEEDS_RECONCILIATION, reconciliation_for(for_person[0])
+    if pending:
+        return WAITING, waiting_for(pending[0])
+    return None

@@ -317,28 +317,36 @@ def write_checkpoint(
             changes["fence"] = fence + 1
     actor = _actor(who, fence)
 
-    def within() -> None:
-        if run_status in TERMINAL:
-            close_ledger(run, actor, f"the run {run_status}")
-        if settle is not None:
-            settle(rev, True)
-
     for _ in range(_CHECKPOINT_ATTEMPTS):
         current = _writable(run, fence, expected_rev)
+        # `running` says the executor is at it again: a wait for its input is over, not
+        # one only a person can end (holds.person_wait) — checked again under the run's
+        # row lock, in `within`: a decision or a resolve may land before the commit.
+        wait = holds.person_wait(current) if run_status == RunStatus.RUNNING else None
+        status, waits = wait or (run_status, changes.get("waiting_for"))
+
+        def within(current: Run = current, wait: Any = wait) -> None:
+            if wait is not None and holds.person_wait(current) != wait:
+                raise stepcommit.Moved()
+            if run_status in TERMINAL:
+                close_ledger(run, actor, f"the run {run_status}")
+            if settle is not None:
+                settle(rev, True)
+
         commit = StepCommit(
             run=current,
             actor=actor,
             fence=fence,
             step="",
             next_step=next_step,
-            status=run_status,
+            status=status,
             state=encoded,
-            changes=changes,
+            changes={**changes, "status": status, "waiting_for": waits},
             expect_status=UNFINISHED,
             event=RunEvent.STEP_COMMITTED,
             payload={"refs": len(collect_refs(encoded, set()))},
             artifacts=encoder.new,
-            within=within if settle is not None or run_status in TERMINAL else None,
+            within=within if settle or wait or run_status in TERMINAL else None,
         )
         try:
             stepcommit.write(commit)

@@ -6,6 +6,10 @@ or a person settling another action woke the run (`queued`, `waiting_for` null) 
 other still waited for its reviewer: the Runs pages, the metrics and the executor reading
 the run saw nothing waiting. The run now stays `waiting_approval`, `waiting_for` naming the
 oldest action still held, and wakes when none is.
+
+And an executor's `running` checkpoint says the executor is at it again: a `waiting_for`
+left from its earlier `waiting_input` checkpoint is stale then — but a wait only a person
+can end (a held action, an action in `manual_review`) is not the executor's to end.
 """
 
 from __future__ import annotations
@@ -48,10 +52,27 @@ def _decide(reviewer: Persona, approval_id: str, how: str) -> None:
     ok(post(alice, f"approvals/{approval_id}/decision/", body))
 
 
-def _two_held(agent: Persona) -> tuple[APIClient, str, int, dict[str, Any], dict[str, Any]]:
+def _leased(agent: Persona) -> tuple[APIClient, str, int]:
     client = agent.api()
     run_id = new_run(client)["run_id"]
-    fence = take_lease(client, run_id)
+    return client, run_id, take_lease(client, run_id)
+
+
+def _for_a_person(client: APIClient, run_id: str, fence: int, title: str) -> Any:
+    """An action only a person can settle now: sent, its outcome `unknown`, of a tool that
+    can neither deduplicate nor be looked up (HOLDPOINT_TASKS_DEDUP `none`)."""
+    lost = ok(prepare(client, run_id, fence, params={"title": title}), 201)
+    assert lost["status"] == "prepared"
+    ok(post(client, f"actions/{lost['action_id']}/dispatch/", {"fence": fence}))
+    unknown = {"fence": fence, "outcome": "unknown"}
+    assert ok(post(client, f"actions/{lost['action_id']}/outcome/", unknown))["status"] == (
+        "manual_review"
+    )
+    return lost
+
+
+def _two_held(agent: Persona) -> tuple[APIClient, str, int, dict[str, Any], dict[str, Any]]:
+    client, run_id, fence = _leased(agent)
     first = ok(prepare(client, run_id, fence, params={"title": "first"}), 201)
     second = ok(prepare(client, run_id, fence, params={"title": "second"}), 201)
     assert first["status"] == second["status"] == "awaiting_approval"
@@ -88,17 +109,10 @@ def test_a_person_settling_an_action_leaves_the_run_waiting_for_a_held_one(
     person's resolve woke it (`queued`) though the reviewer had not decided."""
     settings.HOLDPOINT_TASKS_DEDUP = "none"
     grant_policy(agent_a.tenant, condition=HELD)
-    client = agent_a.api()
-    run_id = new_run(client)["run_id"]
-    fence = take_lease(client, run_id)
+    client, run_id, fence = _leased(agent_a)
     held = ok(prepare(client, run_id, fence, params={"title": "HOLD this"}), 201)
-    lost = ok(prepare(client, run_id, fence, params={"title": "send this"}), 201)
-    assert (held["status"], lost["status"]) == ("awaiting_approval", "prepared")
-    ok(post(client, f"actions/{lost['action_id']}/dispatch/", {"fence": fence}))
-    unknown = {"fence": fence, "outcome": "unknown"}
-    assert ok(post(client, f"actions/{lost['action_id']}/outcome/", unknown))["status"] == (
-        "manual_review"
-    )
+    assert held["status"] == "awaiting_approval"
+    lost = _for_a_person(client, run_id, fence, "send this")
     assert _run(client, run_id) == ("needs_reconciliation", lost["action_id"])
 
     alice = session(reviewer_a.user)
@@ -108,3 +122,62 @@ def test_a_person_settling_an_action_leaves_the_run_waiting_for_a_held_one(
     assert _run(client, run_id) == ("waiting_approval", held["action_id"])
     _decide(reviewer_a, held["approval"], "approve")
     assert _run(client, run_id) == ("queued", None)
+
+
+# --- a running checkpoint ----------------------------------------------------------------------
+
+
+def _checkpoint(client: APIClient, run_id: str, fence: int, status: str) -> None:
+    rev = ok(get(client, f"runs/{run_id}/"))["checkpoint_rev"]
+    body = {"fence": fence, "expected_rev": rev, "state": {}, "next_step": "go", "status": status}
+    if status == "waiting_input":
+        body["prompt"] = "Which budget?"
+    ok(post(client, f"runs/{run_id}/checkpoints/", body), 201)
+
+
+def test_a_running_checkpoint_after_a_waiting_input_one_clears_the_stale_wait(
+    agent_a: Persona,
+) -> None:
+    """The executor asked for input, then leased the run again and went on without it: the
+    run said `running` while `waiting_for` still asked for the input."""
+    client, run_id, fence = _leased(agent_a)
+    _checkpoint(client, run_id, fence, "waiting_input")
+    assert ok(get(client, f"runs/{run_id}/"))["waiting_for"]["kind"] == "input"
+
+    again = take_lease(client, run_id, owner="p2")
+    _checkpoint(client, run_id, again, "running")
+
+    run = ok(get(client, f"runs/{run_id}/"))
+    assert (run["status"], run["waiting_for"]) == ("running", None)
+
+
+def test_a_running_checkpoint_keeps_the_run_waiting_for_a_held_action(
+    agent_a: Persona, reviewer_a: Persona
+) -> None:
+    grant_policy(agent_a.tenant)
+    client, run_id, fence = _leased(agent_a)
+    held = ok(prepare(client, run_id, fence, params={"title": "first"}), 201)
+    ok(prepare(client, run_id, fence, params={"title": "second"}), 201)
+
+    _checkpoint(client, run_id, fence, "running")  # while both wait for their reviewer
+    assert _run(client, run_id) == ("waiting_approval", held["action_id"])
+    _checkpoint(client, run_id, fence, "waiting_input")
+    again = take_lease(client, run_id, owner="p2")
+    _checkpoint(client, run_id, again, "running")
+    assert _run(client, run_id) == ("waiting_approval", held["action_id"])
+
+
+def test_a_running_checkpoint_keeps_the_run_waiting_for_a_person(
+    agent_a: Persona, settings: Any
+) -> None:
+    settings.HOLDPOINT_TASKS_DEDUP = "none"
+    client, run_id, fence = _leased(agent_a)
+    lost = _for_a_person(client, run_id, fence, "send this")
+    assert _run(client, run_id) == ("needs_reconciliation", lost["action_id"])
+
+    _checkpoint(client, run_id, fence, "running")
+    assert _run(client, run_id) == ("needs_reconciliation", lost["action_id"])
+    _checkpoint(client, run_id, fence, "waiting_input")
+    again = take_lease(client, run_id, owner="p2")
+    _checkpoint(client, run_id, again, "running")
+    assert _run(client, run_id) == ("needs_reconciliation", lost["action_id"])
