@@ -86,7 +86,11 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             self.fence: dict[tuple[str, str], int] = {}  # (process, run) → fence it holds
             self.seen_rev: dict[tuple[str, str], int] = {}  # (process, run) → rev it saw
             self.taken: dict[str, list[int]] = {run: [] for run in self.runs}
+            self.released: dict[str, set[int]] = {run: set() for run in self.runs}
             self.prepared: list[str] = []
+            # action → the (fence, verdict) reports accepted since its last send: the same one
+            # again is answered with the action as it is (runtime.outcomes.repeated).
+            self.reports: dict[str, set[tuple[int, str]]] = {}
             for p, index in (("p1", 0), ("p2", 1)):  # each process starts holding one run
                 self.lease(p, index)
 
@@ -156,10 +160,14 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             if fence is None:
                 return
             response = self.call(p, f"runs/{run.pk}/lease/release/", {"fence": fence})
-            if fence != run.fence or not run.lease_owner:  # released (or ended) is not held
+            if fence in self.released[str(run.pk)] and run.fence == fence + 1:
+                # This fence's release again, nothing since (its answer lost): as the first.
+                self.accepted(response)
+            elif fence != run.fence or not run.lease_owner:  # released (or ended) is not held
                 self.refused(response, "stale_fence")
             else:
                 self.accepted(response)
+                self.released[str(run.pk)].add(fence)
 
         def expire(self, index: int) -> None:
             """The holder paused past its TTL: move the data, not the database clock."""
@@ -186,8 +194,8 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             response = self.call(p, f"runs/{run.pk}/checkpoints/", body)
             if fence != run.fence:
                 self.refused(response, "stale_fence")
-            elif run.status in TERMINAL:
-                self.refused(response, "invalid_transition")
+            elif run.status in TERMINAL:  # as a prepare or a lease of a finished run
+                self.refused(response, "run_finished")
             elif expected != run.checkpoint_rev:
                 self.refused(response, "version_conflict")
             else:
@@ -239,10 +247,12 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             elif action.status in (ActionStatus.SENT, ActionStatus.UNKNOWN):
                 # reconcile replay_same_key (the tracker's mode here is `key`): sent again
                 assert self.accepted(response)["status"] == "sent"
+                self.reports.pop(action_id, None)
             elif action.status not in (ActionStatus.PREPARED, ActionStatus.APPROVED):
                 self.refused(response, "invalid_transition")
             else:
                 assert self.accepted(response)["status"] == "sent"
+                self.reports.pop(action_id, None)
 
         def outcome(self, action_id: str, p: str, verdict: str) -> None:
             self.step("outcome")
@@ -255,11 +265,15 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
             response = self.call(p, f"actions/{action_id}/outcome/", body)
             if fence != run.fence:
                 self.refused(response, "stale_fence")
+            elif (fence, verdict) in self.reports.get(action_id, set()):
+                # The same report again (its answer lost): the action as it is, nothing written.
+                assert self.accepted(response)["status"] == action.status
             elif action.status == ActionStatus.MANUAL_REVIEW:
                 self.refused(response, "invalid_transition")  # a person's to resolve
             elif action.goal_rev != run.goal_rev:
                 if action.status in (ActionStatus.SENT, ActionStatus.UNKNOWN):
                     self.accepted(response)  # a late result: recorded, the run does not move
+                    self.reports.setdefault(action_id, set()).add((fence, verdict))
                 else:  # settled, or never sent: not a late report's to change
                     self.refused(response, "invalid_transition")
             elif action.status not in sources(verdict):
@@ -268,6 +282,7 @@ def machine_for(agent: Persona, reviewer: Persona) -> type[RuleBasedStateMachine
                 status = self.accepted(response)["status"]
                 # The server applies the tool's contract: enough unknowns go to a person.
                 assert status == verdict or (verdict, status) == ("unknown", "manual_review")
+                self.reports.setdefault(action_id, set()).add((fence, verdict))
 
         # --- humans and other clients ------------------------------------------------------
 
