@@ -129,7 +129,14 @@ def _insert_values(table: Table, row: Mapping[str, Any], conn: BaseDatabaseWrapp
     now for auto_now / auto_now_add, else the field's default. A `DbNow` is kept as it is:
     `_insert` writes the database clock in its place."""
     if row.keys() >= table.insert_names:  # all given (an instance's __dict__): the short way
-        return [_prep_or_clock(prep, row[name], conn) for name, prep in table.insert_preps]
+        # `_prep_or_clock`, inline, and no call at all for a value its prep would return as it
+        # is (fastsql.prep.passes): this runs for every column of every row a step inserts.
+        return [
+            value
+            if (cls := (value := row[name]).__class__) is kind or cls is DbNow
+            else prep(value, conn)
+            for name, kind, prep in table.insert_preps
+        ]
     values = []
     for attname, prep, field, stamped in table.inserts:
         if attname in row:

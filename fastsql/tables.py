@@ -10,7 +10,7 @@ Callers use fastsql.statements, which names the vocabulary again; nothing else i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -25,7 +25,7 @@ from django.db.models.functions import Now
 from django.db.models.lookups import Exact
 from django.db.models.sql import Query
 
-from fastsql.prep import Prep, save_and_lookup
+from fastsql.prep import Prep, passes, save_and_lookup
 
 _M = TypeVar("_M", bound=models.Model)
 
@@ -125,7 +125,8 @@ class Table:
             for f in self.insert_fields
         ]
         self.insert_names = frozenset(f.attname for f in self.insert_fields)
-        self.insert_preps = [(attname, prep) for attname, prep, _, _ in self.inserts]
+        # (attname, the class its prep returns unchanged, the prep): see fastsql.prep.passes.
+        self.insert_preps = [(attname, passes(prep), prep) for attname, prep, _, _ in self.inserts]
         self.insert_columns = ", ".join(self.column[f.attname] for f in self.insert_fields)
         # In a SELECT the values need their column types spelled out (a NULL would be text).
         self.typed_slots = tuple(f"%s::{f.db_type(conn)}" for f in self.insert_fields)
@@ -187,23 +188,45 @@ def built(model: type[_M], values: Mapping[str, Any]) -> _M:
     builds one Action and five journal entries). A name that is no column is refused, as
     __init__ refuses it. When something listens to the model's pre_init or post_init signal,
     its __init__ runs all the same."""
-    if signals.pre_init.has_listeners(model) or signals.post_init.has_listeners(model):
+    if (signals.pre_init.receivers or signals.post_init.receivers) and (
+        signals.pre_init.has_listeners(model) or signals.post_init.has_listeners(model)
+    ):  # (no receiver at all, the usual case: not asked per model)
         return model(**values)
     instance = model.__new__(model)
     instance._state = ModelState()
     data = instance.__dict__
     given = 0
-    for field in model._meta.concrete_fields:
-        name = field.attname
+    for name, default in _column_defaults(model):
         if name in values:
             data[name] = values[name]
             given += 1
         else:
-            data[name] = field.get_default()
+            data[name] = default()
     if given != len(values):
         unknown = sorted(set(values) - set(data))
         raise TypeError(f"{model.__name__}: no column named {', '.join(unknown)}")
     return instance
+
+
+_defaults: dict[type[models.Model], tuple[tuple[str, Callable[[], Any]], ...]] = {}
+
+
+def _column_defaults(model: type[models.Model]) -> tuple[tuple[str, Callable[[], Any]], ...]:
+    """Each concrete column's attname and what gives its default: the field's get_default,
+    or — where that is Field's own, which only calls it — the callable it calls (Django
+    internals: `Field._get_default`, computed once per field)."""
+    found = _defaults.get(model)
+    if found is None:
+        found = _defaults[model] = tuple(
+            (
+                field.attname,
+                field._get_default  # type: ignore[attr-defined]
+                if type(field).get_default is models.Field.get_default
+                else field.get_default,
+            )
+            for field in model._meta.concrete_fields
+        )
+    return found
 
 
 def clock_sql(model: type[models.Model], value: DbNow, conn: BaseDatabaseWrapper) -> Any:
