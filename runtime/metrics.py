@@ -24,6 +24,7 @@ are the first HOLDPOINT_METRICS_TOOL_LABELS tools a host met, each cut to 100 ch
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -92,12 +93,25 @@ def observe_step(began: float, ended: float | None = None) -> None:
 
 
 def observe_action(tool: str, began: float) -> None:
-    ACTION_SECONDS.labels(tool=_tool_label(tool)).observe(time.perf_counter() - began)
+    _action_seconds(tool).observe(time.perf_counter() - began)
 
 
 def observe_action_seconds(tool: str, seconds: float) -> None:
     """A request timed elsewhere: a `client` tool's, by the database's times."""
-    ACTION_SECONDS.labels(tool=_tool_label(tool)).observe(max(seconds, 0.0))
+    _action_seconds(tool).observe(max(seconds, 0.0))
+
+
+# ACTION_SECONDS's series by its `tool` label: what `labels()` finds again on every call (its
+# arguments checked, a lock taken), found here in a dict — as bounded as the label's values.
+_ACTION_SERIES: dict[str, Any] = {}
+
+
+def _action_seconds(tool: str) -> Any:
+    label = _tool_label(tool)
+    series = _ACTION_SERIES.get(label)
+    if series is None:
+        series = _ACTION_SERIES[label] = ACTION_SECONDS.labels(tool=label)
+    return series
 
 
 def _tool_label(tool: str) -> str:
@@ -106,7 +120,12 @@ def _tool_label(tool: str) -> str:
 
 def _directory() -> Path:
     """Where this process's histograms go (prometheus-client reads the same variable)."""
-    return Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    return _path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+@functools.lru_cache(maxsize=16)
+def _path(directory: str) -> Path:
+    return Path(directory)  # parsed once: this runs for every request an action sends
 
 
 def takeovers_sql(vendor: str) -> str:
