@@ -344,18 +344,22 @@ MAX_DEPTH = 64
 TOO_DEEP = f"JSON nested deeper than {MAX_DEPTH} levels"
 
 
+_NESTING = (dict, list)
+
+
 def deeper_than(value: Any, limit: int) -> bool:
-    """Whether objects and arrays nest more than `limit` levels (without recursion)."""
+    """Whether objects and arrays nest more than `limit` levels (without recursion). Only
+    objects and arrays are stacked: an action's params and its answer are checked on every
+    action, most of their values scalars."""
+    if not isinstance(value, _NESTING):
+        return False
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        deeper = depth + 1
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, _NESTING):
+                stack.append((child, deeper))
     return False

@@ -5,8 +5,10 @@ RecursionError, which no caller expected (the run page's forms answered it with 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from audit.canonical import MAX_DEPTH, CanonicalError, parse_strict
+from audit.canonical import MAX_DEPTH, CanonicalError, deeper_than, parse_strict
 
 
 def _arrays(depth: int) -> str:
@@ -56,3 +58,26 @@ def test_a_reviewer_s_json_field_edit_nested_too_deep_is_a_field_error() -> None
     message = f"labels is not valid JSON: JSON nested deeper than {MAX_DEPTH} levels"
     assert refused.value.extra["errors"] == {"labels": [message]}
     assert refused.value.extra["drafts"]["labels"] == post["param-labels"]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+def _nesting(value: object) -> int:
+    """Levels of objects and arrays, by the definition (recursion: these are small)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_nesting, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_nesting, value), default=0)
+    return 0
+
+
+@given(JSON, st.integers(min_value=0, max_value=6))
+def test_deeper_than_counts_levels_of_objects_and_arrays(value: object, limit: int) -> None:
+    assert deeper_than(value, limit) == (_nesting(value) > limit)
