@@ -30,7 +30,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
 from fastsql.cursor import cursor as _cursor
-from fastsql.prep import Prep
 from fastsql.tables import (
     NOW,
     Above,
@@ -129,8 +128,8 @@ def _insert_values(table: Table, row: Mapping[str, Any], conn: BaseDatabaseWrapp
     now for auto_now / auto_now_add, else the field's default. A `DbNow` is kept as it is:
     `_insert` writes the database clock in its place."""
     if row.keys() >= table.insert_names:  # all given (an instance's __dict__): the short way
-        # `_prep_or_clock`, inline, and no call at all for a value its prep would return as it
-        # is (fastsql.prep.passes): this runs for every column of every row a step inserts.
+        # No call for a value its prep would return as it is (fastsql.prep.passes) nor for a
+        # clock: this runs for every column of every row a step inserts.
         return [
             value
             if (cls := (value := row[name]).__class__) is kind or cls is DbNow
@@ -138,19 +137,16 @@ def _insert_values(table: Table, row: Mapping[str, Any], conn: BaseDatabaseWrapp
             for name, kind, prep in table.insert_preps
         ]
     values = []
-    for attname, prep, field, stamped in table.inserts:
+    for attname, kind, prep, field, stamped in table.inserts:
         if attname in row:
             value = row[attname]
         elif stamped:
             value = timezone.now()
         else:
             value = field.get_default()
-        values.append(_prep_or_clock(prep, value, conn))
+        cls = value.__class__  # as above
+        values.append(value if cls is kind or cls is DbNow else prep(value, conn))
     return values
-
-
-def _prep_or_clock(prep: Prep, value: Any, conn: BaseDatabaseWrapper) -> Any:
-    return value if value.__class__ is DbNow else prep(value, conn)
 
 
 def _with_clocks(
@@ -158,15 +154,12 @@ def _with_clocks(
 ) -> tuple[tuple[tuple[int, DbNow], ...], list[Any]]:
     """The positions of the `DbNow` values among an insert's `params`, and the params with
     each replaced by its clock's own parameters (none, or its interval)."""
-    clocks = tuple((i, v) for i, v in enumerate(params) if v.__class__ is DbNow)
+    clocks = tuple([(i, v) for i, v in enumerate(params) if v.__class__ is DbNow])
     if not clocks:
         return (), params
-    spliced: list[Any] = []
-    for value in params:
-        if value.__class__ is DbNow:
-            spliced.extend(clock_sql(table.model, value, conn)[1])
-        else:
-            spliced.append(value)
+    spliced = list(params)
+    for position, value in reversed(clocks):  # from the last: the earlier positions hold
+        spliced[position : position + 1] = clock_sql(table.model, value, conn)[1]
     return clocks, spliced
 
 

@@ -115,9 +115,12 @@ class Table:
         self.insert_fields = [
             f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
         ]
+        # (attname, the class its prep returns unchanged — fastsql.prep.passes —, the prep,
+        # the field, whether it is stamped with the time), for each column an insert writes.
         self.inserts = [
             (
                 f.attname,
+                passes(self.save[f.attname]),
                 self.save[f.attname],
                 f,
                 bool(getattr(f, "auto_now", False) or getattr(f, "auto_now_add", False)),
@@ -125,8 +128,7 @@ class Table:
             for f in self.insert_fields
         ]
         self.insert_names = frozenset(f.attname for f in self.insert_fields)
-        # (attname, the class its prep returns unchanged, the prep): see fastsql.prep.passes.
-        self.insert_preps = [(attname, passes(prep), prep) for attname, prep, _, _ in self.inserts]
+        self.insert_preps = [(attname, kind, prep) for attname, kind, prep, _, _ in self.inserts]
         self.insert_columns = ", ".join(self.column[f.attname] for f in self.insert_fields)
         # In a SELECT the values need their column types spelled out (a NULL would be text).
         self.typed_slots = tuple(f"%s::{f.db_type(conn)}" for f in self.insert_fields)
