@@ -149,12 +149,14 @@ def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
         return
     from audit.journal import run_stream
     from audit.verification import verify_stream
+    from runtime.checkverify import verify_run
     from runtime.events import rebuild_status
     from runtime.models import Run
 
-    for run_id, status in Run.objects.values_list("run_id", "status"):
-        assert rebuild_status(run_id) == status, f"journal disagrees for run {run_id}"
-        assert verify_stream(run_stream(run_id)) is None, f"chain broken for run {run_id}"
+    for run in Run.objects.only("run_id", "status", "tenant_id", "checkpoint_rev"):
+        assert rebuild_status(run.run_id) == run.status, f"journal disagrees for run {run.run_id}"
+        assert verify_stream(run_stream(run.run_id)) is None, f"chain broken for run {run.run_id}"
+        assert verify_run(run)[1] == [], f"checkpoints of run {run.run_id} do not verify"
 
 
 @pytest.fixture(autouse=True)

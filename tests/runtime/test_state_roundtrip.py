@@ -66,6 +66,7 @@ def test_reserved_keys_read_back_as_written(
     assert _inline(reviewer_a, run, waited) == state
 
 
+@pytest.mark.tampers_journal  # a row written by hand, as before: no step journalled it
 def test_a_checkpoint_stored_in_the_earlier_form_still_reads(
     tenant_a: Tenant, reviewer_a: Persona
 ) -> None:
