@@ -21,6 +21,9 @@ from runtime.models import Artifact, Checkpoint, Run, Tenant
 from runtime.stepcommit import checkpoint_digest
 from tests.audit.tamper import tampering
 
+# The suite's own after-test check would name these edits too.
+pytestmark = pytest.mark.tampers_journal
+
 
 def checkpoint_verify(*args: str) -> tuple[bool, str]:
     out = StringIO()
