@@ -650,9 +650,11 @@ class ExecutorCore(Generic[C]):
     ) -> Flow[Action]:
         """Record the outcome; after an ambiguous failure, sent again after a pause,
         `replay_attempts` times in all. A report that landed the first time is answered
-        again by the server with the action as it is now (200: the same fence, outcome and
-        external id), so repeating it can neither apply it twice nor be mistaken for a
-        refusal; a 409 `invalid_transition` is then a real one (another report applied).
+        again by the server with the action as it is now (200: the same fence and the same
+        report — outcome, external id and result, which is why each attempt sends the very
+        same one), so repeating it can neither apply it twice nor be mistaken for a
+        refusal; a 409 `invalid_transition` is then a real one (another report settled the
+        action) and is raised, never repeated.
 
         A 5xx is such an ambiguous failure even when Holdpoint itself wrote it (its own
         500 `server_error`, a 503 `service_unavailable` it kept answering): the POST may

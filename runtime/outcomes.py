@@ -26,6 +26,7 @@ from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 
 from audit import journal
+from audit.canonical import digest, digests
 from audit.journal import run_stream
 from audit.models import JournalEntry
 from runtime import holds, ledger
@@ -66,20 +67,34 @@ def to_person(action: Action, fence: int, actor: str, reason: str, **journal_ext
     return action
 
 
-def report(who: str, owner: str, outcome: str) -> dict[str, Any]:
+def report(who: str, owner: str, outcome: str, external_id: str, result: Any) -> dict[str, Any]:
     """What an external executor's report adds to each journal entry it writes: the API
-    account that reported it, the lease owner, and the outcome word it said — by which
-    `repeated` knows the report again."""
-    return {"reported_by": who, "executor_owner": owner, "outcome": outcome}
+    account that reported it, the lease owner, the outcome word it said, and the digest of
+    the whole report — by which `repeated` knows the report again."""
+    return {
+        "reported_by": who,
+        "executor_owner": owner,
+        "outcome": outcome,
+        "report_digest": digest(_said(outcome, external_id, result)),
+    }
 
 
-def repeated(action: Action, actor: str, outcome: str, external_id: str) -> bool:
+def _said(outcome: str, external_id: str, result: Any) -> dict[str, Any]:
+    """The whole report, as the server reads it (the id without surrounding blanks): a
+    repeat is the same outcome, external id and result, the result as canonical JSON — so
+    neither key order nor number spelling makes a retry another report."""
+    return {"outcome": outcome, "external_id": external_id.strip(), "result": result}
+
+
+def repeated(action: Action, actor: str, outcome: str, external_id: str, result: Any) -> bool:
     """Whether this very report already applied: since the action was last marked `sent`,
-    `actor` (the reporting account under its fence) reported `outcome` — for `confirmed`
-    with this external id. A client repeating a report whose answer it lost is answered with
-    the action as it is now: whatever followed the report (an `unknown` handed to a person,
-    the person's resolution) stays, and nothing is journalled again. Read newest first
-    through the action's outcome entries, back to its latest send (none: not `sent` now)."""
+    `actor` (the reporting account under its fence) made a report with this digest (see
+    `report`). A client repeating a report whose answer it lost is answered with the action
+    as it is now: whatever followed the report (an `unknown` handed to a person, the
+    person's resolution) stays, and nothing is journalled again. Any other report meets
+    the action as it is — refused (InvalidTransition) where a report settled it. Read
+    newest first through the action's outcome entries, back to its latest send (none: not
+    `sent` now)."""
     if action.status == S.SENT:
         return False  # every report moves an action off `sent`: none since this send
     entries = (
@@ -92,13 +107,28 @@ def repeated(action: Action, actor: str, outcome: str, external_id: str) -> bool
         .order_by("-seq")
         .values_list("actor", "payload")
     )
+    said = _said(outcome, external_id, result)
     for by, payload in entries:
         if payload.get("action_status") == S.SENT:
             return False
-        said = payload.get("reported_by") and payload.get("outcome") == outcome
-        if by == actor and said:
-            return outcome != "confirmed" or payload.get("external_id") == external_id.strip()
+        if by == actor and payload.get("reported_by") and _same(payload, said):
+            return True
     return False
+
+
+def _same(payload: dict[str, Any], said: dict[str, Any]) -> bool:
+    """Whether the journalled report is `said`: its digest, in either canonical form
+    audit.canonical knows (`report` stores RFC 8785's). An entry written before reports
+    carried a digest names only the outcome word (and, for `confirmed`, the id): a retry
+    across that upgrade is matched on those, as it was before."""
+    stored = payload.get("report_digest")
+    if stored is not None:
+        return str(stored) in digests(said)
+    outcome, external_id = payload.get("outcome"), payload.get("external_id")
+    return bool(
+        outcome == said["outcome"]
+        and (outcome != "confirmed" or external_id == said["external_id"])
+    )
 
 
 def settle_unknown(

@@ -639,8 +639,9 @@ def record_outcome(
     back from a request Holdpoint sent itself is never an API client's to say. An old
     revision's result settles its action all the same (runtime.outcomes.record_late_result:
     a failure is failed, a proved absence withdrawn, an unknown of a `none` tool a person's)
-    but advances nothing. The same report again (its answer lost: runtime.outcomes.repeated)
-    answers the action as it is now and writes nothing."""
+    but advances nothing. The same report again — outcome, external id and result (its
+    answer lost: runtime.outcomes.repeated) — answers the action as it is now and writes
+    nothing; any other report of an action a report settled is InvalidTransition."""
     tool = tool_of(action)
     if tool.sent_by_holdpoint:
         raise NotPermitted(
@@ -649,7 +650,7 @@ def record_outcome(
         )
     mode = _check_outcome(tool, outcome, external_id, result)
     actor = _actor(who, fence)
-    reported = outcomes.report(who, owner, outcome)
+    reported = outcomes.report(who, owner, outcome, external_id, result)
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
         goal_rev = (
@@ -658,7 +659,7 @@ def record_outcome(
             .get()
         )
         action = ledger.reload(action)  # its status now, under the run's row lock
-        if outcomes.repeated(action, actor, outcome, external_id):
+        if outcomes.repeated(action, actor, outcome, external_id, result):
             return action  # its answer was lost: the same answer again, nothing written
         settled_from = action.status
         settled = _apply_outcome(

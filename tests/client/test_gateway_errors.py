@@ -19,7 +19,7 @@ from django.core.cache import caches
 import holdpoint_client.errors as errors
 from audit.journal import run_stream
 from audit.models import JournalEntry
-from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, ToolCall
+from holdpoint_client import AsyncClient, AsyncExecutor, Client, Executor, ToolCall, ToolRefused
 from runtime.models import Action as ActionRow
 from runtime.models import Run as RunRow
 from tests.conftest import Persona
@@ -178,6 +178,69 @@ def confirmed_entries(run_id: str) -> int:
         for p in entries.values_list("payload", flat=True)
         if p.get("action_status") == "confirmed"
     )
+
+
+@pytest.mark.parametrize("verdict", ["confirmed", "failed"])
+def test_a_report_whose_answer_was_lost_is_sent_again_as_it_was_and_answered_200(
+    api: Client, gateway: tuple[Gateway, str], verdict: str
+) -> None:
+    """The server knows a repeat by the whole report — outcome, external id and result — and
+    refuses any other report of a settled action (409 invalid_transition). The client's
+    repeat after a lost answer sends the report as it was, a result with floats and nested
+    keys too, so it is answered 200 with the action the first report settled."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+    answer = {"id": "T-1", "score": 0.5, "labels": {"b": [1.0, 2], "a": None}}
+
+    def perform(call: ToolCall) -> tuple[str, Any]:
+        if verdict == "failed":
+            raise ToolRefused("a task with this title exists")
+        return "T-1", answer
+
+    proxy.fail("POST", "/outcome/", 504, forwarded=True)
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        if verdict == "failed":
+            with pytest.raises(errors.ActionFailed):
+                ex.act(TOOL, TASK, call="propose", perform=perform)
+        else:
+            assert ex.act(TOOL, TASK, call="propose", perform=perform).result == answer
+
+    assert proxy.count("POST", "/outcome/") == 2  # the repeat, answered 200
+    entries = JournalEntry.objects.filter(stream=run_stream(run.run_id), type="action_outcome")
+    said = [p["action_status"] for p in entries.order_by("seq").values_list("payload", flat=True)]
+    assert said == ["sent", verdict]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"outcome": "failed", "result": {"error": "x"}},
+        {"outcome": "confirmed", "external_id": "T-1", "result": {"id": "T-1", "by": "other"}},
+    ],
+    ids=["failed", "confirmed-other-result"],
+)
+def test_a_report_another_report_settled_first_raises_invalid_transition_once(
+    api: Client, gateway: tuple[Gateway, str], other: dict[str, Any]
+) -> None:
+    """Another report settled the action while this executor's tool ran. Its own report
+    (`confirmed`, T-1) differing from that one only in its result was answered 200 and
+    `act` returned the action as if its report had landed. Now any other report is refused
+    409 invalid_transition, and `act` raises that refusal after one POST — it neither loops
+    on it nor takes it for its own report — and the ledger keeps the first report."""
+    proxy, _ = gateway
+    run = api.create_run("api-review", {}, external=True)
+
+    def perform(call: ToolCall) -> tuple[str, Any]:
+        api.record_outcome(call.action.action_id, fence=call.fence, **other)
+        return "T-1", {"id": "T-1"}
+
+    with Executor(api, run.run_id, "agent-1", ttl=10, retry_pause=0.01) as ex:
+        with pytest.raises(errors.InvalidTransition):
+            ex.act(TOOL, TASK, call="propose", perform=perform)
+
+    assert proxy.count("POST", "/outcome/") == 2  # the other report, and ours once
+    stored = ActionRow.objects.get(run_id=run.run_id)
+    assert (stored.status, stored.result) == (other["outcome"], other["result"])
 
 
 def test_a_gateway_503_on_a_call_not_safe_to_repeat_is_not_repeated(
