@@ -169,6 +169,12 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             reason=reason[:REASON_MAX],
             target=original.external_id,
             compensates=original,
+            # The sweeper's next try, from the start: the ring below goes to the queue after
+            # this commit, and one lost on the way (a worker dead between the two, a broker
+            # that dropped it) is rung again RESEND_HOLD on; a send takes it out of the
+            # sweeper's index first (unsent.claim_resends). One held for a reviewer is rung by
+            # the decision, and by the sweeper after it, should that ring be lost too.
+            send_retry_at=db_now_plus(RESEND_HOLD),
             status=S.AWAITING_APPROVAL
             if gates.needs_approval(undo, params, run, original.external_id)
             else S.PREPARED,

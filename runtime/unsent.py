@@ -64,10 +64,11 @@ def note_unsent(action: Action, reason: str, actor: str, *, retry_in: float | No
 
 def claim_resends(limit: int, hold: float) -> list[tuple[str, int]]:
     """(action id, tenant) of up to `limit` unsent actions whose retry time came (database
-    clock; only `note_unsent` sets one), each claimed by moving that time `hold` seconds on
-    — a compare-and-swap on its being due — so that the next sweep does not ring it again
-    while its ring waits in the queue. A ring that is lost is rung again after `hold`; the
-    send's own failure sets the next time, a send takes it out of the sweeper's index."""
+    clock; set by `note_unsent`, and by `compensation.compensate` for a first ring that may
+    be lost), each claimed by moving that time `hold` seconds on — a compare-and-swap on its
+    being due — so that the next sweep does not ring it again while its ring waits in the
+    queue. A ring that is lost is rung again after `hold`; the send's own failure sets the
+    next time, a send takes it out of the sweeper's index."""
     due = (
         Action.objects.filter(status__in=SENDABLE, send_retry_at__lte=Now())
         .order_by("send_retry_at")

@@ -360,3 +360,41 @@ def test_an_undo_of_a_live_run_a_lookup_proves_absent_is_sent_again_by_its_sende
     undo.refresh_from_db()
     assert undo.status == S.CONFIRMED
     compensated_by(original, undo)
+
+
+# --- a ring lost before the undo's first send ---------------------------------------------
+
+
+def test_an_undo_whose_first_ring_was_lost_is_rung_by_the_sweeper_and_sent_once(
+    tenant_a: Tenant, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The ring that sends a new undo goes to the queue after its commit: a worker that
+    dies between the two, or a broker that loses the message, left it `prepared` for ever
+    — no step drives an undo, and the sweeper only rang one whose send had failed. Now it
+    carries the sweeper's next try from the start, RESEND_HOLD on (database time): a ring
+    on its way is not doubled while it waits, a lost one is rung again."""
+    from django.db.models import F
+
+    from runtime.compensation import RESEND_HOLD
+
+    box = sandbox_factory("key")
+    original = confirmed_task(tenant_a)
+    undo = compensate(original, "created by mistake", actor="user:alice")
+    forget_rings()  # its ring is lost (here: never sent, the test's transaction not committed)
+
+    sweep()
+    assert rings() == []  # its ring may still be on its way: not rung twice
+    late = F("send_retry_at") - timedelta(seconds=RESEND_HOLD + 1)  # the data moved
+    assert Action.objects.filter(pk=undo.pk, send_retry_at__isnull=False).update(send_retry_at=late)
+    sweep()
+    sweep()
+    assert rings() == [str(undo.action_id)]  # rung once: the first tick claimed it
+
+    tasks.dispatch_standalone(str(undo.action_id))  # what the worker runs for that ring
+    tasks.dispatch_standalone(str(undo.action_id))  # a late first ring: nothing more
+    undo.refresh_from_db()
+    assert undo.status == S.CONFIRMED
+    compensated_by(original, undo)
+    closes = [r for r in box.requests() if r["path"].endswith("/close")]
+    assert len(closes) == 1
+    assert undo.send_failures == 0 and undo.send_failed_at is None  # not shown as failed
