@@ -56,6 +56,7 @@ from runtime.leases import (
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.stepclock import StepClock
 from runtime.stepcommit import StepCommit
+from runtime.stepoutcomes import ADVANCE_OUTCOME, outcome_changes, park_changes
 
 log = logging.getLogger("holdpoint.executor")
 
@@ -271,7 +272,7 @@ class Executor:
                 continue
             self.stepped(step_watch)
             if self.run.status != RunStatus.RUNNING:
-                return AdvanceResult(_OUTCOME[self.run.status], self.steps)
+                return AdvanceResult(ADVANCE_OUTCOME[self.run.status], self.steps)
             if time.monotonic() > deadline:
                 release(self.lease, requeue=True)
                 return AdvanceResult("yielded", self.steps)
@@ -486,19 +487,14 @@ class Executor:
             # by itself, and the step re-runs from the action's own checkpoint.
             self.escalate(parked.reason)
             return AdvanceResult("needs_attention", self.steps, self.run.attention_reason)
-        waiting: dict[str, Any] = {"kind": _PARK_KIND[parked.status], "prompt": parked.reason}
-        if parked.action is not None:
-            waiting.update(action_id=str(parked.action.action_id), tool=parked.action.tool)
-        changes: dict[str, Any] = {"waiting_for": waiting, "wake_at": parked.until}
-        if parked.until is not None:
-            waiting["until"] = parked.until.isoformat()
+        changes = park_changes(parked)
         if not self.commit(
             step, self.state, parked.status, step, changes, RunEvent.PARKED, reason=parked.reason
         ):
             return self.stopped()
         if parked.status == RunStatus.WAITING_APPROVAL and parked.action is not None:
             self.wake_if_decided(parked.action.pk)
-        return AdvanceResult(_OUTCOME[self.run.status], self.steps, parked.reason)
+        return AdvanceResult(ADVANCE_OUTCOME[self.run.status], self.steps, parked.reason)
 
     def wake_if_decided(self, action_id: Any) -> None:
         """The decision may have landed while we were parking (it saw the run `running` and
@@ -531,24 +527,7 @@ class Executor:
     # --- commits -------------------------------------------------------------------------
     def commit_outcome(self, ctx: StepContext, outcome: Outcome) -> bool:
         state = {**self.state, **outcome.update}
-        changes: dict[str, Any] = {"waiting_for": None, "wake_at": None}
-        if isinstance(outcome, Next):
-            status, next_step = RunStatus.RUNNING, outcome.step
-        elif isinstance(outcome, Complete):
-            status, next_step = RunStatus.COMPLETED, ""
-        elif isinstance(outcome, Fail):
-            status, next_step = RunStatus.FAILED, ""
-            changes["last_error"] = outcome.reason[:2000]
-        else:
-            status, next_step = _WAIT_STATUS[outcome.kind], outcome.then
-            changes["waiting_for"] = {
-                "kind": outcome.kind,
-                "prompt": outcome.prompt,
-                **outcome.detail,
-            }
-            if outcome.until is not None:
-                changes["wake_at"] = outcome.until
-                changes["waiting_for"]["until"] = outcome.until.isoformat()
+        status, next_step, changes = outcome_changes(outcome)
         if ctx.input is not None:
             changes["pending_input"] = None
         return self.commit(
@@ -738,7 +717,7 @@ class Executor:
             graph.max_failures,
             error,
         )
-        return AdvanceResult(_OUTCOME[status], self.steps, error)
+        return AdvanceResult(ADVANCE_OUTCOME[status], self.steps, error)
 
     def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
         update = {"status": RunStatus.NEEDS_ATTENTION, "attention_reason": reason[:2000]}
@@ -776,28 +755,3 @@ class Executor:
 
 # An unchanged state whose inline form is longer than this is checkpointed as a reference.
 _UNCHANGED_INLINE = 128
-
-_WAIT_STATUS = {
-    "input": RunStatus.WAITING_INPUT,
-    "approval": RunStatus.WAITING_APPROVAL,
-    "timer": RunStatus.QUEUED,
-}
-_OUTCOME: dict[str, str] = {  # keyed by RunStatus; `run.status` is its str value
-    RunStatus.COMPLETED: "completed",
-    RunStatus.FAILED: "failed",
-    RunStatus.WAITING_INPUT: "waiting",
-    RunStatus.WAITING_APPROVAL: "waiting",
-    RunStatus.QUEUED: "waiting",
-    RunStatus.RETRYING: "retrying",
-    RunStatus.NEEDS_ATTENTION: "needs_attention",
-    RunStatus.CANCELLED: "stopped",
-    RunStatus.RUNNING: "yielded",
-    RunStatus.NEEDS_RECONCILIATION: "waiting",
-}
-
-
-_PARK_KIND: dict[str, str] = {
-    RunStatus.WAITING_APPROVAL: "approval",
-    RunStatus.NEEDS_RECONCILIATION: "reconciliation",
-    RunStatus.RETRYING: "reconciliation",
-}
