@@ -77,7 +77,7 @@ from holdpoint_client.errors import (
     UnsupportedMediaType,
     VersionConflict,
 )
-from holdpoint_client.executor import Executor, ToolCall
+from holdpoint_client.executor import Executor
 from holdpoint_client.models import (
     Action,
     Approval,
@@ -87,6 +87,7 @@ from holdpoint_client.models import (
     Page,
     Run,
 )
+from holdpoint_client.toolcall import ToolCall
 
 __all__ = [
     "Action",

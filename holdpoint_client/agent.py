@@ -48,10 +48,11 @@ from holdpoint_client.errors import (
     HoldpointError,
     VersionConflict,
 )
-from holdpoint_client.executor import Executor, ExecutorCore, ToolCall
+from holdpoint_client.executor import Executor, ExecutorCore
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, adrive, ask, call_agent, drive, refuse_async
 from holdpoint_client.models import Action, Run
+from holdpoint_client.toolcall import ToolCall
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -19,7 +19,7 @@ from httpx_sse import EventSource
 from holdpoint_client import calls
 from holdpoint_client.calls import Call, ClientSettings, Configured
 from holdpoint_client.errors import ExecutorError, LeaseLost, StaleFence
-from holdpoint_client.executor import ActOptions, ExecutorCore, Perform
+from holdpoint_client.executor import ActOptions, ExecutorCore
 from holdpoint_client.flow import adrive
 from holdpoint_client.models import (
     Action,
@@ -30,6 +30,7 @@ from holdpoint_client.models import (
     Page,
     Run,
 )
+from holdpoint_client.toolcall import Perform
 
 T = TypeVar("T")
 

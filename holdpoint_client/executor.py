@@ -28,8 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
@@ -61,52 +60,23 @@ from holdpoint_client.errors import (
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, ask, call_agent, drive, invoke, pause, refuse_async
 from holdpoint_client.models import Action, Checkpoint, LeaseGrant, Run
+from holdpoint_client.toolcall import Lookup, Perform, ToolCall, refusal_of
 
 log = logging.getLogger("holdpoint_client.executor")
 MAX_KEY = 255
+# The tool-call contract (holdpoint_client.toolcall) stays importable from here too, where
+# agents' code has imported `Perform` and `Lookup` from.
+__all__ = [
+    "MAX_KEY",
+    "ActOptions",
+    "Executor",
+    "ExecutorCore",
+    "Lookup",
+    "Perform",
+    "ToolCall",
+    "refusal_of",
+]
 
-
-@dataclass(frozen=True)
-class ToolCall:
-    """What `perform` gets: the action as the ledger holds it, and how to send it once.
-
-    Send `params` (a reviewer may have edited them at the hold point, so they can differ
-    from what the agent asked for) with `idempotency_key` as the service's Idempotency-Key;
-    `replay` is True when an earlier attempt may already have applied.
-    """
-
-    action: Action
-    run_id: str
-    fence: int
-    replay: bool
-
-    @property
-    def idempotency_key(self) -> str:
-        return self.action.idempotency_key
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return self.action.params
-
-    @property
-    def tool(self) -> str:
-        return self.action.tool
-
-    def headers(self) -> dict[str, str]:
-        """HTTP headers for a service that deduplicates by key and refuses lower fences."""
-        return {
-            "Idempotency-Key": self.idempotency_key,
-            "Holdpoint-Run": self.run_id,
-            "Holdpoint-Fence": str(self.fence),
-        }
-
-
-# perform(call) -> (external_id, result): raise ToolRefused when the service certainly did
-# not apply it; any other exception means "cannot tell". (With AsyncExecutor it may be an
-# `async def`.)
-Perform = Callable[[ToolCall], Any]
-# lookup(call) -> (external_id, result) if the effect exists at the service, else None.
-Lookup = Callable[[ToolCall], Any]
 C = TypeVar("C")
 
 
@@ -796,18 +766,6 @@ class Executor(ExecutorCore[Client]):
         refuse_async(perform, options.get("lookup"))
         flow = self._act_flow(tool, params, call=call, perform=perform, **options)
         return drive(flow, self.client)
-
-
-def refusal_of(action: Action) -> str:
-    """Why a failed action failed: the server's word (`last_error`, set when Holdpoint sent
-    the tool itself), else the refusal the agent reported with the outcome (the ledger's
-    `result.error`, from `perform`'s ToolRefused) — found again after a restart too."""
-    if action.last_error:
-        return action.last_error
-    result = action.result
-    if isinstance(result, Mapping) and result.get("error"):
-        return str(result["error"])
-    return "the tool refused it"
 
 
 def _deadline(timeout: float | None) -> float | None:

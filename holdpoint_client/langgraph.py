@@ -70,10 +70,10 @@ from holdpoint_client.errors import (
     ExecutorError,
     Rejected,
 )
-from holdpoint_client.executor import ToolCall
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import drive
 from holdpoint_client.models import Action, Approval
+from holdpoint_client.toolcall import ToolCall
 
 KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
 TURN = "holdpoint_turn"  # the checkpoint metadata key naming the turn of `invoke(turn=...)`

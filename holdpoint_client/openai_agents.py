@@ -89,11 +89,11 @@ from holdpoint_client.errors import (
     ToolRefused,
     VersionConflict,
 )
-from holdpoint_client.executor import ToolCall
 from holdpoint_client.faults import fault
 from holdpoint_client.flow import Flow, adrive, ask
 from holdpoint_client.models import Action, Approval
 from holdpoint_client.openai_answers import Answers, recording
+from holdpoint_client.toolcall import ToolCall
 
 __all__ = ["STATE_KEY", "holdpoint_tool", "label_of", "run_agent", "wait_for_decision"]
 
