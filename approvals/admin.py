@@ -44,6 +44,7 @@ from audit import journal
 from runtime import outbound
 from runtime.admin import OperationsAdmin, ReadOnlyAdmin, TenantScopedAdmin, admin_tenants
 from runtime.models import Tenant
+from runtime.models.limits import NOTE_MAX
 
 # Not a tenant's group even when a tenant's slug would prefix it ("tenant-admins").
 GLOBAL_GROUPS = ("tenant-admins",)
@@ -285,7 +286,7 @@ class ReassignForm(forms.Form):
     """The reassign action's page: a policy of the selected requests' tenant and tool."""
 
     policy = forms.ModelChoiceField(queryset=ApprovalPolicy.objects.none())
-    reason = forms.CharField(max_length=2000, required=False, widget=forms.Textarea)
+    reason = forms.CharField(max_length=NOTE_MAX, required=False, widget=forms.Textarea)
 
     def __init__(
         self,

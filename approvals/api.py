@@ -29,6 +29,7 @@ from runtime.api.examples import DECIDE
 from runtime.api.serializers import StrictChar
 from runtime.api.views import page_of
 from runtime.auth import Standing
+from runtime.models.limits import NOTE_MAX
 from runtime.tenancy import Principal, journal_for
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class ApprovalSerializer(serializers.ModelSerializer[ApprovalRequest]):
 class DecisionIn(serializers.Serializer[Any]):
     decision = serializers.ChoiceField(choices=["approve", "reject"])
     action_hash = StrictChar(max_length=64)
-    reason = StrictChar(max_length=2000, allow_blank=True, default="")
+    reason = StrictChar(max_length=NOTE_MAX, allow_blank=True, default="")
     edits = serializers.DictField(required=False)
 
 

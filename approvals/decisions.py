@@ -40,6 +40,7 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
+from runtime.models.limits import NOTE_MAX
 from runtime.tools import tool_of
 
 A = ApprovalStatus
@@ -175,7 +176,7 @@ def _vote(
         user=user,
         decision=decision,
         action_hash=seen_hash,
-        reason=reason[:2000],
+        reason=reason[:NOTE_MAX],
     )
     approvers = request.votes.filter(decision=Decision.APPROVE).select_related("user")
     approvals = counted_approvals(approvers, shapers)
@@ -185,7 +186,7 @@ def _vote(
         "action_id": str(action.action_id),
         "decision": decision,
         "hash_seen": seen_hash,
-        "reason": reason[:2000],
+        "reason": reason[:NOTE_MAX],
         "policy": request.policy.name,
         "votes": approvals,
         "quorum": request.quorum,
@@ -318,7 +319,7 @@ def _finalise(
         decision=decision,
         decided_by=user,
         decided_at=Now(),
-        decision_reason=reason[:2000],
+        decision_reason=reason[:NOTE_MAX],
         updated_at=Now(),
     )
     announce_status(request.pk, run.pk, run.tenant_id, status, actor)
@@ -329,6 +330,6 @@ def _finalise(
             action,
             ActionStatus.CANCELLED,
             actor,
-            last_error=f"rejected by {user.get_username()}: {reason}"[:2000],
+            last_error=f"rejected by {user.get_username()}: {reason}"[:NOTE_MAX],
         )
     after_decision(action, run, actor)

@@ -42,6 +42,7 @@ from django.utils import timezone
 from approvals.models import ApprovalRequest, ApprovalStatus, TenantWebhook, WebhookDelivery
 from approvals.policies import deciders, shaped_by
 from runtime import outbound, wire
+from runtime.models.limits import NOTE_MAX
 from runtime.queue import on_commit_task
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ def body(kind: str, request: ApprovalRequest) -> str:
         f"Expires:   {expires:%Y-%m-%d %H:%M} UTC (then: {request.policy.get_on_expiry_display()})",
         "",
         "Reason given:" if undo else "Reason given by the agent:",
-        _defang(str(shown.get("reason", "") or "-"))[:2000],
+        _defang(str(shown.get("reason", "") or "-"))[:NOTE_MAX],
         "",
         "Open the request to review it:",
         request_url(request),
@@ -457,7 +458,7 @@ def send_webhook(
             attempt=attempt,
             body=body,
             status_code=status,
-            error=error[:2000],
+            error=error[:NOTE_MAX],
             next_attempt_at=next_at,
         )
         if next_at is not None:

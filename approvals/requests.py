@@ -25,6 +25,7 @@ from runtime import compensation, holds
 from runtime.errors import AlreadyDecided, InvalidParams, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
+from runtime.models.limits import NOTE_MAX
 from runtime.tools import tool_of
 
 A = ApprovalStatus
@@ -227,8 +228,8 @@ def close_request(request: ApprovalRequest, status: str, actor: str, reason: str
     )
     moved = pending.update(
         status=status,
-        decision_reason=reason[:2000],  # no decision was made: its reason field says why
-        closed_reason=reason[:2000],
+        decision_reason=reason[:NOTE_MAX],  # no decision was made: its reason field says why
+        closed_reason=reason[:NOTE_MAX],
         updated_at=Now(),
     )
     if moved:
@@ -255,7 +256,7 @@ def supersede_approval(
     approved = ApprovalRequest.objects.filter(
         tenant_check(action.tenant_id), pk=approval_id, action=action, status=A.APPROVED
     )
-    moved = approved.update(status=status, closed_reason=reason[:2000], updated_at=Now())
+    moved = approved.update(status=status, closed_reason=reason[:NOTE_MAX], updated_at=Now())
     if moved:
         _record_closed(approval_id, action.run_id, action.tenant_id, status, actor, reason)
     return moved == 1
@@ -356,7 +357,7 @@ def reassign_request(
                 "run_id": str(request.run_id),
                 "from_policy": previous.name,
                 "to_policy": policy.name,
-                "reason": reason[:2000],
+                "reason": reason[:NOTE_MAX],
             },
         )
         request.refresh_from_db()

@@ -42,6 +42,7 @@ from runtime.faults import FaultPoint, fault
 from runtime.graphs import Graph
 from runtime.leases import db_now_plus
 from runtime.models import Action, ActionStatus, Run, ToolCredential
+from runtime.models.limits import NOTE_MAX
 from runtime.models.secrets import read_along
 from runtime.tools import CallResult, CircuitOpen, Dedup, Tool, get_tool, tool_of
 
@@ -561,8 +562,10 @@ def outcome_of(result: CallResult) -> tuple[str, dict[str, Any]]:
             "last_error": "",
         }
     if result.outcome == "refused":
-        return (S.PREPARED if result.transient else S.FAILED), {"last_error": result.detail[:2000]}
-    return S.UNKNOWN, {"last_error": result.detail[:2000]}
+        return (S.PREPARED if result.transient else S.FAILED), {
+            "last_error": result.detail[:NOTE_MAX]
+        }
+    return S.UNKNOWN, {"last_error": result.detail[:NOTE_MAX]}
 
 
 @dataclass(frozen=True)
@@ -685,7 +688,7 @@ def _again(action: Action, fence: int, actor: str, detail: str) -> Verdict:
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
         ledger.transition(
-            action, S.UNKNOWN, actor, reconcile_attempts=attempts, last_error=detail[:2000]
+            action, S.UNKNOWN, actor, reconcile_attempts=attempts, last_error=detail[:NOTE_MAX]
         )
     return Verdict(
         "wait",
@@ -728,7 +731,7 @@ def _settle(
     with transaction.atomic(durable=True):
         ledger.fenced(action.run_id, fence, action.tenant_id)
         if target != S.CONFIRMED:
-            changes["last_error"] = reason[:2000]
+            changes["last_error"] = reason[:NOTE_MAX]
         ledger.transition(
             action, target, actor, reconcile_attempts=action.reconcile_attempts + 1, **changes
         )

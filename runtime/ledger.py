@@ -43,6 +43,7 @@ from runtime.errors import (
 )
 from runtime.events import RunEvent, record
 from runtime.models import SENDABLE, TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
+from runtime.models.limits import NOTE_MAX
 from runtime.tools import Tool, tool_of
 
 S = ActionStatus
@@ -565,7 +566,7 @@ def _take_version(action: Action, fence: int, tool: Tool, actor: str) -> Action:
         refused = _restamp(action, tool, actor) if action.tool_version != tool.version else ""
         if refused:  # never sent: withdrawn, as an action of an old goal revision is —
             # and so is an approval given for it (gates.withdrawn, as withdraw_unsent does)
-            transition(action, S.CANCELLED, actor, last_error=refused[:2000])
+            transition(action, S.CANCELLED, actor, last_error=refused[:NOTE_MAX])
             gates.withdrawn([str(action.action_id)], refused, actor)
     if refused:
         raise ToolChanged(refused)
@@ -669,7 +670,7 @@ def reject_lapsed(action: Action, actor: str, verdict: gates.Verdict) -> Action:
     `action_cancelled`, the MCP gateway REJECTED."""
     if verdict.stale is not None:
         gates.supersede(verdict.stale, action, verdict.reason or verdict.refusal, actor)
-    return transition(action, S.CANCELLED, actor, last_error=verdict.withdraw[:2000])
+    return transition(action, S.CANCELLED, actor, last_error=verdict.withdraw[:NOTE_MAX])
 
 
 def edit_params(action: Action, params: dict[str, Any], actor: str) -> Action:

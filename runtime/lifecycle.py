@@ -35,6 +35,7 @@ from runtime.models import (
     ShaperKind,
     Tenant,
 )
+from runtime.models.limits import NOTE_MAX
 from runtime.queue import ring
 from runtime.shapers import record_shaper
 
@@ -143,7 +144,7 @@ def cancel_run(run: Run, reason: str, *, actor: str) -> Run:
             run,
             RunEvent.CANCELLED,
             actor,
-            reason=reason[:2000],
+            reason=reason[:NOTE_MAX],
             withdrawn_actions=ids,
             status=RunStatus.CANCELLED,
         )

@@ -33,6 +33,7 @@ from runtime import holds, ledger
 from runtime.errors import InvalidParams, InvalidTransition
 from runtime.events import RunEvent, record
 from runtime.models import TERMINAL, Action, ActionStatus, Run, RunStatus
+from runtime.models.limits import NOTE_MAX
 from runtime.tools import Dedup, tool_of
 
 S = ActionStatus
@@ -46,7 +47,7 @@ def to_person(action: Action, fence: int, actor: str, reason: str, **journal_ext
         S.MANUAL_REVIEW,
         actor,
         journal_extra=journal_extra or None,
-        last_error=reason[:2000],
+        last_error=reason[:NOTE_MAX],
         reconcile_attempts=action.reconcile_attempts + 1,
     )
     waiting = holds.reconciliation_for(action)
@@ -271,7 +272,7 @@ def resolve(
             "run_id": str(run.run_id),
             "outcome": outcome,
             "external_id": external_id.strip(),
-            "note": note[:2000],
+            "note": note[:NOTE_MAX],
         }
         record(run, RunEvent.ACTION_RESOLVED, actor, **resolution)
         if target == S.PREPARED:

@@ -49,6 +49,7 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.leases import Lease
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
+from runtime.models.limits import NOTE_MAX
 from runtime.stepcommit import StepCommit
 from runtime.tools import Dedup, Tool, get_tool, tool_of
 
@@ -721,7 +722,7 @@ def _reported_error(outcome: str, result: Any) -> str:
     error = result.get("error") if outcome == "failed" and isinstance(result, dict) else None
     if error is None or error == "":
         return ""
-    return (error if isinstance(error, str) else json.dumps(error))[:2000]
+    return (error if isinstance(error, str) else json.dumps(error))[:NOTE_MAX]
 
 
 def _check_outcome(tool: Tool, outcome: str, external_id: str, result: Any) -> str:

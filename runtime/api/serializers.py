@@ -11,6 +11,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from runtime.models import Action, Checkpoint, Run
+from runtime.models.limits import NOTE_MAX
 
 
 class StrictInt(serializers.IntegerField):
@@ -228,7 +229,7 @@ class InputIn(serializers.Serializer[Any]):
 
 
 class CancelIn(serializers.Serializer[Any]):
-    reason = StrictChar(max_length=2000, allow_blank=True, default="")
+    reason = StrictChar(max_length=NOTE_MAX, allow_blank=True, default="")
 
 
 class ResumeIn(serializers.Serializer[Any]):
@@ -270,7 +271,7 @@ class CheckpointIn(FenceIn):
         choices=["running", "waiting_input", "completed", "failed"], default="running"
     )
     prompt = StrictChar(
-        max_length=2000,
+        max_length=NOTE_MAX,
         allow_blank=True,
         default="",
         help_text="With status waiting_input: what the executor asks for. It becomes the "
@@ -306,7 +307,7 @@ class OutcomeIn(FenceIn):
 class ResolveIn(serializers.Serializer[Any]):
     outcome = serializers.ChoiceField(choices=["applied", "not_applied"])
     external_id = StrictChar(max_length=300, allow_blank=True, default="")
-    note = StrictChar(max_length=2000, allow_blank=True, default="")
+    note = StrictChar(max_length=NOTE_MAX, allow_blank=True, default="")
 
 
 class LeaseOut(serializers.Serializer[dict[str, Any]]):
