@@ -54,6 +54,7 @@ from runtime.leases import (
     take_lease,
 )
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
+from runtime.models.limits import NOTE_MAX
 from runtime.stepclock import StepClock
 from runtime.stepcommit import StepCommit
 from runtime.stepoutcomes import ADVANCE_OUTCOME, outcome_changes, park_changes
@@ -679,7 +680,7 @@ class Executor:
     # --- failure, escalation -------------------------------------------------------------
     def fail(self, graph: Graph, step: str, exc: BaseException) -> AdvanceResult:
         failures = self.run.consecutive_failures + 1
-        error = f"{type(exc).__name__}: {exc}"[:2000]
+        error = f"{type(exc).__name__}: {exc}"[:NOTE_MAX]
         escalate = failures >= graph.max_failures or (
             isinstance(exc, HoldpointError) and not exc.transient
         )
@@ -691,7 +692,7 @@ class Executor:
         }
         if escalate:
             status = RunStatus.NEEDS_ATTENTION
-            reason = f"{failures} consecutive failure(s) at step {step}: {error}"[:2000]
+            reason = f"{failures} consecutive failure(s) at step {step}: {error}"[:NOTE_MAX]
             update.update(status=status, attention_reason=reason, wake_at=None)
         else:
             status = RunStatus.RETRYING
@@ -720,7 +721,7 @@ class Executor:
         return AdvanceResult(ADVANCE_OUTCOME[status], self.steps, error)
 
     def escalate(self, reason: str, event: RunEvent = RunEvent.ESCALATED) -> None:
-        update = {"status": RunStatus.NEEDS_ATTENTION, "attention_reason": reason[:2000]}
+        update = {"status": RunStatus.NEEDS_ATTENTION, "attention_reason": reason[:NOTE_MAX]}
         entry = {"reason": reason, "status": RunStatus.NEEDS_ATTENTION}
         self.end_turn(~Q(status__in=TERMINAL), update, (event, entry))
 

@@ -16,6 +16,7 @@ from typing import Any
 from runtime.errors import Park
 from runtime.graphs import Complete, Fail, Next, Outcome
 from runtime.models import RunStatus
+from runtime.models.limits import NOTE_MAX
 
 
 def outcome_changes(outcome: Outcome) -> tuple[str, str, dict[str, Any]]:
@@ -28,7 +29,7 @@ def outcome_changes(outcome: Outcome) -> tuple[str, str, dict[str, Any]]:
         status, next_step = RunStatus.COMPLETED, ""
     elif isinstance(outcome, Fail):
         status, next_step = RunStatus.FAILED, ""
-        changes["last_error"] = outcome.reason[:2000]
+        changes["last_error"] = outcome.reason[:NOTE_MAX]
     else:
         status, next_step = WAIT_STATUS[outcome.kind], outcome.then
         changes["waiting_for"] = {
