@@ -43,7 +43,7 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.leases import db_now_plus
 from runtime.models import SENDABLE, STANDALONE, TERMINAL, Action, ActionStatus, Run
-from runtime.queue import enqueue_task, on_commit_task
+from runtime.queue import SENDER, enqueue_task, ring_sender
 from runtime.tools import Tool, get_tool, tool_of
 
 S = ActionStatus
@@ -63,10 +63,9 @@ RESEND_HOLD = 120.0
 # (nor sooner than the reconcilers' back-off, `dispatch.reconcile_delay`): the sweeper's claim
 # on it, so a ring waiting in the queue is not rung again at every tick.
 RECONCILE_HOLD = 30.0
-# A standalone action's sender is rung only for one it may send (runtime.models.SENDABLE):
-# one `awaiting_approval` is rung by nobody — not asked again, not sent again, not resent by
-# the sweeper — until its request is decided.
-SENDER = "runtime.tasks.dispatch_standalone"
+# A standalone action's sender (runtime.queue.SENDER) is rung only for one it may send
+# (runtime.models.SENDABLE): one `awaiting_approval` is rung by nobody — not asked again, not
+# sent again, not resent by the sweeper — until its request is decided.
 # A compensation that ended without effect — rejected or withdrawn before it was sent
 # (`cancelled`), or refused by its undo tool (`failed`): the effect is still in place, and
 # the undo may be asked for again (`compensate`).
@@ -90,10 +89,9 @@ def sent_reason(reason: str, schema: Any) -> str:
 
 
 def ring(action: Action) -> None:
-    """Ring a standalone action's sender after the surrounding transaction commits (the
-    queue is a doorbell: the send re-reads the row, and its compare-and-swap to `sent`
-    keeps two rings to one send)."""
-    on_commit_task(SENDER, str(action.action_id))
+    """Ring a standalone action's sender after the surrounding transaction commits
+    (runtime.queue.ring_sender)."""
+    ring_sender(action.action_id)
 
 
 def compensate(action: Action, reason: str, *, actor: str) -> Action:

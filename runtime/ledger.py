@@ -44,6 +44,7 @@ from runtime.errors import (
 from runtime.events import RunEvent, record
 from runtime.models import SENDABLE, TERMINAL, UNSENT, Action, ActionStatus, Run, RunStatus
 from runtime.models.limits import NOTE_MAX
+from runtime.queue import ring_sender
 from runtime.tools import Tool, tool_of
 
 S = ActionStatus
@@ -785,7 +786,5 @@ def withdraw_if_moved_on(run: Run, action: Action, actor: str) -> Action:
     if gone:
         transition(action, S.CANCELLED, actor, last_error=gone)
     elif action.standalone:
-        from runtime.compensation import ring  # compensation builds on the ledger
-
-        ring(action)
+        ring_sender(action.action_id)
     return action

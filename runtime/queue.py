@@ -33,3 +33,16 @@ def enqueue_task(func: str, *args: Any) -> None:
 def on_commit_task(func: str, *args: Any) -> None:
     """Enqueue a django-q2 task after the surrounding transaction commits."""
     transaction.on_commit(lambda: enqueue_task(func, *args), robust=True)
+
+
+# The task that sends an action no step drives (a compensation): runtime.tasks.
+SENDER = "runtime.tasks.dispatch_standalone"
+
+
+def ring_sender(action_id: Any) -> None:
+    """Ring a standalone action's sender after the surrounding transaction commits (the
+    queue is a doorbell: the send re-reads the row, and its compare-and-swap to `sent`
+    keeps two rings to one send). Here, beside the run's doorbell, so that the ledger —
+    which rings it when a person's "not applied" puts an undo back — need not import the
+    compensation module built on it."""
+    on_commit_task(SENDER, str(action_id))
