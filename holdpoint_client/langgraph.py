@@ -33,36 +33,33 @@ Why it is shaped so:
   server's `reconcile` says for the tool (`run.act` does it): the call again with the same
   Idempotency-Key, the tool's `lookup`, or a person.
 
+- An asyncio graph (`ainvoke`, `astream`, `async def` tools) is ledgered the same way by
+  `awrap_tool_call`, with an `AsyncHoldpoint`: what to ask, settle and answer is written
+  once as flows (holdpoint_client.flow), driven with blocking calls or on the event loop.
+
 Only the tools named with `action()` are ledgered; the others run as before. Imported only
 by agents that use LangGraph: `import holdpoint_client` never imports it.
 """
 
 from __future__ import annotations
 
-import contextvars
-import inspect
-import json
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import UnionType
-from typing import Any, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
-from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.messages import ToolCall as LangChainToolCall
+from langchain_core.messages import ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.errors import GraphBubbleUp, GraphInterrupt
 from langgraph.prebuilt import ToolNode
-from langgraph.prebuilt.tool_node import TOOL_CALL_ERROR_TEMPLATE, ToolCallRequest
-from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
-from pydantic import BaseModel, ValidationError
-from pydantic_core import to_jsonable_python
+from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.types import Command, StateSnapshot, interrupt
 
 from holdpoint_client import calls
-from holdpoint_client.agent import Holdpoint, Proof, RunHandle, proved
-from holdpoint_client.calls import API_PREFIX
+from holdpoint_client.agent import AsyncHoldpoint, Holdpoint, Proof, RunCore
 from holdpoint_client.errors import (
     ActionFailed,
     ActionWithdrawn,
@@ -71,73 +68,51 @@ from holdpoint_client.errors import (
     Rejected,
 )
 from holdpoint_client.faults import fault
-from holdpoint_client.flow import drive
-from holdpoint_client.models import Action, Approval
+from holdpoint_client.flow import Flow, adrive, ask, drive, invoke, refuse_async
+from holdpoint_client.langgraph_parts import (
+    _STOP,
+    _TOOL_NODE_DEFAULT,
+    KIND,
+    MAX_BATCHES,
+    SENT,
+    TURN,
+    Batch,
+    OlderGoal,
+    Spec,
+    _answer,
+    _call,
+    _dumps,
+    _fits,
+    _in_artifact,
+    _interrupts,
+    _latest_ai_message,
+    _message,
+    _ours,
+    _reason,
+    _sparing_the_ledger,
+    _with_artifact,
+    answered,
+    current_call,
+    decision,
+    not_of_an_older_goal,
+    request_page,
+    thread_of,
+)
+from holdpoint_client.models import Action
 from holdpoint_client.toolcall import ToolCall
 
-KIND = "holdpoint.approval"  # the `type` of the interrupt values this module raises
-TURN = "holdpoint_turn"  # the checkpoint metadata key naming the turn of `invoke(turn=...)`
 T = TypeVar("T", bound=BaseTool)
+R = TypeVar("R")
 Execute = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
-_call: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
-    "holdpoint_tool_call", default=None
-)
-
-
-def current_call() -> ToolCall:
-    """The ledger's view of the tool call being performed: `.params` (the approved ones),
-    `.headers()` (Idempotency-Key, Holdpoint-Run, Holdpoint-Fence) for the service.
-
-    A LangChain tool cannot be handed it as an argument: ToolNode strips every injected
-    argument the caller supplies (a model could forge one), so it travels in a context
-    variable set around the tool's execution."""
-    call = _call.get()
-    if call is None:
-        raise ExecutorError("current_call() outside a Holdpoint-ledgered tool call")
-    return call
-
-
-@dataclass(frozen=True)
-class Spec:
-    """How one LangChain tool is ledgered (see HoldpointGraph.action)."""
-
-    tool: str
-    reason: str | Callable[[dict[str, Any]], str] | None
-    lookup: Callable[[ToolCall], Any] | None
-    external_id: Proof
-
-
-# A task LangGraph started for one `Send` (`create_agent` sends each tool call so) has this
-# trigger in its metadata (`langgraph_triggers`): its calls are the Send's, not the message's.
-SENT = "__pregel_push"
-MAX_BATCHES = 256  # batches kept for tool node runs some call of which never finished
-
-
-@dataclass
-class Batch:
-    """The ledgered calls one run of a tool node settles together — a model message's, in
-    one LangGraph task, each on a thread of its own — and what asking their hold points
-    came to: an interrupt to pause with, or the calls whose hold points the caller saw (an
-    answered interrupt listed them: a still pending decision is waited for)."""
-
-    key: tuple[str, int]  # (its task's checkpoint_ns, id(state)): where `_batches` has it
-    state: Any  # the node's input: kept, so that its id names this run while it lasts
-    left: int  # calls that have not finished with it yet
-    members: tuple[LangChainToolCall, ...] = ()
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    asked: bool = False
-    interrupted: tuple[Interrupt, ...] = ()
-    surfaced: set[str] = field(default_factory=set)  # tool_call ids
-
-
-class ToolErrored(Exception):
-    """The tool node turned an exception of the tool into an error message: whether the
-    effect happened cannot be told from it, so the server's reconcile decides."""
+AsyncExecute = Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]]
+Body = Callable[[RunCore[Any]], Flow[R]]
 
 
 class HoldpointGraph:
     """Holdpoint for one LangGraph agent: which tools are ledgered, and as what.
 
+    `hp` is a `Holdpoint` for a graph run with `invoke`/`stream`, an `AsyncHoldpoint` for
+    one run with `ainvoke`/`astream` (then `ainvoke` drives a thread; one per event loop).
     `graph` names the agent in Holdpoint (the run's graph); `goal` is the run's goal when the
     first ledgered call of a thread creates it. `approval_timeout` bounds the wait for a
     reviewer after a resume (None: as long as it takes; the lease is renewed meanwhile).
@@ -145,7 +120,7 @@ class HoldpointGraph:
 
     def __init__(
         self,
-        hp: Holdpoint,
+        hp: Holdpoint | AsyncHoldpoint,
         *,
         graph: str,
         goal: Any = None,
@@ -157,6 +132,7 @@ class HoldpointGraph:
         self.approval_timeout = approval_timeout
         self.specs: dict[str, Spec] = {}
         self._locks: dict[str, threading.Lock] = {}
+        self._alocks: dict[str, asyncio.Lock] = {}
         self._guard = threading.Lock()
         self._batches: dict[tuple[str, int], Batch] = {}
 
@@ -175,8 +151,9 @@ class HoldpointGraph:
         `reason` (a string, or a function of the params) is what the reviewer reads; by
         default the model's text before the call, else the tool's description. `lookup(call)`
         finds the effect by `call.idempotency_key` for a tool Holdpoint reconciles by lookup
-        (the service's answer, or None). `external_id` is the answer's key holding the proof
-        (or a function of the answer). The tool itself is returned unchanged.
+        (the service's answer, or None; an `async def` one with an AsyncHoldpoint).
+        `external_id` is the answer's key holding the proof (or a function of the answer).
+        The tool itself is returned unchanged.
         """
 
         def register(fn: T) -> T:
@@ -186,7 +163,8 @@ class HoldpointGraph:
         return register
 
     def tool_node(self, tools: Sequence[BaseTool | Callable[..., Any]], **options: Any) -> ToolNode:
-        """A `ToolNode` running `tools`, the ledgered ones through Holdpoint.
+        """A `ToolNode` running `tools`, the ledgered ones through Holdpoint, for `invoke`
+        and `ainvoke` alike (`wrap_tool_call` and `awrap_tool_call`).
 
         `handle_tool_errors` applies to the tools' own errors only. What the ledger raises
         for a ledgered call (OutcomeUnknown, LeaseLost, Holdpoint unreachable, ...) stops
@@ -195,7 +173,7 @@ class HoldpointGraph:
         twice."""
         flag = options.get("handle_tool_errors", _TOOL_NODE_DEFAULT)
         options["handle_tool_errors"] = _sparing_the_ledger(flag)
-        return ToolNode(tools, wrap_tool_call=self, **options)
+        return ToolNode(tools, wrap_tool_call=self, awrap_tool_call=self.awrap_tool_call, **options)
 
     def middleware(self) -> Any:
         """For `langchain.agents.create_agent(..., middleware=[hg.middleware()])`: the same
@@ -212,79 +190,137 @@ class HoldpointGraph:
             ) -> ToolMessage | Command[Any]:
                 return outer(request, handler)
 
+            async def awrap_tool_call(
+                self, request: ToolCallRequest, handler: AsyncExecute
+            ) -> ToolMessage | Command[Any]:
+                return await outer.awrap_tool_call(request, handler)
+
         return HoldpointMiddleware()
 
     # --- one tool call ---------------------------------------------------------------------
 
     def __call__(self, request: ToolCallRequest, execute: Execute) -> ToolMessage | Command[Any]:
         """The `wrap_tool_call` of a ToolNode: a ledgered tool's call becomes an action."""
-        tool_call = request.tool_call
-        spec = self.specs.get(tool_call["name"])
-        if spec is None or not _fits(request.tool, tool_call):
+        spec = self.specs.get(request.tool_call["name"])
+        if spec is None or not _fits(request.tool, request.tool_call):
             return execute(request)  # not ledgered, or the node reports the bad arguments
-        config = request.runtime.config if request.runtime is not None else None
+        paired = _with_artifact(request)
+
+        def perform(call: ToolCall) -> Any:
+            token = _call.set(call)
+            try:
+                return _answer(execute(_approved(request, call)), paired)
+            finally:
+                _call.reset(token)
+
         try:
-            return self._ledgered(request, execute, spec, thread_of(config), tool_call)
+            hp = self._blocking()
+            refuse_async(spec.lookup)
+            return drive(self._ledgered(request, spec, perform), hp.client)
         except GraphBubbleUp:
             raise  # an interrupt: the graph pauses at the hold point
         except Exception as exc:
             setattr(exc, _STOP, True)  # not the tool's error: see `tool_node`
             raise
 
-    def _ledgered(
-        self,
-        request: ToolCallRequest,
-        execute: Execute,
-        spec: Spec,
-        thread: str,
-        tool_call: LangChainToolCall,
-    ) -> ToolMessage:
-        """One ledgered tool call, settled by the ledger or paused at its hold point."""
-        params = dict(tool_call["args"])
+    async def awrap_tool_call(
+        self, request: ToolCallRequest, execute: AsyncExecute
+    ) -> ToolMessage | Command[Any]:
+        """The `awrap_tool_call` of a ToolNode (`ainvoke`, `astream`): `__call__` on the
+        event loop — the same flow, the tool awaited (an `async def` tool included)."""
+        spec = self.specs.get(request.tool_call["name"])
+        if spec is None or not _fits(request.tool, request.tool_call):
+            return await execute(request)
         paired = _with_artifact(request)
 
-        def perform(call: ToolCall) -> Any:
+        async def perform(call: ToolCall) -> Any:
             token = _call.set(call)
             try:
-                approved = LangChainToolCall(
-                    name=tool_call["name"], args=dict(call.params), id=tool_call["id"]
-                )
-                return _answer(execute(request.override(tool_call=approved)), paired)
+                return _answer(await execute(_approved(request, call)), paired)
             finally:
                 _call.reset(token)
 
+        try:
+            return await adrive(self._ledgered(request, spec, perform), self._asyncio().client)
+        except GraphBubbleUp:
+            raise
+        except Exception as exc:
+            setattr(exc, _STOP, True)
+            raise
+
+    def _blocking(self) -> Holdpoint:
+        """The blocking client, refused on an event loop: there a ToolNode without
+        `awrap_tool_call` falls back to `wrap_tool_call`, which would stall the loop and run
+        an `async def` tool through LangChain's sync path — which refuses it after the
+        action is marked `sent`: a call never attempted, read as an unknown outcome."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if isinstance(self.hp, Holdpoint):
+                return self.hp
+            raise ExecutorError(
+                "HoldpointGraph(AsyncHoldpoint) ledgers an asyncio graph: run it with "
+                "ainvoke/astream"
+            ) from None
+        raise ExecutorError(
+            "a graph run on an event loop (ainvoke/astream) needs HoldpointGraph(AsyncHoldpoint"
+            "(...)) and a ToolNode with awrap_tool_call (hg.tool_node does both)"
+        )
+
+    def _asyncio(self) -> AsyncHoldpoint:
+        if isinstance(self.hp, AsyncHoldpoint):
+            return self.hp
+        raise ExecutorError(
+            "a graph run with ainvoke/astream needs HoldpointGraph(AsyncHoldpoint(...)): "
+            "a blocking Holdpoint would stall the event loop"
+        )
+
+    def _ledgered(
+        self, request: ToolCallRequest, spec: Spec, perform: Callable[[ToolCall], Any]
+    ) -> Flow[ToolMessage]:
+        """One ledgered tool call, settled by the ledger or paused at its hold point: the
+        same flow for both drivers (`perform` runs the tool as the driver can)."""
+        tool_call = request.tool_call
+        thread = thread_of(request.runtime.config if request.runtime is not None else None)
+        params = dict(tool_call["args"])
+        paired = _with_artifact(request)
         label = f"lc:{tool_call['id']}"
 
-        def act(approval_timeout: float | None) -> Any:
-            with (
-                self._lock(thread),
-                self.hp.run(thread, graph=self.graph, goal=self.goal, complete=False) as run,
-            ):
-                _not_of_an_older_goal(run, label)
-                return run.act(
-                    spec.tool,
-                    params,
-                    reason=_reason(spec, request.state, request.tool, params),
-                    perform=perform,
-                    lookup=spec.lookup,
-                    label=label,
-                    external_id=_in_artifact(spec.external_id) if paired else spec.external_id,
-                    approval_timeout=approval_timeout,
+        def act(approval_timeout: float | None) -> Flow[Any]:
+            def body(run: RunCore[Any]) -> Flow[Any]:
+                yield from not_of_an_older_goal(run, label)
+                return (
+                    yield from run._act(
+                        spec.tool,
+                        params,
+                        reason=_reason(spec, request.state, request.tool, params),
+                        perform=perform,
+                        lookup=spec.lookup,
+                        label=label,
+                        external_id=_in_artifact(spec.external_id) if paired else spec.external_id,
+                        approval_timeout=approval_timeout,
+                    )
                 )
+
+            return self._holding(thread, body)
 
         batch = self._batch(request, tool_call)
         try:
             # Every hold point of the node's calls, asked together before any is settled:
             # raises GraphInterrupt (the graph pauses, the checkpointer keeps it) unless
             # this is a resume; then each decision is read from Holdpoint, not from it.
-            self._ask(batch, request, thread)
+            yield from self._ask(batch, request, thread)
             try:
-                result = act(0)  # settled, or held: never blocks on a reviewer here
+                result = yield from act(0)  # settled, or held: never blocks on a reviewer here
             except ApprovalTimeout as held:
                 if str(tool_call["id"]) not in batch.surfaced:  # held anew, at its dispatch
-                    with batch.lock:
-                        interrupt(self._pending(held.action, thread, str(tool_call["id"])))
-                result = act(self.approval_timeout)
+                    value = yield from self._pending(held.action, thread, str(tool_call["id"]))
+                    yield from invoke(batch.lock.acquire)
+                    try:
+                        interrupt(value)
+                    finally:
+                        batch.lock.release()
+                result = yield from act(self.approval_timeout)
         except Rejected as no:
             return _message(request, f"A reviewer rejected {spec.tool}: {no.reason}", "error")
         except OlderGoal as older:
@@ -298,25 +334,45 @@ class HoldpointGraph:
             return _message(request, result["content"], artifact=result.get("artifact"))
         return _message(request, result if isinstance(result, str) else _dumps(result))
 
-    def _lock(self, thread: str) -> threading.Lock:
+    # --- the thread's run, held while a call is settled ------------------------------------
+
+    def _holding(self, thread: str, body: Body[R], *, complete: bool = False) -> Flow[R]:
+        """`body` run in the thread's Holdpoint run, its lease held meanwhile — by the
+        driver's own context manager (`with`, `async with`), so that the lease is let go
+        (and its heartbeat stopped) however the body ends."""
+        hold = self._ahold if isinstance(self.hp, AsyncHoldpoint) else self._hold
+        return cast(R, (yield from invoke(hold, thread, body, complete)))
+
+    def _hold(self, thread: str, body: Body[R], complete: bool) -> R:
         """One call at a time per thread in this process: ToolNode runs a message's tool
-        calls in parallel threads, and they share one lease owner."""
+        calls in parallel threads (tasks), and they share one lease owner."""
         with self._guard:
-            return self._locks.setdefault(thread, threading.Lock())
+            lock = self._locks.setdefault(thread, threading.Lock())
+        hp = cast(Holdpoint, self.hp)
+        with lock, hp.run(thread, graph=self.graph, goal=self.goal, complete=complete) as run:
+            return drive(body(run), run.client)
+
+    async def _ahold(self, thread: str, body: Body[R], complete: bool) -> R:
+        with self._guard:
+            lock = self._alocks.setdefault(thread, asyncio.Lock())
+        hp = cast(AsyncHoldpoint, self.hp)
+        async with lock, hp.run(thread, graph=self.graph, goal=self.goal, complete=complete) as run:
+            return await adrive(body(run), run.client)
 
     # --- the hold points of the calls one tool node runs together ----------------------------
 
     def _batch(self, request: ToolCallRequest, tool_call: LangChainToolCall) -> Batch:
-        """The batch of this run of the tool node, shared by the threads of its calls: the
-        node's input (`request.state`, the same object for each call of one run, a new one
-        for the next run) in its LangGraph task (`checkpoint_ns`)."""
+        """The batch of this run of the tool node, shared by the threads (tasks) of its
+        calls: the node's input (`request.state`, the same object for each call of one run,
+        a new one for the next run) in its LangGraph task (`checkpoint_ns`)."""
         members = self._members(request, tool_call)
         config = request.runtime.config if request.runtime is not None else {}
         key = (str((config.get("configurable") or {}).get("checkpoint_ns", "")), id(request.state))
         with self._guard:
             found = self._batches.get(key)
             if found is None or found.state is not request.state:
-                found = self._batches[key] = Batch(key, request.state, len(members))
+                lock = asyncio.Lock() if isinstance(self.hp, AsyncHoldpoint) else threading.Lock()
+                found = self._batches[key] = Batch(key, request.state, len(members), lock=lock)
                 while len(self._batches) > MAX_BATCHES:  # a run some call never finished
                     del self._batches[next(iter(self._batches))]
             found.members = found.members or members
@@ -347,7 +403,7 @@ class HoldpointGraph:
         tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
         return tuple(c for c in calls if c["name"] in self.specs and _fits(tools.get(c["name"]), c))
 
-    def _ask(self, batch: Batch, request: ToolCallRequest, thread: str) -> None:
+    def _ask(self, batch: Batch, request: ToolCallRequest, thread: str) -> Flow[None]:
         """Ask the hold points of the batch's calls, once per run of the node, before any
         is settled — in one interrupt listing every held call (LangChain's
         HumanInTheLoopMiddleware asks a message's calls so). LangGraph shows one interrupt
@@ -355,9 +411,10 @@ class HoldpointGraph:
         are asked: asked from each call's thread, the others would surface only after the
         first was answered, and its answer could go to another call's thread. So one thread
         asks for all; every thread of the batch pauses with that interrupt."""
-        with batch.lock:
+        yield from invoke(batch.lock.acquire)  # the driver's lock: awaited on the loop
+        try:
             if not batch.asked:
-                pending = self._held(batch, request, thread)
+                pending = yield from self._held(batch, request, thread)
                 batch.asked = True
                 if pending:
                     fault("awaiting_approval")  # held durably; the graph is about to pause
@@ -369,40 +426,46 @@ class HoldpointGraph:
                         pending = [p for p in pending if named and p["approval_id"] not in named]
                 except GraphInterrupt as paused:
                     batch.interrupted = tuple(paused.args[0])
+        finally:
+            batch.lock.release()
         if batch.interrupted:
             raise GraphInterrupt(batch.interrupted)
 
-    def _held(self, batch: Batch, request: ToolCallRequest, thread: str) -> list[dict[str, Any]]:
+    def _held(
+        self, batch: Batch, request: ToolCallRequest, thread: str
+    ) -> Flow[list[dict[str, Any]]]:
         """The interrupt values of the batch's calls held for a reviewer: each call's action
         found or prepared (nothing is sent), in the model's order. A call of an older goal
         revision is left to its own thread, which tells the model."""
         tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
-        held: list[tuple[Action, str]] = []
-        with (
-            self._lock(thread),
-            self.hp.run(thread, graph=self.graph, goal=self.goal, complete=False) as run,
-        ):
+
+        def body(run: RunCore[Any]) -> Flow[list[tuple[Action, str]]]:
+            held: list[tuple[Action, str]] = []
             if run.finished:
-                return []  # every call is answered from the record
+                return held  # every call is answered from the record
             for call in batch.members:
                 label = f"lc:{call['id']}"
                 try:
-                    _not_of_an_older_goal(run, label)
+                    yield from not_of_an_older_goal(run, label)
                 except OlderGoal:
                     continue
                 spec, params = self.specs[call["name"]], dict(call["args"])
                 why = _reason(spec, request.state, tools.get(call["name"]), params)
-                flow = run.ex.find_or_prepare(spec.tool, params, label, why)
-                action = drive(flow, run.client)
+                action = yield from run.ex.find_or_prepare(spec.tool, params, label, why)
                 if action.status == "awaiting_approval":
                     held.append((action, str(call["id"])))
-        return [self._pending(action, thread, call_id) for action, call_id in held]
+            return held
 
-    def _pending(self, action: Action, thread: str, tool_call_id: str) -> dict[str, Any]:
+        pending = []
+        for action, call_id in (yield from self._holding(thread, body)):
+            pending.append((yield from self._pending(action, thread, call_id)))
+        return pending
+
+    def _pending(self, action: Action, thread: str, tool_call_id: str) -> Flow[dict[str, Any]]:
         """The interrupt's value: what a person or a resumer needs to find the decision."""
         if action.approval is None:  # raised with the hold, so read again it is there
-            action = self.hp.client.get_action(action.action_id)
-        approval = self.hp.client.get_approval(str(action.approval))
+            action = yield from ask(calls.get_action(action.action_id))
+        approval = yield from ask(calls.get_approval(str(action.approval)))
         return {
             "type": KIND,
             "approval_id": approval.id,
@@ -438,38 +501,67 @@ class HoldpointGraph:
         values; an interrupt that is not Holdpoint's is returned to the caller, with the
         graph paused on it. `durability` defaults to "sync": the model's tool call is stored
         before the tool runs (and a turn's input before its first step)."""
+        flow = self._thread(_Blocking(graph), input, config, timeout, complete, turn, options)
+        return drive(flow, self._blocking().client)
+
+    async def ainvoke(
+        self,
+        graph: Any,
+        input: Any,
+        config: RunnableConfig,
+        *,
+        timeout: float | None = None,
+        complete: bool = True,
+        turn: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """`invoke` on the event loop (`graph.ainvoke`), with an AsyncHoldpoint."""
+        flow = self._thread(_Asyncio(graph), input, config, timeout, complete, turn, options)
+        return await adrive(flow, self._asyncio().client)
+
+    def _thread(
+        self,
+        graph: _Blocking,
+        input: Any,
+        config: RunnableConfig,
+        timeout: float | None,
+        complete: bool,
+        turn: str | None,
+        options: dict[str, Any],
+    ) -> Flow[Any]:
+        """What `invoke` and `ainvoke` do, once; `graph` runs the graph as the driver can."""
         options.setdefault("durability", "sync")
         if turn is not None:  # every checkpoint of the turn carries its key
             metadata = {**(config.get("metadata") or {}), TURN: turn}
             config = cast(RunnableConfig, {**config, "metadata": metadata})
-        snapshot = graph.get_state(config)
-        if self._fresh(graph, config, snapshot, turn):
-            values = graph.invoke(input, config, **options)
+
+        def run(value: Any) -> Flow[Any]:
+            return (yield from invoke(graph.run, value, config, options))
+
+        snapshot = yield from invoke(graph.state, config)
+        if (yield from self._fresh(graph, config, snapshot, turn)):
+            values = yield from run(input)
         elif snapshot.interrupts:
-            values = graph.invoke(
-                self.wait_for_decision(snapshot, timeout=timeout), config, **options
-            )
+            values = yield from run((yield from _decisions(snapshot, timeout)))
         elif snapshot.next:
-            values = graph.invoke(None, config, **options)  # a predecessor died mid-step
+            values = yield from run(None)  # a predecessor died mid-step
         else:
             values = snapshot.values  # ended: the model is not asked again
         while True:
-            snapshot = graph.get_state(config)
+            snapshot = yield from invoke(graph.state, config)
             if not snapshot.interrupts:
                 break
             if not all(_ours(pending) for pending in snapshot.interrupts):
                 return values
-            values = graph.invoke(
-                self.wait_for_decision(snapshot, timeout=timeout), config, **options
-            )
+            values = yield from run((yield from _decisions(snapshot, timeout)))
         if complete and not snapshot.next:
-            self.complete(thread_of(config))
+            yield from self._holding(thread_of(config), _nothing, complete=True)
         return values
 
     @staticmethod
     def _fresh(
-        graph: Any, config: RunnableConfig, snapshot: StateSnapshot, turn: str | None
-    ) -> bool:
+        graph: _Blocking, config: RunnableConfig, snapshot: StateSnapshot, turn: str | None
+    ) -> Flow[bool]:
         """Whether `input` starts something: a thread never run, or a `turn` (a key the
         caller gives each input of a conversation — the same when a crashed process runs it
         again) whose input the thread has not taken. A turn it has taken is continued where
@@ -480,7 +572,7 @@ class HoldpointGraph:
         if turn is None:
             return False
         thread = {"configurable": config.get("configurable") or {}}
-        if next(iter(graph.get_state_history(thread, filter={TURN: turn}, limit=1)), None):
+        if (yield from invoke(graph.took, thread, turn)):
             return False
         if snapshot.next or snapshot.interrupts:
             raise ExecutorError(
@@ -491,12 +583,66 @@ class HoldpointGraph:
 
     def wait_for_decision(self, pending: Any, *, timeout: float | None = None) -> Command[Any]:
         """See the module-level `wait_for_decision`."""
-        return wait_for_decision(self.hp, pending, timeout=timeout)
+        return wait_for_decision(self._blocking(), pending, timeout=timeout)
+
+    async def await_decision(self, pending: Any, *, timeout: float | None = None) -> Command[Any]:
+        """See the module-level `await_decision`."""
+        return await await_decision(self._asyncio(), pending, timeout=timeout)
 
     def complete(self, thread: str) -> None:
         """Complete the thread's Holdpoint run (created if no call was ledgered in it)."""
-        with self.hp.run(thread, graph=self.graph, goal=self.goal):
-            pass
+        drive(self._holding(thread, _nothing, complete=True), self._blocking().client)
+
+    async def acomplete(self, thread: str) -> None:
+        """`complete`, awaited."""
+        await adrive(self._holding(thread, _nothing, complete=True), self._asyncio().client)
+
+
+class _Blocking:
+    """How the thread's driver runs the graph: blocking calls."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+
+    def state(self, config: RunnableConfig) -> Any:
+        return self.graph.get_state(config)
+
+    def run(self, value: Any, config: RunnableConfig, options: dict[str, Any]) -> Any:
+        return self.graph.invoke(value, config, **options)
+
+    def took(self, thread: RunnableConfig, turn: str) -> Any:
+        """Whether a checkpoint of the thread carries the turn's key."""
+        return next(iter(self.graph.get_state_history(thread, filter={TURN: turn}, limit=1)), None)
+
+
+class _Asyncio(_Blocking):
+    """How the thread's driver runs the graph: on the event loop (the driver awaits)."""
+
+    def state(self, config: RunnableConfig) -> Any:
+        return self.graph.aget_state(config)
+
+    def run(self, value: Any, config: RunnableConfig, options: dict[str, Any]) -> Any:
+        return self.graph.ainvoke(value, config, **options)
+
+    async def took(self, thread: RunnableConfig, turn: str) -> Any:
+        found: AsyncIterator[Any] = self.graph.aget_state_history(
+            thread, filter={TURN: turn}, limit=1
+        )
+        async for checkpoint in found:
+            return checkpoint
+        return None
+
+
+def _nothing(run: RunCore[Any]) -> Flow[None]:
+    """The body of a run entered only to be left (completed)."""
+    yield from ()
+
+
+def _approved(request: ToolCallRequest, call: ToolCall) -> ToolCallRequest:
+    """The request as approved: the params the ledger hands `perform` (a reviewer's edits)."""
+    tool_call = request.tool_call
+    approved = LangChainToolCall(name=tool_call["name"], args=dict(call.params), id=tool_call["id"])
+    return request.override(tool_call=approved)
 
 
 def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = None) -> Command[Any]:
@@ -508,6 +654,18 @@ def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = No
     lost: call again). The resume value only informs the graph — the ledgered tool reads the
     decision from Holdpoint itself.
     """
+    return drive(_decisions(pending, timeout), hp.client)
+
+
+async def await_decision(
+    hp: AsyncHoldpoint, pending: Any, *, timeout: float | None = None
+) -> Command[Any]:
+    """`wait_for_decision` on the event loop, with an AsyncHoldpoint (`pending`: what
+    `graph.ainvoke` returned, `await graph.aget_state(config)`, or interrupts)."""
+    return await adrive(_decisions(pending, timeout), hp.client)
+
+
+def _decisions(pending: Any, timeout: float | None) -> Flow[Command[Any]]:
     deadline = None if timeout is None else time.monotonic() + timeout
     resume: dict[str, Any] = {}
     for found in _interrupts(pending):
@@ -515,7 +673,7 @@ def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = No
             continue
         decided = []
         for call in found.value.get("calls") or [found.value]:  # every held call it lists
-            approval = hp.client.get_approval(call["approval_id"])
+            approval = yield from ask(calls.get_approval(call["approval_id"]))
             while approval.pending:
                 wait = 30.0
                 if deadline is not None:
@@ -523,252 +681,17 @@ def wait_for_decision(hp: Holdpoint, pending: Any, *, timeout: float | None = No
                     if left <= 0:
                         raise ApprovalTimeout(f"no decision yet on approval {approval.id}")
                     wait = max(1.0, min(wait, left))
-                approval = hp.client.get_approval(approval.id, wait=wait)
+                approval = yield from ask(calls.get_approval(approval.id, wait))
             decided.append(decision(approval))
         fault("after_decision")  # decided; the graph has not resumed with it yet
         resume[found.id] = {**decided[0], "decisions": decided}
     return Command(resume=resume)
 
 
-def answered(resume: Any) -> set[str]:
-    """The approvals a resume value says it answers (`wait_for_decision`'s name them);
-    empty for a value that names none — then it answers whatever its interrupt listed.
-    Only which hold points the caller was shown is read from it, never a decision."""
-    if not isinstance(resume, Mapping):
-        return set()
-    listed = resume.get("decisions")
-    decided = listed if isinstance(listed, list) else [resume]
-    return {
-        str(d["approval_id"]) for d in decided if isinstance(d, Mapping) and d.get("approval_id")
-    }
-
-
-def decision(approval: Approval) -> dict[str, Any]:
-    """The resume value for one approval: its status and the reviewer's reason."""
-    return {
-        "type": KIND,
-        "approval_id": approval.id,
-        "status": approval.status,
-        "reason": approval.decision_reason,
-    }
-
-
-def request_page(hp: Holdpoint, approval_id: str) -> str:
-    """The approval's page in Holdpoint's web UI, where a reviewer decides."""
-    root = hp.client.base_url.rstrip("/").removesuffix(API_PREFIX.rstrip("/"))
-    return f"{root}/approvals/{approval_id}/"
-
-
-def thread_of(config: RunnableConfig | None) -> str:
-    """The LangGraph thread id, which names the Holdpoint run."""
-    thread = ((config or {}).get("configurable") or {}).get("thread_id")
-    if not thread:
-        raise ExecutorError(
-            "a Holdpoint-ledgered tool needs a checkpointer and "
-            "config={'configurable': {'thread_id': ...}}"
-        )
-    return str(thread)
-
-
-def _interrupts(pending: Any) -> Iterable[Interrupt]:
-    if isinstance(pending, StateSnapshot):
-        return pending.interrupts
-    if isinstance(pending, Mapping):
-        return pending.get("__interrupt__") or ()
-    if isinstance(pending, Interrupt):
-        return (pending,)
-    return tuple(pending)
-
-
-def _ours(found: Interrupt) -> bool:
-    return isinstance(found.value, Mapping) and found.value.get("type") == KIND
-
-
-# Statuses of an action that certainly never reached its service (DESIGN.md: `sent` is
-# written before the request leaves): a held call withdrawn by a goal revision ends here.
-NEVER_SENT = frozenset({"prepared", "awaiting_approval", "approved", "cancelled"})
-
-
-class OlderGoal(ActionWithdrawn):
-    """The model asked for the call under a goal revision since revised."""
-
-    @property
-    def may_have_run(self) -> bool:
-        """Whether the old goal's action may have reached the service: the model is told
-        the call was not run *again* — else that it was not run (it never left: a call held
-        at a hold point when the goal was revised), lest it report an effect nobody made."""
-        return self.action is None or self.action.status not in NEVER_SENT
-
-
-def _not_of_an_older_goal(run: RunHandle, label: str) -> None:
-    """Refuse a call the model asked for before the goal was last revised: its action (under
-    the older revision's key) was withdrawn, or sent for the old goal — preparing it again
-    under the new key would be a second effect the new goal never asked for. Runs never
-    revised (goal_rev 1) ask nothing; a revised one asks once per older revision."""
-    for goal_rev in range(run.ex.goal_rev - 1, 0, -1):
-        key = run.ex.key_for(label, goal_rev)
-        page = run.client.send(calls.actions_page(idempotency_key=key))
-        if page.results:
-            action = page.results[0]
-            fate = (
-                f"its action was withdrawn with the old goal ({action.status}): nothing was sent"
-                if action.status in NEVER_SENT
-                else f"its action stays the old goal's ({action.status})"
-            )
-            raise OlderGoal(
-                f"the goal was revised since the model asked for it (under goal revision "
-                f"{goal_rev}, now {run.ex.goal_rev}); {fate}",
-                action=action,
-            )
-
-
-# The attribute marking an exception the ledger raised for a ledgered call, and what a
-# ToolNode does with a tool's error when not told otherwise.
-_STOP = "_holdpoint_stops_the_graph"
-_TOOL_NODE_DEFAULT = inspect.signature(ToolNode).parameters["handle_tool_errors"].default
-Handling = bool | str | Callable[..., str] | type[Exception] | tuple[type[Exception], ...]
-
-
-def _sparing_the_ledger(flag: Handling) -> Handling:
-    """`handle_tool_errors` as asked, for the tools' own errors; an exception the ledger
-    raised (marked by `HoldpointGraph.__call__`) is raised on, as LangGraph's default
-    handler raises what it does not handle. False handles nothing: nothing to spare."""
-    if not flag:
-        return flag
-    handled = _handled_types(flag)
-
-    def handle(error: Exception) -> str:
-        if getattr(error, _STOP, False) or not isinstance(error, handled):
-            raise error
-        if isinstance(flag, str):
-            return flag
-        if callable(flag) and not isinstance(flag, type):
-            return str(flag(error))
-        return TOOL_CALL_ERROR_TEMPLATE.format(error=repr(error))
-
-    return handle
-
-
-def _handled_types(flag: Handling) -> tuple[type[Exception], ...]:
-    """The exceptions a `handle_tool_errors` value handles (ToolNode's reading: a handler
-    function's by the annotation of its first parameter)."""
-    if isinstance(flag, type):
-        return (flag,)
-    if isinstance(flag, tuple):
-        return flag
-    if not callable(flag):
-        return (Exception,)
-    first = next(iter(inspect.signature(flag).parameters.values()), None)
-    hint = get_type_hints(flag).get(first.name) if first is not None else None
-    kinds = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
-    if all(isinstance(k, type) and issubclass(k, Exception) for k in kinds):
-        return tuple(kinds)
-    return (Exception,)
-
-
-def _fits(tool: BaseTool | None, call: LangChainToolCall) -> bool:
-    """Whether the model's arguments fit the tool: a call that cannot run is reported by
-    the tool node as usual and never shown to a reviewer."""
-    schema = tool.tool_call_schema if tool is not None else None
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        try:
-            schema.model_validate(call["args"])
-        except ValidationError:
-            return False
-    return True
-
-
-def _messages(state: Any) -> list[Any]:
-    """The messages of a tool node's input state (a dict, a list, or an object with
-    `messages`), as ToolNode reads them."""
-    if isinstance(state, Mapping):
-        found = state.get("messages", ())
-    elif isinstance(state, list):
-        found = state
-    else:
-        found = getattr(state, "messages", ())
-    return list(found or ())
-
-
-def _latest_ai_message(state: Any) -> AIMessage | None:
-    """The model message whose calls the tool node runs: the latest, as ToolNode takes it."""
-    return next((m for m in reversed(_messages(state)) if isinstance(m, AIMessage)), None)
-
-
-def _reason(spec: Spec, state: Any, tool: BaseTool | None, params: dict[str, Any]) -> str:
-    if callable(spec.reason):
-        return spec.reason(params)
-    if spec.reason:
-        return spec.reason
-    message = _latest_ai_message(state)
-    if message is not None and isinstance(message.content, str) and message.content.strip():
-        return message.content.strip()
-    description = tool.description if tool is not None else ""
-    return (description or spec.tool).strip().splitlines()[0]
-
-
-def _with_artifact(request: ToolCallRequest) -> bool:
-    """Whether the tool returns `(content, artifact)` (`response_format=
-    "content_and_artifact"`): the ToolMessage's content is what the model reads, the
-    artifact the raw answer kept beside it for the program — never shown to the model."""
-    return getattr(request.tool, "response_format", "content") == "content_and_artifact"
-
-
-def _answer(message: ToolMessage | Command[Any], paired: bool = False) -> Any:
-    """What the ledger records of the tool node's message: the service's answer (the
-    content, as JSON where it is JSON) — or, for a tool with an artifact (`paired`), both
-    halves, `{"content", "artifact"}`: what the model was told and what the service
-    answered, for a reviewer or auditor, and for the message rebuilt from the record after
-    a restart. An artifact holding what JSON has no word for (a datetime, a model object)
-    is recorded as JSON: refused, the outcome of a call that happened could not be
-    recorded at all."""
-    if not isinstance(message, ToolMessage):
-        raise ToolErrored("a ledgered tool must return data, not a Command")
-    if message.status == "error":
-        raise ToolErrored(str(message.content))
-    if paired:
-        artifact = to_jsonable_python(message.artifact, fallback=str)
-        return {"content": message.content, "artifact": artifact}
-    content = message.content
-    if isinstance(content, str):
-        try:
-            return json.loads(content)
-        except ValueError:
-            return content
-    return content
-
-
-def _in_artifact(proof: Proof) -> Proof:
-    """The proof of a tool with an artifact is found in the artifact (the service's answer),
-    not in the content the model reads."""
-
-    def find(answer: Any) -> str | None:
-        found, _ = proved(answer.get("artifact") if isinstance(answer, Mapping) else None, proof)
-        return found or None
-
-    return find
-
-
-def _message(
-    request: ToolCallRequest, content: Any, status: str = "success", artifact: Any = None
-) -> ToolMessage:
-    call = request.tool_call
-    return ToolMessage(
-        content=content,
-        artifact=artifact,
-        name=call["name"],
-        tool_call_id=call["id"],
-        status=status,
-    )
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
 __all__ = [
     "HoldpointGraph",
     "KIND",
+    "await_decision",
     "current_call",
     "answered",
     "decision",
