@@ -92,6 +92,29 @@ def test_nothing_bound_outlives_its_scope(tenant_a: Tenant, lines: io.StringIO) 
     assert (line["run_id"], line["fence"], line["tenant"]) == (None, None, None)
 
 
+def test_a_queue_task_leaves_nothing_bound_for_the_workers_next_lines(
+    tenant_a: Tenant, lines: io.StringIO
+) -> None:
+    """A django-q2 worker process runs task after task in one thread: what a task bound (its
+    run, fence, action) must not label the lines that follow — django-q2's "processing …"
+    of the next task, another run's notification — as that run's. Seen in `make run`'s log:
+    every later line of the process carried the first run's ids."""
+    from runtime import tasks
+
+    run = create_run(tenant_a, "flaky", {"fail_times": 1}, actor="t")
+    tasks.advance(str(run.run_id))  # as the worker calls it: no scope of the test's own
+    logging.getLogger("holdpoint.test").warning("the next task starts")
+    *during, after = _parsed(lines)
+    assert any(e["run_id"] == str(run.run_id) for e in during), "the task's lines name it"
+    assert after["event"] == "the next task starts"
+    assert (after["run_id"], after["action_id"], after["fence"], after["tenant"]) == (
+        None,
+        None,
+        None,
+        None,
+    )
+
+
 def test_console_format_is_one_readable_line() -> None:
     record = logging.LogRecord(
         "holdpoint.x", logging.INFO, __file__, 1, "run %s done", ("r1",), None
