@@ -21,11 +21,12 @@ from approvals.policies import policy_for
 from audit import journal
 from fastsql import statements
 from fastsql.statements import tenant_check
-from runtime import compensation, holds
+from runtime import holds
 from runtime.errors import AlreadyDecided, InvalidParams, NotPermitted
 from runtime.events import RunEvent, record
 from runtime.models import Action, ActionStatus, Run
 from runtime.models.limits import NOTE_MAX
+from runtime.queue import ring_sender
 from runtime.tools import tool_of
 
 A = ApprovalStatus
@@ -304,7 +305,7 @@ def after_decision(action: Action, run: Run, actor: str) -> None:
     if not action.standalone:
         holds.wake(run, actor)
     elif action.status == ActionStatus.APPROVED:
-        compensation.ring(action)
+        ring_sender(action.action_id)
 
 
 def wrong_tool(policy: ApprovalPolicy, tool: str, *, whose: str = "this request's action") -> str:

@@ -28,6 +28,7 @@ from audit.canonical import digests, sha256_hex
 from audit.models import JournalEntry
 from runtime.artifacts import collect_refs
 from runtime.models import Artifact, Checkpoint, Run
+from runtime.stepcommit import stored_fields
 
 
 @dataclass(frozen=True)
@@ -86,21 +87,6 @@ class _Artifacts:
         return [self.problems[d] for d in sorted(reached) if d in self.problems]
 
 
-def fields_of(row: Checkpoint) -> dict[str, Any]:
-    """What the digest of a stored checkpoint covers: `stepcommit.checkpoint_fields`, read
-    back from its row."""
-    return {
-        "rev": row.rev,
-        "goal_rev": row.goal_rev,
-        "step": row.step,
-        "next_step": row.next_step,
-        "status": row.status,
-        "state": row.state,
-        "waits": row.waits,
-        "fence": row.fence,
-    }
-
-
 def verify_run(run: Run) -> tuple[int, list[CheckpointBreak]]:
     """(checkpoints checked, what is wrong with them) for one run."""
     name = str(run.run_id)
@@ -111,7 +97,7 @@ def verify_run(run: Run) -> tuple[int, list[CheckpointBreak]]:
     rows = Checkpoint.objects.filter(run_id=run.run_id).order_by("rev")
     for row in rows.iterator(chunk_size=100):
         revs.add(row.rev)
-        if row.digest not in digests({"run": name, **fields_of(row)}):
+        if row.digest not in digests({"run": name, **stored_fields(row)}):
             breaks.append(CheckpointBreak(name, row.rev, "its fields do not hash to its digest"))
         journalled = recorded.get(row.rev)
         if journalled is None:

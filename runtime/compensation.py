@@ -7,13 +7,14 @@ only once the compensation is confirmed, and by the same commit, whichever path 
 `ledger.transition`); until then it stays what it was: confirmed. One that ends without
 effect (ENDED_UNSENT) leaves it confirmed, and another may be asked for.
 
-No step drives a compensation and no run waits for it, so its sender is rung here (when it is
-asked for, sent again, or due again), by the decision that approves it when a policy held
-it (`approvals.requests.after_decision`, through `ring`), and by a person's "not applied"
-(`ledger.withdraw_if_moved_on`): nothing else would ever send it. For the same reason the
-sweeper rings the sender of one whose outcome is not known (`sent`, `unknown`) once its send
-is out of flight (`ring_due_reconciles`): the sender reconciles it by its tool's contract —
-also after its run finished, when no executor of the run ever looks at it again.
+No step drives a compensation and no run waits for it, so its sender is rung
+(`runtime.queue.ring_sender`) here (when it is asked for, sent again, or due again), by the
+decision that approves it when a policy held it (`approvals.requests.after_decision`), and by
+a person's "not applied" (`ledger.withdraw_if_moved_on`): nothing else would ever send it.
+For the same reason the sweeper rings the sender of one whose outcome is not known (`sent`,
+`unknown`) once its send is out of flight (`ring_due_reconciles`): the sender reconciles it
+by its tool's contract — also after its run finished, when no executor of the run ever looks
+at it again.
 
 An undo whose tool only an external executor performs (a `client` tool) is never sent by a
 worker, which cannot call it: it waits for the run's executor (the executor protocol's
@@ -88,12 +89,6 @@ def sent_reason(reason: str, schema: Any) -> str:
     return reason[:REASON_MAX]
 
 
-def ring(action: Action) -> None:
-    """Ring a standalone action's sender after the surrounding transaction commits
-    (runtime.queue.ring_sender)."""
-    ring_sender(action.action_id)
-
-
 def compensate(action: Action, reason: str, *, actor: str) -> Action:
     """Prepare the compensating action for a confirmed one and ring its dispatcher; one that
     a hold point holds waits, with its approval request, for a reviewer instead.
@@ -145,7 +140,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
             # is rung again: nothing else ever sends it, and asking again is how a person
             # says "now". The compare-and-swap to `sent` keeps two rings to one send.
             if existing.status in SENDABLE:
-                ring(existing)
+                ring_sender(existing.action_id)
             elif existing.status == S.AWAITING_APPROVAL:
                 # Its open request (raised with it) stays the one; one held before requests
                 # were raised for compensations gets its request now (idempotent per action).
@@ -192,7 +187,7 @@ def compensate(action: Action, reason: str, *, actor: str) -> Action:
         if created.status == S.AWAITING_APPROVAL:
             gates.hold(created, run, actor)  # its request, bound to its hash, in this commit
         else:
-            ring(created)
+            ring_sender(created.action_id)
     return created
 
 
@@ -284,7 +279,7 @@ def send_again(action: Action, *, actor: str) -> Action:
         raise InvalidTransition(f"the compensation is {current.status}: nothing to send again")
     if current.send_failed_at is None:
         raise InvalidTransition("the compensation has not failed to send: it is on its way")
-    ring(current)
+    ring_sender(current.action_id)
     return current
 
 

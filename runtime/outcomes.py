@@ -109,22 +109,23 @@ def repeated(action: Action, actor: str, outcome: str, external_id: str, result:
         .values_list("actor", "payload")
     )
     said = _said(outcome, external_id, result)
+    forms = digests(said)  # once, for every entry compared
     for by, payload in entries:
         if payload.get("action_status") == S.SENT:
             return False
-        if by == actor and payload.get("reported_by") and _same(payload, said):
+        if by == actor and payload.get("reported_by") and _same(payload, said, forms):
             return True
     return False
 
 
-def _same(payload: dict[str, Any], said: dict[str, Any]) -> bool:
-    """Whether the journalled report is `said`: its digest, in either canonical form
-    audit.canonical knows (`report` stores RFC 8785's). An entry written before reports
-    carried a digest names only the outcome word (and, for `confirmed`, the id): a retry
-    across that upgrade is matched on those, as it was before."""
+def _same(payload: dict[str, Any], said: dict[str, Any], forms: tuple[str, ...]) -> bool:
+    """Whether the journalled report is `said`: its digest is one of `forms`, the digests of
+    `said` in each canonical form audit.canonical knows (`report` stores RFC 8785's). An
+    entry written before reports carried a digest names only the outcome word (and, for
+    `confirmed`, the id): a retry across that upgrade is matched on those, as before."""
     stored = payload.get("report_digest")
     if stored is not None:
-        return str(stored) in digests(said)
+        return str(stored) in forms
     outcome, external_id = payload.get("outcome"), payload.get("external_id")
     return bool(
         outcome == said["outcome"]

@@ -90,9 +90,15 @@ class StepCommit:
         return self.run.checkpoint_rev + 1
 
 
+# What a checkpoint's digest covers, by the names of its row's columns: `checkpoint_fields`
+# builds them for a commit, `stored_fields` reads them back for verification.
+DIGESTED = ("rev", "goal_rev", "step", "next_step", "status", "state", "waits", "fence")
+
+
 def checkpoint_fields(commit: StepCommit) -> dict[str, Any]:
-    """What a checkpoint's digest covers — and, with the run and its creator, its row. The
-    same fields for every writer: verification recomputes the digest from them."""
+    """What a checkpoint's digest covers (DIGESTED) — and, with the run and its creator, its
+    row. The same fields for every writer: verification recomputes the digest from them.
+    (A literal, not a loop over DIGESTED: this is on every step.)"""
     return {
         "rev": commit.rev,
         "goal_rev": commit.run.goal_rev if commit.state_goal_rev is None else commit.state_goal_rev,
@@ -103,6 +109,11 @@ def checkpoint_fields(commit: StepCommit) -> dict[str, Any]:
         "waits": commit.changes.get("waiting_for"),
         "fence": commit.fence,
     }
+
+
+def stored_fields(row: Checkpoint) -> dict[str, Any]:
+    """`checkpoint_fields` of a stored checkpoint, read back from its row (runtime.checkverify)."""
+    return {name: getattr(row, name) for name in DIGESTED}
 
 
 def checkpoint_digest(run_id: Any, fields: Mapping[str, Any]) -> str:

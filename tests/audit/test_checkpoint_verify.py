@@ -14,11 +14,10 @@ from django.core.management.base import CommandError
 from django.db.models import QuerySet
 
 from runtime.artifacts import collect_refs
-from runtime.checkverify import fields_of
 from runtime.executor import advance_run
 from runtime.lifecycle import create_run
 from runtime.models import Artifact, Checkpoint, Run, Tenant
-from runtime.stepcommit import checkpoint_digest
+from runtime.stepcommit import checkpoint_digest, stored_fields
 from tests.audit.tamper import tampering
 
 # The suite's own after-test check would name these edits too.
@@ -76,7 +75,7 @@ def test_an_edited_checkpoint_is_named(tenant_a: Tenant, edit: str) -> None:
         elif edit == "status":
             _rows(Checkpoint).filter(pk=row.pk).update(status="completed")
         else:  # the forger recomputes the digest too: the journal still has the real one
-            forged = {**fields_of(row), "state": {**row.state, "forged": True}}
+            forged = {**stored_fields(row), "state": {**row.state, "forged": True}}
             _rows(Checkpoint).filter(pk=row.pk).update(
                 state=forged["state"], digest=checkpoint_digest(run.run_id, forged)
             )
