@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from django.db.models import Exists, OuterRef
+
 from audit import journal
 from audit.canonical import digests, sha256_hex
 from audit.models import JournalEntry
@@ -97,6 +99,8 @@ def verify_run(run: Run) -> tuple[int, list[CheckpointBreak]]:
     rows = Checkpoint.objects.filter(run_id=run.run_id).order_by("rev")
     for row in rows.iterator(chunk_size=100):
         revs.add(row.rev)
+        if row.tenant_id != run.tenant_id:  # no database key checks it (migration 0035)
+            breaks.append(CheckpointBreak(name, row.rev, "its tenant is not its run's"))
         if row.digest not in digests({"run": name, **stored_fields(row)}):
             breaks.append(CheckpointBreak(name, row.rev, "its fields do not hash to its digest"))
         journalled = recorded.get(row.rev)
@@ -123,10 +127,25 @@ def runs(tenant_id: int | None = None, run_id: UUID | None = None) -> Iterator[R
     return found.iterator(chunk_size=500)
 
 
+def orphans(tenant_id: int | None = None) -> list[CheckpointBreak]:
+    """Checkpoints whose run is gone: no database key keeps a run from being deleted under
+    its checkpoints (runtime migration 0035), and the walk by runs cannot meet them. One
+    break per run id, at its lowest rev. `tenant_id`: the checkpoints that say they are
+    that tenant's."""
+    rows = Checkpoint.objects.filter(~Exists(Run.objects.filter(run_id=OuterRef("run_id"))))
+    if tenant_id is not None:
+        rows = rows.filter(tenant_id=tenant_id)
+    lowest: dict[str, int] = {}
+    for run_id, rev in rows.values_list("run_id", "rev").order_by("run_id", "rev"):
+        lowest.setdefault(str(run_id), rev)
+    return [CheckpointBreak(r, rev, "its run is missing") for r, rev in lowest.items()]
+
+
 def verify_checkpoints(
-    these: Iterable[Run],
+    these: Iterable[Run], *, tenant_id: int | None = None, whole: bool = True
 ) -> tuple[int, int, list[CheckpointBreak]]:
-    """(runs checked, checkpoints checked, breaks) over `these` runs."""
+    """(runs checked, checkpoints checked, breaks) over `these` runs — and, when `whole`
+    (not one run), the checkpoints left without a run (of `tenant_id`'s, when given)."""
     checked_runs = checked = 0
     breaks: list[CheckpointBreak] = []
     for run in these:
@@ -134,4 +153,6 @@ def verify_checkpoints(
         checked_runs += 1
         checked += count
         breaks.extend(found)
+    if whole:
+        breaks.extend(orphans(tenant_id))
     return checked_runs, checked, breaks

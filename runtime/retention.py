@@ -229,7 +229,7 @@ def _preview(tenant: Tenant, runs: QuerySet[Run]) -> PurgeReport:
     report = PurgeReport(tenant.slug, [r for r in due if r not in held], held=held)
     going = runs.exclude(run_id__in=list(held)).values("run_id")
     doomed = Checkpoint.objects.filter(run_id__in=going)
-    kept = Checkpoint.objects.filter(tenant=tenant).exclude(run_id__in=going)
+    kept = Checkpoint.objects.filter(run__tenant=tenant).exclude(run_id__in=going)
     orphans = _refs(tenant.pk, doomed) - _refs(tenant.pk, kept)
     report.checkpoints = doomed.count()
     report.artifacts = Artifact.objects.filter(tenant=tenant, digest__in=orphans).count()
@@ -347,7 +347,9 @@ class _Kept:
 
     def reach(self) -> set[str]:
         """Every digest a kept checkpoint reaches (call it after the artifact lock)."""
-        kept = Checkpoint.objects.filter(tenant_id=self.tenant_id)
+        # Through the tenant's runs: a checkpoint's tenant column has no index (runtime
+        # migration 0035), its run's (run, rev) index serves the join.
+        kept = Checkpoint.objects.filter(run__tenant_id=self.tenant_id)
         if not self.stale:
             listed = set(kept.values_list("pk", flat=True))
             if self.counted <= listed:

@@ -140,7 +140,8 @@ def _db_fixture_of(request: pytest.FixtureRequest) -> str | None:
 @pytest.fixture(autouse=True)
 def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
     """After every test: each run's status rebuilt from its journal equals the stored one,
-    and each run's chain verifies. Event sourcing is checked on every run the suite makes."""
+    and each run's chain and checkpoints verify, and no checkpoint outlived its run. Event
+    sourcing is checked on every run the suite makes."""
     db_fixture = _db_fixture_of(request)
     if db_fixture is not None:
         request.getfixturevalue(db_fixture)
@@ -149,7 +150,7 @@ def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
         return
     from audit.journal import run_stream
     from audit.verification import verify_stream
-    from runtime.checkverify import verify_run
+    from runtime.checkverify import orphans, verify_run
     from runtime.events import rebuild_status
     from runtime.models import Run
 
@@ -157,6 +158,7 @@ def journal_explains_every_run(request: pytest.FixtureRequest) -> Any:
         assert rebuild_status(run.run_id) == run.status, f"journal disagrees for run {run.run_id}"
         assert verify_stream(run_stream(run.run_id)) is None, f"chain broken for run {run.run_id}"
         assert verify_run(run)[1] == [], f"checkpoints of run {run.run_id} do not verify"
+    assert orphans() == [], "checkpoints outlived their runs"
 
 
 @pytest.fixture(autouse=True)

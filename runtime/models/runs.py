@@ -195,11 +195,20 @@ class Checkpoint(InsertOnly):
     through which a deleted run's checkpoints are deleted)."""
 
     # No index of its own: runtime_checkpoint_one_rev (run, rev) starts with the run, and an
-    # index fewer is one page fewer written by every step's commit.
+    # index fewer is one page fewer written by every step's commit. Neither key is checked
+    # by the database: the writer's compare-and-swap on the run row proves both in the same
+    # statement (migration 0035), and checkpoint_verify names a row whose run is gone or
+    # whose tenant is not its run's. on_delete still holds: the ORM's collector applies it.
     run = models.ForeignKey(
-        Run, on_delete=models.CASCADE, related_name="checkpoints", db_index=False
+        Run,
+        on_delete=models.CASCADE,
+        related_name="checkpoints",
+        db_index=False,
+        db_constraint=False,
     )
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT)
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.PROTECT, db_index=False, db_constraint=False
+    )
     rev = models.PositiveIntegerField()
     goal_rev = models.PositiveIntegerField()
     step = models.CharField(max_length=100, blank=True, default="")

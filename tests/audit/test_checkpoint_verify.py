@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 from django.db.models import QuerySet
 
 from runtime.artifacts import collect_refs
@@ -174,3 +175,42 @@ def test_another_tenants_run_is_not_checked_under_a_tenant(
     theirs = _chain(tenant_b)
     ok, text = checkpoint_verify("--tenant", tenant_a.slug, "--run", str(theirs.run_id))
     assert not ok and "no run" in text
+
+
+def test_a_checkpoint_moved_to_another_tenant_is_named(tenant_a: Tenant, tenant_b: Tenant) -> None:
+    """No database key ties a checkpoint's tenant to its run's (runtime migration 0035): the
+    verifier does."""
+    run = _chain(tenant_a)
+    with tampering():
+        _rows(Checkpoint).filter(run=run, rev=2).update(tenant=tenant_b)
+
+    ok, text = checkpoint_verify("--run", str(run.run_id))
+    assert not ok
+    assert f"BROKEN run {run.run_id} checkpoint 2: its tenant is not its run's" in text
+    assert "1 broken" in text
+
+
+def test_checkpoints_left_without_their_run_are_named(tenant_a: Tenant, tenant_b: Tenant) -> None:
+    """A run deleted under its checkpoints (no database key refuses it any more): the walk by
+    runs cannot meet them, so they are looked for on their own — under the whole check and
+    their tenant's, not another tenant's nor one run's."""
+    run, kept = _chain(tenant_a), _chain(tenant_a)
+    with tampering():  # the run and all else of it, but its checkpoints: no cascade to them
+        for relation in Run._meta.related_objects:
+            if relation.related_model is not Checkpoint:
+                rows = _rows(relation.related_model).filter(**{relation.field.name: run})
+                rows._raw_delete(connection.alias)
+        Run.objects.filter(pk=run.pk)._raw_delete(connection.alias)
+
+    for args in ((), ("--tenant", tenant_a.slug)):
+        ok, text = checkpoint_verify(*args)
+        assert not ok
+        assert f"BROKEN run {run.run_id} checkpoint 1: its run is missing" in text
+        assert "1 broken" in text  # once per run, not once per checkpoint
+    ok, text = checkpoint_verify("--tenant", tenant_b.slug)
+    assert ok, text
+    ok, text = checkpoint_verify("--run", str(kept.run_id))
+    assert ok, text
+
+    with tampering():  # SQLite keeps its keys: the test's end checks them
+        _rows(Checkpoint).filter(run_id=run.run_id)._raw_delete(connection.alias)

@@ -37,7 +37,9 @@ class Command(BaseCommand):
                 run_id = UUID(options["run"].strip())
             except ValueError:
                 raise CommandError(f"--run {options['run']!r} is not a run id") from None
-        checked_runs, checked, breaks = verify_checkpoints(runs(tenant_id, run_id))
+        checked_runs, checked, breaks = verify_checkpoints(
+            runs(tenant_id, run_id), tenant_id=tenant_id, whole=run_id is None
+        )
         for found in breaks:
             self.stdout.write(f"BROKEN run {found.run_id} checkpoint {found.rev}: {found.problem}")
         self.stdout.write(
