@@ -71,6 +71,7 @@ __all__ = [
     "load",
     "load_all",
     "select",
+    "scalar",
     "sends",
     "tenant_check",
     "update",
@@ -360,16 +361,7 @@ class OneStatement:
         """A value the statement also reads, in its own snapshot, and returns: the `column`
         of the first row of `model` matching `where`. Its `Read` is filled in by `run` when
         the statement wrote (`done`; `value` None without a matching row)."""
-        table = table_of(model, self.conn)
-        where_shape, params = conditions(table, where, self.conn)
-        key = ("read", column, where_shape)
-        sql = table.sql.get(key)
-        if sql is None:
-            sql = table.sql[key] = (
-                f"(SELECT {table.column[column]} FROM {table.name}"
-                f" WHERE {conditions_sql(table, where_shape)} LIMIT 1)"
-            )
-        found = Read(sql, params)
+        found = scalar(model, column, where, self.conn)
         self.reads.append(found)
         return found
 
@@ -502,12 +494,35 @@ def sends(conn: BaseDatabaseWrapper | None = None) -> bool:
 
 @dataclass
 class Read:
-    """A value read along by a `OneStatement` (see `OneStatement.read`)."""
+    """A value read along by another statement — a `OneStatement` (`OneStatement.read`) or a
+    `select` (its `reads`) — as a scalar subquery (`scalar`). Its value is as the driver
+    gives it: no field's converter runs (read plain columns: numbers, text)."""
 
     sql: str
     params: list[Any]
     value: Any = None
     done: bool = False
+
+
+def scalar(
+    model: type[models.Model],
+    column: str,
+    where: Mapping[str, Any],
+    conn: BaseDatabaseWrapper | None = None,
+) -> Read:
+    """`(SELECT column FROM table WHERE … LIMIT 1)`, to be read along by another statement:
+    the `column` of the first row of `model` matching `where` (None without one)."""
+    conn = conn or db()
+    table = table_of(model, conn)
+    where_shape, params = conditions(table, where, conn)
+    key = ("read", column, where_shape)
+    sql = table.sql.get(key)
+    if sql is None:
+        sql = table.sql[key] = (
+            f"(SELECT {table.column[column]} FROM {table.name}"
+            f" WHERE {conditions_sql(table, where_shape)} LIMIT 1)"
+        )
+    return Read(sql, params)
 
 
 # Writes offered as parts of a larger `OneStatement`: given the statement and the name of the
@@ -579,16 +594,19 @@ def _insert_part(
 
 def select(
     model: type[models.Model],
-    names: tuple[str | Elapsed, ...],
+    names: tuple[str | Elapsed | DbNow, ...],
     where: Mapping[str, Any],
     *,
     for_update: bool = False,
     order_by: tuple[str, ...] = (),
     limit: int | None = None,
+    reads: tuple[Read, ...] = (),
 ) -> list[list[Any]]:
-    """Rows of `names` (attnames, or `Elapsed` verdicts) matching `where`, converted as the
-    ORM converts them, ordered by `order_by` (attnames, ascending; "-name" descending), at
-    most `limit` of them.
+    """Rows of `names` (attnames, `Elapsed` verdicts, or `DbNow`: the database clock, plus
+    its seconds) matching `where`, converted as the ORM converts them, ordered by `order_by`
+    (attnames, ascending; "-name" descending), at most `limit` of them. Each row goes on with
+    the value of each of `reads` (`scalar`), as the driver gives it: another table's values
+    read in the same round trip and the same snapshot.
 
     `for_update` locks them (PostgreSQL `FOR UPDATE`; SQLite's write transaction already
     excludes every other writer)."""
@@ -596,10 +614,19 @@ def select(
     table = table_of(model, conn)
     where_shape, params = conditions(table, where, conn)
     lock = for_update and conn.features.has_select_for_update
-    key = ("select", names, where_shape, lock, order_by, limit)
+    key = ("select", names, where_shape, lock, order_by, limit, *(read.sql for read in reads))
+    clocks = _clock_params.get((names, conn.vendor))
+    if clocks is None:
+        clocks = _clock_params[(names, conn.vendor)] = [
+            p for n in names if n.__class__ is DbNow for p in clock_sql(table.model, n, conn)[1]
+        ]
+    if clocks or reads:  # their parameters come before the conditions'
+        params = [*clocks, *(p for read in reads for p in read.params), *params]
     sql = table.sql.get(key)
     if sql is None:
-        columns = ", ".join(_read_sql(table, name, conn) for name in names)
+        columns = ", ".join(
+            [_read_sql(table, name, conn) for name in names] + [read.sql for read in reads]
+        )
         sql = f"SELECT {columns} FROM {table.name} WHERE {conditions_sql(table, where_shape)}"
         if order_by:
             terms = (
@@ -618,7 +645,14 @@ def select(
     return table.convert(conn, names, rows)
 
 
-def _read_sql(table: Table, name: str | Elapsed, conn: BaseDatabaseWrapper) -> str:
+# A select's names → the parameters of the clocks among them (their values are constants).
+_clock_params: dict[tuple[Any, str], list[Any]] = {}
+
+
+def _read_sql(table: Table, name: str | Elapsed | DbNow, conn: BaseDatabaseWrapper) -> str:
+    if isinstance(name, DbNow):
+        sql: str = clock_sql(table.model, name, conn)[0]  # its parameters: `select`'s
+        return sql
     if not isinstance(name, Elapsed):
         return table.column[name]
     now, now_params = clock_sql(table.model, NOW, conn)

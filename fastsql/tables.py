@@ -139,13 +139,20 @@ class Table:
         self, conn: BaseDatabaseWrapper, names: tuple[Any, ...], rows: list[list[Any]]
     ) -> list[list[Any]]:
         """Run read values through the converters a QuerySet would apply (an `Elapsed`
-        column: to bool, as a boolean expression of the ORM's would be)."""
+        column: to bool, as a boolean expression of the ORM's would be; a `DbNow`: as the
+        ORM's `Now()` is read)."""
         plan = self.converters.get(names)
         if plan is None:
             plan = []
             for position, name in enumerate(names):
                 if isinstance(name, Elapsed):
                     plan.append((position, [_to_bool], None))
+                    continue
+                if isinstance(name, DbNow):  # read as the ORM reads its own clock, Now()
+                    clock = Now()
+                    convs = conn.ops.get_db_converters(clock) + clock.get_db_converters(conn)
+                    if convs:
+                        plan.append((position, convs, clock))
                     continue
                 column = self.fields[name].get_col(self.model._meta.db_table)
                 convs = conn.ops.get_db_converters(column) + column.get_db_converters(conn)

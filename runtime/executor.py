@@ -51,7 +51,7 @@ from runtime.leases import (
     db_now_plus,
     refuse_stale,
     release,
-    take_lease,
+    take_due,
 )
 from runtime.models import TERMINAL, Action, ActionStatus, Checkpoint, Run, RunStatus
 from runtime.models.limits import NOTE_MAX
@@ -88,11 +88,11 @@ def advance_run(
     # executor the head it carries through its commits (audit.journal.owning).
     with journal.owning(journal.run_stream(run_id)):
         try:
-            lease = take_lease(run_id, owner, ttl)
+            lease, run = take_due(run_id, owner, ttl)
         except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
             return AdvanceResult("skipped", detail=exc.code)
         observe.lease_taken(lease)
-        executor = Executor(lease)
+        executor = Executor(lease, run)
         try:
             return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
         except StaleFence as exc:
@@ -119,10 +119,11 @@ class _InFlight:
 
 
 class Executor:
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, run: Run | None = None) -> None:
+        """`run`: the run row as `lease` left it (leases.take_due reads it), else read here."""
         self.lease = lease
         self.steps = 0
-        self.run = self._fetch(lease.run_id, lease.tenant_id)
+        self.run = run if run is not None else self._fetch(lease.run_id, lease.tenant_id)
         self.stream = journal.run_stream(self.run.run_id)
         self.encoder = Encoder()
         self.state: dict[str, Any] = {}

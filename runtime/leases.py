@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.db.models import (
     Case,
     CharField,
@@ -31,8 +31,9 @@ from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils.dateparse import parse_datetime
 
+from audit import journal
 from audit.journal import run_stream
-from audit.models import JournalEntry
+from audit.models import JournalEntry, StreamHead
 from fastsql import statements
 from runtime.errors import (
     AlreadyCompleted,
@@ -133,7 +134,7 @@ def take_lease(
     was declared lost is running again. `by`: who acts under the lease, for the journal.
     """
     if runnable_only:
-        return _take_due(run_id, owner, ttl)
+        return take_due(run_id, owner, ttl)[0]
     with transaction.atomic(durable=True):
         # The one read by id alone: it is how an executor, knowing a bare run id, learns the
         # run's tenant. Every later statement names the tenant too (defence in depth).
@@ -211,39 +212,49 @@ def _lost_owner(run_id: Any, tenant_id: int) -> str:
     return str(payload.get("lease_owner") or "")
 
 
-def _lease_view(run_id: Any) -> list[Any] | None:
-    """The run's lease as the database clock sees it, row-locked: (tenant_id, lease_owner,
-    status, external, fence, lease free?, wake time come?). The one read by id alone — how a
-    worker rung with a bare run id learns the run's tenant; every later statement names it."""
-    rows = statements.select(
-        Run,
-        (
-            "tenant_id",
-            "lease_owner",
-            "status",
-            "external",
-            "fence",
-            statements.Elapsed("lease_expires_at"),
-            statements.Elapsed("wake_at", inclusive=True),
-        ),
-        {"run_id": run_id},
-        for_update=True,
-    )
-    return rows[0] if rows else None
+# A worker's lease read: the whole run row (the executor runs on it: no second read), then
+# the database clock's verdicts on it — lease free, wake time come — and, for the one-statement
+# take, the clock itself and the lease's end by it.
+_ROW = statements.attnames(Run)
+_VERDICTS = (statements.Elapsed("lease_expires_at"), statements.Elapsed("wake_at", inclusive=True))
 
 
-def _take_due(run_id: Any, owner: str, ttl: float) -> Lease:
-    """A worker's `take_lease`: the run row read and locked with the database clock's verdict
-    (lease free, wake time come), then the fence bumped by a compare-and-swap on the fence it
-    read — two statements where the general form needs three."""
+def _lease_view(run_id: Any) -> tuple[Run, bool, bool] | None:
+    """The run as the database clock sees it, row-locked: (the run, lease free?, wake time
+    come?). The one read by id alone — how a worker rung with a bare run id learns the run's
+    tenant; every later statement names it."""
+    rows = statements.select(Run, _ROW + _VERDICTS, {"run_id": run_id}, for_update=True)
+    if not rows:
+        return None
+    *values, free, due = rows[0]
+    return _run(values), bool(free), bool(due)
+
+
+def _run(values: list[Any]) -> Run:
+    run: Run = Run.from_db(DEFAULT_DB_ALIAS, list(_ROW), values)
+    return run
+
+
+def take_due(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run]:
+    """A worker's `take_lease`, and the run as the lease left it — the executor's first read
+    (runtime.executor), made by the lease's own statements.
+
+    On PostgreSQL, outside a transaction, in two round trips (`_take_at_once`); else, or
+    when that found the run or its stream moved meanwhile, in one short transaction: the run
+    row read and locked with the database clock's verdict (lease free, wake time come), then
+    the fence bumped by a compare-and-swap on the fence it read."""
+    taken = _take_at_once(run_id, owner, ttl)
+    if taken is not None:
+        return taken
     with transaction.atomic(durable=True):
-        row = _lease_view(run_id)
-        if row is None:
+        view = _lease_view(run_id)
+        if view is None:
             raise NotFound()
-        tenant_id, previous_owner, status, external, fence, free, due = row
-        if not (free and due and status in RUNNABLE and not external):
-            _refuse(run_id, tenant_id)
-        taken = statements.update(
+        run, free, due = view
+        if not (free and due and run.status in RUNNABLE and not run.external):
+            _refuse(run_id, run.tenant_id)
+        previous_owner = run.lease_owner
+        taken_row = statements.update(
             Run,
             {
                 "lease_owner": owner,
@@ -253,25 +264,97 @@ def _take_due(run_id: Any, owner: str, ttl: float) -> Lease:
                 "status": RunStatus.RUNNING,
                 "wake_at": None,
             },
-            {"run_id": run_id, "tenant_id": statements.Check(tenant_id), "fence": fence},
-            returning=("fence", "lease_expires_at"),
+            {"run_id": run_id, "tenant_id": statements.Check(run.tenant_id), "fence": run.fence},
+            returning=("fence", "lease_expires_at", "updated_at"),
         )
-        if len(taken) != 1:  # cannot happen under the row lock
-            _refuse(run_id, tenant_id)
-        fence, expires_at = taken[0]
-        lease = Lease(run_id, tenant_id, owner, fence, ttl, expires_at)
-        record(
-            Run(run_id=run_id, tenant_id=tenant_id),
-            RunEvent.LEASE_TAKEN,
-            lease.actor,
-            owner=owner,
-            fence=fence,
-            expires_at=expires_at.isoformat(),
-            previous_owner=previous_owner,
-            takeover=bool(previous_owner) and previous_owner != owner,
-            status=RunStatus.RUNNING,
-        )
-        return lease
+        if len(taken_row) != 1:  # cannot happen under the row lock
+            _refuse(run_id, run.tenant_id)
+        run.fence, run.lease_expires_at, run.updated_at = taken_row[0]
+        run.lease_owner, run.status, run.wake_at = owner, RunStatus.RUNNING, None
+        lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at)
+        _record_taken(run, lease, previous_owner)
+        return lease, run
+
+
+def _record_taken(run: Run, lease: Lease, previous_owner: str) -> None:
+    assert lease.expires_at is not None  # a worker's lease always ends
+    record(
+        run,
+        RunEvent.LEASE_TAKEN,
+        lease.actor,
+        owner=lease.owner,
+        fence=lease.fence,
+        expires_at=lease.expires_at.isoformat(),
+        previous_owner=previous_owner,
+        takeover=bool(previous_owner) and previous_owner != lease.owner,
+        status=RunStatus.RUNNING,
+    )
+
+
+def _take_at_once(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run] | None:
+    """PostgreSQL, outside a transaction: the worker's lease in two round trips where the
+    transaction takes six (BEGIN, the locked read, the swap, the head's read, the journal's
+    write, COMMIT) — a fixed cost of every run a worker advances.
+
+    1. One read, unlocked: the run row, the clock's verdicts, the clock itself (the lease ends
+       at its reading + ttl, so the journal entry can say when before it is written) and the
+       run stream's head. A lease refused is refused here, as the transaction would.
+    2. One autocommit statement (fastsql.statements.OneStatement): the compare-and-swap on
+       everything the verdicts were drawn from — fence, status, lease end, wake time, all as
+       read — so a lease taken, renewed or released, a wake time moved or a status changed
+       in between writes nothing; and with it the lease's journal entry, chained onto the
+       head read (audit.journal.parts_after).
+
+    None when this path does not apply or wrote nothing (the run or its stream moved in
+    between): the caller takes the transaction, which then decides under the row lock."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return None
+    stream = run_stream(run_id)
+    where = {"stream": stream}
+    head = (
+        statements.scalar(StreamHead, "seq", where),
+        statements.scalar(StreamHead, "hash", where),
+    )
+    names = _ROW + _VERDICTS + (statements.NOW, statements.DbNow(ttl))
+    rows = statements.select(Run, names, {"run_id": run_id}, reads=head)
+    if not rows:
+        raise NotFound()
+    *values, free, due, now, expires_at, seq, head_hash = rows[0]
+    run = _run(values)
+    if not (free and due and run.status in RUNNABLE and not run.external):
+        _refuse(run_id, run.tenant_id)
+    if seq is None:  # no head row (a run's is made with it): the transaction makes one
+        return None
+    previous_owner = run.lease_owner
+    read = {
+        "run_id": run_id,
+        "tenant_id": statements.Check(run.tenant_id),
+        "fence": run.fence,
+        "status": run.status,
+        "lease_expires_at": run.lease_expires_at,
+        "wake_at": run.wake_at,
+        "external": False,
+    }
+    changes = {
+        "lease_owner": owner,
+        "lease_expires_at": expires_at,
+        "fence": run.fence + 1,
+        "updated_at": now,
+        "status": RunStatus.RUNNING,
+        "wake_at": None,
+    }
+    run.lease_owner, run.lease_expires_at, run.fence = owner, expires_at, run.fence + 1
+    run.updated_at, run.status, run.wake_at = now, RunStatus.RUNNING, None
+    lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, expires_at)
+    one = statements.OneStatement()
+    lead = [one.update("changed", Run, changes, read)]
+    with journal.batched(stream, deferred=True) as pending:
+        _record_taken(run, lease, previous_owner)
+    known = journal.Head(int(seq), head_hash)
+    parts = journal.parts_after(stream, run.tenant_id, pending, known, lead, one)
+    if journal.append_after(stream, pending, known, parts, one) != "written":
+        return None  # moved meanwhile: nothing was written
+    return lease, run
 
 
 def _refuse(run_id: Any, tenant_id: int, *, external: bool = False) -> None:

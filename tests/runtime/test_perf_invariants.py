@@ -344,7 +344,8 @@ def test_postgresql_prepares_the_step_statement_once_and_reuses_it(tenant_a: Ten
     step = [
         uses
         for text, uses in _prepared_on_this_connection()
-        if text.startswith('WITH changed AS (UPDATE "runtime_run"')
+        # (the lease's one statement also starts with the run's swap; it sets no rev)
+        if text.startswith('WITH changed AS (UPDATE "runtime_run" SET "checkpoint_rev"')
     ]
     # Every one of the 12 step commits executed a prepared statement; the steady shape
     # (neither the first step, which also extends the lease, nor the last) was prepared
