@@ -5,18 +5,21 @@ server's event loop (runtime.api.sse serves it), not a sync worker. While it wai
 no thread and no database connection: it awaits an `asyncio.Event` that the process's one
 doorbell rings.
 
-- PostgreSQL: one `LISTEN holdpoint_journal` connection per process (psycopg 3, async). A
-  trigger on the stream head (audit migration 0006) notifies "<tenant_id> <stream>" in the
-  appending transaction, at commit.
-- SQLite: one poller per process reads the watched stream heads every `POLL_SECONDS`.
+On both databases the doorbell polls: while the process has streams open, it reads the
+watched stream heads (one indexed query for all of them, on a reader thread) every
+`POLL_SECONDS` and rings the keys whose head moved; with none open it sleeps without
+querying. PostgreSQL's LISTEN/NOTIFY was dropped (audit migration 0009): the NOTIFY trigger
+ran in every journal append, i.e. every step commit of every worker, and a notifying
+transaction takes a cluster-wide lock at commit until its commit is flushed, serializing
+all of them; LISTEN also needs a connection of its own per process and does not work
+through a pooler in transaction mode. A poll costs the waiting a fraction of a second.
 
 A doorbell is never the data: after a ring, a subscriber re-reads what is past its last seq,
-so a missed or coalesced notification delays an entry, never loses it — and every heartbeat
-(after `settings.HOLDPOINT_SSE_KEEPALIVE` quiet seconds, 15 by default) re-reads too, and a
-re-connected listener rings everyone.
+so a missed or coalesced ring delays an entry, never loses it — and every heartbeat (after
+`settings.HOLDPOINT_SSE_KEEPALIVE` quiet seconds, 15 by default) re-reads too.
 
 Reads run on `READERS` threads of their own, each keeping one database connection, so N
-streams cost at most READERS + 1 connections per process, whatever N; identical reads in
+streams cost at most READERS connections per process, whatever N; identical reads in
 flight at once (200 clients of one run woken by one commit) are made once (`read`).
 """
 
@@ -31,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -44,8 +47,10 @@ from django.http import StreamingHttpResponse
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CHANNEL = "holdpoint_journal"  # audit/migrations/0006_notify_appends.py
-POLL_SECONDS = 0.5  # SQLite: how stale a wake-up may be
+# How stale a wake-up may be: a reviewer or an agent waiting on a stream sees an entry within
+# about this long (half of it on average). The price is one indexed read of the watched heads
+# per web process per interval, and only while it has streams open.
+POLL_SECONDS = 0.25
 READERS = 4
 RETRY_SECONDS = 1.0
 LOG_EVERY = 15.0  # seconds between two lines about streams' failed reads (read_failed)
@@ -110,8 +115,8 @@ class Doorbell:
         self.task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closing = False  # the server is stopping: streams end (close)
-        # Its LISTEN or poll failing is logged once per LOG_EVERY (the database away, it
-        # retries every second or half-second), apart from the streams' own failed reads.
+        # Its poll failing is logged once per LOG_EVERY (the database away, it tries again
+        # every POLL_SECONDS), apart from the streams' own failed reads.
         self.failed = _Failures().say
 
     @contextlib.asynccontextmanager
@@ -158,8 +163,7 @@ class Doorbell:
         self.ring_all()
 
     async def stop(self) -> None:
-        """Stop listening or polling (the LISTEN connection is closed) and the readers (the
-        connections they kept are closed)."""
+        """Stop polling and the readers (the connections they kept are closed)."""
         task, self.task = self.task, None
         if task is not None and not task.done():
             task.cancel()
@@ -189,27 +193,7 @@ class Doorbell:
         if self.task is not None and not self.task.done() and self.loop is loop:
             return
         self.loop = loop
-        watch = self._listen if connection.vendor == "postgresql" else self._poll
-        self.task = loop.create_task(watch(), name="holdpoint-live-doorbell")
-
-    async def _listen(self) -> None:
-        import psycopg
-
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    _conninfo(), autocommit=True
-                ) as listener:
-                    await listener.execute(f"LISTEN {CHANNEL}")
-                    self.ring_all()  # anything appended while nobody listened
-                    async for note in listener.notifies():
-                        _, _, stream = note.payload.partition(" ")  # "<tenant_id> <stream>"
-                        self.ring(stream)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a lost connection: listen again, after a pause
-                self.failed(log, "live events: the LISTEN connection failed; reconnecting")
-            await asyncio.sleep(RETRY_SECONDS)
+        self.task = loop.create_task(self._poll(), name="holdpoint-live-doorbell")
 
     async def _poll(self) -> None:
         seen: dict[str, Any] = {}
@@ -241,32 +225,8 @@ async def unwatched() -> AsyncIterator[asyncio.Event]:
     yield asyncio.Event()
 
 
-def _conninfo(db: Mapping[str, Any] | None = None) -> str:
-    """The LISTEN connection's: the database settings' address and credentials, and every
-    libpq option they carry (sslmode, sslrootcert, connect_timeout …: the listener connects
-    the way the process's other connections do). It is named after the process's own
-    `application_name` with `-live` added (`holdpoint-live` when it has none), so
-    pg_stat_activity tells each process's listener apart."""
-    from psycopg import pq
-    from psycopg.conninfo import make_conninfo
-
-    db = connection.settings_dict if db is None else db
-    libpq = {option.keyword.decode() for option in pq.Conninfo.get_defaults()}
-    given = {k: v for k, v in (db.get("OPTIONS") or {}).items() if k in libpq}
-    options = {
-        **given,
-        "dbname": db["NAME"],
-        "user": db.get("USER") or None,
-        "password": db.get("PASSWORD") or None,
-        "host": db.get("HOST") or None,
-        "port": str(db["PORT"]) if db.get("PORT") else None,
-        "application_name": f"{given.get('application_name') or 'holdpoint'}-live",
-    }
-    return make_conninfo(**{k: str(v) for k, v in options.items() if v is not None})
-
-
 def _heads(keys: list[str]) -> dict[str, Any]:
-    """SQLite: where each watched stream's head is."""
+    """Where each watched stream's head is: one read by audit_streamhead's primary key."""
     from audit.models import StreamHead
 
     return dict(StreamHead.objects.filter(stream__in=keys).values_list("stream", "seq"))

@@ -13,7 +13,7 @@ Django's own ASGI handler would keep a thread per request for the request's whol
 ThreadSensitiveContext pins one executor per request until the response ends); a stream
 lives for minutes, so 200 open streams would be 200 parked threads. Here they are 200
 coroutines, each awaiting an `asyncio.Event` (runtime.live), and the process holds at most
-OPENERS + READERS threads and READERS + 1 database connections for them, whatever their
+OPENERS + READERS threads and READERS database connections for them, whatever their
 number.
 """
 

@@ -1,5 +1,5 @@
 """G8: live events (API.md, "Live events") through the real ASGI server (`uvicorn
-config.asgi`, procs.start_web) — on SQLite (polled) and PostgreSQL (LISTEN/NOTIFY).
+config.asgi`, procs.start_web) — on SQLite and PostgreSQL (both polled: runtime.live).
 
 The journal in the database is the oracle: every streamed event is compared, id and body,
 with the entry `GET runs/{id}/events/` lists for that seq.
@@ -66,13 +66,12 @@ def web_server(
     django_db_blocker: Any, log: Path, name: str = "holdpoint-web", **extra: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real web server (`extra`: its environment's additions): its process and base URL.
-    On PostgreSQL its connections carry `name`, its LISTEN connection `name`-live
-    (runtime.live), and its teardown waits until both are gone."""
+    On PostgreSQL its connections carry `name`, and its teardown waits until they are gone."""
     env = procs.child_env(**extra)
     if connection.vendor == "postgresql":  # its connections are counted by this name
         env["DATABASE_URL"] += f"?application_name={name}"
     proc, base = procs.start_web(env, log)
-    names = (name, f"{name}-live")
+    names = (name,)
     try:
         yield proc, base
     finally:
@@ -264,14 +263,11 @@ def test_a_stream_not_served_on_the_event_loop_sends_what_is_there_and_ends(
     assert "event: lease_taken" in body
 
 
-def test_a_stream_not_served_on_the_event_loop_opens_no_listen_connection(
-    agent_a: Persona,
-) -> None:
+def test_a_stream_not_served_on_the_event_loop_starts_no_doorbell(agent_a: Persona) -> None:
     """A stream that will not follow has nothing to wait for, so it must not start the
     process's doorbell: under Django alone each response is consumed on an event loop of
-    its own that ends with it, so every such request started a LISTEN task (on PostgreSQL a
-    connection) of its own, cancelled when its loop closed, whether or not its connection
-    had finished opening."""
+    its own that ends with it, so every such request started a doorbell task of its own
+    (then a LISTEN connection on PostgreSQL), cancelled when its loop closed."""
     run_id = new_run(agent_a.api())["run_id"]
     take_lease(agent_a.api(), run_id)
     started = live.doorbell.task
@@ -279,13 +275,6 @@ def test_a_stream_not_served_on_the_event_loop_opens_no_listen_connection(
         answer = agent_a.api().get(path, STREAM)
         assert answer.status_code == 200 and b": stream open" in b"".join(answer)
     assert live.doorbell.task is started  # no doorbell started for these requests
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'holdpoint-live'"
-                " AND datname = current_database()"
-            )
-            assert cursor.fetchone() == (0,)
 
 
 # The keep-alive of the quiet-stream test's own server: the same code path as the default
@@ -368,12 +357,11 @@ def test_a_web_process_told_to_stop_ends_its_streams_and_stops(
     assert as_json(events) == journal_json(run_id)  # every entry, then the end
 
 
-def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
-    """SQLite's doorbell: the first append to a stream the poller had no head for rings its
-    subscriber (it used to become the poller's baseline, and the subscriber waited for the
-    next heartbeat, 15 s by default; no heartbeat runs here, so a missed ring fails)."""
-    if connection.vendor != "sqlite":
-        pytest.skip("PostgreSQL rings through LISTEN/NOTIFY, not the poller")
+def test_the_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> None:
+    """The doorbell (both databases): the first append to a stream the poller had no head
+    for rings its subscriber (it used to become the poller's baseline, and the subscriber
+    waited for the next heartbeat, 15 s by default; no heartbeat runs here, so a missed ring
+    fails)."""
     from audit import journal
     from runtime import live
 
@@ -401,26 +389,22 @@ def test_the_sqlite_poller_rings_a_stream_it_had_not_seen_before(agent_a: Person
 def test_the_doorbell_says_once_per_interval_that_it_cannot_reach_the_database(
     db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The database away: the process's doorbell — PostgreSQL's LISTEN connection, SQLite's
-    poll of the stream heads — tried again every second (half-second) and logged a traceback
-    each time, a flood beside the streams' own line. Now it is one line per interval, as
-    for the streams' failed reads. (`db`: the vendor decides which of the two runs.)"""
+    """The database away: the process's doorbell — its poll of the stream heads — tried
+    again every interval and logged a traceback each time, a flood beside the streams' own
+    line. Now it is one line per LOG_EVERY, as for the streams' failed reads."""
     import logging
 
     from django.db import OperationalError
 
     monkeypatch.setattr(live, "LOG_EVERY", 60.0)
-    monkeypatch.setattr(live, "RETRY_SECONDS", 0.1)
     monkeypatch.setattr(live, "POLL_SECONDS", 0.1)
-    if connection.vendor == "postgresql":  # nothing listens on that port
-        closed = f"host=127.0.0.1 port={procs.free_port()} user=nobody dbname=nowhere"
-        monkeypatch.setattr(live, "_conninfo", lambda: closed)
-    else:
+    tries: list[list[str]] = []
 
-        def unreachable(keys: list[str]) -> Any:
-            raise OperationalError("unable to open database file")
+    def unreachable(keys: list[str]) -> Any:
+        tries.append(keys)
+        raise OperationalError("connection to server failed")
 
-        monkeypatch.setattr(live, "_heads", unreachable)
+    monkeypatch.setattr(live, "_heads", unreachable)
 
     async def away() -> None:
         doorbell = live.Doorbell()
@@ -435,6 +419,7 @@ def test_the_doorbell_says_once_per_interval_that_it_cannot_reach_the_database(
     said = [r.getMessage() for r in caplog.records if r.name == live.log.name]
     assert len(said) == 1, said
     assert said[0].startswith("live events: ")
+    assert len(tries) >= 5, tries  # it did keep trying
 
 
 @pytest.mark.postgres
@@ -1167,7 +1152,7 @@ def test_200_stream_clients_hold_on_postgresql(
 ) -> None:
     """200 clients of one uvicorn process: each gets every entry once, other calls answer,
     and the server's database connections and threads stay bounded — a stream holds
-    neither (runtime.api.sse: at most OPENERS + READERS threads and READERS + 1 connections
+    neither (runtime.api.sse: at most OPENERS + READERS threads and READERS connections
     for all streams together)."""
     if connection.vendor != "postgresql":
         pytest.skip("the connection count is a PostgreSQL figure")
@@ -1261,31 +1246,31 @@ def test_200_stream_clients_hold_on_postgresql(
         f" before, {[t for _, t in seen]} while open (max {threads}); a checkpoint POSTed"
         f" until all {clients} had its entry: {[round(d * 1000) for d in delivered]} ms"
     )
-    # One LISTEN connection, at most READERS (4) readers' ones, the API calls in flight.
-    assert connections <= 8, seen
+    # At most READERS (4) readers' ones (the doorbell's poll is one of their reads), the API
+    # calls in flight.
+    assert connections <= 7, seen
     # The loop, OPENERS (8) + READERS (4) pool threads, a few of Django's and asyncio's:
     # bounded and far below one per client.
     assert threads <= 32, seen
 
 
 @pytest.mark.postgres
-def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> None:
-    """The LISTEN connection killed (a database restart, a proxy's idle cut) while a stream
-    waits: the doorbell listens again and re-reads, so the entries written meanwhile arrive,
-    once each, well before the 15 s heartbeat's re-read would bring them."""
+def test_a_lost_database_connection_loses_no_entry(web: str, agent_a: Persona) -> None:
+    """The server's database connections killed (a database restart, a proxy's idle cut)
+    while a stream waits: the doorbell's next poll fails, the one after reconnects and
+    rings, so the entries written meanwhile arrive, once each, well before the 15 s
+    heartbeat's re-read would bring them."""
     if connection.vendor != "postgresql":
-        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+        pytest.skip("SQLite's readers keep no connection between reads")
     run_id = new_run(agent_a.api())["run_id"]
     fence = take_lease(agent_a.api(), run_id)
 
-    def listeners(kill: bool) -> int:
+    def kill_the_servers() -> int:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT count(*) FILTER (WHERE %s AND pg_terminate_backend(pid)) + count(*)"
-                " FROM pg_stat_activity WHERE application_name = 'holdpoint-web-live'"
-                " AND datname = current_database()",  # the module server's: no other's
-                [kill],
-            )
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = 'holdpoint-web' AND datname = current_database()"
+            )  # the module server's: no other's
             row = cursor.fetchone()
             assert row is not None
             return int(row[0])
@@ -1299,14 +1284,37 @@ def test_a_lost_listen_connection_loses_no_entry(web: str, agent_a: Persona) -> 
                     if not sse.data:  # a comment line
                         continue
                     seqs.append(int(sse.id))
-                    if sse.event == "lease_taken":  # caught up: cut its doorbell, then write
-                        assert await off_loop(listeners, True) == 2  # one found, one killed
+                    if sse.event == "lease_taken":  # caught up: cut its readers, then write
+                        await asyncio.sleep(2 * live.POLL_SECONDS)  # the poller has read
+                        assert await off_loop(kill_the_servers) >= 1
                         await off_loop(_finish, agent_a, run_id, fence, 0)
         return seqs
 
     seqs = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert seqs == [e["seq"] for e in journal_json(run_id)]
-    assert listeners(False) == 1  # listening again
+
+
+@pytest.mark.postgres
+def test_a_journal_append_sends_no_notification(agent_a: Persona) -> None:
+    """Audit migration 0009 dropped 0006's NOTIFY trigger on the stream head: a transaction
+    that notifies takes a cluster-wide lock at commit, held until its commit is flushed, so
+    every step commit of every worker was serialized. A listener on its old channel hears
+    nothing from appends made through the app — and does hear a NOTIFY sent by hand
+    afterwards (it was listening)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("NOTIFY is PostgreSQL's")
+    import psycopg
+
+    with psycopg.connect(procs.test_database_url(), autocommit=True) as listener:
+        listener.execute("LISTEN holdpoint_journal")
+        run_id = new_run(agent_a.api())["run_id"]  # creates the run's stream head
+        fence = take_lease(agent_a.api(), run_id)  # moves it (the trigger's UPDATE OF seq)
+        _finish(agent_a, run_id, fence, 0)
+        assert JournalEntry.objects.filter(stream=f"run:{run_id}").count() >= 3
+        with psycopg.connect(procs.test_database_url(), autocommit=True) as other:
+            other.execute("NOTIFY holdpoint_journal, 'by hand'")
+        heard = [n.payload for n in listener.notifies(timeout=2, stop_after=1)]
+    assert heard == ["by hand"]
 
 
 def test_the_run_page_refreshes_on_the_stream_instead_of_polling(
@@ -1373,21 +1381,6 @@ def test_the_inbox_refreshes_on_the_approvals_stream_and_resumes_where_it_was(
     assert "last-event-id" not in streams[0].all_headers()
     assert streams[1].all_headers()["last-event-id"] == str(opened_at)
     expect(page.locator("#inbox-live")).to_contain_text(title, timeout=5000)
-
-
-def test_the_listen_connection_connects_as_the_process_does() -> None:
-    """The LISTEN connection takes the database settings' libpq options (a server that
-    requires TLS refuses a listener without `sslmode`), leaves out Django's own ones
-    (libpq would refuse `prepare_threshold`), and is named after the process."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    options = {"sslmode": "require", "connect_timeout": 7, "prepare_threshold": 0}
-    db = {**connection.settings_dict, "OPTIONS": options}
-    info = conninfo_to_dict(live._conninfo(db))
-    assert info["sslmode"] == "require" and info["connect_timeout"] == "7"
-    assert "prepare_threshold" not in info and info["application_name"] == "holdpoint-live"
-    db["OPTIONS"] = {**options, "application_name": "holdpoint-web"}
-    assert conninfo_to_dict(live._conninfo(db))["application_name"] == "holdpoint-web-live"
 
 
 def _ended(web: str, url: str, sent: dict[str, str], lift: Callable[[], None]) -> float:
