@@ -386,6 +386,40 @@ def test_the_poller_rings_a_stream_it_had_not_seen_before(agent_a: Persona) -> N
     assert asyncio.run(rung())
 
 
+def test_the_doorbell_reads_nothing_while_no_stream_is_watched(
+    db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poll is the price of live events on both databases: one read of the watched heads
+    per interval while the process has a stream open, and none once it has none (a web
+    process with no stream open sleeps)."""
+    monkeypatch.setattr(live, "POLL_SECONDS", 0.05)
+    reads: list[list[str]] = []
+
+    def heads(keys: list[str]) -> dict[str, Any]:
+        reads.append(keys)
+        return {}
+
+    monkeypatch.setattr(live, "_heads", heads)
+
+    async def watched_then_not() -> tuple[int, int]:
+        doorbell = live.Doorbell()
+        try:
+            async with doorbell.subscription("run:watched"):
+                await asyncio.sleep(0.5)
+            while doorbell.inflight:  # a read asked just before the stream ended
+                await asyncio.sleep(0.01)
+            watching = len(reads)
+            await asyncio.sleep(0.5)
+            assert doorbell.task is not None and not doorbell.task.done()  # still polling
+            return watching, len(reads)
+        finally:
+            await doorbell.stop()
+
+    watching, after = asyncio.run(watched_then_not())
+    assert watching >= 3 and set(map(tuple, reads)) == {("run:watched",)}, reads
+    assert after == watching
+
+
 def test_the_doorbell_says_once_per_interval_that_it_cannot_reach_the_database(
     db: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
