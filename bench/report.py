@@ -84,6 +84,19 @@ def build(
             if x["holdpoint_over_dbos"] is not None:
                 v, goal = x["holdpoint_over_dbos"], TARGETS["dbos"][name]
                 target("step throughput ÷ DBOS", name, v, f"≥ {goal}", v >= goal)
+            # What each peer's target asks, as a share of the raw commit rate measured beside
+            # it: above 1, no design that commits each step durably on one connection meets
+            # it on this machine (a step cannot commit faster than a bare commit).
+            for peer, label in (("langgraph", "LangGraph"), ("dbos", "DBOS")):
+                if x[peer] and x["raw_commit"]:
+                    asks = TARGETS[peer][name] * x[peer] / x["raw_commit"]
+                    target(
+                        f"÷ {label} target, as a share of the raw commit rate",
+                        name,
+                        asks,
+                        "info (> 1: beyond one commit per step)",
+                        None,
+                    )
             led = t.get("ledger")
             if led:
                 v = led["statements"].get("durable_commits_per_action")
@@ -173,6 +186,14 @@ def build(
                 f"≥ {TARGETS['scaling']}" if name == "postgres" else "(PostgreSQL only)",
                 v >= TARGETS["scaling"] if name == "postgres" else None,
             )
+            if "ceiling" in sc:  # runs before it was measured have none
+                target(
+                    "2 workers ÷ 1: this machine's ceiling (cores ÷ cores busy, 1 worker)",
+                    name,
+                    sc["ceiling"]["median"],
+                    "info",
+                    None,
+                )
     if pages:
         for name in ("inbox", "request", "audit"):
             p = pages["pages"][name]
@@ -592,11 +613,19 @@ def scaling_section(doc: dict[str, Any]) -> list[str]:
     for name, r in doc["backends"].items():
         sc = r.get("scaling")
         if sc:
+            ceiling = spread(sc["ceiling"], 2) if "ceiling" in sc else "–"
+            cpu = (
+                f"{spread(sc['one_worker_machine_cpu_ms_per_step'], 3)} → "
+                f"{spread(sc['two_workers_machine_cpu_ms_per_step'], 3)}"
+                if "one_worker_machine_cpu_ms_per_step" in sc
+                else "–"
+            )
             rows.append(
                 f"| {name} | {spread(sc['one_worker_steps_per_s'])} "
                 f"| {spread(sc['two_workers_steps_per_s'])} | **{spread(sc['ratio'], 2)}** "
+                f"| {ceiling} "
                 f"| {busy(sc, 'one_worker_cores_busy')} | {busy(sc, 'two_workers_cores_busy')} "
-                f"| {sc['runs_per_round']} × {sc['steps_per_run']} steps |"
+                f"| {cpu} | {sc['runs_per_round']} × {sc['steps_per_run']} steps |"
             )
     if not rows:
         return []
@@ -607,11 +636,16 @@ def scaling_section(doc: dict[str, Any]) -> list[str]:
         "Worker processes run `advance_run` for the run ids they are sent (bench/worker.py); "
         "rounds alternate 1, 2, 1, 2 …; ratio = median of per-pair ratios. Cores busy: the "
         "whole machine's CPU (workers, database server, bench; /proc/stat) during the rounds, "
-        "of the cores it has — near all of them, two workers are bound by the hardware.",
+        "of the cores it has — near all of them, two workers are bound by the hardware. "
+        "Ceiling: the most two workers could reach on this machine, each as fast as one alone "
+        "with the CPU one keeps busy (its own and the server's for it) twice over, up to every "
+        "core — cores ÷ cores busy with one worker, per pair (at most 2). Machine CPU per step: "
+        "cores busy ÷ steps/s, 1 → 2 workers; a rise is contention (caches, scheduling, the "
+        "server), not waiting.",
         "",
-        "| backend | 1 worker steps/s | 2 workers steps/s | ratio | cores busy, 1 worker "
-        "| cores busy, 2 workers | work per round |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| backend | 1 worker steps/s | 2 workers steps/s | ratio | ceiling | cores busy, "
+        "1 worker | cores busy, 2 workers | machine CPU ms/step, 1 → 2 | work per round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ]
 

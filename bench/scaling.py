@@ -126,20 +126,31 @@ class ScalingBench:
             # every process of the machine (workers, the database server, the bench), in
             # cores: near the core count, two workers are bound by the hardware, not locks
             "machine_cores_busy": busy_share(busy_before, busy_after),
-        }
+        } | self._per_step(busy_share(busy_before, busy_after), steps / wall)
+
+    @staticmethod
+    def _per_step(cores_busy: float, steps_per_s: float) -> dict[str, float]:
+        """The whole machine's CPU per committed step (workers, server, bench), in ms."""
+        return {"machine_cpu_ms_per_step": cores_busy / steps_per_s * 1000}
 
     def go(self, pairs: int) -> dict[str, Any]:
         self.start()
         try:
             self.round(1)  # warm-up: connections, imports, plans in both workers
             self.round(2)
-            rows, ratios = [], []
+            rows, ratios, ceilings = [], [], []
+            cores = os.cpu_count() or 1
             for p in range(1, pairs + 1):
                 one = self.round(1)
                 two = self.round(2)
                 ratio = two["steps_per_s"] / one["steps_per_s"]
                 rows += [one, two]
                 ratios.append(ratio)
+                # What two workers could reach at most on this machine: each as fast as one
+                # alone, and the CPU one keeps busy (its own, the server's for it) twice
+                # over, up to every core. Where one worker already keeps more than half the
+                # cores busy, 2 ÷ 1 cannot reach 2, whatever the code does about locks.
+                ceilings.append(min(2.0, cores / max(one["machine_cores_busy"], 1e-9)))
                 log(
                     f"[{self.bench.backend}] scaling pair {p}/{pairs}: 1 worker "
                     f"{one['steps_per_s']:.0f} steps/s, 2 workers {two['steps_per_s']:.0f}"
@@ -151,8 +162,13 @@ class ScalingBench:
         two_rates = [r["steps_per_s"] for r in rows if r["workers"] == 2]
         one_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 1]
         two_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 2]
+        one_cpu = [r["machine_cpu_ms_per_step"] for r in rows if r["workers"] == 1]
+        two_cpu = [r["machine_cpu_ms_per_step"] for r in rows if r["workers"] == 2]
         return {
             "cores": os.cpu_count(),
+            "ceiling": summary(ceilings),
+            "one_worker_machine_cpu_ms_per_step": summary(one_cpu),
+            "two_workers_machine_cpu_ms_per_step": summary(two_cpu),
             "one_worker_cores_busy": summary(one_busy),
             "two_workers_cores_busy": summary(two_busy),
             "runs_per_round": self.runs,
