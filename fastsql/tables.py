@@ -49,6 +49,20 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Outer:
+    """A condition `column = "<model's table>"."<name>"`: a subquery read along by a statement
+    on `model` (statements.scalar, select's `reads`) tied to the row that statement reads —
+    a stream head read with its run, say, only if it is the run's own tenant's."""
+
+    model: type[models.Model]
+    name: str
+
+    def sql(self) -> str:
+        column = self.model._meta.get_field(self.name).column  # type: ignore[union-attr]
+        return f'"{self.model._meta.db_table}"."{column}"'
+
+
+@dataclass(frozen=True)
 class Above:
     """A condition `column > value`."""
 
@@ -267,7 +281,7 @@ _COLLECTIONS = (list, tuple, set, frozenset)
 def conditions(
     table: Table, where: Mapping[str, Any], conn: BaseDatabaseWrapper
 ) -> tuple[tuple[Any, ...], list[Any]]:
-    """(shape, params) of an AND of equality / IN / IS NULL conditions."""
+    """(shape, params) of an AND of equality / IN / IS NULL conditions (and `Outer` ones)."""
     shape: list[Any] = []
     params: list[Any] = []
     for name, value in where.items():
@@ -283,6 +297,8 @@ def conditions(
         elif isinstance(value, Above):
             shape.append((name, "above"))
             params.append(prep(value.value, conn))
+        elif isinstance(value, Outer):
+            shape.append((name, value))
         elif isinstance(value, _COLLECTIONS):
             shape.append((name, len(value)))
             params.extend(prep(v, conn) for v in value)
@@ -305,6 +321,8 @@ def conditions_sql(table: Table, shape: tuple[Any, ...], after: tuple[str, ...] 
             parts.append(f"{column} > %s")
         elif kind == "=":
             parts.append(f"{column} = %s")
+        elif isinstance(kind, Outer):
+            parts.append(f"{column} = {kind.sql()}")
         else:
             parts.append(f"{column} IN ({', '.join(['%s'] * kind)})")
     parts += [f"EXISTS (SELECT 1 FROM {name})" for name in after]

@@ -310,7 +310,8 @@ def _take_at_once(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run] | No
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return None
     stream = run_stream(run_id)
-    where = {"stream": stream}
+    # The run's own stream, and only if it is the run's tenant's: as the swap will check.
+    where = {"stream": stream, "tenant_id": statements.Outer(Run, "tenant_id")}
     head = (
         statements.scalar(StreamHead, "seq", where),
         statements.scalar(StreamHead, "hash", where),

@@ -20,7 +20,10 @@ only joined to a tenant-scoped row.
 
 **The one exemption**: a read of `runtime_run` whose only condition is the primary key of
 the run being advanced — how the worker learns the tenant from the id it was rung with. A
-random 128-bit id of the run itself cannot select another tenant's row.
+random 128-bit id of the run itself cannot select another tenant's row. On PostgreSQL that
+read also carries the run's stream head (runtime.leases, the lease in two round trips): a
+subquery by the run's own stream name, tied to the tenant of the run row it reads
+(`"tenant_id" = "runtime_run"."tenant_id"`) — no other tenant's head can come back.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ _INSERT = re.compile(r'INSERT\s+(?:OR\s+\w+\s+)?INTO\s+"?(\w+)"?\s*\(([^)]*)\)',
 
 
 _VALUES_END = re.compile(r"\bRETURNING\b|\bON CONFLICT\b", re.IGNORECASE)
+# A stream head read along with its run (runtime.leases): by its stream, tied to the run row.
+_OWN_HEAD = re.compile(
+    r'\(SELECT "\w+" FROM "audit_streamhead" WHERE "stream" = %s'
+    r' AND "tenant_id" = "runtime_run"\."tenant_id" LIMIT 1\)'
+)
 
 
 def _flat(values: Any) -> list[Any]:
@@ -136,16 +144,25 @@ class Capture:
         return found
 
     def discovers_tenant(self, sql: str, params: list[Any]) -> bool:
-        """The exemption: a read of runtime_run by the advanced run's primary key alone."""
-        where = sql.upper().split(" WHERE ", 1)
-        return (
-            sql.lstrip().upper().startswith("SELECT")
-            and set(_TABLE.findall(sql)) == {"runtime_run"}
+        """The exemption: a read of runtime_run by the advanced run's primary key alone —
+        with, at most, its own stream's head read along, tied to the run row's tenant."""
+        heads = _OWN_HEAD.findall(sql)
+        rest = _OWN_HEAD.sub("", sql)
+        where = rest.upper().split(" WHERE ", 1)
+        if not (
+            rest.lstrip().upper().startswith("SELECT")
+            and set(_TABLE.findall(rest)) == {"runtime_run"}
             and len(where) == 2
             and where[1].count("%S") == 1
             and '"RUN_ID" = %S' in where[1]
-            and len(params) == 1
-            and str(params[0]).replace("-", "") in self.run_ids
+            and params
+            and str(params[-1]).replace("-", "") in self.run_ids
+        ):
+            return False
+        run_id = str(params[-1]).replace("-", "")
+        streams = [p for p in params[:-1] if isinstance(p, str)]  # the clock's are not
+        return len(streams) == len(heads) and all(
+            s.startswith("run:") and s[4:].replace("-", "") == run_id for s in streams
         )
 
     def touching(self) -> int:
