@@ -117,6 +117,7 @@ class ScalingBench:
         if done != len(runs) or steps != len(runs) * self.steps:
             raise RuntimeError(f"scaling round: {done}/{len(runs)} runs completed, {answers}")
         wall = max(a["ended"] for a in answers) - min(a["started"] for a in answers)
+        busy = busy_share(busy_before, busy_after)
         return {
             "workers": workers,
             "steps": steps,
@@ -125,13 +126,10 @@ class ScalingBench:
             "cpu_ms_per_step": sum(a["cpu"] for a in answers) * 1000 / steps,
             # every process of the machine (workers, the database server, the bench), in
             # cores: near the core count, two workers are bound by the hardware, not locks
-            "machine_cores_busy": busy_share(busy_before, busy_after),
-        } | self._per_step(busy_share(busy_before, busy_after), steps / wall)
-
-    @staticmethod
-    def _per_step(cores_busy: float, steps_per_s: float) -> dict[str, float]:
-        """The whole machine's CPU per committed step (workers, server, bench), in ms."""
-        return {"machine_cpu_ms_per_step": cores_busy / steps_per_s * 1000}
+            "machine_cores_busy": busy,
+            # the same, per committed step, in ms
+            "machine_cpu_ms_per_step": busy * wall / steps * 1000,
+        }
 
     def go(self, pairs: int) -> dict[str, Any]:
         self.start()
@@ -158,19 +156,18 @@ class ScalingBench:
                 )
         finally:
             self.stop()
-        one_rates = [r["steps_per_s"] for r in rows if r["workers"] == 1]
-        two_rates = [r["steps_per_s"] for r in rows if r["workers"] == 2]
-        one_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 1]
-        two_busy = [r["machine_cores_busy"] for r in rows if r["workers"] == 2]
-        one_cpu = [r["machine_cpu_ms_per_step"] for r in rows if r["workers"] == 1]
-        two_cpu = [r["machine_cpu_ms_per_step"] for r in rows if r["workers"] == 2]
+
+        def rounds_of(workers: int, key: str) -> list[float]:
+            return [r[key] for r in rows if r["workers"] == workers]
+
+        one_rates, two_rates = rounds_of(1, "steps_per_s"), rounds_of(2, "steps_per_s")
         return {
             "cores": os.cpu_count(),
             "ceiling": summary(ceilings),
-            "one_worker_machine_cpu_ms_per_step": summary(one_cpu),
-            "two_workers_machine_cpu_ms_per_step": summary(two_cpu),
-            "one_worker_cores_busy": summary(one_busy),
-            "two_workers_cores_busy": summary(two_busy),
+            "one_worker_machine_cpu_ms_per_step": summary(rounds_of(1, "machine_cpu_ms_per_step")),
+            "two_workers_machine_cpu_ms_per_step": summary(rounds_of(2, "machine_cpu_ms_per_step")),
+            "one_worker_cores_busy": summary(rounds_of(1, "machine_cores_busy")),
+            "two_workers_cores_busy": summary(rounds_of(2, "machine_cores_busy")),
             "runs_per_round": self.runs,
             "steps_per_run": self.steps,
             "one_worker_steps_per_s": summary(one_rates),

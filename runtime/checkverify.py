@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, Min, OuterRef
 
 from audit import journal
 from audit.canonical import digests, sha256_hex
@@ -135,10 +135,8 @@ def orphans(tenant_id: int | None = None) -> list[CheckpointBreak]:
     rows = Checkpoint.objects.filter(~Exists(Run.objects.filter(run_id=OuterRef("run_id"))))
     if tenant_id is not None:
         rows = rows.filter(tenant_id=tenant_id)
-    lowest: dict[str, int] = {}
-    for run_id, rev in rows.values_list("run_id", "rev").order_by("run_id", "rev"):
-        lowest.setdefault(str(run_id), rev)
-    return [CheckpointBreak(r, rev, "its run is missing") for r, rev in lowest.items()]
+    lowest = rows.values("run_id").annotate(rev=Min("rev")).order_by("run_id")
+    return [CheckpointBreak(str(r["run_id"]), r["rev"], "its run is missing") for r in lowest]
 
 
 def verify_checkpoints(

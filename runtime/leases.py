@@ -251,29 +251,49 @@ def take_due(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run]:
         if view is None:
             raise NotFound()
         run, free, due = view
-        if not (free and due and run.status in RUNNABLE and not run.external):
-            _refuse(run_id, run.tenant_id)
+        _refuse_unless_due(run, free, due)
         previous_owner = run.lease_owner
         taken_row = statements.update(
             Run,
-            {
-                "lease_owner": owner,
-                "lease_expires_at": statements.DbNow(ttl),
-                "fence": statements.Add(1),
-                "updated_at": statements.NOW,
-                "status": RunStatus.RUNNING,
-                "wake_at": None,
-            },
+            _lease_changes(owner, statements.DbNow(ttl), statements.Add(1), statements.NOW),
             {"run_id": run_id, "tenant_id": statements.Check(run.tenant_id), "fence": run.fence},
             returning=("fence", "lease_expires_at", "updated_at"),
         )
         if len(taken_row) != 1:  # cannot happen under the row lock
             _refuse(run_id, run.tenant_id)
-        run.fence, run.lease_expires_at, run.updated_at = taken_row[0]
-        run.lease_owner, run.status, run.wake_at = owner, RunStatus.RUNNING, None
-        lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, run.lease_expires_at)
+        fence, expires_at, now = taken_row[0]
+        lease = _hold(run, run_id, ttl, _lease_changes(owner, expires_at, fence, now))
         _record_taken(run, lease, previous_owner)
         return lease, run
+
+
+def _refuse_unless_due(run: Run, free: bool, due: bool) -> None:
+    """Refused (LeaseHeld & co.) unless the clock's verdicts say the run is the worker's to
+    take: its lease free, its wake time come, its status runnable, and hosted."""
+    if not (free and due and run.status in RUNNABLE and not run.external):
+        _refuse(run.run_id, run.tenant_id)
+
+
+def _lease_changes(owner: str, expires_at: Any, fence: Any, now: Any) -> dict[str, Any]:
+    """What taking a worker's lease sets on the run row — as database expressions (the
+    transaction) or as the values they came to (the one statement, the run in memory): one
+    list of columns for both."""
+    return {
+        "lease_owner": owner,
+        "lease_expires_at": expires_at,
+        "fence": fence,
+        "updated_at": now,
+        "status": RunStatus.RUNNING,
+        "wake_at": None,
+    }
+
+
+def _hold(run: Run, run_id: Any, ttl: float, held: dict[str, Any]) -> Lease:
+    """The run as the lease left it (`held`: `_lease_changes`' values, as written), and
+    the lease."""
+    for name, value in held.items():
+        setattr(run, name, value)
+    return Lease(run_id, run.tenant_id, run.lease_owner, run.fence, ttl, run.lease_expires_at)
 
 
 def _record_taken(run: Run, lease: Lease, previous_owner: str) -> None:
@@ -322,8 +342,7 @@ def _take_at_once(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run] | No
         raise NotFound()
     *values, free, due, now, expires_at, seq, head_hash = rows[0]
     run = _run(values)
-    if not (free and due and run.status in RUNNABLE and not run.external):
-        _refuse(run_id, run.tenant_id)
+    _refuse_unless_due(run, free, due)
     if seq is None:  # no head row (a run's is made with it): the transaction makes one
         return None
     previous_owner = run.lease_owner
@@ -336,19 +355,10 @@ def _take_at_once(run_id: Any, owner: str, ttl: float) -> tuple[Lease, Run] | No
         "wake_at": run.wake_at,
         "external": False,
     }
-    changes = {
-        "lease_owner": owner,
-        "lease_expires_at": expires_at,
-        "fence": run.fence + 1,
-        "updated_at": now,
-        "status": RunStatus.RUNNING,
-        "wake_at": None,
-    }
-    run.lease_owner, run.lease_expires_at, run.fence = owner, expires_at, run.fence + 1
-    run.updated_at, run.status, run.wake_at = now, RunStatus.RUNNING, None
-    lease = Lease(run_id, run.tenant_id, owner, run.fence, ttl, expires_at)
+    held = _lease_changes(owner, expires_at, run.fence + 1, now)
+    lease = _hold(run, run_id, ttl, held)  # after `read`: that is the run as it was read
     one = statements.OneStatement()
-    lead = [one.update("changed", Run, changes, read)]
+    lead = [one.update("changed", Run, held, read)]
     with journal.batched(stream, deferred=True) as pending:
         _record_taken(run, lease, previous_owner)
     known = journal.Head(int(seq), head_hash)
