@@ -411,6 +411,8 @@ class Executor:
             return waiting
         assert self.runner is not None  # made by _execute before it reconciles
         for action in open_actions:
+            if action.status == ActionStatus.MANUAL_REVIEW:
+                continue  # an undo a person settles: it holds no run (holds.holds_its_run)
             try:
                 self.runner.reconcile(action)
             except Park as parked:
@@ -420,10 +422,11 @@ class Executor:
         return self.wait_for_a_person(open_actions)
 
     def wait_for_a_person(self, actions: list[Action]) -> AdvanceResult | None:
-        """Park on the first of `actions` in `manual_review` (refreshed by reconcile's
-        transitions), as a step that meets one parks; None if there is none."""
+        """Park on the first of `actions` that holds the run for a person (refreshed by
+        reconcile's transitions: `holds.holds_its_run` — not an undo), as a step that meets
+        one parks; None if there is none."""
         for action in actions:
-            if action.status == ActionStatus.MANUAL_REVIEW:
+            if holds.holds_its_run(action):
                 return self.park(for_a_person(action), self.run.next_step)
         return None
 

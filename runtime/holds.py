@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import OuterRef, Q, QuerySet, Subquery
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.db.models.functions import Now
 
 from fastsql.statements import tenant_check
@@ -40,6 +40,22 @@ def held(tenant_id: int, run_id: Any) -> QuerySet[Action]:
         .exclude(step=STANDALONE)
         .order_by("created_at", "action_id")
     )
+
+
+def for_review(tenant_id: int, run_id: Any) -> QuerySet[Action]:
+    """The run's actions only a person can settle that hold the run (`manual_review`),
+    oldest first. An undo (a compensation) in `manual_review` is a person's too, but it
+    holds no run: no step drives it and no run waits for it (runtime.compensation)."""
+    return (
+        Action.objects.filter(tenant_id=tenant_id, run_id=run_id, status=S.MANUAL_REVIEW)
+        .exclude(step=STANDALONE)
+        .order_by("created_at", "action_id")
+    )
+
+
+def holds_its_run(action: Action) -> bool:
+    """Whether `action`, as it is now, keeps its run waiting for a person (`for_review`)."""
+    return action.status == S.MANUAL_REVIEW and not action.standalone
 
 
 def waiting_for(action: Action) -> dict[str, Any]:
@@ -135,10 +151,13 @@ def person_wait(run: Run) -> tuple[str, dict[str, Any]] | None:
     a wait for its input but not these: an action in `manual_review` (`needs_reconciliation`,
     its current `waiting_for` kept while the action it names still waits), else a held one
     (`waiting_approval`, the oldest). None: nothing such."""
-    review = Q(status=S.MANUAL_REVIEW)
     pending = list(
-        Action.objects.filter(tenant_id=run.tenant_id, run_id=run.run_id)
-        .filter(review | Q(status=S.AWAITING_APPROVAL) & ~Q(step=STANDALONE))
+        Action.objects.filter(
+            tenant_id=run.tenant_id,
+            run_id=run.run_id,
+            status__in=(S.MANUAL_REVIEW, S.AWAITING_APPROVAL),
+        )
+        .exclude(step=STANDALONE)  # (for_review, held)
         .only("action_id", "tool", "status")
         .order_by("created_at", "action_id")
     )

@@ -41,7 +41,8 @@ S = ActionStatus
 
 def to_person(action: Action, fence: int, actor: str, reason: str, **journal_extra: Any) -> Action:
     """The action to `manual_review`, its run (if it is still going and `fence` holds it) to
-    `needs_reconciliation` — for a reviewer, over the API or the Reconcile page."""
+    `needs_reconciliation` — for a reviewer, over the API or the Reconcile page. An undo's
+    run is left as it is: an undo holds no run (holds.holds_its_run)."""
     ledger.transition(
         action,
         S.MANUAL_REVIEW,
@@ -50,6 +51,8 @@ def to_person(action: Action, fence: int, actor: str, reason: str, **journal_ext
         last_error=reason[:NOTE_MAX],
         reconcile_attempts=action.reconcile_attempts + 1,
     )
+    if not holds.holds_its_run(action):
+        return action
     waiting = holds.reconciliation_for(action)
     moved = (
         Run.objects.filter(pk=action.run_id, tenant_id=action.tenant_id, fence=fence)
@@ -286,7 +289,7 @@ def resolve(
             actor=actor,
             payload=resolution,
         )
-        if not Action.objects.filter(run=run, status=S.MANUAL_REVIEW).exists():
+        if not holds.for_review(run.tenant_id, run.run_id).exists():
             holds.wake(run, actor, waiting=RunStatus.NEEDS_RECONCILIATION)
     locked.refresh_from_db()
     return locked

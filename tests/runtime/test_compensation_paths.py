@@ -247,6 +247,114 @@ def test_the_runs_executor_reconciling_the_undo_compensates_the_original(
     compensated_by(original, undo)
 
 
+def test_an_undo_waiting_for_a_person_does_not_stop_the_run_it_undoes_for(
+    tenant_a: Tenant,
+    reviewer_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+    ticket_then_ask: Any,
+) -> None:
+    """An action of a run still going (waiting for input) is undone by a close that cannot
+    deduplicate, and the close's answer is lost: the run's executor, reconciling, hands the
+    undo to a person. No step drives an undo and no run waits for one — the run goes on to
+    its end. Before, the run parked in `needs_reconciliation` on the undo, the next time and
+    every time its executor ran it, until someone resolved an action that was not its own."""
+    from runtime.lifecycle import provide_input
+    from runtime.models import Run, RunStatus
+
+    box = sandbox_factory("key")
+    tickets_with_a_lossy_close(tenant_a, box, serve, "none")
+    run = create_run(tenant_a, ticket_then_ask.name, {"title": "probe"}, actor="t")
+    assert advance_run(run.run_id, "w1").outcome == "waiting"
+    original = Action.objects.get(run=run)
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
+    assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
+
+    run.refresh_from_db()
+    provide_input(run, {"more": "no"}, run.checkpoint_rev, actor="user:t")
+    assert advance_run(run.run_id, "w2").outcome == "completed"
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED and run.waiting_for is None
+    undo.refresh_from_db()
+    assert undo.status == S.MANUAL_REVIEW  # a person's, on the Reconcile page
+    assert [r["path"].endswith("/close") for r in box.requests()].count(True) == 1  # no replay
+
+    resolved(reviewer_a, undo, "applied", external_id=box.tasks()[0]["id"], note="closed")
+    compensated_by(original, undo)
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
+
+
+def test_an_undo_waiting_for_a_person_does_not_hold_a_run_a_person_woke(
+    tenant_a: Tenant,
+    reviewer_a: Persona,
+    sandbox_factory: Callable[[str], Sandbox],
+    serve: Callable[[Behaviour], Server],
+    settings: Any,
+) -> None:
+    """Two things a person must settle on one run still going: its own action (its answer
+    lost, a tool with neither key nor lookup: the run waits in `needs_reconciliation`) and
+    an undo of an earlier action. Resolving the run's own action wakes the run although the
+    undo still waits for a person; before, the undo kept the run parked."""
+    from approvals.models import ApprovalPolicy
+    from runtime.graphs import Complete, Graph, Wait, register, registry
+    from runtime.lifecycle import provide_input
+    from runtime.models import Run, RunStatus
+    from runtime.tooldefs import define_many
+    from tests.tooldefs import tickets
+
+    box = sandbox_factory("key")
+    tickets_with_a_lossy_close(tenant_a, box, serve, "none")
+    lose_create = [False]
+    close, create = tickets(box.url, "key")
+    create.update(name="tickets.file", compensation="")
+    del create["lookup"], create["compensation_param"]
+    create["dedup"] = {"mode": "none"}
+    create["request"]["url"] = serve(_lossy(box, lose_create)).url + "/tasks"
+    define_many(tenant_a, [create], "user:admin")
+    ApprovalPolicy.objects.create(tenant=tenant_a, name="f", tool="tickets.file", required=False)
+    graph = Graph("ticket-ask-file", version="1")
+
+    @graph.step(start=True)
+    def first(ctx: Any) -> Any:
+        ctx.act("tickets.create", {"title": "one"}, reason="the goal")
+        return Wait("input", then="second", prompt="More?")
+
+    @graph.step
+    def second(ctx: Any) -> Any:
+        ctx.act("tickets.file", {"title": "two"}, reason="the goal")
+        return Complete()
+
+    register(graph)
+    try:
+        run = create_run(tenant_a, graph.name, {}, actor="t")
+        assert advance_run(run.run_id, "w1").outcome == "waiting"
+        original = Action.objects.get(run=run)
+        undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
+        settings.HOLDPOINT_RECONCILE_ATTEMPTS = 1
+        due_now = timezone.now() - timedelta(minutes=10)
+        Action.objects.filter(pk=undo.pk).update(updated_at=due_now, in_flight_until=due_now)
+        assert dispatch_standalone(undo.action_id).status == S.MANUAL_REVIEW
+
+        lose_create[0] = True
+        run.refresh_from_db()
+        provide_input(run, {"more": "yes"}, run.checkpoint_rev, actor="user:t")
+        advance_run(run.run_id, "w2")
+        own = Action.objects.get(run=run, tool="tickets.file")
+        run.refresh_from_db()
+        assert own.status == S.MANUAL_REVIEW
+        assert run.status == RunStatus.NEEDS_RECONCILIATION
+        assert run.waiting_for["action_id"] == str(own.action_id)
+
+        Action.objects.filter(pk=own.pk).update(in_flight_until=due_now)
+        filed = [t for t in box.tasks() if t["title"] == "two"][0]
+        resolved(reviewer_a, own, "applied", external_id=filed["id"], note="it is there")
+        assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
+        assert advance_run(run.run_id, "w3").outcome == "completed"
+        assert Action.objects.get(pk=undo.pk).status == S.MANUAL_REVIEW  # still the person's
+    finally:
+        registry.unregister(graph.name, "1")
+
+
 def _agent_tickets() -> list[dict[str, Any]]:
     """A tracker the agent performs itself (executor `client`), with its own undo."""
     schema = {"type": "object", "properties": {"title": {"type": "string"}}}

@@ -175,15 +175,18 @@ def test_an_unknown_undo_of_a_tool_without_key_or_lookup_goes_to_a_person_who_se
 
 
 def _external_run_with_a_confirmed_client_action(
-    tenant: Tenant, agent: Persona, box: Sandbox
+    tenant: Tenant, agent: Persona, box: Sandbox, close_mode: str = "key"
 ) -> tuple[Any, str, int, Action, dict[str, Any]]:
     """An external run whose executor performed agent.tickets.create itself (a task in the
-    tracker) and reported it: (client, run id, fence, the action, the task)."""
+    tracker) and reported it: (client, run id, fence, the action, the task). Its undo,
+    agent.tickets.close, deduplicates by `close_mode`."""
     from approvals.models import ApprovalPolicy
     from runtime.tooldefs import define_many
     from tests.api import new_run, ok, post, take_lease
 
-    define_many(tenant, _agent_tickets(), "user:admin")
+    close, create = _agent_tickets()
+    close["dedup"] = {"mode": close_mode}
+    define_many(tenant, [close, create], "user:admin")
     for tool in ("agent.tickets.create", "agent.tickets.close"):
         ApprovalPolicy.objects.create(tenant=tenant, name=tool, tool=tool, required=False)
     client = agent.api()
@@ -227,6 +230,32 @@ def test_a_client_tools_undo_waits_for_the_runs_executor_and_no_worker_sends_it(
     said = {"fence": fence, "outcome": "confirmed", "external_id": task["id"]}
     assert ok(post(client, f"actions/{undo.action_id}/outcome/", said))["status"] == "confirmed"
     compensated_by(original, undo)
+
+
+def test_an_external_executors_unknown_undo_goes_to_a_person_and_the_run_goes_on(
+    tenant_a: Tenant, agent_a: Persona, sandbox_factory: Callable[[str], Sandbox]
+) -> None:
+    """The executor performs the undo of a tool that cannot deduplicate and does not know
+    whether it happened: only a person can tell (`manual_review`), but the run it undoes for
+    keeps its executor and its status — the executor's next checkpoint is accepted. Before,
+    the report parked the run in `needs_reconciliation` on an action no step of it drives."""
+    from runtime.models import RunStatus
+    from tests.api import ok, post
+
+    box = sandbox_factory("key")
+    client, run_id, fence, original, _ = _external_run_with_a_confirmed_client_action(
+        tenant_a, agent_a, box, close_mode="none"
+    )
+    undo = compensate(original, "by mistake", actor="user:ada")
+    ok(post(client, f"actions/{undo.action_id}/dispatch/", {"fence": fence}))
+    unknown = {"fence": fence, "outcome": "unknown"}
+    assert ok(post(client, f"actions/{undo.action_id}/outcome/", unknown))["status"] == (
+        "manual_review"
+    )
+    run = Run.objects.get(pk=run_id)
+    assert run.status == RunStatus.RUNNING and run.waiting_for is None
+    step = {"fence": fence, "expected_rev": 0, "state": {"n": 1}, "next_step": "more"}
+    assert ok(post(client, f"runs/{run_id}/checkpoints/", step), 201)["status"] == "running"
 
 
 def test_a_client_tools_undo_of_a_finished_run_goes_to_a_person_who_settles_it(
