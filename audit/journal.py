@@ -212,7 +212,7 @@ def write(
         heads[stream] = Head(entries[-1].seq, entries[-1].hash)
 
 
-def _chain(head: Head, entries: list[JournalEntry]) -> list[dict[str, Any]]:
+def chained(head: Head, entries: list[JournalEntry]) -> list[dict[str, Any]]:
     """Link `entries` after `head` (seq, prev_hash, hash); returns their rows to insert, each
     payload as the canonical text its hash covers (JsonText: not encoded a second time)."""
     prev = head
@@ -242,7 +242,7 @@ def _at_head(stream: str, tenant_id: int, head: Head) -> dict[str, Any]:
 def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]) -> bool:
     """Move the head from `head` to the last entry and insert the entries; False (nothing
     written) if `head` is no longer the head. On PostgreSQL one statement."""
-    rows = _chain(head, entries)
+    rows = chained(head, entries)
     last = entries[-1]
     ids = statements.update_then_insert_rows(
         StreamHead,
@@ -281,7 +281,7 @@ def parts_after(
     here). All of it is written or none of it: if the swap happened but the head is no
     longer `head`, the statement fails on purpose and rolls back. `one`: the statement the
     parts of `lead` were made for (with what it also reads)."""
-    rows = _chain(head, entries)
+    rows = chained(head, entries)
     last = entries[-1]
     swap, rest = lead[0], lead[1:]
     locked = one.lock(
@@ -333,6 +333,13 @@ def send_after(
         return outcome
 
     return appended
+
+
+def appended(stream: str, entries: list[JournalEntry], head: Head) -> str:
+    """A writer stored `entries`, `chained` onto `head`, by a statement of its own
+    (runtime.sqlitestep): the entries and the remembered head brought up to them, as
+    `append_after` does for its statement. Returns "written"."""
+    return _appended(stream, entries, head, (1, len(entries)))
 
 
 def _appended(

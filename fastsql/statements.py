@@ -47,6 +47,7 @@ from fastsql.tables import (
     conditions,
     conditions_sql,
     db,
+    insert_fields,
     returns_rows,
     table_of,
     tenant_check,
@@ -70,6 +71,9 @@ __all__ = [
     "attnames",
     "built",
     "insert",
+    "insert_fields",
+    "insert_values",
+    "key_value",
     "load",
     "load_all",
     "select",
@@ -150,6 +154,19 @@ def _insert_values(table: Table, row: Mapping[str, Any], conn: BaseDatabaseWrapp
         cls = value.__class__  # as above
         values.append(value if cls is kind or cls is DbNow else prep(value, conn))
     return values
+
+
+def insert_values(
+    model: type[models.Model], row: Mapping[str, Any], conn: BaseDatabaseWrapper
+) -> list[Any]:
+    """The values `insert` would send for `row`, in `insert_fields` order — for a writer
+    that sends them in a statement of its own (runtime.sqlitestep). No `DbNow` in `row`."""
+    return _insert_values(table_of(model, conn), row, conn)
+
+
+def key_value(model: type[models.Model], name: str, value: Any, conn: BaseDatabaseWrapper) -> Any:
+    """`value` as a condition on column `name` sends it (a UUID as SQLite stores it, …)."""
+    return table_of(model, conn).lookup[name](value, conn)
 
 
 def _with_clocks(

@@ -105,6 +105,11 @@ def tenant_check(tenant_id: int) -> Exact:
     return Exact(F("tenant_id") + Value(0), tenant_id)
 
 
+def insert_fields(model: type[models.Model]) -> list[models.Field[Any, Any]]:
+    """The fields an insert writes, in its columns' order: every concrete one but an auto id."""
+    return [f for f in model._meta.concrete_fields if not isinstance(f, models.AutoField)]
+
+
 def _column(field: models.Field[Any, Any]) -> str:
     assert field.column is not None  # django-stubs: `str | None`; a concrete field has one
     return field.column
@@ -126,9 +131,7 @@ class Table:
         self.lookup: dict[str, Prep] = {name: lookup for name, (_, lookup) in preps.items()}
         self.attnames = tuple(f.attname for f in meta.concrete_fields)
         self.pk_column = qn(_column(meta.pk))
-        self.insert_fields = [
-            f for f in meta.concrete_fields if not isinstance(f, models.AutoField)
-        ]
+        self.insert_fields = insert_fields(model)
         # (attname, the class its prep returns unchanged — fastsql.prep.passes —, the prep,
         # the field, whether it is stamped with the time), for each column an insert writes.
         self.inserts = [

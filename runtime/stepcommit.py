@@ -16,6 +16,10 @@ How it is sent:
   statements, COMMIT). A part that writes nothing (a confirmation whose action moved, a
   guard that found a hold point) fails the statement whole, and the transaction path then
   writes it or says why.
+- SQLite, for the same writer, when the commit is a step's alone (no ledger write with it,
+  no new artifact, one journal entry): one INSERT into a view whose trigger writes the
+  same rows with the same checks (runtime.sqlitestep), its own transaction — instead of
+  BEGIN IMMEDIATE, four statements and COMMIT.
 - The worker's step commit that leaves its run running, with no ledger write and no new
   artifact in it, goes by `send`: the same statement, but the worker takes its answer only
   when it next needs the connection, running the next step meanwhile (runtime.executor).
@@ -37,6 +41,7 @@ from django.db import transaction
 from audit import journal
 from audit.canonical import canonical, sha256_hex
 from fastsql import statements
+from runtime import sqlitestep
 from runtime.events import RunEvent, record
 from runtime.models import Artifact, Checkpoint, Run
 
@@ -232,13 +237,17 @@ def _one_statement(
     before_send: Callable[[], None] | None,
     split: bool,
 ) -> Callable[[], str] | None:
-    """PostgreSQL, for a writer that carries the stream head: the whole commit as a single
-    autocommit statement, sent. Returns the function that waits for its answer (the
-    outcome word of `journal.append_after`: "written", "refused" — then the run moved — or
-    "moved": the journal's head moved, nothing written), answered already unless `split`;
-    None if this path does not apply (nothing sent)."""
+    """For a writer that carries the stream head: the whole commit as a single autocommit
+    statement, sent (SQLite: `_sqlite_statement`). Returns the function that waits for its
+    answer (the outcome word of `journal.append_after`: "written", "refused" — then the run
+    moved — or "moved": the journal's head moved, nothing written), answered already unless
+    `split`; None if this path does not apply (nothing sent)."""
     connection = transaction.get_connection()
-    if connection.vendor != "postgresql" or connection.in_atomic_block:
+    if connection.in_atomic_block:
+        return None
+    if connection.vendor == "sqlite":
+        return _sqlite_statement(commit, stream, rows, before_send)
+    if connection.vendor != "postgresql":
         return None
     update, mine, checkpoint, entry = rows  # the run's, its CAS, the checkpoint's, the entry's
     head = journal.remembered(stream)
@@ -270,3 +279,26 @@ def _one_statement(
         return journal.send_after(stream, pending, head, parts, one)
     outcome = journal.append_after(stream, pending, head, parts, one)
     return lambda: outcome
+
+
+def _sqlite_statement(
+    commit: StepCommit,
+    stream: str,
+    rows: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]],
+    before_send: Callable[[], None] | None,
+) -> Callable[[], str] | None:
+    """SQLite: `_one_statement`'s commit as one INSERT (runtime.sqlitestep) when it is a
+    step's alone — no ledger write rides on it — answered at once; None if it cannot go so."""
+    if commit.before_parts is not None or commit.within_parts is not None:
+        return None
+    if journal.remembered(stream) is None:
+        return None
+    with journal.batched(stream, deferred=True) as pending:
+        record(commit.run, commit.event, commit.actor, **rows[3])
+    if before_send is not None:
+        before_send()
+    head = journal.remembered(stream)
+    if head is None:
+        return None
+    outcome = sqlitestep.write(transaction.get_connection(), stream, pending, head, rows)
+    return None if outcome is None else lambda: outcome

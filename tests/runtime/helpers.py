@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -50,3 +52,23 @@ def payloads(run: Run | Any, type: str) -> list[dict[str, Any]]:
         e.payload
         for e in JournalEntry.objects.filter(stream=f"run:{run_id}", type=type).order_by("seq")
     ]
+
+
+def in_other_thread(work: Callable[[], Any]) -> None:
+    """`work` on a connection of its own, committed before this returns."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            failed.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the other connection hung (a lock this test holds?)"
+    if failed:
+        raise failed[0]

@@ -27,29 +27,9 @@ from runtime.leases import take_due, take_lease
 from runtime.lifecycle import cancel_run, create_run
 from runtime.models import Run, Tenant
 from runtime.models.runs import RUNNABLE
-from tests.runtime.helpers import expire_lease, make_due, payloads
+from tests.runtime.helpers import expire_lease, in_other_thread, make_due, payloads
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def _in_other_thread(work: Callable[[], Any]) -> None:
-    """`work` on a connection of its own, committed before this returns."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            failed.append(exc)
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive(), "the other connection hung (a lock this test holds?)"
-    if failed:
-        raise failed[0]
 
 
 def _between(monkeypatch: pytest.MonkeyPatch, work: Callable[[], Any]) -> list[int]:
@@ -62,7 +42,7 @@ def _between(monkeypatch: pytest.MonkeyPatch, work: Callable[[], Any]) -> list[i
     def interleaved(run: Run, lease: leases.Lease, previous_owner: str) -> None:
         if not done:
             done.append(True)  # before: `work` may take a lease itself
-            _in_other_thread(work)
+            in_other_thread(work)
         built.append(lease.fence)
         real(run, lease, previous_owner)
 

@@ -45,7 +45,7 @@ from runtime.leases import take_lease
 from runtime.lifecycle import create_run, revise_goal
 from runtime.models import Action, ActionStatus, Checkpoint, Run, RunStatus, Tenant
 from runtime.tools import CallResult, Tool, register_tool
-from tests.runtime.helpers import expire_lease
+from tests.runtime.helpers import expire_lease, in_other_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -208,9 +208,10 @@ def _head_reads(statements: list[str]) -> int:
     return sum(1 for s in statements if s.startswith("SELECT") and "audit_streamhead" in s)
 
 
-# SQLite: the run CAS, the checkpoint, the head swap, the journal entry. PostgreSQL: all four
-# in one statement, its own transaction (audit.journal.append_after).
-STEP_STATEMENTS = {"postgresql": 1, "sqlite": 4}
+# The run CAS, the checkpoint, the head swap and the journal entry in one statement, its own
+# transaction: PostgreSQL's data-modifying CTE (audit.journal.append_after), SQLite's INSERT
+# into a view whose trigger writes them (runtime.sqlitestep).
+STEP_STATEMENTS = {"postgresql": 1, "sqlite": 1}
 # An action of a key tool: the prepare commit (run CAS + checkpoint, the hold-point question
 # asked inside it, the action's insert — already `sent`, its database-time marks returned by
 # the INSERT itself —, head swap + entries); the step commit (run CAS + checkpoint, the
@@ -396,6 +397,14 @@ def test_every_statement_of_a_step_names_the_run_and_its_fence(tenant_a: Tenant)
     """The cheaper statements are still the fenced compare-and-swap: a stale executor's
     step commit changes nothing (asserted on the SQL the commit sends)."""
     seen = cost(tenant_a, "perf-tick", 3)
+    if connection.vendor == "sqlite":  # an INSERT into the view: its trigger has the CAS
+        from runtime import sqlitestep
+
+        sent = [s for s in seen["sql"] if s.startswith(f"INSERT INTO {sqlitestep.VIEW} ")]
+        assert len(sent) == 3 and all("fence" in s and "expect_rev" in s for s in sent)
+        trigger = sqlitestep.installed(connection)[sqlitestep.TRIGGER]
+        assert "fence = NEW.fence" in trigger and "checkpoint_rev = NEW.expect_rev" in trigger
+        return
     cas = [s for s in seen["sql"] if "UPDATE" in s and "runtime_run" in s and "checkpoint_rev" in s]
     assert cas and all('"fence" = ' in s and '"checkpoint_rev" = ' in s for s in cas)
 
@@ -408,24 +417,11 @@ def _append(stream: str, tenant: Tenant, label: str) -> None:
         journal.append(stream, "note", tenant_id=tenant.id, actor=label, payload={"n": label})
 
 
-def _in_other_thread(work: Callable[[], None]) -> None:
-    def run() -> None:
-        try:
-            work()
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-
-
 def test_a_remembered_head_that_moved_falls_back_to_the_locked_head(tenant_a: Tenant) -> None:
     stream = "perf:moved"
     with journal.owning(stream):
         _append(stream, tenant_a, "mine-1")  # remembered: seq 1
-        _in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # seq 2, elsewhere
+        in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # seq 2, elsewhere
         _append(stream, tenant_a, "mine-2")  # the remembered head is stale: must not fork
     entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
     assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
@@ -443,7 +439,7 @@ def test_a_head_remembered_from_a_rolled_back_transaction_never_matches(
         with transaction.atomic():
             journal.append(stream, "note", tenant_id=tenant_a.id, actor="lost", payload={})
             transaction.set_rollback(True)  # remembered seq 2 "lost" never committed
-        _in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # takes seq 2
+        in_other_thread(lambda: _append(stream, tenant_a, "reviewer"))  # takes seq 2
         _append(stream, tenant_a, "mine-2")
     entries = list(JournalEntry.objects.filter(stream=stream).order_by("seq"))
     assert [e.actor for e in entries] == ["mine-1", "reviewer", "mine-2"]
@@ -484,7 +480,7 @@ def test_an_executor_and_a_reviewer_interleave_on_a_run_stream(tenant_a: Tenant)
                 record(Run.objects.get(pk=run.pk), RunEvent.WOKEN, "user:r", reason="x")
             appended.set()
 
-        _in_other_thread(other)
+        in_other_thread(other)
 
     original = tick.steps["count"]
 
@@ -622,7 +618,7 @@ def test_a_takeover_before_the_send_stops_the_old_executor(tenant_a: Tenant, too
             expire_lease(run)
             take_lease(run.run_id, "w2", ttl=30)
 
-        _in_other_thread(other)
+        in_other_thread(other)
 
     BEFORE_SEND.append(take_over)
     result = advance_run(run.run_id, "w1", slice_seconds=60)
@@ -639,7 +635,7 @@ def test_a_goal_revision_before_the_send_sends_nothing(tenant_a: Tenant, tool: s
     run = _one_action_run(tenant_a, tool)
 
     def revise() -> None:
-        _in_other_thread(
+        in_other_thread(
             lambda: revise_goal(
                 Run.objects.get(pk=run.pk), {"steps": 1, "tool": tool}, 1, actor="user:t"
             )
@@ -671,7 +667,7 @@ def test_a_goal_revised_after_the_call_keeps_the_result_inert(tenant_a: Tenant) 
     result (confirmed: it did happen) and advances nothing; the new revision acts anew."""
     run = _one_action_run(tenant_a)
     AFTER_CALL.append(
-        lambda: _in_other_thread(
+        lambda: in_other_thread(
             lambda: revise_goal(Run.objects.get(pk=run.pk), {"steps": 1}, 1, actor="user:t")
         )
     )
@@ -730,7 +726,7 @@ def test_a_confirmation_whose_action_moved_writes_nothing_of_its_commit(tenant_a
     run = create_run(tenant_a, "perf-acts", {"steps": 2}, actor="t")
 
     def move() -> None:
-        _in_other_thread(lambda: Action.objects.filter(run=run).update(status=ActionStatus.FAILED))
+        in_other_thread(lambda: Action.objects.filter(run=run).update(status=ActionStatus.FAILED))
 
     AFTER_CALL.append(move)
     entries = len(_journal(run))
