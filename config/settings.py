@@ -502,10 +502,17 @@ for _name, _check in (
 if HOLDPOINT_TASKS_URL:
     from urllib.parse import urlsplit  # noqa: E402
 
-    _tracker_host = urlsplit(HOLDPOINT_TASKS_URL).hostname or ""
-    if not host_allowed(_tracker_host, HOLDPOINT_TOOL_HOSTS):
+    _tracker = urlsplit(HOLDPOINT_TASKS_URL)
+    _tracker_host = _tracker.hostname or ""
+    _tracker_port: int | None = None
+    try:
+        _tracker_port = _tracker.port or (443 if _tracker.scheme == "https" else 80)
+    except ValueError:
+        pass  # no port: refused below
+    if not host_allowed(_tracker_host, HOLDPOINT_TOOL_HOSTS, _tracker_port):
         raise EnvError(
-            f"HOLDPOINT_TASKS_URL: its host {_tracker_host!r} is not in HOLDPOINT_TOOL_HOSTS"
+            f"HOLDPOINT_TASKS_URL: its host {_tracker_host!r} (port {_tracker_port}) is not"
+            " in HOLDPOINT_TOOL_HOSTS"
         )
 
 if TESTING:

@@ -240,7 +240,7 @@ def _for_a_person(action: Action, actor: str) -> Action:
     withdraws it: `ledger.moved_on`) — instead of `sent` with no request behind it. The run
     is locked first (run, then its actions) and read again under the lock: an executor that
     took its lease meanwhile has the undo instead. The run's status is not touched: no run
-    waits for an undo (a run still going parks on it when its executor meets it)."""
+    waits for an undo, nor parks on one waiting for a person (holds.holds_its_run)."""
     with transaction.atomic(durable=True):
         scope = {"tenant_id": action.tenant_id}
         run = (

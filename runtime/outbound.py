@@ -68,15 +68,19 @@ def _normal_host(host: str) -> str:
         return host.removesuffix(".")
 
 
-def host_allowed(host: str, patterns: Sequence[str]) -> bool:
-    """Whether `host` matches one of the operator's patterns: a host exactly, or
-    `*.example.com` for its subdomains at any depth (not example.com itself). A lone `*`
-    matches nothing: "anywhere" would include every internal name."""
+def host_allowed(host: str, patterns: Sequence[str], port: int | None = None) -> bool:
+    """Whether `host` (and `port`) matches one of the operator's patterns: a host exactly, or
+    `*.example.com` for its subdomains at any depth (not example.com itself), either of them
+    optionally with a port (`api.example.com:443`, `[::1]:8080`) that allows only that port
+    — without one, every port. A lone `*` matches nothing: "anywhere" would include every
+    internal name. `port` None: a pattern that names a port never matches."""
     name = _normal_host(host)
     if not name:
         return False
     for raw in patterns:
-        pattern = raw.strip().lower()
+        pattern, only = split_port(raw.strip().lower())
+        if only is not None and only != port:
+            continue
         if pattern.startswith("*."):
             suffix = _normal_host(pattern[2:])
             if suffix and "*" not in suffix and name.endswith("." + suffix):
@@ -86,22 +90,47 @@ def host_allowed(host: str, patterns: Sequence[str]) -> bool:
     return False
 
 
+def split_port(pattern: str) -> tuple[str, int | None]:
+    """A host pattern and the port it names (None: none). ValueError for a port that is not
+    a number from 1 to 65535. A bare IPv6 address (`::1`, several colons) names no port;
+    one with a port is written in brackets (`[::1]:8080`)."""
+    if pattern.startswith("["):
+        end = pattern.find("]")
+        if end < 0 or not pattern[end + 1 :]:
+            return pattern, None
+        host, tail = pattern[: end + 1], pattern[end + 1 :]
+        if not tail.startswith(":"):
+            raise ValueError("after an address in brackets only a port may follow")
+        number = tail[1:]
+    elif pattern.count(":") == 1:
+        host, _, number = pattern.partition(":")
+    else:
+        return pattern, None
+    if not (number.isascii() and number.isdigit() and 1 <= int(number) <= 65535):
+        raise ValueError(f"the port in {pattern!r} is not a number from 1 to 65535")
+    return host, int(number)
+
+
 def check_patterns(patterns: Iterable[str]) -> None:
-    """Refuse host patterns that would allow more than the operator can have meant (ValueError
-    naming the first): `*`, a wildcard anywhere but a leading `*.`, or `*.` before a bare
-    top-level name."""
+    """Refuse host patterns that would allow more than the operator can have meant, or
+    nothing (ValueError naming the first): `*`, a wildcard anywhere but a leading `*.`, `*.`
+    before a bare top-level name, a scheme, a path, a user, a port out of range."""
     for raw in patterns:
-        pattern = raw.strip().lower()
+        try:
+            pattern, _ = split_port(raw.strip().lower())
+        except ValueError as exc:
+            raise ValueError(f"host pattern {raw!r} is not allowed: {exc}") from None
         rest = pattern[2:] if pattern.startswith("*.") else pattern
         if not rest or "*" in rest or (pattern.startswith("*.") and "." not in rest):
             raise ValueError(
                 f"host pattern {raw!r} is not allowed: name hosts exactly or as *.example.com"
             )
         if any(c in rest for c in ":/@[] ") and not _is_address(rest):
-            # `api.example.com:8443` or a URL would never match a request's host: refused
-            # rather than silently allowing nothing.
+            # A URL, a path or a user would never match a request's host: refused rather
+            # than silently allowing nothing.
             raise ValueError(
-                f"host pattern {raw!r} is not allowed: name hosts without a scheme, port or path"
+                f"host pattern {raw!r} is not allowed: name hosts (and a port) without a"
+                " scheme, user or path"
             )
 
 
@@ -199,11 +228,17 @@ def _judged_url(url: str, hosts: tuple[str, ...] | None) -> tuple[str, int, str]
         raise OutboundRefused("bad_url", "the URL must name a host")
     if not host.isascii():
         raise OutboundRefused("bad_url", "write a non-ASCII host in its xn-- form")
-    if hosts is not None and not host_allowed(host, hosts):
-        raise OutboundRefused(
-            "host_not_allowed", f"{host} is not among the hosts allowed (HOLDPOINT_TOOL_HOSTS)"
-        )
-    return host, port or (443 if split.scheme == "https" else 80), split.scheme
+    port = port or (443 if split.scheme == "https" else 80)
+    if hosts is not None and not host_allowed(host, hosts, port):
+        raise OutboundRefused("host_not_allowed", _not_allowed(host, port, hosts))
+    return host, port, split.scheme
+
+
+def _not_allowed(host: str, port: int, hosts: tuple[str, ...]) -> str:
+    """Why `host_not_allowed`: the host, or only this port of it."""
+    if host_allowed(host, [split_port(p.strip().lower())[0] for p in hosts], port):
+        return f"port {port} of {host} is not among the ports allowed (HOLDPOINT_TOOL_HOSTS)"
+    return f"{host} is not among the hosts allowed (HOLDPOINT_TOOL_HOSTS)"
 
 
 # What no header value may hold: control characters but the tab (a line break would end the

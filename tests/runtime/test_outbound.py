@@ -69,15 +69,43 @@ ROOT = Path(__file__).resolve().parents[2]
 )
 def test_host_allowed(host: str, patterns: list[str], allowed: bool) -> None:
     assert host_allowed(host, patterns) is allowed
+    assert host_allowed(host, patterns, 8443) is allowed  # a pattern without a port: any
+
+
+@pytest.mark.parametrize(
+    "host, port, patterns, allowed",
+    [
+        ("api.example.com", 443, ["api.example.com:443"], True),
+        ("api.example.com", 8443, ["api.example.com:443"], False),
+        ("api.example.com", None, ["api.example.com:443"], False),
+        ("api.example.com", 8443, ["api.example.com:443", "api.example.com:8443"], True),
+        ("api.example.com", 22, ["api.example.com:443", "api.example.com"], True),
+        ("a.example.com", 443, ["*.example.com:443"], True),
+        ("a.example.com", 80, ["*.example.com:443"], False),
+        ("example.com", 443, ["*.example.com:443"], False),
+        ("::1", 8080, ["[::1]:8080"], True),
+        ("::1", 8081, ["[::1]:8080"], False),
+        ("::1", 8081, ["::1"], True),
+        ("127.0.0.1", 8765, ["127.0.0.1:8765"], True),
+        ("127.0.0.1", 6379, ["127.0.0.1:8765"], False),
+        ("127.0.0.2", 8765, ["127.0.0.1:8765"], False),
+    ],
+)
+def test_a_pattern_with_a_port_allows_that_port_only(
+    host: str, port: int | None, patterns: list[str], allowed: bool
+) -> None:
+    assert host_allowed(host, patterns, port) is allowed
 
 
 @pytest.mark.parametrize(
     "pattern",
     [
         *("*", "*.", "a.*.com", "*.*.example.com", "*.com", "", "x*"),
-        # Would never match a request's host: a port, a scheme, a path, a user.
-        *("api.example.com:8443", "https://api.example.com", "api.example.com/v1", "u@h.com"),
-        *("127.0.0.1:80", "[::1]:8080", "*.example.com:443"),
+        # Would never match a request's host: a scheme, a path, a user.
+        *("https://api.example.com", "api.example.com/v1", "u@h.com", "u@h.com:443"),
+        # A port that is no port.
+        *("api.example.com:0", "api.example.com:65536", "api.example.com:", "h.com:https"),
+        *("[::1]:", "[::1]x", "*.example.com:-1", "h.com:٣"),
     ],
 )
 def test_check_patterns_refuses_what_would_allow_too_much(pattern: str) -> None:
@@ -87,6 +115,7 @@ def test_check_patterns_refuses_what_would_allow_too_much(pattern: str) -> None:
 
 def test_check_patterns_and_networks_accept_good_values() -> None:
     check_patterns(["api.example.com", "*.example.com", "127.0.0.1", "::1", "[::1]"])
+    check_patterns(["api.example.com:8443", "127.0.0.1:80", "[::1]:8080", "*.example.com:443"])
     assert [str(n) for n in parse_networks(["10.0.0.0/8", "::1/128"])] == ["10.0.0.0/8", "::1/128"]
     with pytest.raises(ValueError, match="CIDR"):
         parse_networks(["10.0.0.1/8"])
@@ -126,6 +155,7 @@ def test_settings_default_to_nothing_in_production_and_refuse_bad_values() -> No
     assert dev.stdout.strip() == "['127.0.0.1', 'localhost'] ['127.0.0.0/8', '::1/128'] 1048576"
     for name, value in [
         ("HOLDPOINT_TOOL_HOSTS", "api.example.com,*"),
+        ("HOLDPOINT_TOOL_HOSTS", "api.example.com:99999"),
         ("HOLDPOINT_TOOL_PRIVATE_NETWORKS", "10.0.0.0/33"),
     ]:
         bad = _settings_process(**{name: value})
@@ -134,12 +164,15 @@ def test_settings_default_to_nothing_in_production_and_refuse_bad_values() -> No
 
 
 def test_check_url(settings: Any) -> None:
-    settings.HOLDPOINT_TOOL_HOSTS = ["api.example.com", "*.corp.example"]
+    settings.HOLDPOINT_TOOL_HOSTS = ["api.example.com", "*.corp.example", "ops.example:8443"]
     check_url("https://api.example.com/tasks")
     check_url("http://a.b.corp.example:8080/x?y=1")
+    check_url("https://ops.example:8443/x")
     for url, code in [
         ("https://other.example.com/", "host_not_allowed"),
         ("https://corp.example/", "host_not_allowed"),
+        ("https://ops.example/", "host_not_allowed"),  # 443: not the port allowed
+        ("http://ops.example:6379/", "host_not_allowed"),
         ("ftp://api.example.com/", "bad_url"),
         ("https://user:pw@api.example.com/", "bad_url"),
         ("https://api.example.com:99999/", "bad_url"),
@@ -623,6 +656,26 @@ def test_one_connection_serves_consecutive_requests_to_a_host(serve: Any) -> Non
     assert len({r["client_port"] for r in server.requests}) == 1
 
 
+def test_a_refusal_says_whether_the_host_or_only_its_port_is_not_allowed(settings: Any) -> None:
+    settings.HOLDPOINT_TOOL_HOSTS = ["ops.example:8443"]
+    with pytest.raises(OutboundRefused, match="port 6379 of ops.example is not among"):
+        check_url("http://ops.example:6379/")
+    with pytest.raises(OutboundRefused, match="other.example is not among the hosts"):
+        check_url("https://other.example:8443/")
+
+
+def test_a_port_not_allowed_is_refused_before_anything_is_sent(settings: Any, serve: Any) -> None:
+    """The operator allowed this machine on one port only: a request to another of its
+    ports is refused at send time, and the service there never hears of it."""
+    server, other = serve(answer_json), serve(answer_json)
+    settings.HOLDPOINT_TOOL_HOSTS = [f"127.0.0.1:{server.port}"]
+    assert send("GET", server.url + "/x", content=None, headers={}, timeout=5).body
+    with pytest.raises(OutboundRefused) as refused:
+        send("GET", other.url + "/x", content=None, headers={}, timeout=5)
+    assert refused.value.code == "host_not_allowed"
+    assert len(server.requests) == 1 and other.requests == []
+
+
 def test_a_built_in_tracker_on_a_host_not_allowed_stops_start_up() -> None:
     refused = _settings_process(HOLDPOINT_TASKS_URL="http://tracker.internal:8765")
     assert refused.returncode != 0
@@ -632,3 +685,13 @@ def test_a_built_in_tracker_on_a_host_not_allowed_stops_start_up() -> None:
         HOLDPOINT_TOOL_HOSTS="tracker.internal",
     )
     assert allowed.returncode == 0, allowed.stderr
+    on_its_port = _settings_process(
+        HOLDPOINT_TASKS_URL="http://tracker.internal:8765",
+        HOLDPOINT_TOOL_HOSTS="tracker.internal:8765",
+    )
+    assert on_its_port.returncode == 0, on_its_port.stderr
+    other_port = _settings_process(
+        HOLDPOINT_TASKS_URL="http://tracker.internal:8765",
+        HOLDPOINT_TOOL_HOSTS="tracker.internal:80",
+    )
+    assert "its host 'tracker.internal' (port 8765) is not" in other_port.stderr
