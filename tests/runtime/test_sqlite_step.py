@@ -8,7 +8,9 @@ and the journal verify — and the view never stands in the way of a migration.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -102,6 +104,27 @@ def test_each_step_is_one_insert_and_the_run_verifies(tenant_a: Tenant, ticking:
         6,
     ]
     verified(run)
+
+
+def test_a_commit_through_the_view_extends_the_lease_by_the_database_clock(
+    tenant_a: Tenant, ticking: Graph
+) -> None:
+    """A commit is a heartbeat every TTL/3: the one after a slow step sets the lease's end to
+    the database's clock plus the TTL, as the ORM's expression would."""
+    run = create_run(tenant_a, ticking.name, {"steps": 4}, actor="t")
+    seen: list[Any] = []
+
+    def lease_end(ctx: Any) -> None:
+        seen.append(Run.objects.values_list("lease_expires_at", flat=True).get(pk=run.pk))
+
+    AT_STEP[2] = lambda ctx: (lease_end(ctx), time.sleep(0.5))
+    AT_STEP[3] = lease_end
+    with CaptureQueriesContext(connection) as sent:
+        assert advance_run(run.run_id, "w1", ttl=1.2).outcome == "completed"
+    assert sent_through_the_view(sent.captured_queries) == 4
+    first, later = seen
+    assert first is not None and later is not None
+    assert timedelta(seconds=0.45) < later - first < timedelta(seconds=1.2)
 
 
 def test_a_stale_executors_commit_writes_nothing(tenant_a: Tenant, ticking: Graph) -> None:
