@@ -32,7 +32,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from runtime import actionkeys, gates, ledger, unsent
-from runtime.dispatch import perform, reconcile_delay
+from runtime.dispatch import perform, reconcile_action, reconcile_delay
 from runtime.errors import (
     ApprovalExpired,
     ApprovalRequired,
@@ -45,7 +45,7 @@ from runtime.events import RunEvent, record
 from runtime.leases import db_now_plus
 from runtime.models import SENDABLE, STANDALONE, TERMINAL, Action, ActionStatus, Run
 from runtime.queue import SENDER, enqueue_task, ring_sender
-from runtime.tools import Tool, get_tool, tool_of
+from runtime.tools import Dedup, Tool, get_tool, tool_of
 
 S = ActionStatus
 # The longest reason a compensation keeps (on the action, and sent to an undo tool that takes
@@ -225,6 +225,11 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
         stuck = Action.objects.get(pk=action_id)
         delay = resend_delay(stuck.send_failures + 1)
         return unsent.note_unsent(stuck, unreachable.detail, actor, retry_in=delay)
+    if action.status == S.UNKNOWN and tool_of(action).dedup_mode() == Dedup.NONE:
+        # Nothing will ever prove what happened: a person's now, as a step's action of such
+        # a tool is (`reconcile_action`), not after the sweeper's next ring.
+        reconcile_action(action, fence, actor)
+        return Action.objects.get(pk=action_id)
     return action  # if confirmed, its original became `compensated` in that same commit
 
 

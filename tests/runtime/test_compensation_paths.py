@@ -255,10 +255,10 @@ def test_an_undo_waiting_for_a_person_does_not_stop_the_run_it_undoes_for(
     ticket_then_ask: Any,
 ) -> None:
     """An action of a run still going (waiting for input) is undone by a close that cannot
-    deduplicate, and the close's answer is lost: the run's executor, reconciling, hands the
-    undo to a person. No step drives an undo and no run waits for one — the run goes on to
-    its end. Before, the run parked in `needs_reconciliation` on the undo, the next time and
-    every time its executor ran it, until someone resolved an action that was not its own."""
+    deduplicate, and the close's answer is lost: its sender hands the undo to a person. No
+    step drives an undo and no run waits for one — the run goes on to its end. Before, the
+    run parked in `needs_reconciliation` on the undo, the next time and every time its
+    executor ran it, until someone resolved an action that was not its own."""
     from runtime.lifecycle import provide_input
     from runtime.models import Run, RunStatus
 
@@ -268,7 +268,7 @@ def test_an_undo_waiting_for_a_person_does_not_stop_the_run_it_undoes_for(
     assert advance_run(run.run_id, "w1").outcome == "waiting"
     original = Action.objects.get(run=run)
     undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
-    assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
+    assert undo.status == S.MANUAL_REVIEW and [t["status"] for t in box.tasks()] == ["closed"]
 
     run.refresh_from_db()
     provide_input(run, {"more": "no"}, run.checkpoint_rev, actor="user:t")
@@ -276,7 +276,7 @@ def test_an_undo_waiting_for_a_person_does_not_stop_the_run_it_undoes_for(
     run.refresh_from_db()
     assert run.status == RunStatus.COMPLETED and run.waiting_for is None
     undo.refresh_from_db()
-    assert undo.status == S.MANUAL_REVIEW  # a person's, on the Reconcile page
+    assert undo.status == S.MANUAL_REVIEW  # still a person's, on the Reconcile page
     assert [r["path"].endswith("/close") for r in box.requests()].count(True) == 1  # no replay
 
     resolved(reviewer_a, undo, "applied", external_id=box.tasks()[0]["id"], note="closed")
@@ -289,7 +289,6 @@ def test_an_undo_waiting_for_a_person_does_not_hold_a_run_a_person_woke(
     reviewer_a: Persona,
     sandbox_factory: Callable[[str], Sandbox],
     serve: Callable[[Behaviour], Server],
-    settings: Any,
 ) -> None:
     """Two things a person must settle on one run still going: its own action (its answer
     lost, a tool with neither key nor lookup: the run waits in `needs_reconciliation`) and
@@ -330,10 +329,7 @@ def test_an_undo_waiting_for_a_person_does_not_hold_a_run_a_person_woke(
         assert advance_run(run.run_id, "w1").outcome == "waiting"
         original = Action.objects.get(run=run)
         undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
-        settings.HOLDPOINT_RECONCILE_ATTEMPTS = 1
-        due_now = timezone.now() - timedelta(minutes=10)
-        Action.objects.filter(pk=undo.pk).update(updated_at=due_now, in_flight_until=due_now)
-        assert dispatch_standalone(undo.action_id).status == S.MANUAL_REVIEW
+        assert undo.status == S.MANUAL_REVIEW  # a close that cannot deduplicate, answer lost
 
         lose_create[0] = True
         run.refresh_from_db()
@@ -345,7 +341,8 @@ def test_an_undo_waiting_for_a_person_does_not_hold_a_run_a_person_woke(
         assert run.status == RunStatus.NEEDS_RECONCILIATION
         assert run.waiting_for["action_id"] == str(own.action_id)
 
-        Action.objects.filter(pk=own.pk).update(in_flight_until=due_now)
+        past = timezone.now() - timedelta(minutes=10)
+        Action.objects.filter(pk=own.pk).update(in_flight_until=past)  # its sender is done
         filed = [t for t in box.tasks() if t["title"] == "two"][0]
         resolved(reviewer_a, own, "applied", external_id=filed["id"], note="it is there")
         assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED

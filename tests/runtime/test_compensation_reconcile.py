@@ -147,23 +147,23 @@ def test_an_unknown_undo_of_a_tool_without_key_or_lookup_goes_to_a_person_who_se
     sandbox_factory: Callable[[str], Sandbox],
     serve: Callable[[Behaviour], Server],
 ) -> None:
-    """A close that cannot deduplicate: nothing may replay it, so the sweeper hands it to a
-    person (`manual_review`, on the Reconcile page), who sees the ticket closed and says so."""
+    """A close that cannot deduplicate, its answer lost: nothing may replay it, so its
+    sender hands it to a person at once (`manual_review`, on the Reconcile page) — before,
+    it stayed `unknown` until the sweeper rang it again, up to 30 s later — who sees the
+    ticket closed and says so. The sweeper has nothing left to ring for it."""
     box = sandbox_factory("key")
     tickets_with_a_lossy_close(tenant_a, box, serve, "none")
     run = create_run(tenant_a, "ticketing", {"title": "probe"}, actor="user:t")
     assert advance_run(run.run_id, "w1").outcome == "completed"
     original = Action.objects.get(run=run)
-    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
-    assert undo.status == S.UNKNOWN and [t["status"] for t in box.tasks()] == ["closed"]
     forget_rings()
-
+    undo = dispatch_standalone(compensate(original, "by mistake", actor="user:ada").pk)
+    assert undo.status == S.MANUAL_REVIEW and [t["status"] for t in box.tasks()] == ["closed"]
+    assert "cannot deduplicate" in undo.last_error
     due(undo)
+    forget_rings()
     sweep()
-    assert rings() == [str(undo.action_id)]
-    tasks.dispatch_standalone(str(undo.action_id))
-    undo.refresh_from_db()
-    assert undo.status == S.MANUAL_REVIEW
+    assert rings() == []
     assert [r["path"].endswith("/close") for r in box.requests()].count(True) == 1  # no replay
 
     resolved(reviewer_a, undo, "applied", external_id=box.tasks()[0]["id"], note="closed")
