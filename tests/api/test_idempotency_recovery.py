@@ -34,7 +34,7 @@ from runtime.faults import FaultPoint
 from runtime.models import IdempotencyRecord, Run
 from tests import procs
 from tests.api import ok, post, problem
-from tests.api.test_live_events import web_server
+from tests.api.live import web_server
 from tests.conftest import Persona
 
 BODY = {"graph": "api-review", "goal": {"old_spec": "shop-v1", "new_spec": "shop-v2"}}

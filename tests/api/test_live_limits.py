@@ -17,7 +17,7 @@ import pytest
 from runtime.models import Role
 from tests import procs
 from tests.api import new_run, take_lease
-from tests.api.test_live_events import STREAM, _finish, headers, web_server
+from tests.api.live import STREAM, finish_external, headers, web_server
 from tests.conftest import Persona, make_persona
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -112,7 +112,7 @@ def test_an_account_holds_at_most_its_streams_open_and_an_ended_one_frees_its_pl
         _refused(open_(runs[1]))
 
         # The run finished: the server ends its stream, and its place is free again.
-        _finish(agent_a, finishing, fence, 0)
+        finish_external(agent_a, finishing, fence, 0)
         assert "event: step_committed" in ending.read_to_end()
         _let_in(open_, runs[1])
         _refused(open_(approvals))
