@@ -22,7 +22,7 @@ class Upstream:
     url: str
     data: Path
     proc: subprocess.Popen[bytes] = field(repr=False)
-    args: list[str] = field(default_factory=list)  # its command line (tests.mcp_upstream)
+    args: list[str] = field(default_factory=list)  # its command line but the port
     retired: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
 
     def restart(self) -> None:
@@ -38,8 +38,7 @@ class Upstream:
             pass
         self.retired.append(self.proc)
         procs.wait_for(lambda: not _listening(port), timeout=30)
-        self.proc = _launch(self.args, self.data)
-        procs.wait_for(lambda: _listening(port), timeout=30)
+        self.proc = _launch(self.args, self.data, port)[0]
 
     def calls(self, tool: str | None = None) -> list[dict[str, Any]]:
         """What reached the upstream's tools (its own record, written before answering)."""
@@ -72,13 +71,8 @@ def mcp_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
     started: list[Upstream] = []
 
     def start(*, keyed: bool = False) -> Upstream:
-        port = procs.free_port()
-        data = tmp_path / f"mcp-upstream-{len(started)}"
-        data.mkdir()
-        args = ["--port", str(port), "--data", str(data), *(["--keyed"] if keyed else [])]
-        upstream = Upstream(f"http://127.0.0.1:{port}/mcp", data, _launch(args, data), args)
+        upstream = start_upstream(tmp_path / f"mcp-upstream-{len(started)}", keyed=keyed)
         started.append(upstream)
-        procs.wait_for(lambda: _listening(port), timeout=30)
         return upstream
 
     yield start
@@ -87,7 +81,22 @@ def mcp_upstream(tmp_path: Path) -> Iterator[Callable[..., Upstream]]:
             procs.kill(proc)
 
 
-def _launch(args: list[str], data: Path) -> subprocess.Popen[bytes]:
-    return procs.start(
-        args, procs.child_env(), log=data / "upstream.log", program="tests.mcp_upstream"
+def start_upstream(data: Path, *, keyed: bool = False) -> Upstream:
+    """A help-desk upstream keeping its record in `data`, once *it* holds its port (a free
+    port CI's other suite took first is another's: procs.start_listening tries another)."""
+    data.mkdir(exist_ok=True)
+    extra = ["--data", str(data), *(["--keyed"] if keyed else [])]
+    proc, base = _launch(extra, data)
+    return Upstream(f"{base}/mcp", data, proc, extra)
+
+
+def _launch(
+    extra: list[str], data: Path, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    return procs.start_listening(
+        lambda chosen: ["--port", str(chosen), *extra],
+        procs.child_env(),
+        data / "upstream.log",
+        program="tests.mcp_upstream",
+        port=port,
     )

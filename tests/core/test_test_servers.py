@@ -52,3 +52,22 @@ def test_start_sandbox_never_hands_back_a_port_it_does_not_hold(
         assert procs.owns_port(box.proc.pid, int(box.url.rsplit(":", 1)[1]))
     finally:
         procs.kill(box.proc)
+
+
+def test_the_mcp_upstream_never_hands_back_a_port_it_does_not_hold(
+    taken_port: int, tmp_path: Path
+) -> None:
+    """Seen in CI: the other suite's server answered on the upstream's port, and an import
+    failed parsing that server's JSON as MCP."""
+    from tests.mcp_fixture import start_upstream
+
+    upstream = start_upstream(tmp_path)
+    try:
+        port = int(upstream.url.split(":")[2].split("/")[0])
+        assert port != taken_port
+        assert procs.owns_port(upstream.proc.pid, port)
+        upstream.restart()  # on its own port again, held by the new process
+        assert procs.owns_port(upstream.proc.pid, port)
+    finally:
+        for proc in (*upstream.retired, upstream.proc):
+            procs.kill(proc)

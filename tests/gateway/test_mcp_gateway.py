@@ -40,7 +40,7 @@ from tests import procs
 from tests.browser import log_in
 from tests.conftest import Persona, issue_token_for, make_persona
 from tests.gateway.helpers import Background, Progress, session, text
-from tests.mcp_fixture import Upstream, _listening
+from tests.mcp_fixture import Upstream, start_upstream
 from tests.orphans import off_loop
 
 pytest_plugins = ("tests.browser",)
@@ -51,19 +51,11 @@ CREATE = "helpdesk.tickets_create"
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    data = tmp_path_factory.mktemp("gateway-upstream")
-    port = procs.free_port()
-    proc = procs.start(
-        ["--port", str(port), "--data", str(data)],
-        procs.child_env(),
-        log=data / "upstream.log",
-        program="tests.mcp_upstream",
-    )
+    started = start_upstream(tmp_path_factory.mktemp("gateway-upstream"))
     try:
-        procs.wait_for(lambda: _listening(port), timeout=30)
-        yield Upstream(f"http://127.0.0.1:{port}/mcp", data, proc)
+        yield started
     finally:
-        procs.kill(proc)
+        procs.kill(started.proc)
 
 
 def _web_env(port: int, **extra: str) -> dict[str, str]:

@@ -78,10 +78,11 @@ def test_worker_histograms_and_log_lines(tenant_a: Tenant, tmp_path: Path) -> No
 
 def test_metrics_server_answers_like_the_web(tenant_a: Tenant, tmp_path: Path) -> None:
     create_run(tenant_a, "chain", {"steps": 1}, actor="t")
-    port = procs.free_port()
     env = procs.child_env(HOLDPOINT_METRICS_TOKEN="s3cret-token")
-    server = procs.start(["metrics_server", "--port", str(port)], env, log=tmp_path / "m.log")
-    url = f"http://127.0.0.1:{port}/metrics"
+    server, base = procs.start_listening(
+        lambda port: ["metrics_server", "--port", str(port)], env, tmp_path / "m.log"
+    )
+    url = f"{base}/metrics"
     try:
 
         def up() -> httpx.Response | None:
@@ -105,13 +106,14 @@ def test_metrics_server_answers_500_and_logs_a_json_line_without_its_database(
     """A scrape whose database is away: the web answers 500 and logs it; metrics_server hung
     up with no answer at all (Prometheus saw a connection reset, not the server's error) and
     printed socketserver's plain traceback among its JSON lines."""
-    port = procs.free_port()
     log = tmp_path / "m.log"
     env = procs.child_env(
         DATABASE_URL="postgres://holdpoint@127.0.0.1:1/nowhere", HOLDPOINT_LOG_FORMAT="json"
     )
-    server = procs.start(["metrics_server", "--port", str(port)], env, log=log)
-    url = f"http://127.0.0.1:{port}/metrics"
+    server, base = procs.start_listening(
+        lambda port: ["metrics_server", "--port", str(port)], env, log
+    )
+    url = f"{base}/metrics"
     try:
 
         def up() -> httpx.Response | None:

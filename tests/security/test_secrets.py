@@ -63,13 +63,14 @@ def keys(settings: Any) -> list[str]:
 @pytest.fixture
 def locked_sandbox(tmp_path: Path, settings: Any) -> Iterator[Sandbox]:
     """The sandbox tracker requiring one of SANDBOX_TOKENS as a bearer token."""
-    port = procs.free_port()
-    args = ["sandbox_tasks", "--port", str(port), "--mode", "key", "--data"]
-    args.append(str(tmp_path / "locked.sqlite3"))
+    args = ["--mode", "key", "--data", str(tmp_path / "locked.sqlite3")]
     for token in SANDBOX_TOKENS:
         args += ["--require-token", token]
-    proc = procs.start(args, procs.child_env(), log=tmp_path / "locked.log")
-    url = f"http://127.0.0.1:{port}"
+    proc, url = procs.start_listening(
+        lambda port: ["sandbox_tasks", "--port", str(port), *args],
+        procs.child_env(),
+        tmp_path / "locked.log",
+    )
 
     def up() -> bool:
         try:
