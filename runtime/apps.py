@@ -10,22 +10,6 @@ def _build_mcp_tool(spec: Mapping[str, Any], fields: dict[str, Any]) -> Any:
     return mcp.build(spec, fields)
 
 
-def _drop_step_view(using: str = "default", **_: Any) -> None:
-    from django.db import connections
-
-    from runtime import sqlitestep
-
-    sqlitestep.uninstall(connections[using])
-
-
-def _make_step_view(using: str = "default", **_: Any) -> None:
-    from django.db import connections
-
-    from runtime import sqlitestep
-
-    sqlitestep.install(connections[using])
-
-
 class RuntimeConfig(AppConfig):
     name = "runtime"
     verbose_name = "Runtime"
@@ -58,11 +42,15 @@ class RuntimeConfig(AppConfig):
         post_spawn.connect(start_in_worker, dispatch_uid="holdpoint-sweeper-thread")
         from django.db.models.signals import post_migrate, pre_migrate
 
-        from runtime import tenancy, tracing
+        from runtime import sqlitestep, tenancy, tracing
 
         # SQLite's one-statement step commit: its view and trigger are made from the models
         # after every migrate and dropped before it (runtime.sqlitestep says why).
-        pre_migrate.connect(_drop_step_view, sender=self, dispatch_uid="holdpoint-step-view-")
-        post_migrate.connect(_make_step_view, sender=self, dispatch_uid="holdpoint-step-view+")
+        pre_migrate.connect(
+            sqlitestep.dropped_before_migrate, sender=self, dispatch_uid="holdpoint-step-view-"
+        )
+        post_migrate.connect(
+            sqlitestep.made_after_migrate, sender=self, dispatch_uid="holdpoint-step-view+"
+        )
         tracing.name_tenants(tenancy.slug_of)
         tracing.configure()  # on only when OTEL_TRACES_EXPORTER names an exporter

@@ -229,7 +229,7 @@ def dispatch_standalone(action_id: Any, *, actor: str = "worker:standalone") -> 
         # Nothing will ever prove what happened: a person's now, as a step's action of such
         # a tool is (`reconcile_action`), not after the sweeper's next ring.
         reconcile_action(action, fence, actor)
-        return Action.objects.get(pk=action_id)
+        return ledger.reload(action)
     return action  # if confirmed, its original became `compensated` in that same commit
 
 

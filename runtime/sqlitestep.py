@@ -16,7 +16,7 @@ INSERT — nothing written — when one does not hold:
   by its transaction from the locked head, as on PostgreSQL.
 
 It covers the common commit: one journal entry, no ledger write, no new artifact, and run
-columns among `SETTABLE`; anything else takes the transaction (`write` returns None).
+columns among `SETTABLE`; anything else takes the transaction (`prepared` returns None).
 
 The view and its trigger are not made by a migration: a trigger that names a table stops
 SQLite's table rebuild (which Django's migrations use for most changes to a table) with "no
@@ -28,11 +28,12 @@ the transaction, never an error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import IntegrityError, OperationalError
+from django.db import IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from audit import journal
@@ -143,20 +144,15 @@ def set_aside(connection: BaseDatabaseWrapper) -> Iterator[None]:
         install(connection)
 
 
-def write(
+def prepared(
     conn: BaseDatabaseWrapper,
-    stream: str,
-    pending: list[JournalEntry],
-    head: journal.Head,
     rows: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]],
-) -> str | None:
-    """The commit (stepcommit's rows: the run's changes, its CAS, the checkpoint, the
-    entry's payload) and its one journal entry `pending[0]`, chained onto `head`, as one
-    INSERT. Outside any transaction. Returns the outcome word of `journal.append_after`
-    ("written", "refused", "moved"), or None when this commit cannot go this way (nothing
-    written: the caller writes it by its transaction)."""
+) -> list[Any] | None:
+    """The run's and the checkpoint's values of the view's row for a commit (stepcommit's
+    rows: the run's changes, its CAS, the checkpoint, the entry's payload) — or None when
+    this commit cannot go through the view: asked before its journal entry is built."""
     update, mine, checkpoint, _ = rows
-    if len(pending) != 1 or not update.keys() <= SETTABLE:
+    if not update.keys() <= SETTABLE:
         return None
     if not isinstance(mine["status"], str):  # one status expected, not any of several
         return None
@@ -169,7 +165,7 @@ def write(
         lease_set, micros = 2, round(lease.seconds * 1_000_000)
     else:
         return None
-    params: list[Any] = [
+    return [
         statements.key_value(Run, "run_id", mine["run_id"], conn),
         checkpoint["tenant_id"],
         mine["fence"],
@@ -180,11 +176,26 @@ def write(
         *(update.get(name) for name in KEPT_IF_NULL),
         lease_set,
         micros,
+        *statements.insert_values(Checkpoint, checkpoint, conn),
     ]
-    params += statements.insert_values(Checkpoint, checkpoint, conn)
-    params += statements.insert_values(JournalEntry, journal.chained(head, pending)[0], conn)
+
+
+def write(
+    conn: BaseDatabaseWrapper,
+    stream: str,
+    pending: list[JournalEntry],
+    head: journal.Head,
+    values: list[Any],
+) -> str | None:
+    """The commit (`prepared`'s values) and its one journal entry `pending[0]`, chained onto
+    `head`, as one INSERT. Outside any transaction. Returns the outcome word of
+    `journal.append_after` ("written", "refused", "moved"), or None when the view is not
+    there (nothing written: the caller writes the commit by its transaction)."""
+    (entry,) = journal.chained(head, pending)
     try:
-        cursor(conn).execute(_insert_sql(), params)
+        cursor(conn).execute(
+            _insert_sql(), [*values, *statements.insert_values(JournalEntry, entry, conn)]
+        )
     except IntegrityError as exc:
         said = str(exc)
         if REFUSED in said:
@@ -204,16 +215,22 @@ class _Keep:
 
 
 _KEEP = _Keep()
-_SQL: list[str] = []
 
 
+@functools.cache
 def _insert_sql() -> str:
-    if not _SQL:
-        names = columns()
-        _SQL.append(
-            f"INSERT INTO {VIEW} ({', '.join(names)}) VALUES ({', '.join(['%s'] * len(names))})"
-        )
-    return _SQL[0]
+    names = columns()
+    return f"INSERT INTO {VIEW} ({', '.join(names)}) VALUES ({', '.join(['%s'] * len(names))})"
+
+
+def dropped_before_migrate(using: str = "default", **_: Any) -> None:
+    """pre_migrate's receiver (runtime.apps): `uninstall`."""
+    uninstall(connections[using])
+
+
+def made_after_migrate(using: str = "default", **_: Any) -> None:
+    """post_migrate's receiver (runtime.apps): `install`."""
+    install(connections[using])
 
 
 def installed(connection: BaseDatabaseWrapper) -> Mapping[str, str]:

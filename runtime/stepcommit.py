@@ -291,14 +291,16 @@ def _sqlite_statement(
     step's alone — no ledger write rides on it — answered at once; None if it cannot go so."""
     if commit.before_parts is not None or commit.within_parts is not None:
         return None
-    if journal.remembered(stream) is None:
+    connection = transaction.get_connection()
+    values = sqlitestep.prepared(connection, rows)
+    if values is None:
         return None
-    with journal.batched(stream, deferred=True) as pending:
-        record(commit.run, commit.event, commit.actor, **rows[3])
     if before_send is not None:
         before_send()
     head = journal.remembered(stream)
     if head is None:
         return None
-    outcome = sqlitestep.write(transaction.get_connection(), stream, pending, head, rows)
+    with journal.batched(stream, deferred=True) as pending:
+        record(commit.run, commit.event, commit.actor, **rows[3])
+    outcome = sqlitestep.write(connection, stream, pending, head, values)
     return None if outcome is None else lambda: outcome
