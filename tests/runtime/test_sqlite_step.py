@@ -8,9 +8,12 @@ and the journal verify — and the view never stands in the way of a migration.
 
 from __future__ import annotations
 
+import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,12 +25,16 @@ from django.test.utils import CaptureQueriesContext
 from audit import journal
 from audit.models import JournalEntry
 from audit.verification import verify_stream
-from runtime import sqlitestep
+from fastsql import statements
+from runtime import sqlitestep, stepcommit
 from runtime.checkverify import verify_checkpoints
+from runtime.events import RunEvent
 from runtime.executor import advance_run
 from runtime.graphs import Complete, Graph, Next, Outcome, register, registry
+from runtime.leases import db_now, take_due
 from runtime.lifecycle import create_run
 from runtime.models import Checkpoint, Run, RunStatus, Tenant
+from runtime.stepcommit import StepCommit
 from tests.runtime.helpers import in_other_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -192,6 +199,122 @@ def test_without_the_view_steps_commit_by_their_transaction(
     finally:
         sqlitestep.install(connection)
     assert set(sqlitestep.installed(connection)) == {sqlitestep.VIEW, sqlitestep.TRIGGER}
+
+
+def wal_pages(work: Callable[[], Any]) -> tuple[int, Counter[str]]:
+    """The commits `work` makes and the pages each table and index had written to the WAL
+    by them (read from the frames' headers after a checkpoint emptied the log)."""
+    with connection.cursor() as cur:
+        cur.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert cur.fetchone()[0] == 0  # not busy: the log starts empty
+        work()
+        cur.execute("SELECT name, pageno FROM dbstat")
+        owner = {page: name for name, page in cur.fetchall()}
+        cur.execute("PRAGMA page_size")
+        page_size = cur.fetchone()[0]
+    data = Path(f"{connection.settings_dict['NAME']}-wal").read_bytes()
+    commits, pages, at = 0, Counter[str](), 32  # the log's header, then frames
+    while at + 24 <= len(data):
+        page, size_after_commit = struct.unpack(">II", data[at : at + 8])
+        pages[owner.get(page, "?")] += 1
+        commits += size_after_commit != 0
+        at += 24 + page_size
+    return commits, pages
+
+
+def test_a_step_that_keeps_status_and_lease_writes_no_page_of_their_indexes(
+    tenant_a: Tenant, ticking: Graph
+) -> None:
+    """The runs list's index (by status) and the sweeper's (by lease expiry) change only
+    when a commit changes those columns: a plain step writes neither — two WAL pages of a
+    step's ~11 (SQLite rewrites an index entry whenever its UPDATE names the column)."""
+    run = create_run(tenant_a, ticking.name, {"steps": 12}, actor="t")
+    commits, pages = wal_pages(lambda: advance_run(run.run_id, "w1"))
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED and commits >= 12
+    # The only commits that move status or lease: the lease taken, the first step's (a
+    # heartbeat: runtime.executor run_changes), the run ended.
+    assert pages["runtime_run_list"] <= 3 and pages["runtime_run_sweep_lease"] <= 3, pages
+    assert pages["runtime_run"] >= 12 and pages["runtime_checkpoint"] >= 12
+    verified(run)
+
+
+# A commit's run columns: none of the indexed ones, the lease moved, the run ended (status
+# and lease together), the status alone, the owner alone.
+SHAPES = {
+    "next step only": {"next_step": "tock"},
+    "lease extended": {"lease_expires_at": statements.DbNow(120)},
+    "run ended": {"status": RunStatus.COMPLETED, "lease_owner": "", "lease_expires_at": None},
+    "status only": {"status": RunStatus.RETRYING},
+    "owner only": {"lease_owner": "w9"},
+}
+
+
+def _commit(tenant: Tenant, ticking: Graph, changes: dict[str, Any]) -> dict[str, Any]:
+    """One step's commit with these run changes on a fresh leased run; the run's columns
+    after it, and whether the view took it."""
+    run = create_run(tenant, ticking.name, {"steps": 9}, actor="t")
+    with journal.owning(journal.run_stream(run.run_id)):  # as an executor holds the stream
+        lease, run = take_due(run.run_id, "w1", 60)
+        return _commit_under(lease, run, tenant, changes)
+
+
+def _commit_under(lease: Any, run: Run, tenant: Tenant, changes: dict[str, Any]) -> dict[str, Any]:
+    status = changes.get("status", RunStatus.RUNNING)
+    commit = StepCommit(
+        run=run,
+        actor=lease.actor,
+        fence=lease.fence,
+        step="tick",
+        next_step=changes.get("next_step", "tick"),
+        status=status,
+        state={"i": 1},
+        changes=changes,
+        expect_status=RunStatus.RUNNING,
+        event=RunEvent.STEP_COMMITTED,
+    )
+    with CaptureQueriesContext(connection) as seen:
+        stepcommit.write(commit)
+    after = Run.objects.get(pk=run.pk)
+    due = after.lease_expires_at
+    return {
+        "through the view": not any(
+            q["sql"].startswith('INSERT INTO "runtime_checkpoint"') for q in seen.captured_queries
+        ),
+        "columns": {
+            "status": after.status,
+            "next_step": after.next_step,
+            "checkpoint_rev": after.checkpoint_rev,
+            "lease_owner": after.lease_owner,
+            "lease_left": None if due is None else round((due - db_now()).total_seconds(), -1),
+        },
+        # What the runs list and the sweeper find by their indexes.
+        "listed": Run.objects.filter(tenant=tenant, status=after.status, pk=run.pk).exists(),
+        "swept": Run.objects.filter(
+            pk=run.pk,
+            status__in=[RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RETRYING],
+            lease_expires_at__lt=db_now() + timedelta(seconds=300),
+        ).exists(),
+    }
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_commit_through_the_view_sets_what_the_transaction_sets(
+    tenant_a: Tenant, ticking: Graph, shape: str
+) -> None:
+    """The trigger writes the run's status and lease (the columns the runs list and the
+    sweeper index) by a statement of their own, only when a commit changes them — so a
+    step that changes neither leaves those indexes unwritten. Whatever the commit sets, the
+    run comes out as the four statements leave it."""
+    by_view = _commit(tenant_a, ticking, SHAPES[shape])
+    sqlitestep.uninstall(connection)
+    try:
+        by_transaction = _commit(tenant_a, ticking, SHAPES[shape])
+    finally:
+        sqlitestep.install(connection)
+    assert by_view.pop("through the view") and not by_transaction.pop("through the view")
+    assert by_view == by_transaction
+    assert by_view["columns"]["checkpoint_rev"] == 1
 
 
 def _rebuild_checkpoints(longer_by: int) -> None:
