@@ -68,6 +68,20 @@ def ticking() -> Iterator[Graph]:
     registry.unregister(graph.name, "1")
 
 
+def noting(stream: str, tenant: Tenant) -> Callable[[Any], None]:
+    """A step's hook: someone else (a reviewer, from another connection) journals a note on
+    the run's stream while the step runs."""
+
+    def note(ctx: Any) -> None:
+        def append() -> None:
+            with transaction.atomic():
+                journal.append(stream, "note", tenant_id=tenant.id, actor="user:rev")
+
+        in_other_thread(append)
+
+    return note
+
+
 def sent_through_the_view(queries: list[dict[str, Any]]) -> int:
     return sum(1 for q in queries if q["sql"].startswith(f"INSERT INTO {sqlitestep.VIEW} "))
 
@@ -155,6 +169,29 @@ def test_a_stale_executors_commit_writes_nothing(tenant_a: Tenant, ticking: Grap
     verified(run)
 
 
+def test_unwatched_a_stale_commit_is_refused_and_a_moved_head_chained_after(
+    tenant_a: Tenant, ticking: Graph
+) -> None:
+    """As a worker runs, nobody capturing its statements (the other tests here count them),
+    the trigger's refusals mean what they say: another executor's takeover stops this one
+    with nothing written, and a note journalled meanwhile is chained after, not forked."""
+    assert not connection.queries_logged and not connection.execute_wrappers
+    noted = create_run(tenant_a, ticking.name, {"steps": 3}, actor="t")
+    stream = journal.run_stream(noted.run_id)
+
+    AT_STEP[2] = noting(stream, tenant_a)
+    assert advance_run(noted.run_id, "w1").outcome == "completed"
+    verified(noted)
+    taken = create_run(tenant_a, ticking.name, {"steps": 5}, actor="t")
+    AT_STEP[3] = lambda ctx: Run.objects.filter(pk=taken.pk).update(
+        fence=F("fence") + 1, lease_owner="w2"
+    )
+    assert advance_run(taken.run_id, "w1").outcome == "stale"
+    taken.refresh_from_db()
+    assert taken.checkpoint_rev == 2 and taken.lease_owner == "w2"
+    verified(taken)
+
+
 def test_a_journal_head_that_moved_is_chained_after_not_forked(
     tenant_a: Tenant, ticking: Graph
 ) -> None:
@@ -164,14 +201,7 @@ def test_a_journal_head_that_moved_is_chained_after_not_forked(
     run = create_run(tenant_a, ticking.name, {"steps": 3}, actor="t")
     stream = journal.run_stream(run.run_id)
 
-    def note(ctx: Any) -> None:
-        def append() -> None:
-            with transaction.atomic():
-                journal.append(stream, "note", tenant_id=tenant_a.id, actor="user:rev")
-
-        in_other_thread(append)
-
-    AT_STEP[2] = note
+    AT_STEP[2] = noting(stream, tenant_a)
     with CaptureQueriesContext(connection) as seen:
         assert advance_run(run.run_id, "w1").outcome == "completed"
     assert sent_through_the_view(seen.captured_queries) == 3  # the second one wrote nothing
