@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.utils import timezone
 
 from audit import journal
 from audit.canonical import canonical, sha256_hex
@@ -168,6 +170,7 @@ def _write(
         "tenant_id": run.tenant_id,
         "created_by": commit.actor,
         "digest": digest,
+        "created_at": timezone.now(),  # every insert column given: fastsql's short way
     }
     entry = {
         "rev": rev,
@@ -183,9 +186,10 @@ def _write(
     )
     written: Callable[[], str] | None = None
     if parts_only and not commit.artifacts:
-        split = split and statements.sends()  # else sent and answered here, as `write`
+        connection = transaction.get_connection()
+        split = split and statements.sends(connection)  # else sent and answered here
         written = _one_statement(
-            commit, stream, (update, mine, checkpoint, entry), before_send, split
+            connection, commit, stream, (update, mine, checkpoint, entry), before_send, split
         )
 
     def in_transaction() -> None:
@@ -231,6 +235,7 @@ def _write(
 
 
 def _one_statement(
+    connection: BaseDatabaseWrapper,
     commit: StepCommit,
     stream: str,
     rows: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]],
@@ -242,11 +247,10 @@ def _one_statement(
     answer (the outcome word of `journal.append_after`: "written", "refused" — then the run
     moved — or "moved": the journal's head moved, nothing written), answered already unless
     `split`; None if this path does not apply (nothing sent)."""
-    connection = transaction.get_connection()
     if connection.in_atomic_block:
         return None
     if connection.vendor == "sqlite":
-        return _sqlite_statement(commit, stream, rows, before_send)
+        return _sqlite_statement(connection, commit, stream, rows, before_send)
     if connection.vendor != "postgresql":
         return None
     update, mine, checkpoint, entry = rows  # the run's, its CAS, the checkpoint's, the entry's
@@ -282,6 +286,7 @@ def _one_statement(
 
 
 def _sqlite_statement(
+    connection: BaseDatabaseWrapper,
     commit: StepCommit,
     stream: str,
     rows: tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]],
@@ -291,7 +296,6 @@ def _sqlite_statement(
     step's alone — no ledger write rides on it — answered at once; None if it cannot go so."""
     if commit.before_parts is not None or commit.within_parts is not None:
         return None
-    connection = transaction.get_connection()
     values = sqlitestep.prepared(connection, rows)
     if values is None:
         return None
