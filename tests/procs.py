@@ -118,7 +118,7 @@ def wait_for(check: Callable[[], T | None], timeout: float = 30.0, every: float 
 
 def start_listening(
     args: Callable[[int], list[str]],
-    env: dict[str, str],
+    env: dict[str, str] | Callable[[int], dict[str, str]],
     log: Path | None = None,
     *,
     program: str = "manage.py",
@@ -130,10 +130,11 @@ def start_listening(
     once *it* holds the listening socket (`owns_port`) and `ready(url)` (if given) says so. A
     free port the other CI suite took first makes ours exit ("address in use"), and then it
     starts again on another; a given port (a restart on the same address, as a client that
-    reconnects sees) gets no retry, no other will do."""
+    reconnects sees) gets no retry, no other will do. `env`: the server's environment, or a
+    function of the port that makes it (a server told its own address: HOLDPOINT_BASE_URL)."""
     for _ in range(1 if port else 3):
         chosen = port or free_port()
-        server = start(args(chosen), env, log, program=program)
+        server = start(args(chosen), env(chosen) if callable(env) else env, log, program=program)
         url = f"http://127.0.0.1:{chosen}"
 
         def up(
@@ -156,7 +157,10 @@ def start_listening(
 
 
 def start_web(
-    env: dict[str, str], log: Path | None = None, *, port: int | None = None
+    env: dict[str, str] | Callable[[int], dict[str, str]],
+    log: Path | None = None,
+    *,
+    port: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The production web server (`uvicorn config.asgi:application`) and its base URL (see
     `start_listening`) — for the tests that need a real ASGI server (live event streams, the

@@ -43,6 +43,27 @@ def test_start_web_never_hands_back_a_port_it_does_not_hold(
         procs.kill(server)
 
 
+def test_a_web_server_told_its_own_address_is_told_the_port_it_holds(
+    taken_port: int, tmp_path: Path
+) -> None:
+    """The MCP gateway's server is told its address (HOLDPOINT_BASE_URL) before it starts:
+    when the port guessed first is taken, the next start is told the next port — the one
+    it then holds — not the taken one (the gateway's tests used to fail loudly then)."""
+    told: list[int] = []
+
+    def env(port: int) -> dict[str, str]:
+        told.append(port)
+        return procs.child_env(HOLDPOINT_BASE_URL=f"http://127.0.0.1:{port}")
+
+    server, base = procs.start_web(env, tmp_path / "web.log")
+    try:
+        port = int(base.rsplit(":", 1)[1])
+        assert told == [taken_port, port] and procs.owns_port(server.pid, port)
+        assert httpx.get(base + "/healthz", timeout=10).status_code == 200
+    finally:
+        procs.kill(server)
+
+
 def test_start_sandbox_never_hands_back_a_port_it_does_not_hold(
     taken_port: int, tmp_path: Path
 ) -> None:

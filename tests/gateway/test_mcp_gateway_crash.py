@@ -32,18 +32,24 @@ class Gateway:
     """The web server on one port, started and restarted (with or without fault points)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.port = procs.free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # the first start's, kept by every restart
+        self.base = ""
         self.log_dir = log_dir
         self.proc: Any = None
 
     def start(self, faults: str = "") -> None:
         extra = {"HOLDPOINT_FAULTS": faults} if faults else {}
-        env = procs.child_env(
-            HOLDPOINT_BASE_URL=self.base, HOLDPOINT_MCP_WAIT_SECONDS="60", **extra
-        )
+
+        def env(port: int) -> dict[str, str]:
+            return procs.child_env(
+                HOLDPOINT_BASE_URL=f"http://127.0.0.1:{port}",
+                HOLDPOINT_MCP_WAIT_SECONDS="60",
+                **extra,
+            )
+
         log = self.log_dir / f"web-{faults or 'clean'}.log"
-        self.proc, _ = procs.start_web(env, log, port=self.port)
+        self.proc, self.base = procs.start_web(env, log, port=self.port)
+        self.port = int(self.base.rsplit(":", 1)[1])
 
     def died_at(self, point: str) -> None:
         """The process is gone, killed by the fault point (not by the test)."""
@@ -56,6 +62,7 @@ class Gateway:
             procs.kill(self.proc)
 
     def endpoint(self, tenant: Tenant) -> str:
+        assert self.base, "the gateway's address is known once it has started"
         return f"{self.base}/mcp/{tenant.slug}/"
 
 
@@ -108,8 +115,8 @@ def _killed_at(
     one starts. The action as the dead process left it, and the same call again (in the same
     session, by a client that kept its id)."""
     title = f"Printer {uuid.uuid4().hex[:8]} on fire"
-    url, key = gateway.endpoint(tenant), str(agent.token)
     gateway.start(faults=point)
+    url, key = gateway.endpoint(tenant), str(agent.token)
     _lost(url, key, tool, {"title": title})
     gateway.died_at(point)
     action = Action.objects.get(tenant=tenant, params__contains=title)
