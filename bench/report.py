@@ -108,6 +108,18 @@ def build(
                 if "cpu_over_bare_cpu" in led:  # runs before it did not record it
                     v = led["cpu_over_bare_cpu"]["median"]
                     target("action: client CPU ÷ the bare call's CPU", name, v, "info", None)
+                # What the action's two durable commits cost this process at the least: two
+                # bare one-row commits (SQLite: the engine and its fsync run in the process;
+                # PostgreSQL: the client's round trips). The rest of its CPU is Holdpoint's.
+                raw_cpu = _med(t.get("raw_cpu_ms_per_commit")) if t else None
+                if raw_cpu is not None:
+                    target(
+                        "action: 2 bare durable commits' client CPU (ms)",
+                        name,
+                        2 * raw_cpu,
+                        "info",
+                        None,
+                    )
                 v, goal = led["overhead_ms_per_action"]["median"], TARGETS["action_overhead_ms"]
                 target(
                     "action: A − B, overhead over the bare call (ms)",
