@@ -27,6 +27,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,7 @@ import pytest
 
 from tests.core.readme import localise, shell_blocks
 from tests.pg_guard import on_postgres
-from tests.procs import free_port, wait_for
+from tests.procs import free_port, owns_port, wait_for
 
 # `make run` is SQLite by definition: the script, its services and the README's commands
 # run in a clean environment (`clean_env`: no DATABASE_URL) on their own VAR_DIR's SQLite,
@@ -149,6 +150,15 @@ def var_dir(tmp_path: Path) -> Iterator[Path]:
                 pass
 
 
+class PortTaken(Exception):
+    """A port picked for `make run` was another process's by the time a service bound it."""
+
+
+def held(marker: str, port: int) -> bool:
+    """Whether one of the processes the script started listens on `port`."""
+    return any(owns_port(pid, port) for pid in marked(marker))
+
+
 def start_and_stop(
     env: dict[str, str],
     marker: str,
@@ -159,12 +169,33 @@ def start_and_stop(
 ) -> tuple[float, float, str]:
     """Start run.sh, wait for the site and the worker's heartbeat, call `meanwhile`, type
     Ctrl-C (`presses` times, a moment apart, as an impatient person does); the seconds until
-    the script exited and until the last process it started was gone, and its output."""
+    the script exited and until the last process it started was gone, and its output.
+
+    PortTaken when a port picked for it was taken first (by CI's other suite, running
+    beside this one): a service could not bind it ("address already in use") and the
+    script stopped everything it had started. Until both ports are held by the script's own
+    processes, an answer on the web port may be another server's and counts for nothing."""
     terminal = Terminal(env)
+    ports = int(env["HOLDPOINT_WEB_PORT"]), int(env["HOLDPOINT_SANDBOX_PORT"])
+
+    def exited() -> bool:
+        if terminal.proc.poll() is None:
+            return False
+        if "address already in use" in terminal.output.lower():  # uvicorn's, the sandbox's
+            raise PortTaken(terminal.output[-2000:])
+        return True
+
+    def ours() -> bool:
+        return all(held(marker, port) for port in ports)
+
     try:
-        wait_for(lambda: answers(f"{web}/healthz") or terminal.proc.poll() is not None, 240)
+        try:
+            wait_for(lambda: answers(f"{web}/healthz") or exited(), 240)
+            wait_for(lambda: (answers(f"{web}/readyz") and ours()) or exited(), 60)
+        except PortTaken:
+            wait_for(lambda: not marked(marker), 60, every=0.05)  # before another start
+            raise
         assert terminal.proc.poll() is None, terminal.output
-        wait_for(lambda: answers(f"{web}/readyz"), 60)  # the worker cluster's heartbeat
         started = marked(marker)
         commands = " | ".join(started.values())
         for part in ("scripts/run.sh", "sandbox_tasks", "qcluster", "serve"):
@@ -219,20 +250,40 @@ def run_readme_shell_blocks(var_dir: Path, web_port: int, sandbox_port: int) -> 
     print(f"README: {len(ran)} shell blocks ran: {', '.join(b.where() for b, _ in ran)}")
 
 
+def on_free_ports(
+    var_dir: Path,
+    *,
+    presses: int = 1,
+    meanwhile: Callable[[int, int], None] | None = None,
+) -> tuple[float, float, str]:
+    """`start_and_stop` on a web and a sandbox port picked free — again on others, up to
+    three times, if one was taken first (PortTaken). `meanwhile` gets the two ports."""
+    last: PortTaken | None = None
+    for _ in range(3):
+        web_port, sandbox_port = free_port(), free_port()
+        env = clean_env(
+            HOLDPOINT_VAR_DIR=str(var_dir),
+            HOLDPOINT_WEB_PORT=str(web_port),
+            HOLDPOINT_SANDBOX_PORT=str(sandbox_port),
+            HOLDPOINT_DEMO_PASSWORD="demo-password-for-the-test",
+            # The README's MCP call waits for a reviewer nobody is: 2 s, not 30, before PENDING.
+            HOLDPOINT_MCP_WAIT_SECONDS="2",
+            TERM="dumb",
+        )
+        try:
+            return start_and_stop(
+                env,
+                f"HOLDPOINT_VAR_DIR={var_dir}",
+                f"http://127.0.0.1:{web_port}",
+                presses=presses,
+                meanwhile=None if meanwhile is None else partial(meanwhile, web_port, sandbox_port),
+            )
+        except PortTaken as taken:
+            last = taken
+    raise AssertionError(f"three pairs of free ports were taken first: {last}")
+
+
 def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
-    web_port = free_port()
-    sandbox_port = free_port()
-    marker = f"HOLDPOINT_VAR_DIR={var_dir}"
-    env = clean_env(
-        HOLDPOINT_VAR_DIR=str(var_dir),
-        HOLDPOINT_WEB_PORT=str(web_port),
-        HOLDPOINT_SANDBOX_PORT=str(sandbox_port),
-        HOLDPOINT_DEMO_PASSWORD="demo-password-for-the-test",
-        # The README's MCP call waits for a reviewer nobody is: 2 s, not 30, before PENDING.
-        HOLDPOINT_MCP_WAIT_SECONDS="2",
-        TERM="dumb",
-    )
-    web = f"http://127.0.0.1:{web_port}"
     # README line in a new shell: `make run`'s setup (its SQLite, its worker) passes doctor.
     shell = clean_env(HOLDPOINT_VAR_DIR=str(var_dir))
 
@@ -251,11 +302,11 @@ def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
         assert not [line for line in said if not line.startswith("WARNING ")][:-1], said
         assert said[-1].endswith(("checks pass.", "no errors, 1 warning(s).")), said
 
-    def while_up() -> None:
+    def while_up(web_port: int, sandbox_port: int) -> None:
         doctor()
         run_readme_shell_blocks(var_dir, web_port, sandbox_port)
 
-    exited, gone, output = start_and_stop(env, marker, web, meanwhile=while_up)
+    exited, gone, output = on_free_ports(var_dir, meanwhile=while_up)
     killed = "Killed after" in output  # the grace ran out: a group was SIGKILLed
     print(
         f"first start: Ctrl-C → exited in {exited:.2f} s, all gone in {gone:.2f} s, "
@@ -294,7 +345,7 @@ def test_ctrl_c_stops_everything_make_run_started(var_dir: Path) -> None:
 
     # Started again: the same key (sessions, signed anchors and the credentials' derived
     # keys survive a restart), and the same clean stop, even with Ctrl-C pressed twice.
-    exited, gone, output = start_and_stop(env, marker, web, presses=2)
+    exited, gone, output = on_free_ports(var_dir, presses=2)
     killed = "Killed after" in output  # the grace ran out: a group was SIGKILLed
     print(
         f"second start: Ctrl-C → exited in {exited:.2f} s, all gone in {gone:.2f} s, "
