@@ -52,13 +52,13 @@ MOVED = "holdpoint: journal head moved"
 KEPT_IF_NULL = ("step_rev", "next_step", "status", "lease_owner", "consecutive_failures")
 # `lease_expires_at` (nullable): `lease_set` 0 keeps it, 1 clears it, 2 sets it to the
 # database's clock plus `lease_micros` — the expression the ORM writes for `DbNow(seconds)`.
-# Written by a second UPDATE, only by a commit that sets one of them (with lease_expires_at):
-# SQLite rewrites an index's entry whenever an UPDATE names a column of it, changed or not,
-# and status and lease_expires_at are the runs list's and the sweeper's indexes — two WAL
-# pages of a plain step's eleven. The lease's owner goes with its expiry (a CHECK: both or
-# neither), which each statement must leave true.
-APART = ("status", "lease_owner")
 SETTABLE = frozenset({"checkpoint_rev", "updated_at", "lease_expires_at", *KEPT_IF_NULL})
+# Of those, written with lease_expires_at by a second UPDATE, only by a commit that sets one
+# of them: SQLite rewrites an index's entry whenever an UPDATE names a column of it, changed
+# or not, and status and lease_expires_at are the runs list's and the sweeper's indexes —
+# two WAL pages more for a plain step that named them. The lease's owner goes with its
+# expiry (a CHECK: both or neither), which each statement must leave true.
+APART = ("status", "lease_owner")
 _RUN = (
     "run_id",
     "tenant_id",
@@ -91,6 +91,8 @@ def _ddl() -> tuple[str, str]:
     checkpoint, entry = _insert_columns(Checkpoint), _insert_columns(JournalEntry)
     view = f"CREATE VIEW {VIEW} AS SELECT " + ", ".join(f"NULL AS {c}" for c in columns())
     keep = ",\n    ".join(f"{c} = coalesce(NEW.{c}, {c})" for c in KEPT_IF_NULL if c not in APART)
+    apart = "".join(f"{c} = coalesce(NEW.{c}, {c}),\n    " for c in APART)
+    setting = " OR ".join(f"NEW.{c} IS NOT NULL" for c in APART)
     run, head = Run._meta.db_table, StreamHead._meta.db_table
     trigger = f"""CREATE TRIGGER {TRIGGER} INSTEAD OF INSERT ON {VIEW} BEGIN
   UPDATE {run} SET checkpoint_rev = NEW.new_rev, updated_at = {_NOW},
@@ -99,12 +101,10 @@ def _ddl() -> tuple[str, str]:
     AND status = NEW.expect_status AND checkpoint_rev = NEW.expect_rev
     AND goal_rev = NEW.goal_rev;
   SELECT RAISE(ABORT, '{REFUSED}') WHERE changes() = 0;
-  UPDATE {run} SET status = coalesce(NEW.status, status),
-    lease_owner = coalesce(NEW.lease_owner, lease_owner),
-    lease_expires_at = CASE NEW.lease_set WHEN 0 THEN lease_expires_at WHEN 1 THEN NULL
-      ELSE django_format_dtdelta('+', {_NOW}, NEW.lease_micros) END
+  UPDATE {run} SET {apart}lease_expires_at = CASE NEW.lease_set WHEN 0 THEN lease_expires_at
+      WHEN 1 THEN NULL ELSE django_format_dtdelta('+', {_NOW}, NEW.lease_micros) END
   WHERE run_id = NEW.run_id AND tenant_id = NEW.tenant_id
-    AND (NEW.status IS NOT NULL OR NEW.lease_owner IS NOT NULL OR NEW.lease_set <> 0);
+    AND ({setting} OR NEW.lease_set <> 0);
   INSERT INTO {Checkpoint._meta.db_table} ({", ".join(checkpoint)})
     VALUES ({", ".join(f"NEW.c_{c}" for c in checkpoint)});
   UPDATE {head} SET seq = NEW.j_seq, hash = NEW.j_hash

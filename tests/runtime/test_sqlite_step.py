@@ -286,25 +286,20 @@ def _commit(tenant: Tenant, ticking: Graph, changes: dict[str, Any]) -> dict[str
     run = create_run(tenant, ticking.name, {"steps": 9}, actor="t")
     with journal.owning(journal.run_stream(run.run_id)):  # as an executor holds the stream
         lease, run = take_due(run.run_id, "w1", 60)
-        return _commit_under(lease, run, tenant, changes)
-
-
-def _commit_under(lease: Any, run: Run, tenant: Tenant, changes: dict[str, Any]) -> dict[str, Any]:
-    status = changes.get("status", RunStatus.RUNNING)
-    commit = StepCommit(
-        run=run,
-        actor=lease.actor,
-        fence=lease.fence,
-        step="tick",
-        next_step=changes.get("next_step", "tick"),
-        status=status,
-        state={"i": 1},
-        changes=changes,
-        expect_status=RunStatus.RUNNING,
-        event=RunEvent.STEP_COMMITTED,
-    )
-    with CaptureQueriesContext(connection) as seen:
-        stepcommit.write(commit)
+        commit = StepCommit(
+            run=run,
+            actor=lease.actor,
+            fence=lease.fence,
+            step="tick",
+            next_step=changes.get("next_step", "tick"),
+            status=changes.get("status", RunStatus.RUNNING),
+            state={"i": 1},
+            changes=changes,
+            expect_status=RunStatus.RUNNING,
+            event=RunEvent.STEP_COMMITTED,
+        )
+        with CaptureQueriesContext(connection) as seen:
+            stepcommit.write(commit)
     after = Run.objects.get(pk=run.pk)
     due = after.lease_expires_at
     return {
