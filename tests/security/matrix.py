@@ -149,16 +149,21 @@ def changed_tables(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 def tenant_state(tenant_id: int) -> dict[str, str]:
     """A digest of one tenant's rows in every model that carries a tenant (the rows another
-    tenant's request must never touch, even where it may legitimately write its own)."""
+    tenant's request must never touch, even where it may legitimately write its own).
+
+    Bookkeeping columns aside, as in `db_state`: a probe straddling the minute in which the
+    caller's own token records its use would otherwise read as a change to its tenant.
+    """
     from django.apps import apps
 
     state: dict[str, str] = {}
     for model in apps.get_models():
-        names = {f.attname for f in model._meta.concrete_fields}
-        column = "tenant_id" if "tenant_id" in names else None
-        if column is None:
+        names = [f.attname for f in model._meta.concrete_fields]
+        if "tenant_id" not in names:
             continue
-        rows = model._default_manager.filter(**{column: tenant_id}).order_by("pk").values_list()
+        skip = BOOKKEEPING_COLUMNS.get(model._meta.db_table, set())
+        kept = [name for name in names if name not in skip]
+        rows = model._default_manager.filter(tenant_id=tenant_id).order_by("pk").values_list(*kept)
         state[model._meta.label] = hashlib.sha256(repr(list(rows)).encode()).hexdigest()
     return state
 
