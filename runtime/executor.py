@@ -87,12 +87,13 @@ def advance_run(
     # Owning the run's stream from the lease on: the lease's journal entry already gives the
     # executor the head it carries through its commits (audit.journal.owning).
     with journal.owning(journal.run_stream(run_id)):
+        taking = time.monotonic()  # before the statement: the lease's age errs high
         try:
             lease, run = take_due(run_id, owner, ttl)
         except (LeaseHeld, RunFinished, AlreadyCompleted, NotFound) as exc:
             return AdvanceResult("skipped", detail=exc.code)
         observe.lease_taken(lease)
-        executor = Executor(lease, run)
+        executor = Executor(lease, run, extended_at=taking)
         try:
             return executor.execute(float(slice_seconds or settings.HOLDPOINT_SLICE_SECONDS))
         except StaleFence as exc:
@@ -119,8 +120,13 @@ class _InFlight:
 
 
 class Executor:
-    def __init__(self, lease: Lease, run: Run | None = None) -> None:
-        """`run`: the run row as `lease` left it (leases.take_due reads it), else read here."""
+    def __init__(
+        self, lease: Lease, run: Run | None = None, extended_at: float = float("-inf")
+    ) -> None:
+        """`run`: the run row as `lease` left it (leases.take_due reads it), else read here.
+        `extended_at`: when the lease's expiry was last set (time.monotonic(), taken before
+        that statement), if the caller knows — a lease just taken needs no extension by the
+        first commit, which would rewrite the sweeper's index entry for nothing."""
         self.lease = lease
         self.steps = 0
         self.run = run if run is not None else self._fetch(lease.run_id, lease.tenant_id)
@@ -134,7 +140,7 @@ class Executor:
         self.recorded: dict[str, Any] = RecordedCalls(self.run.run_id, self.run.tenant_id)
         # When this executor last pushed its lease out (time.monotonic(), taken *before* the
         # statement, so the estimate errs early); -inf: the first commit extends it.
-        self.extended_at = float("-inf")
+        self.extended_at = extended_at
         self.calls_made = 0
         self.calls_reused = 0
         self.runner: ActionRunner | None = None

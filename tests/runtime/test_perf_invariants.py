@@ -349,9 +349,9 @@ def test_postgresql_prepares_the_step_statement_once_and_reuses_it(tenant_a: Ten
         if text.startswith('WITH changed AS (UPDATE "runtime_run" SET "checkpoint_rev"')
     ]
     # Every one of the 12 step commits executed a prepared statement; the steady shape
-    # (neither the first step, which also extends the lease, nor the last) was prepared
-    # once and executed 10 times.
-    assert sum(step) == 12 and max(step) == 10, _prepared_on_this_connection()
+    # (every step but the last, which ends the run — the first extends no lease it has
+    # just taken) was prepared once and executed 11 times.
+    assert sum(step) == 12 and max(step) == 11, _prepared_on_this_connection()
 
     from django.test import override_settings
 
