@@ -17,6 +17,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 from django.utils import timezone
 
+from audit import sqliteappend
 from audit.canonical import canonical, sha256_hex
 from audit.chain import entry_hash_from_digest
 from audit.models import JournalEntry, StreamHead
@@ -241,8 +242,18 @@ def _at_head(stream: str, tenant_id: int, head: Head) -> dict[str, Any]:
 
 def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]) -> bool:
     """Move the head from `head` to the last entry and insert the entries; False (nothing
-    written) if `head` is no longer the head. On PostgreSQL one statement."""
+    written) if `head` is no longer the head. One statement on PostgreSQL, and on SQLite
+    where its view is installed (audit.sqliteappend: the entries then get no id in memory)."""
     rows = chained(head, entries)
+    conn = transaction.get_connection()
+    if conn.vendor == "sqlite":
+        written = sqliteappend.write(conn, rows)
+        if written is not None:
+            if written:
+                for entry in entries:
+                    entry._state.adding = False
+                    entry._state.db = DEFAULT_DB_ALIAS
+            return written
     last = entries[-1]
     ids = statements.update_then_insert_rows(
         StreamHead,

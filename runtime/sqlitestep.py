@@ -23,7 +23,8 @@ SQLite's table rebuild (which Django's migrations use for most changes to a tabl
 such table" halfway. So they are dropped before every `migrate` and made again after it from
 the models as they are then (`install`, `uninstall`: runtime.apps) — their columns always
 the tables' own. A database without them (another process migrating at that moment) gets
-the transaction, never an error.
+the transaction, never an error. The journal's own view for appends inside a transaction
+(audit.sqliteappend) is made and dropped with them, for the same reason.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from audit import journal
+from audit import journal, sqliteappend
 from audit.models import JournalEntry, StreamHead
 from fastsql import statements
 from fastsql.cursor import cursor
@@ -45,7 +46,7 @@ from runtime.models import Checkpoint, Run
 VIEW = "runtime_step_commit"
 TRIGGER = "runtime_step_commit_write"
 REFUSED = "holdpoint: run moved"
-MOVED = "holdpoint: journal head moved"
+MOVED = sqliteappend.MOVED
 
 # Run columns a commit through the view may set besides `checkpoint_rev` and `updated_at`
 # (always set). NOT NULL columns: a NULL in the view's column keeps the row's value.
@@ -88,12 +89,12 @@ def columns() -> list[str]:
 
 
 def _ddl() -> tuple[str, str]:
-    checkpoint, entry = _insert_columns(Checkpoint), _insert_columns(JournalEntry)
+    checkpoint = _insert_columns(Checkpoint)
     view = f"CREATE VIEW {VIEW} AS SELECT " + ", ".join(f"NULL AS {c}" for c in columns())
     keep = ",\n    ".join(f"{c} = coalesce(NEW.{c}, {c})" for c in KEPT_IF_NULL if c not in APART)
     apart = "".join(f"{c} = coalesce(NEW.{c}, {c}),\n    " for c in APART)
     setting = " OR ".join(f"NEW.{c} IS NOT NULL" for c in APART)
-    run, head = Run._meta.db_table, StreamHead._meta.db_table
+    run = Run._meta.db_table
     trigger = f"""CREATE TRIGGER {TRIGGER} INSTEAD OF INSERT ON {VIEW} BEGIN
   UPDATE {run} SET checkpoint_rev = NEW.new_rev, updated_at = {_NOW},
     {keep}
@@ -107,40 +108,24 @@ def _ddl() -> tuple[str, str]:
     AND ({setting} OR NEW.lease_set <> 0);
   INSERT INTO {Checkpoint._meta.db_table} ({", ".join(checkpoint)})
     VALUES ({", ".join(f"NEW.c_{c}" for c in checkpoint)});
-  UPDATE {head} SET seq = NEW.j_seq, hash = NEW.j_hash
-  WHERE stream = NEW.j_stream AND tenant_id = NEW.j_tenant_id AND seq = NEW.j_seq - 1
-    AND hash = NEW.j_prev_hash;
-  SELECT RAISE(ABORT, '{MOVED}') WHERE changes() = 0;
-  INSERT INTO {JournalEntry._meta.db_table} ({", ".join(entry)})
-    VALUES ({", ".join(f"NEW.j_{c}" for c in entry)});
+{sqliteappend.appending("j_")}
 END"""
     return view, trigger
 
 
 def install(connection: BaseDatabaseWrapper) -> None:
     """Make the view and its trigger (SQLite; after `migrate`), from the models as they are
-    — if the tables have every column they name (a database migrated back to an older
-    schema does not: it goes without, by the transaction)."""
-    if connection.vendor != "sqlite":
-        return
-    uninstall(connection)
-    with connection.cursor() as cur:
-        for model in (Run, Checkpoint, JournalEntry, StreamHead):
-            table = model._meta.db_table
-            cur.execute(f"PRAGMA table_info({table})")
-            have = {row[1] for row in cur.fetchall()}
-            if not {f.column for f in model._meta.concrete_fields} <= have:
-                return
-        for text in _ddl():
-            cur.execute(text)
+    (a database whose tables lack a column they name goes without, by the transaction) —
+    and the journal's own view for appends in a transaction (audit.sqliteappend)."""
+    sqliteappend.install(connection)
+    sqliteappend.make(connection, VIEW, (Run, Checkpoint, JournalEntry, StreamHead), _ddl)
 
 
 def uninstall(connection: BaseDatabaseWrapper) -> None:
-    """Drop the view and its trigger (SQLite; before `migrate`: see the module docstring)."""
-    if connection.vendor != "sqlite":
-        return
-    with connection.cursor() as cur:
-        cur.execute(f"DROP VIEW IF EXISTS {VIEW}")  # its trigger goes with it
+    """Drop both views and their triggers (SQLite; before `migrate`: see the module
+    docstring)."""
+    sqliteappend.uninstall(connection)
+    sqliteappend.drop(connection, VIEW)
 
 
 @contextmanager
@@ -245,6 +230,4 @@ def made_after_migrate(using: str = "default", **_: Any) -> None:
 
 def installed(connection: BaseDatabaseWrapper) -> Mapping[str, str]:
     """The view's and the trigger's SQL as the database has them, by name (tests, checks)."""
-    with connection.cursor() as cur:
-        cur.execute("SELECT name, sql FROM sqlite_master WHERE name IN (%s, %s)", [VIEW, TRIGGER])
-        return dict(cur.fetchall())
+    return sqliteappend.found(connection, VIEW, TRIGGER)

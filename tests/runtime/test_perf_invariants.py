@@ -215,13 +215,14 @@ STEP_STATEMENTS = {"postgresql": 1, "sqlite": 1}
 # An action of a key tool: the prepare commit (run CAS + checkpoint, the hold-point question
 # asked inside it, the action's insert — already `sent`, its database-time marks returned by
 # the INSERT itself —, head swap + entries); the step commit (run CAS + checkpoint, the
-# outcome's compare-and-swap, head swap + entries). SQLite also reads the tool's current
-# version (tools are data: a redefinition must be seen before the send) and the tenant's
-# credential (a tool that sends one). PostgreSQL sends each commit as one statement
+# outcome's compare-and-swap, head swap + entries). SQLite sends each head swap and its
+# entries as one INSERT into the journal's view (audit.sqliteappend), and also reads the
+# tool's current version (tools are data: a redefinition must be seen before the send) and
+# the tenant's credential (a tool that sends one). PostgreSQL sends each commit as one statement
 # (runtime.stepcommit): the prepare's hold-point question is a guard part of it (no active
 # policy names the tool), so is the tool's version (none newer than the one last seen), and
 # it reads the credential along; the confirmation is a part of the step's.
-ACTION_STATEMENTS = {"postgresql": 2, "sqlite": 12}
+ACTION_STATEMENTS = {"postgresql": 2, "sqlite": 10}
 
 
 def test_a_durable_step_is_one_transaction_of_a_few_statements(tenant_a: Tenant) -> None:
