@@ -25,6 +25,8 @@ from django.urls import reverse
 from approvals import decisions
 from approvals.decisions import decide
 from approvals.models import ApprovalRequest, ApprovalStatus
+from audit.journal import run_stream
+from audit.models import JournalEntry
 from runtime.executor import advance_run
 from runtime.lifecycle import cancel_run, revise_goal
 from runtime.models import Action, ActionStatus, Run
@@ -36,6 +38,17 @@ from tests.conftest import Persona
 A = ApprovalStatus
 # How each path withdraws, and what becomes of a request it closes (pending or approved).
 PATHS = {"revised": (A.SUPERSEDED, "goal revised"), "cancelled": (A.CANCELLED, "run cancelled")}
+
+
+def _request_entries(run: Run, request: ApprovalRequest) -> list[dict[str, Any]]:
+    """The run's journal entries about `request` after it was raised, in order: each
+    payload with its type."""
+    entries = JournalEntry.objects.filter(stream=run_stream(run.run_id)).order_by("seq")
+    return [
+        {"type": kind, **payload}
+        for kind, payload in entries.values_list("type", "payload")
+        if payload.get("approval_id") == str(request.pk) and kind != "approval_requested"
+    ]
 
 
 def _text(html: bytes) -> str:
@@ -165,7 +178,14 @@ def test_a_decision_that_wins_the_race_with_a_withdrawal_does_not_outlive_it(
         if withdrawer.is_alive() or withdrawer.ident is not None:
             withdrawer.join(timeout=30)
     assert isinstance(results["decide"], ApprovalRequest), results
-    assert results["decide"].status == A.APPROVED  # the decision applied first
+    # The decision applied first: its entry precedes the close. (Not the status `decide`
+    # returns: it reads the request again after its commit, and the withdrawal waiting on the
+    # run may have closed it by then — a CI failure under load, stop 51.)
+    order = [
+        (entry["type"], entry.get("decision") or entry.get("approval_status"))
+        for entry in _request_entries(run, request)
+    ]
+    assert order == [("approval_decided", "approve"), ("approval_closed", PATHS[how][0])], order
     assert not isinstance(results["withdraw"], Exception), results
     assert Action.objects.get(pk=request.action_id).status == ActionStatus.CANCELLED
     status, why = PATHS[how]
