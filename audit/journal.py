@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
 from audit import sqliteappend
@@ -199,15 +200,16 @@ def write(
 ) -> None:
     """Inside the change's transaction: chain `entries` onto the stream and store them — from
     the expected or remembered head if it still is the head, else from the locked head row."""
-    if not transaction.get_connection().in_atomic_block:
+    conn = transaction.get_connection()
+    if not conn.in_atomic_block:
         raise RuntimeError("the journal is written inside the change's transaction")
     heads = _thread_state().heads
     owned = stream in heads
     head = expected or (heads.get(stream) if owned else None)
-    if head is None or not _store(stream, tenant_id, head, entries):
+    if head is None or not _store(conn, stream, tenant_id, head, entries):
         if expected is not None:
             raise StreamMoved(stream)
-        if not _store(stream, tenant_id, _lock_head(stream, tenant_id), entries):
+        if not _store(conn, stream, tenant_id, _lock_head(stream, tenant_id), entries):
             raise StreamMoved(stream)  # cannot happen under the row lock
     if owned:
         heads[stream] = Head(entries[-1].seq, entries[-1].hash)
@@ -240,19 +242,18 @@ def _at_head(stream: str, tenant_id: int, head: Head) -> dict[str, Any]:
     }
 
 
-def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]) -> bool:
+def _store(
+    conn: BaseDatabaseWrapper, stream: str, tenant_id: int, head: Head, entries: list[JournalEntry]
+) -> bool:
     """Move the head from `head` to the last entry and insert the entries; False (nothing
     written) if `head` is no longer the head. One statement on PostgreSQL, and on SQLite
     where its view is installed (audit.sqliteappend: the entries then get no id in memory)."""
     rows = chained(head, entries)
-    conn = transaction.get_connection()
     if conn.vendor == "sqlite":
         written = sqliteappend.write(conn, rows)
         if written is not None:
             if written:
-                for entry in entries:
-                    entry._state.adding = False
-                    entry._state.db = DEFAULT_DB_ALIAS
+                _saved(entries)
             return written
     last = entries[-1]
     ids = statements.update_then_insert_rows(
@@ -266,9 +267,15 @@ def _store(stream: str, tenant_id: int, head: Head, entries: list[JournalEntry])
         return False
     for entry, pk in zip(entries, ids, strict=True):
         entry.id = pk
+    _saved(entries)
+    return True
+
+
+def _saved(entries: list[JournalEntry]) -> None:
+    """The entries are rows now (Django's own mark after a save), whatever wrote them."""
+    for entry in entries:
         entry._state.adding = False
         entry._state.db = DEFAULT_DB_ALIAS
-    return True
 
 
 def parts_after(
@@ -365,9 +372,7 @@ def _appended(
         return "refused"
     if written != len(entries):  # cannot happen: the statement fails first
         raise StreamMoved(stream)
-    for entry in entries:
-        entry._state.adding = False
-        entry._state.db = DEFAULT_DB_ALIAS
+    _saved(entries)
     heads = _thread_state().heads
     if stream in heads:
         last = entries[-1]

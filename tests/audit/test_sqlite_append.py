@@ -79,7 +79,7 @@ def test_an_owned_streams_append_is_one_statement_chained_and_verified(
 
 
 def test_a_head_another_writer_moved_is_chained_after_and_the_transaction_goes_on(
-    tenant_a: Tenant, tenant_b: Tenant
+    tenant_a: Tenant,
 ) -> None:
     """The remembered head is stale: the view's INSERT fails as a whole, SQLite undoes that
     statement only, and the append goes on from the locked head — after the other writer's
