@@ -139,9 +139,12 @@ def decide(
                 _vote(
                     request, action, run, user, decision, seen_hash, reason, edits, label, shapers
                 )
+            # The request as this decision left it, read before the commit lets go of the
+            # run: after it, a withdrawal waiting on the run may close it at once, and the
+            # answer to an approve that applied would say `superseded`.
+            request.refresh_from_db()
     if changed:
         raise HashMismatch("the action changed after it was requested; a new request was raised")
-    request.refresh_from_db()
     return request
 
 

@@ -18,13 +18,14 @@ from html import unescape
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
+from django.db.models.signals import post_save
 from django.test import Client
 from django.urls import reverse
 
 from approvals import decisions
 from approvals.decisions import decide
-from approvals.models import ApprovalRequest, ApprovalStatus
+from approvals.models import ApprovalRequest, ApprovalStatus, ApprovalVote
 from audit.journal import run_stream
 from audit.models import JournalEntry
 from runtime.executor import advance_run
@@ -178,9 +179,8 @@ def test_a_decision_that_wins_the_race_with_a_withdrawal_does_not_outlive_it(
         if withdrawer.is_alive() or withdrawer.ident is not None:
             withdrawer.join(timeout=30)
     assert isinstance(results["decide"], ApprovalRequest), results
-    # The decision applied first: its entry precedes the close. (Not the status `decide`
-    # returns: it reads the request again after its commit, and the withdrawal waiting on the
-    # run may have closed it by then — a CI failure under load, stop 51.)
+    # The decision applied first: its answer says so, and its entry precedes the close.
+    assert results["decide"].status == A.APPROVED
     order = [
         (entry["type"], entry.get("decision") or entry.get("approval_status"))
         for entry in _request_entries(run, request)
@@ -192,3 +192,36 @@ def test_a_decision_that_wins_the_race_with_a_withdrawal_does_not_outlive_it(
     _no_usable_approval(request, reviewer_a, status, why)
     advance_run(run.run_id, "w1")
     assert box.tasks() == []
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", sorted(PATHS))
+def test_the_answer_to_an_approve_that_applied_says_approved_though_a_withdrawal_follows(
+    held: Any, reviewer_a: Persona, how: str
+) -> None:
+    """The withdrawal waiting on the run closes the request the moment the decision commits —
+    here on purpose, from an on-commit hook the vote's save sets. The reviewer's answer still
+    says what their decision did (`approved`), as the journal's order does; every later read
+    says what became of it. `decide` read the request again after its commit, and answered
+    `superseded` or `cancelled` to an approve that applied (seen under CI load, stop 51)."""
+    run, request, _box = held
+
+    def withdraw_once_committed(sender: Any, created: bool, **kwargs: Any) -> None:
+        if created:
+            transaction.on_commit(lambda: _withdraw(run, how))
+
+    post_save.connect(withdraw_once_committed, sender=ApprovalVote, weak=False)
+    try:
+        api = session(reviewer_a.user)
+        body = {"decision": "approve", "action_hash": request.action_hash, "reason": "looks right"}
+        answer = ok(post(api, f"approvals/{request.pk}/decision/", body))
+    finally:
+        post_save.disconnect(withdraw_once_committed, sender=ApprovalVote)
+    assert (answer["status"], answer["decision_reason"]) == ("approved", "looks right"), answer
+    order = [
+        (entry["type"], entry.get("decision") or entry.get("approval_status"))
+        for entry in _request_entries(run, request)
+    ]
+    assert order == [("approval_decided", "approve"), ("approval_closed", PATHS[how][0])], order
+    status, why = PATHS[how]
+    _no_usable_approval(request, reviewer_a, status, why)
