@@ -41,9 +41,15 @@ TRIGGER = "audit_journal_append_write"
 MOVED = "holdpoint: journal head moved"
 
 
+def insert_columns(model: type[Model]) -> list[str]:
+    """A model's columns in `statements.insert_values` order: what a view standing for its
+    insert names (here and runtime.sqlitestep)."""
+    return [str(f.column) for f in statements.insert_fields(model)]
+
+
 def columns() -> list[str]:
-    """The view's columns: the entry's, in `statements.insert_values` order."""
-    return [str(f.column) for f in statements.insert_fields(JournalEntry)]
+    """The view's columns: the entry's, those `appending` writes."""
+    return insert_columns(JournalEntry)
 
 
 def appending(prefix: str = "") -> str:

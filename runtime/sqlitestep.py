@@ -75,21 +75,17 @@ _RUN = (
 _NOW = "STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')"  # the ORM's Now() on SQLite
 
 
-def _insert_columns(model: type[Any]) -> list[str]:
-    return [str(f.column) for f in statements.insert_fields(model)]
-
-
 def columns() -> list[str]:
     """The view's columns, in the order `write` passes its values."""
     return [
         *_RUN,
-        *(f"c_{c}" for c in _insert_columns(Checkpoint)),
-        *(f"j_{c}" for c in _insert_columns(JournalEntry)),
+        *(f"c_{c}" for c in sqliteappend.insert_columns(Checkpoint)),
+        *(f"j_{c}" for c in sqliteappend.columns()),  # those `appending("j_")` writes
     ]
 
 
 def _ddl() -> tuple[str, str]:
-    checkpoint = _insert_columns(Checkpoint)
+    checkpoint = sqliteappend.insert_columns(Checkpoint)
     view = f"CREATE VIEW {VIEW} AS SELECT " + ", ".join(f"NULL AS {c}" for c in columns())
     keep = ",\n    ".join(f"{c} = coalesce(NEW.{c}, {c})" for c in KEPT_IF_NULL if c not in APART)
     apart = "".join(f"{c} = coalesce(NEW.{c}, {c}),\n    " for c in APART)
