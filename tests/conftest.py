@@ -16,6 +16,8 @@ from rest_framework.test import APIClient
 from runtime.models import Membership, Role, Tenant
 from tests.ci_pair import pytest_collection_modifyitems  # noqa: F401  (a hook: CI's pair)
 from tests.httpservers import dns, serve  # noqa: F401  (real HTTP servers; a changing DNS)
+from tests.httpx_tls import install as install_httpx_tls
+from tests.kept_tables import install as install_kept_tables
 from tests.mcp_fixture import mcp_upstream  # noqa: F401  (the test MCP upstream)
 from tests.orphans import no_orphan_connections  # noqa: F401  (threads close their connections)
 from tests.pg_flush import install as install_pg_flush
@@ -24,6 +26,8 @@ from tests.sandbox import sandbox_factory, sandbox_pool  # noqa: F401  (fixtures
 
 User = get_user_model()
 install_pg_flush()  # PostgreSQL: truncate only the tables a test left rows in
+install_httpx_tls()  # httpx clients share one default TLS context, made once
+install_kept_tables()  # a flush keeps the content types and permissions post_migrate remakes
 
 # Property tests: CI (`.ci/run` sets HYPOTHESIS_PROFILE=ci) tries the same examples on every
 # run, so main's verdict never depends on which examples a run happened to draw; a developer's
