@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +20,9 @@ from tests import procs
 class Upstream:
     url: str
     data: Path
-    proc: subprocess.Popen[bytes] = field(repr=False)
+    proc: procs.Child = field(repr=False)
     args: list[str] = field(default_factory=list)  # its command line but the port
-    retired: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    retired: list[procs.Child] = field(default_factory=list, repr=False)
 
     def restart(self) -> None:
         """A new process in this one's place — the same port and record, none of its
@@ -90,9 +89,7 @@ def start_upstream(data: Path, *, keyed: bool = False) -> Upstream:
     return Upstream(f"{base}/mcp", data, proc, extra)
 
 
-def _launch(
-    extra: list[str], data: Path, port: int | None = None
-) -> tuple[subprocess.Popen[bytes], str]:
+def _launch(extra: list[str], data: Path, port: int | None = None) -> tuple[procs.Child, str]:
     return procs.start_listening(
         lambda chosen: ["--port", str(chosen), *extra],
         procs.child_env(),

@@ -15,10 +15,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from django.conf import settings
 from django.db import connection
+
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -85,10 +87,27 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class Child(Protocol):
+    """A process `start` started: a subprocess.Popen, or the zygote's `Started` (the same
+    questions answered the same way)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
 def start(
     args: list[str], env: dict[str, str], log: Path | None = None, *, program: str = "manage.py"
-) -> subprocess.Popen[bytes]:
-    """Start `python manage.py ARGS` (or `python -m PROGRAM ARGS`) in its own session."""
+) -> Child:
+    """Start `python manage.py ARGS` (or `python -m PROGRAM ARGS`) in its own session: forked
+    from this test process's zygote (tests/zygote.py), its libraries already imported."""
+    if zygote.enabled():
+        return zygote.zygote().start(program, args, env, log)
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed by the child)
     command = [program] if program == "manage.py" else ["-m", program]
     return subprocess.Popen(
@@ -101,7 +120,7 @@ def start(
     )
 
 
-def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+def kill(proc: Child, sig: int = signal.SIGKILL) -> None:
     """Signal the whole process group (a qcluster's children too) and reap the leader."""
     try:
         os.killpg(proc.pid, sig)
@@ -135,7 +154,7 @@ def start_listening(
     port: int | None = None,
     ready: Callable[[str], bool] | None = None,
     timeout: float = 60.0,
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[Child, str]:
     """A server process started with `args(port)` on `port` or a free one, and its base URL,
     once *it* holds the listening socket (`owns_port`) and `ready(url)` (if given) says so. A
     free port the other CI suite took first makes ours exit ("address in use"), and then it
@@ -147,9 +166,7 @@ def start_listening(
         server = start(args(chosen), env(chosen) if callable(env) else env, log, program=program)
         url = f"http://127.0.0.1:{chosen}"
 
-        def up(
-            server: subprocess.Popen[bytes] = server, chosen: int = chosen, url: str = url
-        ) -> str:
+        def up(server: Child = server, chosen: int = chosen, url: str = url) -> str:
             if server.poll() is not None:
                 return "exited"
             if not (accepting(chosen) and owns_port(server.pid, chosen)):
@@ -171,7 +188,7 @@ def start_web(
     log: Path | None = None,
     *,
     port: int | None = None,
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[Child, str]:
     """The production web server (`uvicorn config.asgi:application`) and its base URL (see
     `start_listening`) — for the tests that need a real ASGI server (live event streams, the
     MCP gateway), where pytest-django's threaded WSGI live_server will not do. `port`: a given

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from tests import procs
 class Sandbox:
     url: str
     mode: str
-    proc: subprocess.Popen[bytes] = field(repr=False)
+    proc: procs.Child = field(repr=False)
 
     def tasks(self, key: str | None = None) -> list[dict[str, Any]]:
         tasks = httpx.get(self.url + "/tasks", timeout=10).json()

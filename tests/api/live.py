@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ KEEPALIVE = 1
 @contextlib.contextmanager
 def web_server(
     django_db_blocker: Any, log: Path, name: str = "holdpoint-web", **extra: str
-) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+) -> Iterator[tuple[procs.Child, str]]:
     """A real web server (`extra`: its environment's additions): its process and base URL.
     On PostgreSQL its connections carry `name`, and its teardown waits until they are gone."""
     env = procs.child_env(**extra)
@@ -234,7 +233,7 @@ def last_event_ids(proxy: CuttingProxy) -> list[str | None]:
     return found
 
 
-def server_threads(proc: subprocess.Popen[bytes]) -> int:
+def server_threads(proc: procs.Child) -> int:
     """The web server process's threads (Linux: one /proc task each)."""
     return len(os.listdir(f"/proc/{proc.pid}/task"))
 

@@ -6,7 +6,6 @@ its stream."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
 import warnings
@@ -119,7 +118,7 @@ def test_client_events_resume_after_a_lost_connection_with_last_event_id(
 
 @pytest.mark.postgres
 def test_200_stream_clients_hold_on_postgresql(
-    server: tuple[subprocess.Popen[bytes], str], agent_a: Persona
+    server: tuple[procs.Child, str], agent_a: Persona
 ) -> None:
     """200 clients of one uvicorn process: each gets every entry once, other calls answer,
     and the server's database connections and threads stay bounded — a stream holds
