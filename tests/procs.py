@@ -104,12 +104,13 @@ class Child(Protocol):
 def start(
     args: list[str], env: dict[str, str], log: Path | None = None, *, program: str = "manage.py"
 ) -> Child:
-    """Start `python manage.py ARGS` (or `python -m PROGRAM ARGS`) in its own session: forked
-    from this test process's zygote (tests/zygote.py), its libraries already imported."""
+    """Start `python manage.py ARGS` (a script: `PROGRAM` ending in .py; else `python -m
+    PROGRAM ARGS`) in its own session: forked from this test process's zygote
+    (tests/zygote.py), its libraries already imported."""
     if zygote.enabled():
         return zygote.zygote().start(program, args, env, log)
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed by the child)
-    command = [program] if program == "manage.py" else ["-m", program]
+    command = [program] if program.endswith(".py") else ["-m", program]  # as the zygote runs
     return subprocess.Popen(
         [sys.executable, *command, *args],
         cwd=ROOT,
