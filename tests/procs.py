@@ -22,7 +22,7 @@ from django.db import connection
 
 from tests import zygote
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = zygote.ROOT
 T = TypeVar("T")
 
 
@@ -110,9 +110,8 @@ def start(
     if zygote.enabled():
         return zygote.zygote().start(program, args, env, log)
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed by the child)
-    command = [program] if program.endswith(".py") else ["-m", program]  # as the zygote runs
     return subprocess.Popen(
-        [sys.executable, *command, *args],
+        [sys.executable, *zygote.command(program), *args],
         cwd=ROOT,
         env=env,
         stdout=out,

@@ -77,6 +77,12 @@ def enabled() -> bool:
     return os.environ.get("HOLDPOINT_TEST_ZYGOTE", "1") != "0"
 
 
+def command(program: str) -> list[str]:
+    """What follows `python` to run `program`: a script (`manage.py`, any `.py`) as itself,
+    anything else as a module (`-m uvicorn`) — for a fresh start and a fork alike."""
+    return [program] if program.endswith(".py") else ["-m", program]
+
+
 # --- the zygote (python -m tests.zygote FD) -----------------------------------------------
 
 
@@ -132,13 +138,13 @@ def _become(request: dict[str, Any]) -> None:
     os.dup2(out if out is not None else null, 1)
     os.dup2(out if out is not None else null, 2)
     os.closerange(3, 1 << 16)
-    os.chdir(request["cwd"])
+    os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(request["env"])
     program, args = request["program"], request["args"]
     sys.argv = [program, *args]
-    if program.endswith(".py"):  # as `python SCRIPT`: the script is __main__, argv[0] as given
-        script = Path(request["cwd"]) / program
+    if command(program) == [program]:  # as `python SCRIPT`: it is __main__, argv[0] as given
+        script = ROOT / program
         sys.path[0] = str(script.parent)
         main = types.ModuleType("__main__")
         main.__file__ = str(script)
@@ -179,7 +185,7 @@ class Started:
         every = 0.005
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(every)
             every = min(every * 2, 0.05)
         assert self.returncode is not None
@@ -233,11 +239,10 @@ class Zygote:
                 "program": program,
                 "args": args,
                 "env": env,
-                "cwd": str(ROOT),
                 "log": str(log) if log else None,
             }
         )
-        return Started(self, answer["pid"], [sys.executable, program, *args])
+        return Started(self, answer["pid"], [sys.executable, *command(program), *args])
 
     def status(self, pid: int) -> int | None:
         answer = self._ask({"op": "status", "pid": pid})
@@ -246,12 +251,6 @@ class Zygote:
         if not answer["running"]:
             raise RuntimeError(f"process {pid} is not the zygote's")
         return None
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.channel.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
 
 
 _zygote: Zygote | None = None
